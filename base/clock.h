@@ -1,0 +1,24 @@
+// Time goes through Clock so the simulator can replace it. Real code takes a
+// Clock* (never owned) and defaults to RealClock().
+#ifndef KVFERRY_BASE_CLOCK_H_
+#define KVFERRY_BASE_CLOCK_H_
+
+#include "absl/time/time.h"
+
+namespace kvferry {
+
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  // The current time.
+  virtual absl::Time Now() const = 0;
+  // Blocks the caller (real clock) or advances simulated time (sim clock).
+  virtual void SleepFor(absl::Duration d) = 0;
+};
+
+// The process-wide wall clock (absl::Now, absl::SleepFor). Thread-safe.
+Clock* RealClock();
+
+}  // namespace kvferry
+
+#endif  // KVFERRY_BASE_CLOCK_H_

@@ -1,0 +1,56 @@
+#include "base/mutex.h"
+
+#include <thread>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "base/clock.h"
+#include "gtest/gtest.h"
+
+namespace kvferry {
+namespace {
+
+TEST(Mutex, SerialisesIncrements) {
+  Mutex mu;
+  long counter = 0;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 10000; ++i) {
+        MutexLock lock(&mu);
+        ++counter;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(counter, 40000);
+}
+
+TEST(CondVar, WakesWaiterAndTimesOut) {
+  Mutex mu;
+  CondVar cv;
+  bool ready = false;
+  std::thread producer([&] {
+    MutexLock lock(&mu);
+    ready = true;
+    cv.SignalAll();
+  });
+  {
+    MutexLock lock(&mu);
+    while (!ready) cv.Wait(&mu);
+  }
+  producer.join();
+  MutexLock lock(&mu);
+  EXPECT_TRUE(cv.WaitWithTimeout(&mu, absl::Milliseconds(1)));
+}
+
+TEST(Clock, RealClockAdvancesBySleep) {
+  Clock* clock = RealClock();
+  absl::Time before = clock->Now();
+  clock->SleepFor(absl::Milliseconds(2));
+  EXPECT_GE(clock->Now() - before, absl::Milliseconds(2));
+  EXPECT_EQ(RealClock(), clock);
+}
+
+}  // namespace
+}  // namespace kvferry
