@@ -117,6 +117,10 @@ class Fabric {
 
   const FabricStats& stats() const { return stats_; }
 
+  // A number never handed out before by this fabric (queue pair numbers and
+  // other identifiers that must not repeat across a peer's restart).
+  uint64_t NextSerial() { return ++last_serial_; }
+
   // Serialisation time of `bytes` at `bits_per_sec`, rounded up to 1 ns.
   static SimTime SerializationTime(uint64_t bytes, uint64_t bits_per_sec);
 
@@ -145,6 +149,7 @@ class Fabric {
   std::vector<Nic> nics_;
   absl::flat_hash_set<uint64_t> cut_pairs_;  // (min node << 32) | max node
   FabricStats stats_;
+  uint64_t last_serial_ = 0;
 };
 
 }  // namespace sim

@@ -1,0 +1,669 @@
+#include "transport/sim/sim_transport.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "base/status_macros.h"
+
+namespace kvferry {
+namespace transport {
+
+using sim::SimTime;
+
+namespace {
+
+constexpr absl::string_view kAddressPrefix = "sim-nic:";
+constexpr uint8_t kRequest = 1;
+constexpr uint8_t kResponse = 2;
+
+std::string EncodeParams(uint64_t qpn, sim::NicId nic) {
+  std::string out(12, '\0');
+  std::memcpy(&out[0], &qpn, 8);
+  std::memcpy(&out[8], &nic, 4);
+  return out;
+}
+
+bool DecodeParams(absl::string_view in, uint64_t* qpn, sim::NicId* nic) {
+  if (in.size() != 12) return false;
+  std::memcpy(qpn, in.data(), 8);
+  std::memcpy(nic, in.data() + 8, 4);
+  return *qpn != 0;
+}
+
+bool Inside(uint64_t addr, uint64_t len, uint64_t base, uint64_t size) {
+  return addr >= base && len <= size && addr - base <= size - len;
+}
+
+}  // namespace
+
+// Fixed-size header of every message between sim transports (in-process,
+// so host byte order). A request segment names the whole request's remote
+// range so the target can check all of it on every segment.
+struct SimTransport::WireHeader {
+  uint8_t type = 0;
+  uint8_t opcode = 0;
+  uint8_t status_code = 0;  // absl::StatusCode of a response
+  uint8_t pad[5] = {};
+  uint64_t dst_qpn = 0;
+  uint64_t src_qpn = 0;
+  uint64_t psn = 0;
+  uint64_t remote_addr = 0;  // of the whole request
+  uint64_t rkey = 0;
+  uint64_t length = 0;          // of the whole request
+  uint64_t segment_offset = 0;  // within the request
+  uint64_t segment_length = 0;
+};
+
+struct SimTransport::RegionState {
+  Region region;
+  uint64_t local_uses = 0;  // outstanding requests using it locally
+};
+
+// A posted request and how many of its segments are still unacknowledged.
+struct SimTransport::Request {
+  WorkRequest wr;
+  uint64_t segments_left = 0;
+};
+
+// One segment in flight: which request, which part, when it last left.
+struct SimTransport::Segment {
+  uint64_t request = 0;  // key in Link::requests
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  SimTime deadline = 0;  // retransmit if unacknowledged by then
+};
+
+struct SimTransport::Link {
+  enum class State { kPending, kEstablished, kError };
+  LinkId id = 0;
+  NicIndex local_nic = 0;
+  sim::NicId remote_nic = 0;
+  uint64_t qpn = 0;
+  uint64_t remote_qpn = 0;
+  uint64_t segment_bytes = 0;  // path MTU
+  State state = State::kPending;
+  // Requester side. Ordered maps: iteration order feeds the trace.
+  uint64_t next_request = 0;
+  uint64_t next_psn = 0;
+  std::map<uint64_t, Request> requests;
+  std::map<uint64_t, Segment> segments;  // by PSN, unacknowledged only
+  uint32_t retries_left = 0;
+  bool progressed = false;  // an answer arrived since the last timer round
+  uint64_t timer_generation = 0;
+  SimTime timer_at = -1;  // -1: no timer armed
+  // Responder side: every PSN below `executed_below` ran, and so did those
+  // in `executed_above`; `errors` keeps refused PSNs' answers.
+  uint64_t executed_below = 0;
+  std::set<uint64_t> executed_above;
+  std::map<uint64_t, absl::Status> errors;
+};
+
+absl::StatusOr<std::unique_ptr<SimTransport>> SimTransport::Create(
+    sim::Fabric* fabric, SimTransportOptions options, uint64_t seed) {
+  if (fabric == nullptr) return absl::InvalidArgumentError("no fabric");
+  if (options.nics.empty()) {
+    return absl::InvalidArgumentError("a sim transport needs at least one NIC");
+  }
+  for (sim::NicId nic : options.nics) {
+    if (!fabric->HasNic(nic)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown fabric NIC ", nic));
+    }
+    if (fabric->node_of(nic) != fabric->node_of(options.nics[0])) {
+      return absl::InvalidArgumentError(
+          "all NICs of a sim transport must be on one node");
+    }
+  }
+  if (options.max_outstanding_per_link == 0 || options.max_request_bytes == 0 ||
+      options.max_region_bytes == 0 || options.ack_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "limits and ack_timeout of a sim transport must be positive");
+  }
+  return std::unique_ptr<SimTransport>(
+      new SimTransport(fabric, std::move(options), seed));
+}
+
+SimTransport::SimTransport(sim::Fabric* fabric, SimTransportOptions options,
+                           uint64_t seed)
+    : fabric_(fabric),
+      sched_(fabric->scheduler()),
+      options_(std::move(options)),
+      prng_(seed),
+      owner_(sched_->NewOwner()),
+      keys_by_nic_(options_.nics.size()) {
+  for (NicIndex i = 0; i < options_.nics.size(); ++i) {
+    fabric_->Attach(options_.nics[i], [this, i](sim::Message&& msg) {
+      OnMessage(i, std::move(msg));
+    });
+  }
+}
+
+SimTransport::~SimTransport() {
+  for (sim::NicId nic : options_.nics) fabric_->Detach(nic);
+  sched_->CancelOwner(owner_);
+}
+
+absl::Duration SimTransport::PeerLossBound() const {
+  absl::Duration rtt;
+  for (sim::NicId nic : options_.nics) {
+    rtt = std::max(rtt, 4 * fabric_->nic_spec(nic).latency);
+  }
+  return (options_.retry_count + 1) * options_.ack_timeout + rtt;
+}
+
+EndpointDescription SimTransport::LocalEndpoint() const {
+  EndpointDescription d;
+  d.kind = "sim";
+  for (NicIndex i = 0; i < options_.nics.size(); ++i) {
+    const sim::NicId nic = options_.nics[i];
+    const sim::NicSpec& spec = fabric_->nic_spec(nic);
+    NicInfo info;
+    info.name = absl::StrCat(fabric_->node_name(fabric_->node_of(nic)), "/nic", i);
+    info.address = absl::StrCat(kAddressPrefix, nic);
+    info.link_bits_per_sec = spec.bits_per_sec;
+    info.mtu = spec.mtu;
+    d.nics.push_back(std::move(info));
+  }
+  return d;
+}
+
+Limits SimTransport::GetLimits() const {
+  return Limits{options_.max_outstanding_per_link, options_.max_request_bytes,
+                options_.max_region_bytes};
+}
+
+absl::StatusOr<Region> SimTransport::RegisterMemory(void* addr,
+                                                    uint64_t length,
+                                                    Access access) {
+  if (addr == nullptr) {
+    return absl::InvalidArgumentError("RegisterMemory: null address");
+  }
+  if (length == 0) {
+    return absl::InvalidArgumentError("RegisterMemory: zero length");
+  }
+  if (length > options_.max_region_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("RegisterMemory: ", length, " bytes exceeds the limit of ",
+                     options_.max_region_bytes));
+  }
+  const uint64_t base = reinterpret_cast<uintptr_t>(addr);
+  if (base + length < base) {
+    return absl::InvalidArgumentError("RegisterMemory: range wraps around");
+  }
+  auto state = std::make_unique<RegionState>();
+  Region& r = state->region;
+  r.id = ++last_region_id_;
+  r.addr = base;
+  r.length = length;
+  r.access = access;
+  for (auto& keys : keys_by_nic_) {
+    RemoteKey key;
+    do {
+      key = prng_.Next64();
+    } while (key == 0 || keys.contains(key));
+    keys.emplace(key, r.id);
+    r.keys.push_back(key);
+  }
+  Region out = r;
+  regions_.emplace(r.id, std::move(state));
+  return out;
+}
+
+absl::Status SimTransport::UnregisterMemory(RegionId region) {
+  auto it = regions_.find(region);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown region ", region));
+  }
+  if (it->second->local_uses != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("region ", region, " is used by ", it->second->local_uses,
+                     " outstanding request(s)"));
+  }
+  const Region& r = it->second->region;
+  for (size_t i = 0; i < keys_by_nic_.size(); ++i) keys_by_nic_[i].erase(r.keys[i]);
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<sim::NicId> SimTransport::ParsePeerNic(
+    const NicInfo& peer_nic) const {
+  absl::string_view addr = peer_nic.address;
+  uint32_t nic;
+  if (!absl::ConsumePrefix(&addr, kAddressPrefix) ||
+      !absl::SimpleAtoi(addr, &nic) || !fabric_->HasNic(nic)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a sim NIC address: '", peer_nic.address, "'"));
+  }
+  return nic;
+}
+
+SimTransport::Link& SimTransport::NewLink(NicIndex local_nic,
+                                          sim::NicId remote_nic) {
+  auto link = std::make_unique<Link>();
+  link->id = ++last_link_id_;
+  link->local_nic = local_nic;
+  link->remote_nic = remote_nic;
+  link->qpn = fabric_->NextSerial();
+  link->retries_left = options_.retry_count;
+  link->segment_bytes = std::min(fabric_->nic_spec(options_.nics[local_nic]).mtu,
+                                 fabric_->nic_spec(remote_nic).mtu);
+  Link& ref = *link;
+  links_by_qpn_.emplace(ref.qpn, &ref);
+  links_.emplace(ref.id, std::move(link));
+  return ref;
+}
+
+absl::StatusOr<LinkOffer> SimTransport::CreateLink(NicIndex local_nic,
+                                                   const NicInfo& peer_nic) {
+  if (local_nic >= options_.nics.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
+  }
+  ASSIGN_OR_RETURN(sim::NicId remote, ParsePeerNic(peer_nic));
+  Link& link = NewLink(local_nic, remote);
+  return LinkOffer{link.id, EncodeParams(link.qpn, options_.nics[local_nic])};
+}
+
+absl::StatusOr<LinkOffer> SimTransport::AcceptLink(
+    NicIndex local_nic, const NicInfo& peer_nic, absl::string_view peer_params) {
+  if (local_nic >= options_.nics.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
+  }
+  ASSIGN_OR_RETURN(sim::NicId remote, ParsePeerNic(peer_nic));
+  uint64_t remote_qpn;
+  sim::NicId params_nic;
+  if (!DecodeParams(peer_params, &remote_qpn, &params_nic) ||
+      params_nic != remote) {
+    return absl::InvalidArgumentError("AcceptLink: malformed link parameters");
+  }
+  Link& link = NewLink(local_nic, remote);
+  link.remote_qpn = remote_qpn;
+  link.state = Link::State::kEstablished;
+  return LinkOffer{link.id, EncodeParams(link.qpn, options_.nics[local_nic])};
+}
+
+absl::Status SimTransport::CompleteLink(LinkId id,
+                                        absl::string_view peer_params) {
+  auto it = links_.find(id);
+  if (it == links_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
+  }
+  Link& link = *it->second;
+  if (link.state != Link::State::kPending) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("link ", id, " is already complete"));
+  }
+  uint64_t remote_qpn;
+  sim::NicId params_nic;
+  if (!DecodeParams(peer_params, &remote_qpn, &params_nic) ||
+      params_nic != link.remote_nic) {
+    return absl::InvalidArgumentError("CompleteLink: malformed link parameters");
+  }
+  link.remote_qpn = remote_qpn;
+  link.state = Link::State::kEstablished;
+  return absl::OkStatus();
+}
+
+absl::Status SimTransport::CloseLink(LinkId id) {
+  auto it = links_.find(id);
+  if (it == links_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown link ", id));
+  }
+  std::unique_ptr<Link> link = std::move(it->second);
+  links_.erase(it);
+  links_by_qpn_.erase(link->qpn);
+  for (const auto& entry : link->requests) {
+    Complete(entry.second.wr,
+             absl::CancelledError(absl::StrCat("link ", id, " was closed")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SimTransport::ValidateRequest(const WorkRequest& wr) const {
+  if (wr.opcode != Opcode::kWrite && wr.opcode != Opcode::kRead) {
+    return absl::InvalidArgumentError("unknown opcode");
+  }
+  auto link = links_.find(wr.link);
+  if (link == links_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown link ", wr.link));
+  }
+  if (link->second->state == Link::State::kPending) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("link ", wr.link, " is not established"));
+  }
+  if (link->second->state == Link::State::kError) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("link ", wr.link, " is in the error state; open a new one"));
+  }
+  if (wr.length > options_.max_request_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request of ", wr.length, " bytes exceeds the limit of ",
+                     options_.max_request_bytes));
+  }
+  auto region = regions_.find(wr.local_region);
+  if (region == regions_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown local region ", wr.local_region));
+  }
+  const Region& r = region->second->region;
+  const uint64_t addr = reinterpret_cast<uintptr_t>(wr.local_addr);
+  if (wr.length > 0 && !Inside(addr, wr.length, r.addr, r.length)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "local range [%#x, +%u) lies outside region %u [%#x, +%u)", addr,
+        wr.length, r.id, r.addr, r.length));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SimTransport::Post(absl::Span<const WorkRequest> batch) {
+  // Validate everything first: Post is all or nothing.
+  std::vector<std::pair<LinkId, uint32_t>> per_link;
+  for (const WorkRequest& wr : batch) {
+    RETURN_IF_ERROR(ValidateRequest(wr));
+    auto it = std::find_if(per_link.begin(), per_link.end(),
+                           [&](const auto& e) { return e.first == wr.link; });
+    if (it == per_link.end()) {
+      per_link.emplace_back(wr.link, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  for (const auto& [id, count] : per_link) {
+    const Link& link = *links_.at(id);
+    if (link.requests.size() + count > options_.max_outstanding_per_link) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "link ", id, " would have ", link.requests.size() + count,
+          " outstanding requests; the limit is ",
+          options_.max_outstanding_per_link));
+    }
+  }
+  for (const WorkRequest& wr : batch) {
+    Link& link = *links_.at(wr.link);
+    ++regions_.at(wr.local_region)->local_uses;
+    const uint64_t id = link.next_request++;
+    const uint64_t count =
+        wr.length == 0 ? 1 : (wr.length + link.segment_bytes - 1) / link.segment_bytes;
+    link.requests.emplace(id, Request{wr, count});
+    for (uint64_t i = 0; i < count; ++i) {
+      const uint64_t offset = i * link.segment_bytes;
+      const uint64_t psn = link.next_psn++;
+      Segment& seg = link.segments[psn];
+      seg = Segment{id, offset, std::min(link.segment_bytes, wr.length - offset), 0};
+      Transmit(link, psn, seg);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void SimTransport::Transmit(Link& link, uint64_t psn, Segment& seg) {
+  const WorkRequest& wr = link.requests.at(seg.request).wr;
+  WireHeader h;
+  h.type = kRequest;
+  h.opcode = static_cast<uint8_t>(wr.opcode);
+  h.dst_qpn = link.remote_qpn;
+  h.src_qpn = link.qpn;
+  h.psn = psn;
+  h.remote_addr = wr.remote_addr;
+  h.rkey = wr.remote_key;
+  h.length = wr.length;
+  h.segment_offset = seg.offset;
+  h.segment_length = seg.length;
+  const bool carries_data = wr.opcode == Opcode::kWrite;
+  const uint64_t data = carries_data ? seg.length : 0;
+  std::string bytes(sizeof h + data, '\0');
+  std::memcpy(&bytes[0], &h, sizeof h);
+  if (data > 0) {
+    std::memcpy(&bytes[sizeof h], static_cast<const char*>(wr.local_addr) + seg.offset,
+                data);
+  }
+  const SimTime tx_end = fabric_->Send(options_.nics[link.local_nic],
+                                       link.remote_nic, options_.header_bytes + data,
+                                       std::move(bytes));
+  seg.deadline = tx_end + sim::ToSimTime(options_.ack_timeout);
+  if (link.timer_at < 0 || seg.deadline < link.timer_at) ArmTimer(link, seg.deadline);
+}
+
+void SimTransport::ArmTimer(Link& link, SimTime at) {
+  const uint64_t generation = ++link.timer_generation;
+  link.timer_at = at;
+  const LinkId id = link.id;
+  sched_->At(at, [this, id, generation] { OnTimer(id, generation); }, owner_);
+}
+
+void SimTransport::OnTimer(LinkId id, uint64_t generation) {
+  auto it = links_.find(id);
+  if (it == links_.end()) return;
+  Link& link = *it->second;
+  if (link.timer_generation != generation) return;
+  link.timer_at = -1;
+  if (link.segments.empty() || link.state != Link::State::kEstablished) return;
+  const SimTime now = sched_->now();
+  if (link.progressed) {
+    // Answers are still flowing: nothing is declared lost while the peer
+    // keeps acknowledging (its answers may just be queued behind others).
+    link.progressed = false;
+    ArmTimer(link, now + sim::ToSimTime(options_.ack_timeout));
+    return;
+  }
+  SimTime next = INT64_MAX;
+  bool overdue = false;
+  for (const auto& entry : link.segments) {
+    overdue |= entry.second.deadline <= now;
+    next = std::min(next, entry.second.deadline);
+  }
+  if (overdue) {
+    if (link.retries_left == 0) {
+      FailLink(link, link.requests.begin()->first,
+               absl::UnavailableError(absl::StrFormat(
+                   "no response from peer on link %u after %u retries "
+                   "(ack timeout %s): transport retry counter exceeded",
+                   id, options_.retry_count,
+                   absl::FormatDuration(options_.ack_timeout))));
+      return;
+    }
+    --link.retries_left;
+    sched_->Trace(uint64_t{0x7e7} ^ id);
+    next = INT64_MAX;
+    for (auto& [psn, seg] : link.segments) {
+      if (seg.deadline <= now) Transmit(link, psn, seg);  // may arm a timer
+      next = std::min(next, seg.deadline);
+    }
+  }
+  if (link.timer_at < 0 || next < link.timer_at) ArmTimer(link, next);
+}
+
+void SimTransport::FailLink(Link& link, uint64_t first_request,
+                            absl::Status first) {
+  link.state = Link::State::kError;
+  ++link.timer_generation;  // disarm
+  link.timer_at = -1;
+  const std::string reason(first.message());
+  Complete(link.requests.at(first_request).wr, std::move(first));
+  for (const auto& [id, request] : link.requests) {
+    if (id == first_request) continue;
+    Complete(request.wr, absl::AbortedError(absl::StrCat(
+                             "flushed: link ", link.id, " failed earlier: ", reason)));
+  }
+  link.requests.clear();
+  link.segments.clear();
+}
+
+void SimTransport::Complete(const WorkRequest& wr, absl::Status status) {
+  sched_->Trace(wr.cookie ^ (static_cast<uint64_t>(status.code()) << 56));
+  cq_.push_back(CqEntry{Completion{wr.cookie, std::move(status)}, wr.local_region});
+}
+
+void SimTransport::OnMessage(NicIndex nic, sim::Message&& msg) {
+  WireHeader h;
+  if (msg.bytes.size() < sizeof h) return;  // not ours: drop
+  std::memcpy(&h, msg.bytes.data(), sizeof h);
+  auto it = links_by_qpn_.find(h.dst_qpn);
+  if (it == links_by_qpn_.end()) return;  // stale QP (e.g. before a restart)
+  Link& link = *it->second;
+  if (link.state != Link::State::kEstablished || link.local_nic != nic ||
+      link.remote_qpn != h.src_qpn || link.remote_nic != msg.from) {
+    return;
+  }
+  absl::string_view payload(msg.bytes);
+  payload.remove_prefix(sizeof h);
+  if (h.type == kRequest) {
+    OnRequest(nic, link, h, payload);
+  } else if (h.type == kResponse) {
+    OnResponse(link, h, payload);
+  }
+}
+
+absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h,
+                                   absl::string_view data,
+                                   std::string* read_out) {
+  if (h.length == 0) return absl::OkStatus();
+  auto key = keys_by_nic_[nic].find(h.rkey);
+  if (key == keys_by_nic_[nic].end()) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("remote access error: unknown key %#x", h.rkey));
+  }
+  const Region& r = regions_.at(key->second)->region;
+  const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
+  if (write ? !AllowsRemoteWrite(r.access) : !AllowsRemoteRead(r.access)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "remote access error: region does not allow remote ",
+        write ? "write" : "read"));
+  }
+  // The whole request's range, checked on every segment.
+  if (!Inside(h.remote_addr, h.length, r.addr, r.length)) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "remote access error: range [%#x, +%u) outside region [%#x, +%u)",
+        h.remote_addr, h.length, r.addr, r.length));
+  }
+  char* target = reinterpret_cast<char*>(h.remote_addr + h.segment_offset);
+  if (write) {
+    std::memcpy(target, data.data(), h.segment_length);
+  } else {
+    read_out->assign(target, h.segment_length);
+  }
+  return absl::OkStatus();
+}
+
+void SimTransport::Respond(Link& link, const WireHeader& request,
+                           absl::StatusCode code, absl::string_view payload) {
+  WireHeader h = request;
+  h.type = kResponse;
+  h.status_code = static_cast<uint8_t>(code);
+  h.dst_qpn = link.remote_qpn;
+  h.src_qpn = link.qpn;
+  std::string bytes(sizeof h + payload.size(), '\0');
+  std::memcpy(&bytes[0], &h, sizeof h);
+  if (!payload.empty()) std::memcpy(&bytes[sizeof h], payload.data(), payload.size());
+  const uint64_t wire = options_.header_bytes +
+                        (code == absl::StatusCode::kOk ? payload.size() : 0);
+  fabric_->Send(options_.nics[link.local_nic], link.remote_nic, wire,
+                std::move(bytes));
+}
+
+void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
+                             absl::string_view payload) {
+  const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
+  if (h.segment_offset > h.length || h.segment_length > h.length - h.segment_offset ||
+      (write && payload.size() != h.segment_length)) {
+    return;  // malformed: drop
+  }
+  const bool duplicate =
+      h.psn < link.executed_below || link.executed_above.count(h.psn) != 0;
+  if (duplicate) {
+    auto error = link.errors.find(h.psn);
+    if (error != link.errors.end()) {
+      Respond(link, h, error->second.code(), error->second.message());
+      return;
+    }
+    if (write) {  // never execute a WRITE twice
+      Respond(link, h, absl::StatusCode::kOk, "");
+      return;
+    }
+    // A READ is idempotent: read again below.
+  }
+  std::string read_data;
+  absl::Status status = Execute(nic, h, payload, &read_data);
+  if (!duplicate) {
+    link.executed_above.insert(h.psn);
+    while (!link.executed_above.empty() &&
+           *link.executed_above.begin() == link.executed_below) {
+      link.executed_above.erase(link.executed_above.begin());
+      ++link.executed_below;
+    }
+    if (!status.ok()) link.errors.emplace(h.psn, status);
+  }
+  sched_->Trace(h.psn ^ (uint64_t{status.ok()} << 63));
+  Respond(link, h, status.code(), status.ok() ? read_data : status.message());
+}
+
+void SimTransport::OnResponse(Link& link, const WireHeader& h,
+                              absl::string_view payload) {
+  auto seg_it = link.segments.find(h.psn);
+  if (seg_it == link.segments.end()) return;  // duplicate answer
+  const Segment seg = seg_it->second;
+  Request& request = link.requests.at(seg.request);
+  const auto code = static_cast<absl::StatusCode>(h.status_code);
+  if (code != absl::StatusCode::kOk) {
+    FailLink(link, seg.request, absl::Status(code, payload));
+    return;
+  }
+  if (request.wr.opcode == Opcode::kRead) {
+    if (payload.size() != seg.length) return;  // malformed: wait for retry
+    if (seg.length > 0) {
+      std::memcpy(static_cast<char*>(request.wr.local_addr) + seg.offset,
+                  payload.data(), seg.length);
+    }
+  }
+  link.segments.erase(seg_it);
+  link.progressed = true;
+  link.retries_left = options_.retry_count;
+  if (--request.segments_left > 0) return;
+  if (prng_.Chance(fabric_->faults().error_completion)) {
+    FailLink(link, seg.request,
+             absl::UnavailableError("injected error completion (simulated fault)"));
+    return;
+  }
+  Complete(request.wr, absl::OkStatus());
+  link.requests.erase(seg.request);
+  if (link.segments.empty()) {
+    ++link.timer_generation;  // disarm
+    link.timer_at = -1;
+    link.progressed = false;
+  }
+}
+
+size_t SimTransport::PollCompletions(absl::Span<Completion> out) {
+  size_t n = 0;
+  while (n < out.size() && !cq_.empty()) {
+    CqEntry& e = cq_.front();
+    auto region = regions_.find(e.region);
+    if (region != regions_.end()) --region->second->local_uses;
+    out[n++] = std::move(e.completion);
+    cq_.pop_front();
+  }
+  return n;
+}
+
+size_t SimTransport::WaitCompletions(absl::Span<Completion> out,
+                                     absl::Duration timeout) {
+  if (cq_.empty() && timeout > absl::ZeroDuration()) {
+    auto ready = [this] { return !cq_.empty(); };
+    if (timeout == absl::InfiniteDuration()) {
+      // Run until something completes or nothing is left to happen; never
+      // jump the clock to the end of time.
+      while (!ready() && sched_->Step()) {
+      }
+    } else {
+      sched_->RunUntilCondition(ready, sched_->now() + sim::ToSimTime(timeout));
+    }
+  }
+  return PollCompletions(out);
+}
+
+}  // namespace transport
+}  // namespace kvferry
