@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Sums the test cases of one or more Bazel runs.
+
+Usage: test_summary.py BEP_JSON [BEP_JSON ...]
+
+Each argument is a file written by `bazel test --build_event_json_file=FILE`.
+Only the test.xml files named in those files are read (the latest attempt of
+each test shard), never stale files under bazel-testlogs. A test target that
+was expected to run but produced no test.xml (it failed to build, or Bazel
+gave up) counts as one failed case, so a broken build can never look green.
+
+Prints one line: "N passed, N failed, N skipped". Exits 1 if anything failed.
+"""
+
+import json
+import sys
+import urllib.parse
+import urllib.request
+import xml.etree.ElementTree as ET
+
+
+def xml_counts(path):
+    """Returns (passed, failed, skipped) for one JUnit XML file."""
+    passed = failed = skipped = 0
+    root = ET.parse(path).getroot()
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed += 1
+        elif (case.find("skipped") is not None
+              or case.get("result") == "skipped"
+              or case.get("status") == "notrun"):
+            skipped += 1
+        else:
+            passed += 1
+    if passed + failed + skipped == 0:
+        # A test binary that wrote no cases: judge the whole file.
+        errors = sum(int(s.get("failures", 0)) + int(s.get("errors", 0))
+                     for s in root.iter("testsuite"))
+        if errors or root.get("failures", "0") != "0":
+            failed = 1
+    return passed, failed, skipped
+
+
+def file_path(uri):
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme not in ("", "file"):
+        return None
+    return urllib.request.url2pathname(parsed.path)
+
+
+def summarize(bep_path):
+    """Returns (passed, failed, skipped, problems) for one BEP JSON file."""
+    latest = {}  # (label, run, shard) -> (attempt, xml path or None, status)
+    expected = set()  # test labels Bazel meant to run
+    summaries = {}  # label -> overall status
+    with open(bep_path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            event = json.loads(line)
+            eid = event.get("id", {})
+            if "testResult" in eid:
+                tid = eid["testResult"]
+                key = (tid.get("label"), tid.get("run", 1), tid.get("shard", 1))
+                attempt = tid.get("attempt", 1)
+                result = event.get("testResult", {})
+                xml = None
+                for out in result.get("testActionOutput", []):
+                    if out.get("name") == "test.xml":
+                        xml = file_path(out.get("uri", ""))
+                if key not in latest or attempt >= latest[key][0]:
+                    latest[key] = (attempt, xml, result.get("status", ""))
+            elif "testSummary" in eid:
+                summaries[eid["testSummary"].get("label")] = (
+                    event.get("testSummary", {}).get("overallStatus", ""))
+            elif "targetConfigured" in eid:
+                kind = event.get("configured", {}).get("targetKind", "")
+                if kind.endswith(" test") or kind.endswith("_test rule"):
+                    expected.add(eid["targetConfigured"].get("label"))
+    passed = failed = skipped = 0
+    problems = []
+    ran = set()
+    for (label, _, _), (_, xml, status) in sorted(latest.items()):
+        ran.add(label)
+        if xml is None:
+            if status in ("PASSED", "FLAKY"):
+                passed += 1
+            else:
+                failed += 1
+                problems.append(f"{label}: {status or 'no result'}")
+            continue
+        p, fl, s = xml_counts(xml)
+        if fl == 0 and status not in ("PASSED", "FLAKY", ""):
+            fl = 1  # Bazel saw a failure the XML does not show (e.g. a crash)
+        passed, failed, skipped = passed + p, failed + fl, skipped + s
+        if fl:
+            problems.append(f"{label}: {fl} failed case(s)")
+    for label in sorted(expected - ran):
+        failed += 1
+        status = summaries.get(label, "no result")
+        problems.append(f"{label}: did not run ({status})")
+    return passed, failed, skipped, problems
+
+
+def main(argv):
+    if len(argv) < 2:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    total = [0, 0, 0]
+    for path in argv[1:]:
+        try:
+            p, f, s, problems = summarize(path)
+        except (OSError, ValueError, ET.ParseError) as err:
+            print(f"test_summary: cannot read {path}: {err}", file=sys.stderr)
+            p, f, s, problems = 0, 1, 0, [f"{path}: unreadable"]
+        for problem in problems:
+            print(f"  FAILED {problem}", file=sys.stderr)
+        total = [total[0] + p, total[1] + f, total[2] + s]
+    print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
+    return 1 if total[1] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

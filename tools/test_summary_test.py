@@ -1,0 +1,90 @@
+"""Tests for test_summary.py on synthetic build-event files."""
+
+import json
+import os
+import tempfile
+import unittest
+
+import test_summary
+
+
+def write(path, text):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+CASES_XML = """<?xml version="1.0"?>
+<testsuites><testsuite name="A">
+<testcase name="ok" status="run" result="completed"/>
+<testcase name="bad" status="run" result="completed"><failure message="x"/></testcase>
+<testcase name="skip" status="run" result="skipped"><skipped/></testcase>
+</testsuite></testsuites>
+"""
+
+
+class SummaryTest(unittest.TestCase):
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+
+    def event(self, **kw):
+        return json.dumps(kw)
+
+    def bep(self, events):
+        path = os.path.join(self.dir, "bep.json")
+        write(path, "\n".join(events) + "\n")
+        return path
+
+    def configured(self, label, kind="cc_test rule"):
+        return self.event(id={"targetConfigured": {"label": label}},
+                          configured={"targetKind": kind})
+
+    def result(self, label, attempt, xml, status):
+        outputs = [{"name": "test.xml", "uri": "file://" + xml}] if xml else []
+        return self.event(
+            id={"testResult": {"label": label, "run": 1, "shard": 1,
+                               "attempt": attempt}},
+            testResult={"status": status, "testActionOutput": outputs})
+
+    def test_counts_cases_and_uses_latest_attempt(self):
+        stale = os.path.join(self.dir, "stale.xml")
+        write(stale, CASES_XML.replace('result="skipped"><skipped/>', '>'
+                                       '<failure/>'))
+        fresh = os.path.join(self.dir, "fresh.xml")
+        write(fresh, CASES_XML)
+        path = self.bep([
+            self.configured("//a:t"),
+            self.result("//a:t", 1, stale, "FAILED"),
+            self.result("//a:t", 2, fresh, "FAILED"),
+        ])
+        passed, failed, skipped, problems = test_summary.summarize(path)
+        self.assertEqual((passed, failed, skipped), (1, 1, 1))
+        self.assertEqual(len(problems), 1)
+
+    def test_target_that_never_ran_is_a_failure(self):
+        path = self.bep([self.configured("//a:t"),
+                         self.configured("//a:lib", "cc_library rule")])
+        passed, failed, skipped, problems = test_summary.summarize(path)
+        self.assertEqual((passed, failed, skipped), (0, 1, 0))
+        self.assertIn("//a:t", problems[0])
+
+    def test_bazel_failure_without_failing_case_counts(self):
+        xml = os.path.join(self.dir, "ok.xml")
+        write(xml, '<testsuites><testsuite><testcase name="a"/></testsuite>'
+                   '</testsuites>')
+        path = self.bep([self.configured("//a:t"),
+                         self.result("//a:t", 1, xml, "TIMEOUT")])
+        self.assertEqual(test_summary.summarize(path)[:3], (1, 1, 0))
+
+    def test_main_prints_one_line_and_exit_code(self):
+        xml = os.path.join(self.dir, "ok.xml")
+        write(xml, '<testsuites><testsuite><testcase name="a"/></testsuite>'
+                   '</testsuites>')
+        path = self.bep([self.configured("//a:t"),
+                         self.result("//a:t", 1, xml, "PASSED")])
+        self.assertEqual(test_summary.main(["x", path]), 0)
+        self.assertEqual(test_summary.main(["x", os.path.join(self.dir, "none")]), 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
