@@ -146,6 +146,8 @@ void Fabric::Partition(const std::vector<NodeId>& a,
   }
 }
 
+void Fabric::HealPair(NodeId a, NodeId b) { cut_pairs_.erase(PairKey(a, b)); }
+
 void Fabric::Heal() { cut_pairs_.clear(); }
 
 }  // namespace sim

@@ -111,7 +111,13 @@ class Fabric {
   bool IsNicUp(NicId nic) const;
   // Cuts every path between a node of `a` and a node of `b` until Heal().
   void Partition(const std::vector<NodeId>& a, const std::vector<NodeId>& b);
+  // Restores the paths between nodes `a` and `b` only.
+  void HealPair(NodeId a, NodeId b);
+  // Restores every path.
   void Heal();
+  bool IsNodeUp(NodeId node) const { return nodes_[node].up; }
+  bool IsPartitioned() const { return !cut_pairs_.empty(); }
+  size_t nic_count() const { return nics_.size(); }
   void set_faults(const FaultOptions& faults) { faults_ = faults; }
   const FaultOptions& faults() const { return faults_; }
 
