@@ -145,6 +145,7 @@ SimTransport::SimTransport(sim::Fabric* fabric, SimTransportOptions options,
 }
 
 SimTransport::~SimTransport() {
+  *alive_ = false;
   for (sim::NicId nic : options_.nics) fabric_->Detach(nic);
   sched_->CancelOwner(owner_);
 }
@@ -652,7 +653,11 @@ size_t SimTransport::PollCompletions(absl::Span<Completion> out) {
 size_t SimTransport::WaitCompletions(absl::Span<Completion> out,
                                      absl::Duration timeout) {
   if (cq_.empty() && timeout > absl::ZeroDuration()) {
-    auto ready = [this] { return !cq_.empty(); };
+    // Running simulated time may run a simulated crash that destroys this
+    // very transport; `alive` outlives it and stops the loop before any
+    // member is touched again.
+    std::shared_ptr<const bool> alive = alive_;
+    auto ready = [this, &alive] { return !*alive || !cq_.empty(); };
     if (timeout == absl::InfiniteDuration()) {
       // Run until something completes or nothing is left to happen; never
       // jump the clock to the end of time.
@@ -661,6 +666,7 @@ size_t SimTransport::WaitCompletions(absl::Span<Completion> out,
     } else {
       sched_->RunUntilCondition(ready, sched_->now() + sim::ToSimTime(timeout));
     }
+    if (!*alive) return 0;
   }
   return PollCompletions(out);
 }

@@ -30,7 +30,8 @@
 // Threading: NOT thread-safe. All calls must come from the thread that
 // drives the simulator's Scheduler. WaitCompletions() runs the scheduler
 // (advancing simulated time) until a completion is ready or the timeout, in
-// simulated time, has passed.
+// simulated time, has passed. If an event it runs destroys this transport (a
+// simulated crash), WaitCompletions returns 0 without touching it again.
 #ifndef KVFERRY_TRANSPORT_SIM_SIM_TRANSPORT_H_
 #define KVFERRY_TRANSPORT_SIM_SIM_TRANSPORT_H_
 
@@ -141,6 +142,8 @@ class SimTransport final : public Transport {
   absl::flat_hash_map<LinkId, std::unique_ptr<Link>> links_;
   absl::flat_hash_map<uint64_t, Link*> links_by_qpn_;
   std::deque<CqEntry> cq_;
+  // Cleared by the destructor; see WaitCompletions.
+  const std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 
 }  // namespace transport
