@@ -17,6 +17,7 @@
 #include "sim/prng.h"
 #include "sim/scheduler.h"
 #include "sim/seed.h"
+#include "transport/in_process.h"
 #include "transport/sim/sim_transport.h"
 
 namespace kvferry {
@@ -88,11 +89,10 @@ class Cluster {
     auto link = h.links.find(key);
     if (link == h.links.end()) {
       // The handshake's job; done directly here.
-      auto offer = h.t->CreateLink(nic, hosts_[to].t->LocalEndpoint().nics[nic]);
-      auto answer = hosts_[to].t->AcceptLink(nic, h.t->LocalEndpoint().nics[nic],
-                                             offer->params);
-      EXPECT_TRUE(h.t->CompleteLink(offer->link, answer->params).ok());
-      link = h.links.emplace(key, offer->link).first;
+      auto links = transport::ConnectInProcess(*h.t, *hosts_[to].t, nic, nic);
+      EXPECT_TRUE(links.ok()) << links.status();
+      if (!links.ok()) return false;
+      link = h.links.emplace(key, links->first).first;
     }
     // The sender's slot at the receiver (WRITE) or the receiver's slot at
     // the sender (READ); one request per pair in flight when verifying.

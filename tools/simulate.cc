@@ -21,6 +21,7 @@
 #include "sim/fabric.h"
 #include "sim/prng.h"
 #include "sim/scheduler.h"
+#include "transport/in_process.h"
 #include "transport/sim/sim_transport.h"
 
 ABSL_FLAG(uint64_t, seed, 1, "root seed of the simulation");
@@ -103,16 +104,13 @@ int Run() {
   auto remote = hosts[1]->RegisterMemory(op == Opcode::kWrite ? dst.data() : src.data(),
                                          src.size(), transport::Access::kRemoteReadWrite);
   if (!local.ok() || !remote.ok()) return Fail("registration failed");
-  auto offer = hosts[0]->CreateLink(0, hosts[1]->LocalEndpoint().nics[0]);
-  auto answer = hosts[1]->AcceptLink(0, hosts[0]->LocalEndpoint().nics[0], offer->params);
-  if (!answer.ok() || !hosts[0]->CompleteLink(offer->link, answer->params).ok()) {
-    return Fail("link setup failed");
-  }
+  auto links = transport::ConnectInProcess(*hosts[0], *hosts[1]);
+  if (!links.ok()) return Fail(std::string(links.status().message()));
   uint64_t posted = 0, done = 0, failed = 0;
   auto post = [&]() {
     transport::WorkRequest wr;
     wr.opcode = op;
-    wr.link = offer->link;
+    wr.link = links->first;
     wr.local_region = local->id;
     wr.local_addr = reinterpret_cast<void*>(local->addr + posted * block);
     wr.length = block;

@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "sim/seed.h"
+#include "transport/in_process.h"
 #include "transport/sim/sim_harness.h"
 
 namespace kvferry {
@@ -22,12 +23,9 @@ struct Linked {
 };
 
 Linked Connect(Transport& a, Transport& b, NicIndex na = 0, NicIndex nb = 0) {
-  auto offer = a.CreateLink(na, b.LocalEndpoint().nics[nb]);
-  EXPECT_TRUE(offer.ok()) << offer.status();
-  auto answer = b.AcceptLink(nb, a.LocalEndpoint().nics[na], offer->params);
-  EXPECT_TRUE(answer.ok()) << answer.status();
-  EXPECT_TRUE(a.CompleteLink(offer->link, answer->params).ok());
-  return {offer->link, answer->link};
+  auto links = ConnectInProcess(a, b, na, nb);
+  EXPECT_TRUE(links.ok()) << links.status();
+  return links.ok() ? Linked{links->first, links->second} : Linked{};
 }
 
 WorkRequest Req(Opcode op, LinkId link, const Region& local, void* local_addr,
@@ -257,6 +255,27 @@ TEST(SimTransport, InjectedErrorCompletionFailsLinkAndFlushesRest) {
   for (size_t i = 0; i < n; ++i) ++codes[c[i].status.code()];
   EXPECT_EQ(codes[absl::StatusCode::kUnavailable], 1);
   EXPECT_EQ(codes[absl::StatusCode::kAborted], 3);
+}
+
+TEST(SimTransport, DestroyedWhileWaitingReturnsCleanly) {
+  // A simulated crash may destroy the transport whose WaitCompletions is
+  // running the scheduler; the call must return without touching it.
+  SimHarness h(10);
+  auto a = *h.NewSimTransport();
+  auto b = *h.NewSimTransport();
+  Linked l = Connect(*a, *b);
+  std::vector<char> src(64, 's'), dst(64, 'd');
+  Region rs = *a->RegisterMemory(src.data(), 64, Access::kNone);
+  Region rd = *b->RegisterMemory(dst.data(), 64, Access::kRemoteWrite);
+  h.fabric().SetNodeUp(1, false);  // the request will never be answered
+  WorkRequest wr = Req(Opcode::kWrite, l.a, rs, src.data(), 64, rd.addr, rd.keys[0]);
+  ASSERT_TRUE(a->Post({&wr, 1}).ok());
+  SimTransport* raw = a.get();
+  h.scheduler().After(sim::ToSimTime(absl::Microseconds(50)), [&] { a.reset(); });
+  Completion c;
+  EXPECT_EQ(raw->WaitCompletions({&c, 1}, absl::Seconds(1)), 0u);
+  EXPECT_EQ(a, nullptr);
+  EXPECT_EQ(h.scheduler().now(), sim::ToSimTime(absl::Microseconds(50)));
 }
 
 TEST(SimTransport, CreateRejectsBadOptions) {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "sim/prng.h"
+#include "transport/in_process.h"
 
 namespace kvferry {
 namespace transport {
@@ -26,19 +27,7 @@ void TransportConformanceTest::SetUp() {
 
 absl::StatusOr<std::pair<LinkId, LinkId>> TransportConformanceTest::Connect(
     Transport& a, Transport& b, NicIndex na, NicIndex nb) {
-  const EndpointDescription ea = a.LocalEndpoint();
-  const EndpointDescription eb = b.LocalEndpoint();
-  if (na >= ea.nics.size() || nb >= eb.nics.size()) {
-    return absl::InvalidArgumentError("no such NIC");
-  }
-  absl::StatusOr<LinkOffer> offer = a.CreateLink(na, eb.nics[nb]);
-  if (!offer.ok()) return offer.status();
-  absl::StatusOr<LinkOffer> answer =
-      b.AcceptLink(nb, ea.nics[na], offer->params);
-  if (!answer.ok()) return answer.status();
-  absl::Status done = a.CompleteLink(offer->link, answer->params);
-  if (!done.ok()) return done;
-  return std::make_pair(offer->link, answer->link);
+  return ConnectInProcess(a, b, na, nb);
 }
 
 TransportConformanceTest::Pair TransportConformanceTest::MakePair() {
