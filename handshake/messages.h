@@ -1,0 +1,122 @@
+// The handshake protocol: framed, versioned, bounds-checked messages that
+// engines exchange over their handshake port (TCP, or the simulated network).
+//
+// Frame: 8-byte header, then the payload.
+//   u16 magic 0x464b ("KF")   u8 version (1)   u8 type   u32 payload length
+// All integers little-endian; strings and byte blobs are u32 length + bytes.
+//
+// A connection carries requests from the side that opened it and one reply
+// per request (the reply type, or kError with a status).
+//
+// Errors when decoding: bad magic or malformed payload -> kDataLoss;
+// unknown version -> kUnimplemented (names both versions); frame above the
+// limit, or more NICs/regions than allowed -> kResourceExhausted.
+#ifndef KVFERRY_HANDSHAKE_MESSAGES_H_
+#define KVFERRY_HANDSHAKE_MESSAGES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace handshake {
+
+inline constexpr uint16_t kMagic = 0x464b;
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kFrameHeaderBytes = 8;
+inline constexpr uint32_t kDefaultMaxFrameBytes = 16 << 20;
+inline constexpr uint32_t kMaxNics = 64;
+inline constexpr uint32_t kMaxRegions = 1 << 16;
+inline constexpr uint32_t kMaxStringBytes = 4096;
+inline constexpr uint32_t kMaxNotifyBytes = 1 << 20;
+
+enum class MessageType : uint8_t {
+  kDescribe = 1,      // request: send me your descriptor
+  kDescriptor = 2,    // reply: EngineDescriptor
+  kConnect = 3,       // request: build a link (ConnectRequest)
+  kConnectReply = 4,  // reply: the passive side's link parameters
+  kNotify = 5,        // request: deliver a notification
+  kNotifyAck = 6,     // reply: delivered
+  kProbe = 7,         // request: are you there, who are you
+  kProbeReply = 8,    // reply
+  kError = 9,         // reply to any request: a status
+};
+const char* MessageTypeName(MessageType type);
+
+struct FrameHeader {
+  MessageType type;
+  uint32_t payload_bytes;
+};
+
+// The 8-byte header followed by `payload`.
+std::string EncodeFrame(MessageType type, absl::string_view payload);
+// Parses the first kFrameHeaderBytes of `header`.
+absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header,
+                                             uint32_t max_payload_bytes);
+
+// A region as a peer may use it.
+struct RegionDescriptor {
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  transport::Access access = transport::Access::kNone;
+  std::vector<transport::RemoteKey> keys;  // one per NIC of the descriptor
+};
+
+// Everything a peer needs: who the engine is (a random id that changes on
+// every start, so a restarted peer is recognised), its transport, NICs and
+// accessible regions.
+struct EngineDescriptor {
+  uint64_t engine_id = 0;
+  std::string transport_kind;
+  std::vector<transport::NicInfo> nics;
+  std::vector<RegionDescriptor> regions;
+};
+
+struct ConnectRequest {
+  uint64_t engine_id = 0;      // the requester
+  uint32_t requester_nic = 0;  // index in the requester's descriptor
+  transport::NicInfo requester_nic_info;
+  uint32_t target_nic = 0;     // index in the target's descriptor
+  std::string params;          // from Transport::CreateLink
+};
+
+struct ConnectReply {
+  std::string params;  // from Transport::AcceptLink
+};
+
+struct Notify {
+  uint64_t engine_id = 0;  // the sender
+  std::string payload;
+};
+
+struct Probe {
+  uint64_t engine_id = 0;
+  uint64_t nonce = 0;
+};
+
+std::string Encode(const EngineDescriptor& d);
+std::string Encode(const ConnectRequest& r);
+std::string Encode(const ConnectReply& r);
+std::string Encode(const Notify& n);
+std::string Encode(const Probe& p);
+// An error reply carries a status (never OK).
+std::string EncodeError(const absl::Status& status);
+
+absl::StatusOr<EngineDescriptor> DecodeDescriptor(absl::string_view payload);
+absl::StatusOr<ConnectRequest> DecodeConnectRequest(absl::string_view payload);
+absl::StatusOr<ConnectReply> DecodeConnectReply(absl::string_view payload);
+absl::StatusOr<Notify> DecodeNotify(absl::string_view payload);
+absl::StatusOr<Probe> DecodeProbe(absl::string_view payload);
+// Decodes an error payload into the status it carries (kDataLoss if the
+// payload itself is malformed).
+absl::Status DecodeError(absl::string_view payload);
+
+}  // namespace handshake
+}  // namespace kvferry
+
+#endif  // KVFERRY_HANDSHAKE_MESSAGES_H_

@@ -1,0 +1,216 @@
+#include "handshake/messages.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "handshake/wire.h"
+#include "sim/prng.h"
+#include "sim/seed.h"
+
+namespace kvferry {
+namespace handshake {
+namespace {
+
+EngineDescriptor SampleDescriptor() {
+  EngineDescriptor d;
+  d.engine_id = 0x1122334455667788ULL;
+  d.transport_kind = "tcp";
+  d.nics.push_back({"eth0", "10.0.0.1:15001", 0, 100'000'000'000, 1500});
+  d.nics.push_back({"eth1", "10.0.1.1:15002", 1, 0, 9000});
+  d.regions.push_back({0x7f0000001000, 4096, transport::Access::kRemoteWrite, {1, 2}});
+  d.regions.push_back({0x7f0000100000, 1 << 20, transport::Access::kRemoteReadWrite,
+                       {0xdeadbeefcafe, 3}});
+  return d;
+}
+
+TEST(Frame, RoundTripAndHeaderErrors) {
+  std::string frame = EncodeFrame(MessageType::kNotify, "abc");
+  ASSERT_EQ(frame.size(), kFrameHeaderBytes + 3);
+  auto h = ParseFrameHeader(frame, 1024);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->type, MessageType::kNotify);
+  EXPECT_EQ(h->payload_bytes, 3u);
+
+  EXPECT_EQ(ParseFrameHeader(frame.substr(0, 7), 1024).status().code(),
+            absl::StatusCode::kDataLoss);
+  std::string bad_magic = frame;
+  bad_magic[0] = 'X';
+  EXPECT_EQ(ParseFrameHeader(bad_magic, 1024).status().code(),
+            absl::StatusCode::kDataLoss);
+  std::string v2 = frame;
+  v2[2] = 2;
+  auto version = ParseFrameHeader(v2, 1024);
+  EXPECT_EQ(version.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(version.status().message().find("version 2"), std::string::npos);
+  std::string bad_type = frame;
+  bad_type[3] = 42;
+  EXPECT_EQ(ParseFrameHeader(bad_type, 1024).status().code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ParseFrameHeader(frame, 2).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST(Descriptor, RoundTrip) {
+  EngineDescriptor d = SampleDescriptor();
+  auto back = DecodeDescriptor(Encode(d));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->engine_id, d.engine_id);
+  EXPECT_EQ(back->transport_kind, "tcp");
+  ASSERT_EQ(back->nics.size(), 2u);
+  EXPECT_EQ(back->nics[1].address, "10.0.1.1:15002");
+  EXPECT_EQ(back->nics[1].numa_node, 1);
+  EXPECT_EQ(back->nics[1].mtu, 9000u);
+  ASSERT_EQ(back->regions.size(), 2u);
+  EXPECT_EQ(back->regions[1].addr, d.regions[1].addr);
+  EXPECT_EQ(back->regions[1].length, 1u << 20);
+  EXPECT_EQ(back->regions[1].access, transport::Access::kRemoteReadWrite);
+  EXPECT_EQ(back->regions[1].keys, d.regions[1].keys);
+}
+
+TEST(Descriptor, RejectsInconsistentOrExcessiveContent) {
+  EngineDescriptor d = SampleDescriptor();
+  d.regions[0].keys.pop_back();  // keys must match NICs
+  EXPECT_EQ(DecodeDescriptor(Encode(d)).status().code(), absl::StatusCode::kDataLoss);
+  d = SampleDescriptor();
+  d.regions[0].length = 0;
+  EXPECT_EQ(DecodeDescriptor(Encode(d)).status().code(), absl::StatusCode::kDataLoss);
+  d = SampleDescriptor();
+  d.regions[0].addr = ~uint64_t{0} - 10;  // wraps
+  EXPECT_EQ(DecodeDescriptor(Encode(d)).status().code(), absl::StatusCode::kDataLoss);
+  d = SampleDescriptor();
+  d.nics.clear();
+  d.regions.clear();
+  EXPECT_EQ(DecodeDescriptor(Encode(d)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // A region count above the limit is refused before any allocation.
+  std::string payload;
+  Writer w(&payload);
+  w.U64(1);
+  w.Bytes("tcp");
+  w.U32(1);
+  w.Bytes("eth0");
+  w.Bytes("a");
+  w.I32(-1);
+  w.U64(0);
+  w.U32(0);
+  w.U32(kMaxRegions + 1);
+  auto many = DecodeDescriptor(payload);
+  EXPECT_EQ(many.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(many.status().message().find("regions"), std::string::npos);
+  // Trailing garbage is malformed too.
+  EXPECT_EQ(DecodeDescriptor(Encode(SampleDescriptor()) + "x").status().code(),
+            absl::StatusCode::kDataLoss);
+}
+
+TEST(Messages, OthersRoundTrip) {
+  ConnectRequest c{7, 1, {"eth1", "addr", -1, 0, 0}, 2, std::string("\0\1\2", 3)};
+  auto c2 = DecodeConnectRequest(Encode(c));
+  ASSERT_TRUE(c2.ok());
+  EXPECT_EQ(c2->engine_id, 7u);
+  EXPECT_EQ(c2->requester_nic, 1u);
+  EXPECT_EQ(c2->requester_nic_info.name, "eth1");
+  EXPECT_EQ(c2->target_nic, 2u);
+  EXPECT_EQ(c2->params, c.params);
+  auto r = DecodeConnectReply(Encode(ConnectReply{"xyz"}));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->params, "xyz");
+  auto n = DecodeNotify(Encode(Notify{9, "done:42"}));
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(n->engine_id, 9u);
+  EXPECT_EQ(n->payload, "done:42");
+  auto p = DecodeProbe(Encode(Probe{5, 6}));
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->nonce, 6u);
+  absl::Status e = DecodeError(EncodeError(absl::NotFoundError("no region")));
+  EXPECT_EQ(e.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(e.message(), "no region");
+}
+
+TEST(Messages, EveryTruncationIsAnError) {
+  const std::vector<std::string> payloads = {
+      Encode(SampleDescriptor()),
+      Encode(ConnectRequest{7, 1, {"eth1", "addr", -1, 0, 0}, 2, "params"}),
+      Encode(Notify{9, "payload"}), Encode(Probe{1, 2}),
+      EncodeError(absl::InternalError("x"))};
+  for (size_t which = 0; which < payloads.size(); ++which) {
+    for (size_t len = 0; len < payloads[which].size(); ++len) {
+      absl::string_view cut(payloads[which].data(), len);
+      absl::Status s;
+      switch (which) {
+        case 0: s = DecodeDescriptor(cut).status(); break;
+        case 1: s = DecodeConnectRequest(cut).status(); break;
+        case 2: s = DecodeNotify(cut).status(); break;
+        case 3: s = DecodeProbe(cut).status(); break;
+        case 4: s = DecodeError(cut); EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss); continue;
+      }
+      EXPECT_FALSE(s.ok()) << "message " << which << " cut at " << len;
+    }
+  }
+}
+
+// A seeded corpus of mutated frames: decoding never crashes (ASan/UBSan
+// watch), and every outcome is either a value or a clear error.
+TEST(Messages, MutationCorpusNeverCrashes) {
+  const uint64_t seed = sim::TestSeed(20261129);
+  SCOPED_TRACE(sim::ReplayCommand(seed));
+  sim::Prng prng(seed);
+  const std::vector<std::string> base = {
+      Encode(SampleDescriptor()),
+      Encode(ConnectRequest{7, 1, {"eth1", "addr", -1, 0, 0}, 2, "params"}),
+      Encode(Notify{9, "payload"}), Encode(Probe{1, 2}),
+      EncodeError(absl::InternalError("x"))};
+  int errors = 0, values = 0;
+  for (int i = 0; i < 4000; ++i) {
+    std::string m = base[prng.Uniform(base.size())];
+    const int edits = 1 + prng.Uniform(4);
+    for (int e = 0; e < edits; ++e) {
+      switch (prng.Uniform(4)) {
+        case 0:  // flip a bit
+          if (!m.empty()) m[prng.Uniform(m.size())] ^= char(1 << prng.Uniform(8));
+          break;
+        case 1:  // set a byte to an extreme
+          if (!m.empty()) m[prng.Uniform(m.size())] = prng.Chance({1, 2}) ? '\xff' : '\0';
+          break;
+        case 2:  // truncate
+          m.resize(prng.Uniform(m.size() + 1));
+          break;
+        case 3:  // insert random bytes
+          m.insert(prng.Uniform(m.size() + 1), std::string(1 + prng.Uniform(8), char(prng.Next64())));
+          break;
+      }
+    }
+    std::string frame = EncodeFrame(MessageType(1 + prng.Uniform(9)), m);
+    if (prng.Chance({1, 4})) frame[prng.Uniform(kFrameHeaderBytes)] ^= 0x5a;
+    auto header = ParseFrameHeader(frame, kDefaultMaxFrameBytes);
+    if (!header.ok()) {
+      ++errors;
+      continue;
+    }
+    absl::string_view payload(frame.data() + kFrameHeaderBytes,
+                              frame.size() - kFrameHeaderBytes);
+    absl::Status s;
+    switch (header->type) {
+      case MessageType::kDescriptor: s = DecodeDescriptor(payload).status(); break;
+      case MessageType::kConnect: s = DecodeConnectRequest(payload).status(); break;
+      case MessageType::kConnectReply: s = DecodeConnectReply(payload).status(); break;
+      case MessageType::kNotify: s = DecodeNotify(payload).status(); break;
+      case MessageType::kProbe:
+      case MessageType::kProbeReply: s = DecodeProbe(payload).status(); break;
+      case MessageType::kError: s = DecodeError(payload); break;
+      default: s = absl::OkStatus(); break;
+    }
+    if (s.ok() || header->type == MessageType::kError) {
+      ++values;
+    } else {
+      ++errors;
+      EXPECT_FALSE(s.message().empty());
+    }
+  }
+  EXPECT_GT(errors, 1000);  // most mutations are caught
+  EXPECT_GT(values, 0);
+}
+
+}  // namespace
+}  // namespace handshake
+}  // namespace kvferry
