@@ -26,6 +26,28 @@ TEST(Mutex, SerialisesIncrements) {
   EXPECT_EQ(counter, 40000);
 }
 
+TEST(SharedMutex, ReadersShareWritersExclude) {
+  SharedMutex mu;
+  long value = 0;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 5000; ++i) {
+        WriterMutexLock lock(&mu);
+        ++value;
+      }
+    });
+    threads.emplace_back([&] {
+      for (int i = 0; i < 5000; ++i) {
+        ReaderMutexLock lock(&mu);
+        EXPECT_GE(value, 0);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(value, 10000);
+}
+
 TEST(CondVar, WakesWaiterAndTimesOut) {
   Mutex mu;
   CondVar cv;

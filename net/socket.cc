@@ -196,6 +196,9 @@ absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host,
   };
   bool in_use = false;
   if (port != 0) return ListenOn(with_port(port), backlog, &in_use);
+  if (range.first == 0 && range.last == 0) {
+    return ListenOn(with_port(0), backlog, &in_use);  // the kernel's choice
+  }
   if (range.first == 0 || range.last < range.first) {
     return absl::InvalidArgumentError(absl::StrCat(
         "bad port range ", range.first, "-", range.last));

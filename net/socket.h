@@ -86,7 +86,8 @@ struct ListeningSocket {
 // interfaces). `port` > 0: exactly that port. `port` == 0: the first free
 // port of `range`, starting at a per-process offset so that many engines
 // starting together rarely collide; a port is taken by binding it and
-// keeping the socket, so two engines never get the same one.
+// keeping the socket, so two engines never get the same one. A range of
+// {0, 0} lets the kernel pick any free port.
 // kResourceExhausted when the whole range is taken.
 absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host,
                                        uint16_t port, PortRange range,

@@ -57,8 +57,9 @@
 //                       transport's retry budget (peer crashed, NIC down,
 //                       partition), or an error completion with unknown data
 //                       state. Bytes of a WRITE may or may not have landed.
-//   kAborted            flushed: not executed because the link failed
-//                       earlier. Safe to retry on a new link.
+//   kAborted            flushed because the link failed earlier. Its data
+//                       may or may not have been placed; retry it on a new
+//                       link (a WRITE retried writes the same bytes again).
 //   kCancelled          the link was closed locally while the request was
 //                       outstanding.
 // Status codes, from calls:

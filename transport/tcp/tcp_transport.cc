@@ -1,0 +1,802 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "base/errno_status.h"
+#include "base/logging.h"
+#include "base/mutex.h"
+#include "base/status_macros.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the TCP transport's wire format assumes little-endian hosts");
+
+namespace kvferry {
+namespace transport {
+namespace {
+
+constexpr uint64_t kHelloMagic = 0x31305043'5446564bULL;  // "KVFTCP01"
+constexpr size_t kHelloBytes = 16;
+constexpr uint32_t kMaxErrorText = 1024;
+
+enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp = 4 };
+
+struct DataHeader {
+  uint8_t type = 0;
+  uint8_t status = 0;  // absl::StatusCode of an answer
+  uint16_t pad = 0;
+  uint32_t text_len = 0;  // error text following an answer that failed
+  uint64_t id = 0;
+  uint64_t remote_addr = 0;
+  uint64_t rkey = 0;
+  uint64_t length = 0;  // data bytes following (WRITE request, READ answer)
+};
+static_assert(sizeof(DataHeader) == 40, "wire header size");
+
+bool Inside(uint64_t addr, uint64_t len, uint64_t base, uint64_t size) {
+  return addr >= base && len <= size && addr - base <= size - len;
+}
+
+// The sanitizers' sendmsg interceptor checks the sent bytes after the call
+// returns, when a peer in the same process may already have completed the
+// request and freed the buffer; and ThreadSanitizer cannot see that bytes
+// handed to send() in one thread are what recv() returns in another. Under
+// ASan/TSan only, data is therefore copied to a private buffer before
+// sending, and (TSan) a release after every send / acquire after every
+// receive records the ordering the kernel provides.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVFERRY_SANITIZED_IO 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVFERRY_SANITIZED_IO 1
+#endif
+#if defined(KVFERRY_SANITIZED_IO)
+constexpr bool kCopyBeforeSend = true;
+#else
+constexpr bool kCopyBeforeSend = false;
+#endif
+#if defined(__SANITIZE_THREAD__)
+std::atomic<uint64_t> wire_epoch{0};
+void AfterSend() { wire_epoch.fetch_add(1, std::memory_order_release); }
+void AfterRecv() { (void)wire_epoch.load(std::memory_order_acquire); }
+#else
+void AfterSend() {}
+void AfterRecv() {}
+#endif
+
+// Blocking whole-buffer I/O for the link threads; shutdown() unblocks them.
+absl::Status RecvAll(int fd, void* data, size_t n) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+    } else if (r == 0) {
+      return absl::UnavailableError("peer closed the connection");
+    } else if (errno != EINTR) {
+      return absl::UnavailableError(ErrnoError(errno, "recv").message());
+    }
+  }
+  AfterRecv();
+  return absl::OkStatus();
+}
+
+absl::Status SendAll(int fd, iovec* iov, int count) {
+  std::string copy;
+  iovec flat;
+  if (kCopyBeforeSend) {
+    for (int i = 0; i < count; ++i) {
+      copy.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+    }
+    flat = {copy.data(), copy.size()};
+    iov = &flat;
+    count = 1;
+  }
+  while (count > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(count);
+    const ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return absl::UnavailableError(ErrnoError(errno, "send").message());
+    }
+    size_t left = static_cast<size_t>(w);
+    while (count > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  AfterSend();
+  return absl::OkStatus();
+}
+
+absl::Status Drain(int fd, uint64_t n) {
+  char scratch[16384];
+  while (n > 0) {
+    const size_t chunk = std::min<uint64_t>(n, sizeof scratch);
+    RETURN_IF_ERROR(RecvAll(fd, scratch, chunk));
+    n -= chunk;
+  }
+  return absl::OkStatus();
+}
+
+std::string TokenBytes(uint64_t token) {
+  std::string s(8, '\0');
+  std::memcpy(&s[0], &token, 8);
+  return s;
+}
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(TcpTransportOptions options) : options_(std::move(options)) {}
+  ~TcpTransport() override;
+
+  absl::Status Start();
+
+  EndpointDescription LocalEndpoint() const override;
+  Limits GetLimits() const override {
+    return Limits{options_.max_outstanding_per_link, options_.max_request_bytes,
+                  options_.max_region_bytes};
+  }
+  absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
+                                        Access access) override;
+  absl::Status UnregisterMemory(RegionId region) override;
+  absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic,
+                                       const NicInfo& peer_nic) override;
+  absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
+                                       absl::string_view peer_params) override;
+  absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
+  absl::Status CloseLink(LinkId link) override;
+  absl::Status Post(absl::Span<const WorkRequest> batch) override;
+  size_t PollCompletions(absl::Span<Completion> out) override;
+  size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+
+ private:
+  struct RegionEntry {
+    Region region;
+    std::atomic<uint64_t> local_uses{0};
+  };
+  // Something for a link's writer to send.
+  struct Job {
+    DataHeader header;
+    const void* data = nullptr;  // request data (WRITE) from a pinned local buffer
+    std::string text;            // error text of a refused request
+    bool read_answer = false;    // send region bytes, re-checked under the lock
+    bool close_after = false;    // the responder refused: close the connection
+  };
+  struct Link {
+    enum class State { kPending, kEstablished, kError };
+    LinkId id = 0;
+    net::Fd fd;
+    State state = State::kPending;
+    uint64_t token = 0;
+    uint64_t next_id = 0;
+    std::map<uint64_t, WorkRequest> outstanding;
+    std::deque<Job> jobs;
+    bool stopping = false;
+    bool writer_busy = false;
+    CondVar cv;  // jobs arrived / stopping / writer idle
+    std::thread reader;
+    std::thread writer;
+  };
+  struct CqEntry {
+    Completion completion;
+    RegionId region;
+  };
+
+  void AcceptLoop();
+  void ReaderLoop(std::shared_ptr<Link> link);
+  void WriterLoop(std::shared_ptr<Link> link);
+  absl::Status SendJob(Link& link, Job& job);
+  // Responder side: executes a peer's request; returns the answer to send.
+  Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
+  absl::Status CheckRemote(const DataHeader& h, bool write, char** target)
+      ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
+  // Requester side: an answer to one of our requests.
+  absl::Status OnAnswer(Link& link, const DataHeader& h);
+  void FailLink(Link& link, absl::Status first, uint64_t first_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StopAndJoin(const std::shared_ptr<Link>& link);
+  void CompleteLocked(const WorkRequest& wr, absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateLocked(const WorkRequest& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
+      ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
+
+  const TcpTransportOptions options_;
+  net::ListeningSocket listener_;
+  std::string advertised_;
+  std::thread accept_thread_;
+  std::atomic<bool> stopping_{false};
+
+  SharedMutex regions_mu_;
+  RegionId last_region_ ABSL_GUARDED_BY(regions_mu_) = 0;
+  absl::flat_hash_map<RegionId, std::unique_ptr<RegionEntry>> regions_
+      ABSL_GUARDED_BY(regions_mu_);
+  absl::flat_hash_map<RemoteKey, RegionEntry*> by_key_ ABSL_GUARDED_BY(regions_mu_);
+
+  Mutex mu_;
+  CondVar cq_cv_;
+  CondVar accept_cv_;
+  LinkId last_link_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<LinkId, std::shared_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
+  struct PendingAccept {
+    net::Fd fd;
+    absl::Time arrived;
+  };
+  absl::flat_hash_map<uint64_t, PendingAccept> pending_ ABSL_GUARDED_BY(mu_);
+  std::deque<CqEntry> cq_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::Status TcpTransport::Start() {
+  ASSIGN_OR_RETURN(listener_, net::Listen(options_.bind_host, options_.port,
+                                          options_.port_range));
+  std::string host = options_.advertise_host;
+  if (host.empty()) {
+    if (options_.bind_host == "0.0.0.0" || options_.bind_host == "::") {
+      return absl::InvalidArgumentError(
+          "the TCP transport binds every interface; say which address to "
+          "advertise (advertise_host)");
+    }
+    host = options_.bind_host;
+  }
+  advertised_ = net::HostPort{host, listener_.address.port()}.ToString();
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  KVF_LOG(DEBUG) << "tcp transport listening on " << listener_.address.ToString()
+                 << ", advertised as " << advertised_;
+  return absl::OkStatus();
+}
+
+TcpTransport::~TcpTransport() {
+  stopping_ = true;
+  ::shutdown(listener_.fd.get(), SHUT_RDWR);  // wakes the accept loop
+  if (accept_thread_.joinable()) accept_thread_.join();
+  std::vector<std::shared_ptr<Link>> links;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [id, link] : links_) links.push_back(link);
+    links_.clear();
+    pending_.clear();
+  }
+  for (auto& link : links) StopAndJoin(link);
+}
+
+EndpointDescription TcpTransport::LocalEndpoint() const {
+  EndpointDescription d;
+  d.kind = "tcp";
+  NicInfo nic;
+  nic.name = "tcp";
+  nic.address = advertised_;
+  d.nics.push_back(nic);
+  return d;
+}
+
+void TcpTransport::AcceptLoop() {
+  while (!stopping_) {
+    auto fd = net::Accept(listener_.fd.get(), absl::Seconds(1));
+    if (stopping_) return;
+    if (!fd.ok()) {
+      if (fd.status().code() != absl::StatusCode::kDeadlineExceeded) {
+        KVF_LOG(WARNING) << "tcp transport: " << fd.status();
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+      continue;
+    }
+    char hello[kHelloBytes];
+    absl::Status read = net::ReadFull(fd->get(), hello, kHelloBytes,
+                                      absl::Now() + absl::Seconds(2));
+    uint64_t magic, token;
+    std::memcpy(&magic, hello, 8);
+    std::memcpy(&token, hello + 8, 8);
+    if (!read.ok() || magic != kHelloMagic) {
+      KVF_LOG(WARNING) << "tcp transport: dropped a connection without a valid hello"
+                       << (read.ok() ? "" : ": ") << (read.ok() ? "" : read.ToString());
+      continue;
+    }
+    MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      // Never claimed by AcceptLink: the peer gave up on the handshake.
+      auto stale = it++;
+      if (now - stale->second.arrived > absl::Seconds(30)) pending_.erase(stale);
+    }
+    pending_[token] = PendingAccept{std::move(*fd), now};
+    accept_cv_.SignalAll();
+  }
+}
+
+absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
+                                                    Access access) {
+  if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
+  if (length == 0) return absl::InvalidArgumentError("RegisterMemory: zero length");
+  if (length > options_.max_region_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "RegisterMemory: ", length, " bytes exceeds the limit of ",
+        options_.max_region_bytes));
+  }
+  const uint64_t base = reinterpret_cast<uintptr_t>(addr);
+  if (base + length < base) return absl::InvalidArgumentError("RegisterMemory: range wraps");
+  WriterMutexLock lock(&regions_mu_);
+  auto entry = std::make_unique<RegionEntry>();
+  Region& r = entry->region;
+  r.id = ++last_region_;
+  r.addr = base;
+  r.length = length;
+  r.access = access;
+  RemoteKey key;
+  do {
+    key = net::RandomU64();
+  } while (key == 0 || by_key_.contains(key));
+  r.keys = {key};
+  by_key_[key] = entry.get();
+  Region out = r;
+  regions_.emplace(r.id, std::move(entry));
+  return out;
+}
+
+absl::Status TcpTransport::UnregisterMemory(RegionId region) {
+  WriterMutexLock lock(&regions_mu_);
+  auto it = regions_.find(region);
+  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("unknown region ", region));
+  if (const uint64_t uses = it->second->local_uses.load(); uses != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "region ", region, " is used by ", uses, " outstanding request(s)"));
+  }
+  by_key_.erase(it->second->region.keys[0]);
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
+                                                   const NicInfo& peer_nic) {
+  if (local_nic != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
+  }
+  absl::StatusOr<net::HostPort> peer = net::ParseHostPort(peer_nic.address);
+  if (!peer.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a TCP NIC address: ", peer.status().message()));
+  }
+  ASSIGN_OR_RETURN(net::Fd fd, net::Connect(*peer, options_.connect_timeout));
+  RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
+  RETURN_IF_ERROR(net::SetKeepAlive(fd.get(), options_.dead_peer_timeout));
+  const uint64_t token = net::RandomU64();
+  char hello[kHelloBytes];
+  std::memcpy(hello, &kHelloMagic, 8);
+  std::memcpy(hello + 8, &token, 8);
+  RETURN_IF_ERROR(net::WriteFull(fd.get(), hello, kHelloBytes,
+                                 absl::Now() + options_.connect_timeout));
+  auto link = std::make_shared<Link>();
+  link->fd = std::move(fd);
+  link->token = token;
+  MutexLock lock(&mu_);
+  link->id = ++last_link_;
+  links_[link->id] = link;
+  return LinkOffer{link->id, TokenBytes(token)};
+}
+
+absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
+                                                   const NicInfo& peer_nic,
+                                                   absl::string_view peer_params) {
+  (void)peer_nic;
+  if (local_nic != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
+  }
+  if (peer_params.size() != 8) {
+    return absl::InvalidArgumentError("AcceptLink: malformed link parameters");
+  }
+  uint64_t token;
+  std::memcpy(&token, peer_params.data(), 8);
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  auto link = std::make_shared<Link>();
+  {
+    MutexLock lock(&mu_);
+    while (!pending_.contains(token)) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return absl::UnavailableError(
+            "AcceptLink: the peer's data connection never arrived");
+      }
+      accept_cv_.WaitWithTimeout(&mu_, left);
+    }
+    auto node = pending_.extract(token);
+    link->fd = std::move(node.mapped().fd);
+    link->token = token;
+    link->id = ++last_link_;
+    link->state = Link::State::kEstablished;
+    links_[link->id] = link;
+  }
+  (void)net::SetNoDelay(link->fd.get());
+  (void)net::SetKeepAlive(link->fd.get(), options_.dead_peer_timeout);
+  link->reader = std::thread([this, link] { ReaderLoop(link); });
+  link->writer = std::thread([this, link] { WriterLoop(link); });
+  return LinkOffer{link->id, TokenBytes(token)};
+}
+
+absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
+  std::shared_ptr<Link> link;
+  {
+    MutexLock lock(&mu_);
+    auto it = links_.find(id);
+    if (it == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
+    link = it->second;
+    if (link->state != Link::State::kPending) {
+      return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
+    }
+    if (peer_params != TokenBytes(link->token)) {
+      return absl::InvalidArgumentError("CompleteLink: malformed link parameters");
+    }
+    link->state = Link::State::kEstablished;
+  }
+  link->reader = std::thread([this, link] { ReaderLoop(link); });
+  link->writer = std::thread([this, link] { WriterLoop(link); });
+  return absl::OkStatus();
+}
+
+void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
+  {
+    MutexLock lock(&mu_);
+    link->stopping = true;
+    link->cv.SignalAll();
+  }
+  ::shutdown(link->fd.get(), SHUT_RDWR);
+  if (link->reader.joinable()) link->reader.join();
+  if (link->writer.joinable()) link->writer.join();
+}
+
+absl::Status TcpTransport::CloseLink(LinkId id) {
+  std::shared_ptr<Link> link;
+  {
+    MutexLock lock(&mu_);
+    auto it = links_.find(id);
+    if (it == links_.end()) return absl::NotFoundError(absl::StrCat("unknown link ", id));
+    link = it->second;
+    links_.erase(it);
+  }
+  // Nothing touches request buffers once both threads are gone.
+  StopAndJoin(link);
+  MutexLock lock(&mu_);
+  for (const auto& [rid, wr] : link->outstanding) {
+    CompleteLocked(wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
+  }
+  link->outstanding.clear();
+  return absl::OkStatus();
+}
+
+absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
+  if (wr.opcode != Opcode::kWrite && wr.opcode != Opcode::kRead) {
+    return absl::InvalidArgumentError("unknown opcode");
+  }
+  auto link = links_.find(wr.link);
+  if (link == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", wr.link));
+  if (link->second->state == Link::State::kPending) {
+    return absl::FailedPreconditionError(absl::StrCat("link ", wr.link, " is not established"));
+  }
+  if (link->second->state == Link::State::kError) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("link ", wr.link, " is in the error state; open a new one"));
+  }
+  if (wr.length > options_.max_request_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request of ", wr.length, " bytes exceeds the limit of ", options_.max_request_bytes));
+  }
+  auto region = regions_.find(wr.local_region);
+  if (region == regions_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
+  }
+  const Region& r = region->second->region;
+  const uint64_t addr = reinterpret_cast<uintptr_t>(wr.local_addr);
+  if (wr.length > 0 && !Inside(addr, wr.length, r.addr, r.length)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "local range [%#x, +%u) lies outside region %u [%#x, +%u)", addr, wr.length,
+        r.id, r.addr, r.length));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
+  MutexLock lock(&mu_);
+  ReaderMutexLock regions(&regions_mu_);
+  std::vector<std::pair<LinkId, uint32_t>> per_link;
+  for (const WorkRequest& wr : batch) {
+    RETURN_IF_ERROR(ValidateLocked(wr));
+    auto it = std::find_if(per_link.begin(), per_link.end(),
+                           [&](const auto& e) { return e.first == wr.link; });
+    if (it == per_link.end()) {
+      per_link.emplace_back(wr.link, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  for (const auto& [id, count] : per_link) {
+    const Link& link = *links_.at(id);
+    if (link.outstanding.size() + count > options_.max_outstanding_per_link) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "link ", id, " would have ", link.outstanding.size() + count,
+          " outstanding requests; the limit is ", options_.max_outstanding_per_link));
+    }
+  }
+  for (const WorkRequest& wr : batch) {
+    Link& link = *links_.at(wr.link);
+    regions_.at(wr.local_region)->local_uses.fetch_add(1);
+    const uint64_t rid = link.next_id++;
+    link.outstanding.emplace(rid, wr);
+    Job job;
+    job.header.type = wr.opcode == Opcode::kWrite ? kWriteReq : kReadReq;
+    job.header.id = rid;
+    job.header.remote_addr = wr.remote_addr;
+    job.header.rkey = wr.remote_key;
+    job.header.length = wr.length;
+    if (wr.opcode == Opcode::kWrite) job.data = wr.local_addr;
+    link.jobs.push_back(std::move(job));
+    link.cv.SignalAll();
+  }
+  return absl::OkStatus();
+}
+
+void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
+  cq_.push_back(CqEntry{Completion{wr.cookie, std::move(status)}, wr.local_region});
+  cq_cv_.SignalAll();
+}
+
+void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
+  if (link.state == Link::State::kError) return;
+  link.state = Link::State::kError;
+  link.stopping = true;
+  link.jobs.clear();
+  link.cv.SignalAll();
+  ::shutdown(link.fd.get(), SHUT_RDWR);
+  // The writer may be sending from a request buffer: wait until it is not,
+  // so no buffer is read after its request has been completed.
+  while (link.writer_busy) link.cv.Wait(&mu_);
+  const std::string reason(first.message());
+  auto it = link.outstanding.find(first_id);
+  if (it == link.outstanding.end()) it = link.outstanding.begin();
+  if (it != link.outstanding.end()) {
+    CompleteLocked(it->second, std::move(first));
+    link.outstanding.erase(it);
+  }
+  for (const auto& [rid, wr] : link.outstanding) {
+    CompleteLocked(wr, absl::AbortedError(absl::StrCat(
+                           "flushed: link ", link.id, " failed earlier: ", reason)));
+  }
+  link.outstanding.clear();
+}
+
+void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
+  for (;;) {
+    Job job;
+    {
+      MutexLock lock(&mu_);
+      while (link->jobs.empty() && !link->stopping) link->cv.Wait(&mu_);
+      if (link->stopping) return;
+      job = std::move(link->jobs.front());
+      link->jobs.pop_front();
+      link->writer_busy = true;
+    }
+    absl::Status sent = SendJob(*link, job);
+    {
+      MutexLock lock(&mu_);
+      link->writer_busy = false;
+      link->cv.SignalAll();
+    }
+    if (!sent.ok() || job.close_after) {
+      // The reader sees the connection end and fails the link.
+      ::shutdown(link->fd.get(), job.close_after ? SHUT_WR : SHUT_RDWR);
+      return;
+    }
+  }
+}
+
+absl::Status TcpTransport::SendJob(Link& link, Job& job) {
+  iovec iov[3];
+  int n = 0;
+  if (!job.read_answer) {
+    job.header.text_len = static_cast<uint32_t>(job.text.size());
+    iov[n++] = {&job.header, sizeof job.header};
+    if (!job.text.empty()) iov[n++] = {job.text.data(), job.text.size()};
+    if (job.data != nullptr && job.header.length > 0) {
+      iov[n++] = {const_cast<void*>(job.data), job.header.length};
+    }
+    return SendAll(link.fd.get(), iov, n);
+  }
+  // A READ answer: the region may have been unregistered since the request
+  // was checked, so check again and send while holding the lock.
+  ReaderMutexLock lock(&regions_mu_);
+  char* source = nullptr;
+  DataHeader request = job.header;
+  request.type = kReadReq;
+  absl::Status ok = CheckRemote(request, /*write=*/false, &source);
+  if (!ok.ok()) {
+    job.header.status = static_cast<uint8_t>(ok.code());
+    job.header.length = 0;
+    job.text = std::string(ok.message().substr(0, kMaxErrorText));
+    job.header.text_len = static_cast<uint32_t>(job.text.size());
+    iov[n++] = {&job.header, sizeof job.header};
+    iov[n++] = {job.text.data(), job.text.size()};
+    RETURN_IF_ERROR(SendAll(link.fd.get(), iov, n));
+    return absl::AbortedError("refused a READ");  // close the connection
+  }
+  iov[n++] = {&job.header, sizeof job.header};
+  if (job.header.length > 0) iov[n++] = {source, job.header.length};
+  return SendAll(link.fd.get(), iov, n);
+}
+
+absl::Status TcpTransport::CheckRemote(const DataHeader& h, bool write, char** target) {
+  auto it = by_key_.find(h.rkey);
+  if (it == by_key_.end()) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("remote access error: unknown key %#x", h.rkey));
+  }
+  const Region& r = it->second->region;
+  if (write ? !AllowsRemoteWrite(r.access) : !AllowsRemoteRead(r.access)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "remote access error: region does not allow remote ", write ? "write" : "read"));
+  }
+  if (!Inside(h.remote_addr, h.length, r.addr, r.length)) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "remote access error: range [%#x, +%u) outside region [%#x, +%u)", h.remote_addr,
+        h.length, r.addr, r.length));
+  }
+  *target = reinterpret_cast<char*>(h.remote_addr);
+  return absl::OkStatus();
+}
+
+TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
+                                        absl::Status* stream_error) {
+  const bool write = h.type == kWriteReq;
+  Job answer;
+  answer.header.type = write ? kWriteAck : kReadResp;
+  answer.header.id = h.id;
+  absl::Status refused;
+  if (h.length > 0) {
+    ReaderMutexLock lock(&regions_mu_);
+    char* target = nullptr;
+    refused = CheckRemote(h, write, &target);
+    if (refused.ok() && write) {
+      // Straight into the region: no intermediate buffer.
+      *stream_error = RecvAll(link.fd.get(), target, h.length);
+    }
+  }
+  if (!refused.ok()) {
+    if (write) *stream_error = Drain(link.fd.get(), h.length);
+    answer.header.status = static_cast<uint8_t>(refused.code());
+    answer.text = std::string(refused.message().substr(0, kMaxErrorText));
+    answer.close_after = true;  // like an RC responder entering the error state
+    return answer;
+  }
+  if (!write) {
+    answer.read_answer = true;
+    answer.header.remote_addr = h.remote_addr;
+    answer.header.rkey = h.rkey;
+    answer.header.length = h.length;
+  }
+  return answer;
+}
+
+absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
+  WorkRequest wr;
+  {
+    MutexLock lock(&mu_);
+    auto it = link.outstanding.find(h.id);
+    if (it == link.outstanding.end()) {
+      return absl::DataLossError(absl::StrCat("answer for unknown request ", h.id));
+    }
+    wr = it->second;
+  }
+  if (h.status != 0) {
+    std::string text(std::min(h.text_len, kMaxErrorText), '\0');
+    RETURN_IF_ERROR(RecvAll(link.fd.get(), text.data(), text.size()));
+    MutexLock lock(&mu_);
+    FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
+    return absl::OkStatus();
+  }
+  if (h.type == kReadResp) {
+    if (h.length != wr.length) {
+      return absl::DataLossError("READ answer of the wrong length");
+    }
+    // Straight into the caller's buffer, which stays pinned until completion.
+    RETURN_IF_ERROR(RecvAll(link.fd.get(), wr.local_addr, h.length));
+  }
+  MutexLock lock(&mu_);
+  if (link.outstanding.erase(h.id) == 1) CompleteLocked(wr, absl::OkStatus());
+  return absl::OkStatus();
+}
+
+void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
+  absl::Status error;
+  for (;;) {
+    DataHeader h;
+    error = RecvAll(link->fd.get(), &h, sizeof h);
+    if (!error.ok()) break;
+    if (h.type == kWriteReq || h.type == kReadReq) {
+      absl::Status stream;
+      Job answer = Execute(*link, h, &stream);
+      if (!stream.ok()) {
+        error = stream;
+        break;
+      }
+      MutexLock lock(&mu_);
+      if (link->stopping) break;
+      link->jobs.push_back(std::move(answer));
+      link->cv.SignalAll();
+    } else if (h.type == kWriteAck || h.type == kReadResp) {
+      error = OnAnswer(*link, h);
+      if (!error.ok()) break;
+    } else {
+      error = absl::DataLossError(absl::StrCat("unknown message type ", h.type));
+      break;
+    }
+  }
+  MutexLock lock(&mu_);
+  // Closed here (CloseLink, destruction) or already failed: nothing to do.
+  if (link->stopping) return;
+  FailLink(*link,
+           absl::UnavailableError(absl::StrCat("connection to peer lost on link ",
+                                               link->id, ": ", error.message())),
+           link->outstanding.empty() ? 0 : link->outstanding.begin()->first);
+}
+
+size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
+  MutexLock lock(&mu_);
+  ReaderMutexLock regions(&regions_mu_);
+  size_t n = 0;
+  while (n < out.size() && !cq_.empty()) {
+    CqEntry& e = cq_.front();
+    auto region = regions_.find(e.region);
+    if (region != regions_.end()) region->second->local_uses.fetch_sub(1);
+    out[n++] = std::move(e.completion);
+    cq_.pop_front();
+  }
+  return n;
+}
+
+size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
+  {
+    MutexLock lock(&mu_);
+    const absl::Time deadline = absl::Now() + timeout;
+    while (cq_.empty()) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) break;
+      cq_cv_.WaitWithTimeout(&mu_, std::min(left, absl::Hours(1)));
+    }
+  }
+  return PollCompletions(out);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(TcpTransportOptions options) {
+  if (options.max_outstanding_per_link == 0 || options.max_request_bytes == 0 ||
+      options.max_region_bytes == 0) {
+    return absl::InvalidArgumentError("TCP transport limits must be positive");
+  }
+  auto t = std::make_unique<TcpTransport>(std::move(options));
+  RETURN_IF_ERROR(t->Start());
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace transport
+}  // namespace kvferry

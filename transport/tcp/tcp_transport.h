@@ -1,0 +1,59 @@
+// A Transport over TCP sockets, for machines without RDMA.
+//
+// One-sided semantics are emulated by the peer's transport: every link is a
+// TCP connection with a reader and a writer thread at each end. The
+// responder's reader checks key, bounds and access before touching memory,
+// receives WRITE data straight into the target region, and its writer sends
+// READ data straight from the region (no intermediate copies). Several links
+// to one peer give several connections; the engine opens them.
+//
+// The transport has one NIC: the data listener it binds (`bind_host`,
+// advertised as `advertise_host`, or the bound address when that is empty).
+// Peers connect to it on CreateLink; the link parameters carry a random
+// token that pairs the accepted connection with the peer's AcceptLink.
+//
+// After a remote access error the responder stops executing on that
+// connection and closes it, as an RC queue pair would enter the error state.
+// A dead peer is noticed by EOF/RST at once, or by TCP keepalive and
+// TCP_USER_TIMEOUT within `dead_peer_timeout` when its host vanished.
+//
+// Thread-safe. Wire format: host byte order, little-endian hosts only.
+#ifndef KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_H_
+#define KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "net/socket.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace transport {
+
+struct TcpTransportOptions {
+  // Address the data listener binds ("0.0.0.0"/"::" for every interface).
+  std::string bind_host = "127.0.0.1";
+  // Address peers are told to connect to; empty: the bound address (must
+  // then not be a wildcard).
+  std::string advertise_host;
+  // Data port; 0 picks one in `port_range` ({0, 0}: any free port).
+  uint16_t port = 0;
+  net::PortRange port_range{0, 0};
+  absl::Duration connect_timeout = absl::Seconds(5);
+  absl::Duration dead_peer_timeout = absl::Seconds(10);
+  uint32_t max_outstanding_per_link = 4096;
+  uint64_t max_request_bytes = uint64_t{1} << 32;
+  uint64_t max_region_bytes = uint64_t{1} << 44;
+};
+
+// Creates a TCP transport and starts its listener. kInvalidArgument for a
+// wildcard bind without an advertise address; errors from binding.
+absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(
+    TcpTransportOptions options);
+
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_H_
