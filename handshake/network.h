@@ -1,0 +1,66 @@
+// The network the handshake runs on: a request/reply service per engine and
+// calls to other engines' services. Implemented over TCP (tcp_network.h) and
+// over the simulated fabric (sim_network.h), so the same engine code
+// handshakes in production and inside the deterministic simulator.
+#ifndef KVFERRY_HANDSHAKE_NETWORK_H_
+#define KVFERRY_HANDSHAKE_NETWORK_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "handshake/messages.h"
+
+namespace kvferry {
+namespace handshake {
+
+struct Frame {
+  MessageType type = MessageType::kError;
+  std::string payload;
+};
+
+// Answers one request. Runs on a server thread (TCP) or in a simulator
+// event (sim); must not block for long.
+using Handler = std::function<Frame(const Frame& request)>;
+
+// A running service; stops serving when destroyed.
+class Server {
+ public:
+  virtual ~Server() = default;
+  // "host:port" as peers should name it.
+  virtual std::string address() const = 0;
+};
+
+struct ServeOptions {
+  std::string bind_host;       // IP to bind; "0.0.0.0"/"::" = all interfaces
+  std::string advertise_host;  // what address() reports; empty: bind_host
+  uint16_t port = 0;           // 0: first free port of the range
+  uint16_t first_port = 15000;
+  uint16_t last_port = 17000;
+};
+
+class Network {
+ public:
+  virtual ~Network() = default;
+  // Starts serving `handler`.
+  virtual absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions& options,
+                                                        Handler handler) = 0;
+  // Sends `request` to the service at `peer` ("host:port") and returns its
+  // reply (a kError reply is returned as its status). kUnavailable when the
+  // peer cannot be reached, kDeadlineExceeded when it does not answer in
+  // `timeout`.
+  virtual absl::StatusOr<Frame> Call(const std::string& peer, const Frame& request,
+                                     absl::Duration timeout) = 0;
+};
+
+// An error reply frame carrying `status`.
+inline Frame ErrorFrame(const absl::Status& status) {
+  return Frame{MessageType::kError, EncodeError(status)};
+}
+
+}  // namespace handshake
+}  // namespace kvferry
+
+#endif  // KVFERRY_HANDSHAKE_NETWORK_H_

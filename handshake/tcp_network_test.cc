@@ -1,0 +1,178 @@
+#include "handshake/tcp_network.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "base/logging.h"
+#include "gtest/gtest.h"
+#include "net/socket.h"
+#include "sim/prng.h"
+#include "sim/seed.h"
+
+namespace kvferry {
+namespace handshake {
+namespace {
+
+ServeOptions Loopback() {
+  ServeOptions o;
+  o.bind_host = "127.0.0.1";
+  o.first_port = 15000;
+  o.last_port = 17000;
+  return o;
+}
+
+// Echoes probes; refuses everything else with kNotFound.
+Frame EchoHandler(const Frame& request) {
+  if (request.type != MessageType::kProbe) {
+    return ErrorFrame(absl::NotFoundError("only probes here"));
+  }
+  return Frame{MessageType::kProbeReply, request.payload};
+}
+
+TEST(TcpNetwork, CallGetsTheReplyAndErrorsAsStatus) {
+  auto network = NewTcpNetwork();
+  auto server = network->Serve(Loopback(), EchoHandler);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->address().rfind("127.0.0.1:", 0), 0u);
+  for (int i = 0; i < 3; ++i) {  // the second and third reuse the connection
+    auto reply = network->Call((*server)->address(),
+                               Frame{MessageType::kProbe, Encode(Probe{1, uint64_t(i)})},
+                               absl::Seconds(2));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->type, MessageType::kProbeReply);
+    EXPECT_EQ(DecodeProbe(reply->payload)->nonce, uint64_t(i));
+  }
+  auto refused = network->Call((*server)->address(), Frame{MessageType::kDescribe, ""},
+                               absl::Seconds(2));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(refused.status().message(), "only probes here");
+}
+
+TEST(TcpNetwork, Ipv6Loopback) {
+  auto network = NewTcpNetwork();
+  ServeOptions o = Loopback();
+  o.bind_host = "::1";
+  auto server = network->Serve(o, EchoHandler);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->address().rfind("[::1]:", 0), 0u);
+  auto reply = network->Call((*server)->address(),
+                             Frame{MessageType::kProbe, Encode(Probe{1, 2})}, absl::Seconds(2));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+}
+
+TEST(TcpNetwork, PeerNotListeningIsUnavailableWithinTheTimeout) {
+  uint16_t port;
+  {
+    auto s = net::Listen("127.0.0.1", 0, {16900, 16999});
+    ASSERT_TRUE(s.ok());
+    port = s->address.port();
+  }
+  auto network = NewTcpNetwork();
+  const absl::Time start = absl::Now();
+  auto r = network->Call("127.0.0.1:" + std::to_string(port), Frame{MessageType::kProbe, ""},
+                         absl::Seconds(2));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(r.status().message().find(std::to_string(port)), std::string::npos);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+}
+
+TEST(TcpNetwork, SilentPeerTimesOut) {
+  // Accepts (the kernel does) but never answers.
+  auto silent = net::Listen("127.0.0.1", 0, {16900, 16999});
+  ASSERT_TRUE(silent.ok());
+  auto network = NewTcpNetwork();
+  const absl::Time start = absl::Now();
+  auto r = network->Call(silent->address.ToString(),
+                         Frame{MessageType::kProbe, Encode(Probe{1, 1})},
+                         absl::Milliseconds(300));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+}
+
+// Sends raw bytes on a fresh connection and returns what comes back (until
+// the server closes or 1 s passes).
+std::string RawExchange(const std::string& address, const std::string& bytes) {
+  auto hp = net::ParseHostPort(address);
+  auto fd = net::Connect(*hp, absl::Seconds(1));
+  if (!fd.ok()) return "connect failed";
+  (void)net::WriteFull(fd->get(), bytes.data(), bytes.size(), absl::Now() + absl::Seconds(1));
+  ::shutdown(fd->get(), SHUT_WR);
+  std::string out;
+  char buf[256];
+  for (;;) {
+    absl::Status s = net::ReadFull(fd->get(), buf, 1, absl::Now() + absl::Seconds(1));
+    if (!s.ok()) break;
+    out.push_back(buf[0]);
+  }
+  return out;
+}
+
+TEST(TcpNetwork, MalformedFramesAreRefusedAndTheServerKeepsServing) {
+  std::vector<std::string> logged;
+  SetLogSink([&](LogSeverity, absl::string_view line) { logged.emplace_back(line); });
+  auto network = NewTcpNetwork();
+  auto server = network->Serve(Loopback(), EchoHandler);
+  ASSERT_TRUE(server.ok());
+  const std::string address = (*server)->address();
+
+  // Bad magic: an error reply naming the problem, then the connection ends.
+  std::string reply = RawExchange(address, "GET / HTTP/1.1\r\n\r\n");
+  ASSERT_GE(reply.size(), kFrameHeaderBytes);
+  auto header = ParseFrameHeader(reply, kDefaultMaxFrameBytes);
+  ASSERT_TRUE(header.ok());
+  EXPECT_EQ(header->type, MessageType::kError);
+  absl::Status carried = DecodeError(reply.substr(kFrameHeaderBytes));
+  EXPECT_EQ(carried.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(carried.message().find("not a kvferry handshake frame"), std::string::npos);
+
+  // A frame claiming 1 GiB is refused before anything is allocated.
+  std::string huge = EncodeFrame(MessageType::kProbe, "");
+  huge[4] = huge[5] = huge[6] = '\0';
+  huge[7] = 0x40;
+  reply = RawExchange(address, huge);
+  ASSERT_GE(reply.size(), kFrameHeaderBytes);
+  EXPECT_EQ(DecodeError(reply.substr(kFrameHeaderBytes)).code(),
+            absl::StatusCode::kResourceExhausted);
+
+  // A seeded corpus of mutated and truncated frames.
+  const uint64_t seed = sim::TestSeed(7);
+  SCOPED_TRACE(sim::ReplayCommand(seed));
+  sim::Prng prng(seed);
+  const std::string good = EncodeFrame(MessageType::kProbe, Encode(Probe{3, 4}));
+  for (int i = 0; i < 2000; ++i) {
+    std::string m = good;
+    switch (prng.Uniform(3)) {
+      case 0:
+        m[prng.Uniform(m.size())] ^= char(1 << prng.Uniform(8));
+        break;
+      case 1:
+        m.resize(prng.Uniform(m.size()));
+        break;
+      case 2:
+        for (int k = 0; k < 4; ++k) m[prng.Uniform(m.size())] = char(prng.Next64());
+        break;
+    }
+    (void)RawExchange(address, m);
+    if (i % 500 == 0) {
+      auto ok = network->Call(address, Frame{MessageType::kProbe, Encode(Probe{1, 2})},
+                              absl::Seconds(2));
+      ASSERT_TRUE(ok.ok()) << "server stopped serving after " << i << " bad frames: "
+                           << ok.status();
+    }
+  }
+  auto ok = network->Call(address, Frame{MessageType::kProbe, Encode(Probe{1, 2})},
+                          absl::Seconds(2));
+  EXPECT_TRUE(ok.ok()) << ok.status();
+  SetLogSink(nullptr);
+  bool reason_logged = false;
+  for (const auto& line : logged) {
+    reason_logged |= line.find("closing a connection: DATA_LOSS") != std::string::npos;
+  }
+  EXPECT_TRUE(reason_logged);
+}
+
+}  // namespace
+}  // namespace handshake
+}  // namespace kvferry
