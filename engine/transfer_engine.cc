@@ -1,0 +1,859 @@
+#include "engine/transfer_engine.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "base/logging.h"
+#include "base/mutex.h"
+#include "base/status_macros.h"
+#include "handshake/messages.h"
+#include "handshake/tcp_network.h"
+#include "net/interfaces.h"
+#include "net/socket.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace kvferry {
+
+using handshake::EngineDescriptor;
+using handshake::Frame;
+using handshake::MessageType;
+using handshake::RegionDescriptor;
+using transport::Access;
+using transport::Completion;
+using transport::LinkId;
+using transport::NicIndex;
+using transport::Opcode;
+using transport::WorkRequest;
+
+namespace {
+
+bool Inside(uint64_t addr, uint64_t len, uint64_t base, uint64_t size) {
+  return addr >= base && len <= size && addr - base <= size - len;
+}
+
+bool Retryable(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kAborted ||
+         code == absl::StatusCode::kCancelled || code == absl::StatusCode::kPermissionDenied;
+}
+
+}  // namespace
+
+class TransferEngine::Impl {
+ public:
+  Impl(EngineOptions options, EngineParts parts)
+      : options_(std::move(options)),
+        transport_(std::move(parts.transport)),
+        network_(std::move(parts.network)),
+        detection_(std::move(parts.detection)),
+        wait_(std::move(parts.wait)),
+        engine_id_(net::RandomU64()) {}
+
+  ~Impl() {
+    server_.reset();  // no more handler calls
+  }
+
+  absl::Status Start(const handshake::ServeOptions& serve) {
+    ASSIGN_OR_RETURN(server_, network_->Serve(serve, [this](const Frame& f) {
+                       return Handle(f);
+                     }));
+    address_ = server_->address();
+    absl::StatusOr<net::HostPort> hp = net::ParseHostPort(address_);
+    if (hp.ok()) detection_.port = hp->port;
+    return absl::OkStatus();
+  }
+
+  const std::string& address() const { return address_; }
+  const Detection& detection() const { return detection_; }
+  uint64_t engine_id() const { return engine_id_; }
+
+  absl::Status RegisterMemory(void* addr, uint64_t length, Access access);
+  absl::Status UnregisterMemory(void* addr);
+  absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
+  absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests);
+  absl::StatusOr<BatchStatus> Poll(BatchId id);
+  absl::StatusOr<BatchStatus> Wait(BatchId id, absl::Duration timeout);
+  absl::Status Release(BatchId id);
+  absl::Status Notify(SegmentId id, const std::string& message);
+  absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
+  std::vector<Notification> TakeNotifications();
+  absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+
+ private:
+  struct LocalRegion {
+    transport::Region region;
+  };
+  struct Link {
+    LinkId id = 0;
+    NicIndex local_nic = 0;
+    NicIndex remote_nic = 0;
+  };
+  struct Segment {
+    std::string peer;
+    EngineDescriptor descriptor;  // regions sorted by address
+    std::vector<Link> links;
+    uint64_t generation = 0;      // bumped by every refresh
+    bool stale = false;
+    bool refreshing = false;
+    uint64_t next_link = 0;       // round-robin position
+  };
+  // One slice in flight.
+  struct Slice {
+    BatchId batch = 0;
+    size_t request = 0;
+    SegmentId segment = 0;
+    Opcode opcode = Opcode::kWrite;
+    void* local = nullptr;
+    transport::RegionId local_region = 0;
+    uint64_t remote = 0;
+    uint64_t length = 0;
+    uint32_t retries_left = 0;
+    absl::Status last_error;
+  };
+  struct Batch {
+    SegmentId segment = 0;
+    std::vector<uint64_t> slices_left;  // per request
+    std::vector<absl::Status> status;   // first error per request
+    size_t pending = 0;
+  };
+
+  Frame Handle(const Frame& request);
+  EngineDescriptor LocalDescriptor();
+  absl::StatusOr<EngineDescriptor> FetchDescriptor(const std::string& peer);
+  absl::StatusOr<std::vector<Link>> ConnectLinks(const std::string& peer,
+                                                 const EngineDescriptor& d);
+  // Re-reads the peer's descriptor and rebuilds the links if the peer
+  // restarted or a link failed. One refresh per segment at a time; callers
+  // that arrive meanwhile wait for it. Sets *changed when the peer's engine
+  // id changed.
+  absl::Status Refresh(SegmentId id, bool* changed);
+  // Builds the work requests for `slices` (already in slices_) on segment
+  // `id`. Requires mu_.
+  absl::Status PlanSlice(Segment& seg, Slice& slice, WorkRequest* wr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PostSlices(SegmentId id, const std::vector<uint64_t>& slice_ids);
+  // Delivers transport completions into batches; re-posts retryable slices.
+  void Pump(absl::Duration timeout);
+  void FinishSlice(uint64_t slice_id, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  BatchStatus StatusOf(const Batch& b) const;
+  // The peer region containing `addr`, if any (regions sorted by address).
+  static const RegionDescriptor* FindRemote(const Segment& seg, uint64_t addr);
+  const transport::Region* FindLocal(const void* addr, uint64_t length) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const EngineOptions options_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<handshake::Network> network_;
+  Detection detection_;
+  const std::function<bool(const std::function<bool()>&, absl::Duration)> wait_;
+  const uint64_t engine_id_;
+  std::unique_ptr<handshake::Server> server_;
+  std::string address_;
+
+  Mutex mu_;
+  CondVar cv_;  // refresh finished, notification arrived
+  std::map<uint64_t, transport::Region> regions_ ABSL_GUARDED_BY(mu_);  // by address
+  absl::flat_hash_map<std::string, SegmentId> segment_by_peer_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<SegmentId, Segment> segments_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BatchId, Batch> batches_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, Slice> slices_ ABSL_GUARDED_BY(mu_);
+  std::deque<Notification> inbox_ ABSL_GUARDED_BY(mu_);
+  SegmentId last_segment_ ABSL_GUARDED_BY(mu_) = 0;
+  BatchId last_batch_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_slice_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// ---------------------------------------------------------------- serving
+
+EngineDescriptor TransferEngine::Impl::LocalDescriptor() {
+  const transport::EndpointDescription endpoint = transport_->LocalEndpoint();
+  EngineDescriptor d;
+  d.engine_id = engine_id_;
+  d.transport_kind = endpoint.kind;
+  d.nics = endpoint.nics;
+  MutexLock lock(&mu_);
+  for (const auto& [addr, r] : regions_) {
+    if (r.access == Access::kNone) continue;  // private: never advertised
+    d.regions.push_back(RegionDescriptor{r.addr, r.length, r.access, r.keys});
+  }
+  return d;
+}
+
+Frame TransferEngine::Impl::Handle(const Frame& request) {
+  switch (request.type) {
+    case MessageType::kDescribe:
+      return Frame{MessageType::kDescriptor, handshake::Encode(LocalDescriptor())};
+    case MessageType::kConnect: {
+      absl::StatusOr<handshake::ConnectRequest> c =
+          handshake::DecodeConnectRequest(request.payload);
+      if (!c.ok()) return handshake::ErrorFrame(c.status());
+      absl::StatusOr<transport::LinkOffer> offer =
+          transport_->AcceptLink(c->target_nic, c->requester_nic_info, c->params);
+      if (!offer.ok()) return handshake::ErrorFrame(offer.status());
+      return Frame{MessageType::kConnectReply,
+                   handshake::Encode(handshake::ConnectReply{offer->params})};
+    }
+    case MessageType::kNotify: {
+      absl::StatusOr<handshake::Notify> n = handshake::DecodeNotify(request.payload);
+      if (!n.ok()) return handshake::ErrorFrame(n.status());
+      MutexLock lock(&mu_);
+      inbox_.push_back(Notification{n->engine_id, std::move(n->payload)});
+      cv_.SignalAll();
+      return Frame{MessageType::kNotifyAck, ""};
+    }
+    case MessageType::kProbe: {
+      absl::StatusOr<handshake::Probe> p = handshake::DecodeProbe(request.payload);
+      if (!p.ok()) return handshake::ErrorFrame(p.status());
+      return Frame{MessageType::kProbeReply,
+                   handshake::Encode(handshake::Probe{engine_id_, p->nonce})};
+    }
+    default:
+      return handshake::ErrorFrame(absl::InvalidArgumentError(absl::StrCat(
+          "unexpected ", handshake::MessageTypeName(request.type), " request")));
+  }
+}
+
+// ---------------------------------------------------------------- memory
+
+absl::Status TransferEngine::Impl::RegisterMemory(void* addr, uint64_t length,
+                                                  Access access) {
+  if (addr == nullptr || length == 0) {
+    return absl::InvalidArgumentError("RegisterMemory: null address or zero length");
+  }
+  const uint64_t base = reinterpret_cast<uintptr_t>(addr);
+  {
+    MutexLock lock(&mu_);
+    auto next = regions_.lower_bound(base);
+    const bool overlaps_next = next != regions_.end() && next->first < base + length;
+    const bool overlaps_prev =
+        next != regions_.begin() &&
+        std::prev(next)->second.addr + std::prev(next)->second.length > base;
+    if (overlaps_next || overlaps_prev) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "RegisterMemory: [%#x, +%u) overlaps a registered region", base, length));
+    }
+  }
+  ASSIGN_OR_RETURN(transport::Region region, transport_->RegisterMemory(addr, length, access));
+  MutexLock lock(&mu_);
+  regions_.emplace(base, region);
+  return absl::OkStatus();
+}
+
+absl::Status TransferEngine::Impl::UnregisterMemory(void* addr) {
+  MutexLock lock(&mu_);
+  auto it = regions_.find(reinterpret_cast<uintptr_t>(addr));
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrFormat("no registered region starts at %p", addr));
+  }
+  RETURN_IF_ERROR(transport_->UnregisterMemory(it->second.id));
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+const transport::Region* TransferEngine::Impl::FindLocal(const void* addr,
+                                                         uint64_t length) const {
+  const uint64_t a = reinterpret_cast<uintptr_t>(addr);
+  auto it = regions_.upper_bound(a);
+  if (it == regions_.begin()) return nullptr;
+  --it;
+  return Inside(a, length, it->second.addr, it->second.length) ? &it->second : nullptr;
+}
+
+// ---------------------------------------------------------------- segments
+
+absl::StatusOr<EngineDescriptor> TransferEngine::Impl::FetchDescriptor(
+    const std::string& peer) {
+  ASSIGN_OR_RETURN(Frame reply, network_->Call(peer, Frame{MessageType::kDescribe, ""},
+                                               options_.handshake_timeout));
+  if (reply.type != MessageType::kDescriptor) {
+    return absl::DataLossError(absl::StrCat("peer ", peer, " answered describe with ",
+                                            handshake::MessageTypeName(reply.type)));
+  }
+  ASSIGN_OR_RETURN(EngineDescriptor d, handshake::DecodeDescriptor(reply.payload));
+  const std::string mine = transport_->LocalEndpoint().kind;
+  if (d.transport_kind != mine) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "peer ", peer, " uses the ", d.transport_kind, " transport; this engine uses ", mine));
+  }
+  std::sort(d.regions.begin(), d.regions.end(),
+            [](const RegionDescriptor& a, const RegionDescriptor& b) { return a.addr < b.addr; });
+  return d;
+}
+
+absl::StatusOr<std::vector<TransferEngine::Impl::Link>> TransferEngine::Impl::ConnectLinks(
+    const std::string& peer, const EngineDescriptor& d) {
+  const transport::EndpointDescription local = transport_->LocalEndpoint();
+  std::vector<Link> links;
+  for (uint32_t k = 0; k < std::max<uint32_t>(1, options_.links_per_peer); ++k) {
+    Link link;
+    link.local_nic = k % local.nics.size();
+    link.remote_nic = k % d.nics.size();
+    absl::StatusOr<transport::LinkOffer> offer =
+        transport_->CreateLink(link.local_nic, d.nics[link.remote_nic]);
+    absl::StatusOr<Frame> reply =
+        offer.ok() ? network_->Call(peer,
+                                    Frame{MessageType::kConnect,
+                                          handshake::Encode(handshake::ConnectRequest{
+                                              engine_id_, link.local_nic,
+                                              local.nics[link.local_nic], link.remote_nic,
+                                              offer->params})},
+                                    options_.handshake_timeout)
+                   : absl::StatusOr<Frame>(offer.status());
+    absl::StatusOr<handshake::ConnectReply> answer =
+        reply.ok() ? handshake::DecodeConnectReply(reply->payload)
+                   : absl::StatusOr<handshake::ConnectReply>(reply.status());
+    absl::Status done = answer.ok() ? transport_->CompleteLink(offer->link, answer->params)
+                                    : answer.status();
+    if (!done.ok()) {
+      if (offer.ok()) (void)transport_->CloseLink(offer->link);
+      for (const Link& l : links) (void)transport_->CloseLink(l.id);
+      return Annotate(done, absl::StrCat("connecting to ", peer));
+    }
+    link.id = offer->link;
+    links.push_back(link);
+  }
+  return links;
+}
+
+absl::StatusOr<SegmentId> TransferEngine::Impl::OpenSegment(const std::string& peer_text) {
+  ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer_text));
+  const std::string peer = hp.ToString();
+  {
+    MutexLock lock(&mu_);
+    auto it = segment_by_peer_.find(peer);
+    if (it != segment_by_peer_.end()) return it->second;
+  }
+  ASSIGN_OR_RETURN(EngineDescriptor d, FetchDescriptor(peer));
+  ASSIGN_OR_RETURN(std::vector<Link> links, ConnectLinks(peer, d));
+  MutexLock lock(&mu_);
+  auto it = segment_by_peer_.find(peer);
+  if (it != segment_by_peer_.end()) {  // another thread won the race
+    for (const Link& l : links) (void)transport_->CloseLink(l.id);
+    return it->second;
+  }
+  const SegmentId id = ++last_segment_;
+  Segment& seg = segments_[id];
+  seg.peer = peer;
+  seg.descriptor = std::move(d);
+  seg.links = std::move(links);
+  segment_by_peer_[peer] = id;
+  KVF_LOG(INFO) << "opened segment " << id << " to " << peer << ": "
+                << seg.descriptor.regions.size() << " region(s), " << seg.links.size()
+                << " link(s) over " << seg.descriptor.transport_kind;
+  return id;
+}
+
+absl::Status TransferEngine::Impl::Refresh(SegmentId id, bool* changed) {
+  *changed = false;
+  std::string peer;
+  uint64_t generation;
+  {
+    MutexLock lock(&mu_);
+    auto it = segments_.find(id);
+    if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+    generation = it->second.generation;
+    while (it->second.refreshing) {
+      cv_.Wait(&mu_);
+      it = segments_.find(id);
+    }
+    if (it->second.generation != generation) return absl::OkStatus();  // someone did it
+    it->second.refreshing = true;
+    peer = it->second.peer;
+  }
+  absl::StatusOr<EngineDescriptor> d = FetchDescriptor(peer);
+  absl::StatusOr<std::vector<Link>> links =
+      d.ok() ? ConnectLinks(peer, *d) : absl::StatusOr<std::vector<Link>>(d.status());
+  MutexLock lock(&mu_);
+  Segment& seg = segments_.at(id);
+  seg.refreshing = false;
+  cv_.SignalAll();
+  if (!links.ok()) {
+    seg.stale = true;
+    return links.status();
+  }
+  *changed = d->engine_id != seg.descriptor.engine_id;
+  if (*changed) {
+    KVF_LOG(INFO) << "peer " << peer << " restarted (new engine id); descriptor refreshed";
+  }
+  for (const Link& l : seg.links) (void)transport_->CloseLink(l.id);
+  seg.descriptor = std::move(*d);
+  seg.links = std::move(*links);
+  seg.stale = false;
+  ++seg.generation;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- transfers
+
+const RegionDescriptor* TransferEngine::Impl::FindRemote(const Segment& seg, uint64_t addr) {
+  const auto& regions = seg.descriptor.regions;
+  auto it = std::upper_bound(regions.begin(), regions.end(), addr,
+                             [](uint64_t a, const RegionDescriptor& r) { return a < r.addr; });
+  if (it == regions.begin()) return nullptr;
+  --it;
+  return addr - it->addr < it->length ? &*it : nullptr;
+}
+
+absl::Status TransferEngine::Impl::PlanSlice(Segment& seg, Slice& slice, WorkRequest* wr) {
+  const RegionDescriptor* found = FindRemote(seg, slice.remote);
+  if (found == nullptr || !Inside(slice.remote, slice.length, found->addr, found->length)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "peer %s has no registered region covering [%#x, +%u) (it advertises %u region(s))",
+        seg.peer, slice.remote, slice.length, seg.descriptor.regions.size()));
+  }
+  const RegionDescriptor& r = *found;
+  const bool write = slice.opcode == Opcode::kWrite;
+  if (write ? !transport::AllowsRemoteWrite(r.access) : !transport::AllowsRemoteRead(r.access)) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "peer %s does not allow remote %s of [%#x, +%u)", seg.peer, write ? "write" : "read",
+        slice.remote, slice.length));
+  }
+  if (seg.links.empty()) return absl::UnavailableError(absl::StrCat("no links to ", seg.peer));
+  const Link& link = seg.links[seg.next_link++ % seg.links.size()];
+  wr->opcode = slice.opcode;
+  wr->link = link.id;
+  wr->local_region = slice.local_region;
+  wr->local_addr = slice.local;
+  wr->length = slice.length;
+  wr->remote_addr = slice.remote;
+  wr->remote_key = r.keys[link.remote_nic];
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
+                                                     absl::Span<const TransferRequest> requests) {
+  std::vector<uint64_t> slice_ids;
+  BatchId batch_id;
+  for (int attempt = 0;; ++attempt) {
+    bool stale;
+    {
+      MutexLock lock(&mu_);
+      auto seg = segments_.find(id);
+      if (seg == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+      stale = seg->second.stale;
+    }
+    bool changed;
+    if (stale) RETURN_IF_ERROR(Refresh(id, &changed));
+    MutexLock lock(&mu_);
+    Segment& seg = segments_.at(id);
+    // Cut every request into slices and check them all before posting.
+    std::vector<Slice> planned;
+    absl::Status bad;
+    for (size_t i = 0; i < requests.size() && bad.ok(); ++i) {
+      const TransferRequest& r = requests[i];
+      const transport::Region* local = FindLocal(r.local, r.length);
+      if (local == nullptr || r.length == 0) {
+        bad = absl::InvalidArgumentError(absl::StrFormat(
+            "request %u: local buffer [%p, +%u) is %s", i, r.local, r.length,
+            r.length == 0 ? "empty" : "not inside memory registered on this engine"));
+        break;
+      }
+      for (uint64_t off = 0; off < r.length;) {
+        uint64_t len = std::min<uint64_t>(options_.slice_bytes, r.length - off);
+        // Never cross the end of the peer region holding the slice start.
+        if (const RegionDescriptor* reg = FindRemote(seg, r.remote + off)) {
+          len = std::min<uint64_t>(len, reg->addr + reg->length - (r.remote + off));
+        }
+        Slice s;
+        s.request = i;
+        s.segment = id;
+        s.opcode = r.opcode;
+        s.local = static_cast<char*>(r.local) + off;
+        s.local_region = local->id;
+        s.remote = r.remote + off;
+        s.length = len;
+        s.retries_left = options_.retries;
+        WorkRequest probe;
+        bad = PlanSlice(seg, s, &probe);
+        if (!bad.ok()) {
+          bad = Annotate(bad, absl::StrCat("request ", i));
+          break;
+        }
+        planned.push_back(s);
+        off += len;
+      }
+    }
+    if (!bad.ok()) {
+      // A request outside the cached descriptor: the peer may have
+      // registered more memory since; look once more before refusing.
+      if (attempt == 0 && bad.code() == absl::StatusCode::kInvalidArgument &&
+          bad.message().find("no registered region") != absl::string_view::npos) {
+        seg.stale = true;
+        continue;
+      }
+      return bad;
+    }
+    batch_id = ++last_batch_;
+    Batch& b = batches_[batch_id];
+    b.segment = id;
+    b.slices_left.assign(requests.size(), 0);
+    b.status.assign(requests.size(), absl::OkStatus());
+    b.pending = requests.size();
+    for (Slice& s : planned) {
+      s.batch = batch_id;
+      ++b.slices_left[s.request];
+      const uint64_t sid = ++last_slice_;
+      slices_.emplace(sid, s);
+      slice_ids.push_back(sid);
+    }
+    break;
+  }
+  absl::Status posted = PostSlices(id, slice_ids);
+  if (!posted.ok()) {
+    MutexLock lock(&mu_);
+    batches_.erase(batch_id);  // nothing of it runs; the caller gets no id
+    return posted;
+  }
+  return batch_id;
+}
+
+absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<uint64_t>& ids) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::vector<WorkRequest> wrs;
+    absl::Status planned;
+    {
+      MutexLock lock(&mu_);
+      Segment& seg = segments_.at(id);
+      for (uint64_t sid : ids) {
+        auto it = slices_.find(sid);
+        if (it == slices_.end()) continue;
+        WorkRequest wr;
+        planned = PlanSlice(seg, it->second, &wr);
+        if (!planned.ok()) break;
+        wr.cookie = sid;
+        wrs.push_back(wr);
+      }
+    }
+    absl::Status posted = planned.ok() ? transport_->Post(wrs) : planned;
+    if (posted.ok()) return absl::OkStatus();
+    // A link that failed since the last use: rebuild the links and retry.
+    if (attempt == 0 && posted.code() == absl::StatusCode::kFailedPrecondition) {
+      bool changed;
+      absl::Status refreshed = Refresh(id, &changed);
+      if (refreshed.ok()) continue;
+      posted = refreshed;  // the peer is gone: say so, not "link in error"
+    }
+    MutexLock lock(&mu_);
+    for (uint64_t sid : ids) {
+      if (slices_.contains(sid)) FinishSlice(sid, posted);
+    }
+    return posted;
+  }
+  return absl::InternalError("unreachable");
+}
+
+void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
+  auto it = slices_.find(sid);
+  if (it == slices_.end()) return;
+  const Slice s = it->second;
+  slices_.erase(it);
+  auto b = batches_.find(s.batch);
+  if (b == batches_.end()) return;
+  if (!status.ok() && b->second.status[s.request].ok()) b->second.status[s.request] = status;
+  if (--b->second.slices_left[s.request] == 0) --b->second.pending;
+}
+
+void TransferEngine::Impl::Pump(absl::Duration timeout) {
+  Completion done[64];
+  const size_t n = transport_->WaitCompletions(absl::MakeSpan(done), timeout);
+  std::map<SegmentId, std::vector<uint64_t>> retry;
+  {
+    MutexLock lock(&mu_);
+    for (size_t i = 0; i < n; ++i) {
+      auto it = slices_.find(done[i].cookie);
+      if (it == slices_.end()) continue;
+      Slice& s = it->second;
+      if (!done[i].status.ok() && Retryable(done[i].status.code()) && s.retries_left > 0) {
+        --s.retries_left;
+        s.last_error = done[i].status;
+        segments_.at(s.segment).stale = true;
+        retry[s.segment].push_back(it->first);
+        continue;
+      }
+      FinishSlice(done[i].cookie, std::move(done[i].status));
+    }
+  }
+  for (auto& [segment, ids] : retry) {
+    bool changed = false;
+    absl::Status refreshed = Refresh(segment, &changed);
+    if (refreshed.ok()) {
+      // Access refused with keys that did not change: retrying cannot help.
+      MutexLock lock(&mu_);
+      std::vector<uint64_t> keep;
+      for (uint64_t sid : ids) {
+        Slice& s = slices_.at(sid);
+        if (!changed && s.last_error.code() == absl::StatusCode::kPermissionDenied) {
+          FinishSlice(sid, s.last_error);
+        } else {
+          keep.push_back(sid);
+        }
+      }
+      ids.swap(keep);
+    }
+    if (!refreshed.ok()) {
+      MutexLock lock(&mu_);
+      for (uint64_t sid : ids) {
+        FinishSlice(sid, Annotate(slices_.at(sid).last_error,
+                                  absl::StrCat("retry impossible (", refreshed.message(), ")")));
+      }
+      continue;
+    }
+    (void)PostSlices(segment, ids);
+  }
+}
+
+BatchStatus TransferEngine::Impl::StatusOf(const Batch& b) const {
+  BatchStatus out;
+  out.pending = b.pending;
+  for (size_t i = 0; i < b.status.size(); ++i) {
+    if (b.slices_left[i] > 0) {
+      out.requests.push_back(absl::UnavailableError("pending"));
+    } else {
+      out.requests.push_back(b.status[i]);
+      ++(b.status[i].ok() ? out.succeeded : out.failed);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<BatchStatus> TransferEngine::Impl::Poll(BatchId id) {
+  Pump(absl::ZeroDuration());
+  MutexLock lock(&mu_);
+  auto it = batches_.find(id);
+  if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+  return StatusOf(it->second);
+}
+
+absl::StatusOr<BatchStatus> TransferEngine::Impl::Wait(BatchId id, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    {
+      MutexLock lock(&mu_);
+      auto it = batches_.find(id);
+      if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+      if (it->second.pending == 0) return StatusOf(it->second);
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "batch ", id, " still has ", it->second.pending, " request(s) pending after ",
+            absl::FormatDuration(timeout)));
+      }
+    }
+    Pump(std::min(deadline - absl::Now(), absl::Milliseconds(50)));
+  }
+}
+
+absl::Status TransferEngine::Impl::Release(BatchId id) {
+  MutexLock lock(&mu_);
+  auto it = batches_.find(id);
+  if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+  if (it->second.pending != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("batch ", id, " is still running"));
+  }
+  batches_.erase(it);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- notifications
+
+absl::Status TransferEngine::Impl::Notify(SegmentId id, const std::string& message) {
+  std::string peer;
+  {
+    MutexLock lock(&mu_);
+    auto it = segments_.find(id);
+    if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+    peer = it->second.peer;
+  }
+  if (message.size() > handshake::kMaxNotifyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("notification of ", message.size(),
+                                                   " bytes exceeds the limit of ",
+                                                   handshake::kMaxNotifyBytes));
+  }
+  ASSIGN_OR_RETURN(Frame reply,
+                   network_->Call(peer,
+                                  Frame{MessageType::kNotify,
+                                        handshake::Encode(handshake::Notify{engine_id_, message})},
+                                  options_.handshake_timeout));
+  if (reply.type != MessageType::kNotifyAck) {
+    return absl::DataLossError(absl::StrCat("peer ", peer, " answered notify with ",
+                                            handshake::MessageTypeName(reply.type)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TransferEngine::Impl::NotifyAfter(BatchId id, const std::string& message,
+                                               absl::Duration timeout) {
+  ASSIGN_OR_RETURN(BatchStatus status, Wait(id, timeout));
+  if (!status.ok()) {
+    for (size_t i = 0; i < status.requests.size(); ++i) {
+      if (!status.requests[i].ok()) {
+        return absl::Status(status.requests[i].code(),
+                            absl::StrCat("batch ", id, " failed, notification not sent: request ",
+                                         i, ": ", status.requests[i].message()));
+      }
+    }
+  }
+  SegmentId segment;
+  {
+    MutexLock lock(&mu_);
+    segment = batches_.at(id).segment;
+  }
+  return Notify(segment, message);
+}
+
+std::vector<Notification> TransferEngine::Impl::TakeNotifications() {
+  MutexLock lock(&mu_);
+  std::vector<Notification> out(inbox_.begin(), inbox_.end());
+  inbox_.clear();
+  return out;
+}
+
+absl::StatusOr<Notification> TransferEngine::Impl::WaitNotification(absl::Duration timeout) {
+  if (wait_) {
+    wait_([this] {
+      MutexLock lock(&mu_);
+      return !inbox_.empty();
+    }, timeout);
+  }
+  MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + timeout;
+  while (inbox_.empty() && !wait_) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) break;
+    cv_.WaitWithTimeout(&mu_, std::min(left, absl::Hours(1)));
+  }
+  if (inbox_.empty()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("no notification within ", absl::FormatDuration(timeout)));
+  }
+  Notification n = std::move(inbox_.front());
+  inbox_.pop_front();
+  return n;
+}
+
+// ---------------------------------------------------------------- creation
+
+namespace {
+
+absl::StatusOr<Detection> Detect(const EngineOptions& options) {
+  Detection d;
+  absl::StatusOr<std::vector<net::InterfaceAddress>> addresses = net::ListInterfaceAddresses();
+  const net::HostChoice host = net::ChooseLocalHost(
+      options.local_host, "", addresses.ok() ? *addresses : std::vector<net::InterfaceAddress>{},
+      net::DefaultRouteInterface());
+  d.host = host.host;
+  d.host_reason = host.reason;
+  d.bind_host = options.bind_host.empty() ? host.host : options.bind_host;
+  if (options.transport == "auto") {
+    d.transport = "tcp";
+    d.transport_reason = "this build has no RDMA transport yet; TCP works everywhere";
+  } else if (options.transport == "tcp") {
+    d.transport = "tcp";
+    d.transport_reason = "set explicitly";
+  } else if (options.transport == "rdma") {
+    return absl::UnimplementedError("transport=rdma: this build has no RDMA transport yet");
+  } else if (options.transport == "sim") {
+    return absl::InvalidArgumentError(
+        "transport=sim needs a simulated fabric: build the engine with CreateWith");
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown transport '", options.transport, "' (expected auto, tcp, rdma or sim)"));
+  }
+  d.devices = options.devices.empty() ? "none (TCP)" : absl::StrJoin(options.devices, ",");
+  return d;
+}
+
+absl::Status CheckOptions(const EngineOptions& o) {
+  if (o.slice_bytes == 0) return absl::InvalidArgumentError("slice_bytes must be positive");
+  if (o.links_per_peer == 0 || o.links_per_peer > 64) {
+    return absl::InvalidArgumentError("links_per_peer must be 1 to 64");
+  }
+  if (o.port == 0 && (o.first_port == 0 || o.last_port < o.first_port)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad port range ", o.first_port, "-", o.last_port));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOptions options) {
+  RETURN_IF_ERROR(CheckOptions(options));
+  ASSIGN_OR_RETURN(Detection d, Detect(options));
+  KVF_LOG(INFO) << "advertising " << d.host << " (" << d.host_reason << ")";
+  KVF_LOG(INFO) << "transport " << d.transport << " (" << d.transport_reason << ")";
+  transport::TcpTransportOptions t;
+  t.bind_host = d.bind_host;
+  t.advertise_host = d.host;
+  t.connect_timeout = options.connect_timeout;
+  ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> tcp,
+                   transport::CreateTcpTransport(t));
+  EngineParts parts;
+  parts.transport = std::move(tcp);
+  parts.network = handshake::NewTcpNetwork();
+  parts.detection = std::move(d);
+  return CreateWith(std::move(options), std::move(parts));
+}
+
+absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(EngineOptions options,
+                                                                           EngineParts parts) {
+  RETURN_IF_ERROR(CheckOptions(options));
+  if (parts.transport == nullptr || parts.network == nullptr) {
+    return absl::InvalidArgumentError("CreateWith needs a transport and a network");
+  }
+  handshake::ServeOptions serve;
+  serve.bind_host = parts.detection.bind_host.empty() ? parts.detection.host
+                                                      : parts.detection.bind_host;
+  serve.advertise_host = parts.detection.host;
+  serve.port = options.port;
+  serve.first_port = options.first_port;
+  serve.last_port = options.last_port;
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(parts));
+  RETURN_IF_ERROR(impl->Start(serve));
+  KVF_LOG(INFO) << "handshake listening on " << serve.bind_host << ":"
+                << impl->detection().port << ", peers reach this engine at "
+                << impl->address();
+  return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
+}
+
+TransferEngine::TransferEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TransferEngine::~TransferEngine() = default;
+std::string TransferEngine::address() const { return impl_->address(); }
+const Detection& TransferEngine::detection() const { return impl_->detection(); }
+uint64_t TransferEngine::engine_id() const { return impl_->engine_id(); }
+absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access access) {
+  return impl_->RegisterMemory(addr, length, access);
+}
+absl::Status TransferEngine::UnregisterMemory(void* addr) { return impl_->UnregisterMemory(addr); }
+absl::StatusOr<SegmentId> TransferEngine::OpenSegment(const std::string& peer) {
+  return impl_->OpenSegment(peer);
+}
+absl::StatusOr<BatchId> TransferEngine::Submit(SegmentId segment,
+                                               absl::Span<const TransferRequest> requests) {
+  return impl_->Submit(segment, requests);
+}
+absl::StatusOr<BatchStatus> TransferEngine::Poll(BatchId batch) { return impl_->Poll(batch); }
+absl::StatusOr<BatchStatus> TransferEngine::Wait(BatchId batch, absl::Duration timeout) {
+  return impl_->Wait(batch, timeout);
+}
+absl::Status TransferEngine::Release(BatchId batch) { return impl_->Release(batch); }
+absl::Status TransferEngine::Notify(SegmentId segment, const std::string& message) {
+  return impl_->Notify(segment, message);
+}
+absl::Status TransferEngine::NotifyAfter(BatchId batch, const std::string& message,
+                                         absl::Duration timeout) {
+  return impl_->NotifyAfter(batch, message, timeout);
+}
+std::vector<Notification> TransferEngine::TakeNotifications() {
+  return impl_->TakeNotifications();
+}
+absl::StatusOr<Notification> TransferEngine::WaitNotification(absl::Duration timeout) {
+  return impl_->WaitNotification(timeout);
+}
+
+}  // namespace kvferry

@@ -1,0 +1,175 @@
+// TransferEngine: the public C++ API serving code calls to move bytes
+// between engines with zero configuration.
+//
+//   EngineOptions options;                         // everything automatic
+//   auto engine = TransferEngine::Create(options);  // picks host, port, transport
+//   engine->RegisterMemory(kv_pool, kv_pool_bytes);
+//   auto peer = engine->OpenSegment("10.0.0.7:15000");   // handshake, cached
+//   auto batch = engine->Submit(*peer, {{Opcode::kWrite, src, dst_addr, len}});
+//   auto status = engine->Wait(*batch, absl::Seconds(5));
+//   engine->NotifyAfter(*batch, "request 42 done", absl::Seconds(5));
+//
+// Peers are named "host:port" (the peer's address()); no configuration file
+// and no metadata server. Opening a segment exchanges descriptors (NICs,
+// regions, keys) with the peer directly and builds links; the descriptor is
+// cached and refreshed when a request falls outside it, when a link fails,
+// or when the peer restarted (its engine id changes).
+//
+// Every request is checked against the peer's advertised regions before
+// anything is posted; requests are cut into slices (slice_bytes) that never
+// cross a region boundary, spread over the segment's links. A slice that
+// fails because a link or the peer went away is retried after a refresh
+// (`retries` times); the batch reports each request's own status.
+//
+// Thread-safe: any method from any thread. Waiting threads drive the
+// transport's completions themselves; the engine has no polling thread.
+#ifndef KVFERRY_ENGINE_TRANSFER_ENGINE_H_
+#define KVFERRY_ENGINE_TRANSFER_ENGINE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "handshake/network.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+struct EngineOptions {
+  // Address to advertise; empty: detected (RDMA netdev, default route,
+  // first up interface, loopback — the choice and its reason are logged).
+  std::string local_host;
+  // Address the handshake and data listeners bind; empty: the advertised
+  // address. "0.0.0.0" or "::" binds every interface (only when asked).
+  std::string bind_host;
+  // Handshake port; 0: the first free port in [first_port, last_port].
+  uint16_t port = 0;
+  uint16_t first_port = 15000;
+  uint16_t last_port = 17000;
+  // "auto", "tcp", "rdma" or "sim" (sim needs CreateWith).
+  std::string transport = "auto";
+  // RDMA devices to use (allow-list), e.g. {"mlx5_0", "mlx5_1"}; empty: all.
+  std::vector<std::string> devices;
+  uint64_t slice_bytes = 64 << 10;
+  // Links (for TCP: connections) opened to each peer.
+  uint32_t links_per_peer = 2;
+  absl::Duration connect_timeout = absl::Seconds(5);
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // Re-posts of a slice after a link or peer failure.
+  uint32_t retries = 2;
+};
+
+// What Create decided and why; also logged.
+struct Detection {
+  std::string host;
+  std::string host_reason;
+  std::string bind_host;
+  uint16_t port = 0;
+  std::string transport;
+  std::string transport_reason;
+  std::string devices;
+};
+
+// One transfer: WRITE copies local -> peer, READ copies peer -> local.
+struct TransferRequest {
+  transport::Opcode opcode = transport::Opcode::kWrite;
+  void* local = nullptr;     // inside memory registered on this engine
+  uint64_t remote = 0;       // address in the peer's registered memory
+  uint64_t length = 0;
+};
+
+using SegmentId = uint64_t;
+using BatchId = uint64_t;
+
+struct BatchStatus {
+  size_t pending = 0;
+  size_t succeeded = 0;
+  size_t failed = 0;
+  std::vector<absl::Status> requests;  // OK, the error, or kUnavailable("pending")
+  bool done() const { return pending == 0; }
+  bool ok() const { return pending == 0 && failed == 0; }
+};
+
+struct Notification {
+  uint64_t engine_id = 0;  // the sender
+  std::string message;
+};
+
+// Parts an engine is assembled from; Create builds the real ones.
+struct EngineParts {
+  std::unique_ptr<transport::Transport> transport;
+  std::unique_ptr<handshake::Network> network;
+  Detection detection;
+  // Blocks until ready() holds or the timeout passes; used to wait for
+  // notifications. Empty: a condition variable (real time). Simulations
+  // pass a function that runs the simulator instead.
+  std::function<bool(const std::function<bool()>& ready, absl::Duration timeout)> wait;
+};
+
+class TransferEngine {
+ public:
+  // Zero-configuration start; see EngineOptions for what is automatic.
+  static absl::StatusOr<std::unique_ptr<TransferEngine>> Create(EngineOptions options);
+  // Assembles an engine from explicit parts (simulation, tests) and starts
+  // serving the handshake on parts.network.
+  static absl::StatusOr<std::unique_ptr<TransferEngine>> CreateWith(EngineOptions options,
+                                                                    EngineParts parts);
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  // "host:port" peers pass to OpenSegment.
+  std::string address() const;
+  const Detection& detection() const;
+  uint64_t engine_id() const;
+
+  // Registers [addr, addr+length) for local use and, per `access`, for
+  // peers. kInvalidArgument for bad ranges or an overlap with a region
+  // already registered.
+  absl::Status RegisterMemory(void* addr, uint64_t length,
+                              transport::Access access = transport::Access::kRemoteReadWrite);
+  // Unregisters the region starting at `addr`. kFailedPrecondition while
+  // transfers use it; kNotFound if no region starts there.
+  absl::Status UnregisterMemory(void* addr);
+
+  // Handshakes with the engine at `peer` ("host:port", "[v6]:port") and
+  // returns a handle; the same peer gives the same handle.
+  absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
+
+  // Posts the requests as one batch. kInvalidArgument (naming the request
+  // and the peer) when a request falls outside registered memory on either
+  // side, kPermissionDenied when the peer's region forbids the operation;
+  // nothing is posted then.
+  absl::StatusOr<BatchId> Submit(SegmentId segment,
+                                 absl::Span<const TransferRequest> requests);
+  // The batch's state now, or after waiting up to `timeout` for it to finish.
+  absl::StatusOr<BatchStatus> Poll(BatchId batch);
+  absl::StatusOr<BatchStatus> Wait(BatchId batch, absl::Duration timeout);
+  // Forgets a finished batch. kFailedPrecondition while it is running.
+  absl::Status Release(BatchId batch);
+
+  // Sends `message` to the peer now.
+  absl::Status Notify(SegmentId segment, const std::string& message);
+  // Waits for `batch` to finish and, only if every request succeeded (so
+  // its bytes are in place at the peer), sends `message` to the peer.
+  absl::Status NotifyAfter(BatchId batch, const std::string& message,
+                           absl::Duration timeout);
+  // Notifications received so far (and removes them), or waits for one.
+  std::vector<Notification> TakeNotifications();
+  absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+
+ private:
+  class Impl;
+  explicit TransferEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_TRANSFER_ENGINE_H_

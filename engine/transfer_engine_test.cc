@@ -1,0 +1,304 @@
+#include "engine/transfer_engine.h"
+
+#include <cstring>
+#include <memory>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "net/socket.h"
+
+namespace kvferry {
+namespace {
+
+using transport::Opcode;
+
+EngineOptions Local() {
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  return o;
+}
+
+std::unique_ptr<TransferEngine> MakeEngine(EngineOptions o = Local()) {
+  auto e = TransferEngine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+std::vector<char> Pattern(size_t n, int seed) {
+  std::vector<char> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>(i * 131 + seed * 7 + (i >> 9));
+  return v;
+}
+
+uint64_t Addr(const std::vector<char>& v, size_t off = 0) {
+  return reinterpret_cast<uintptr_t>(v.data()) + off;
+}
+
+TEST(TransferEngine, WritesAndReadsAcrossEnginesWithSlicing) {
+  auto prefill = MakeEngine();
+  auto decode = MakeEngine();
+  ASSERT_TRUE(prefill && decode);
+  EXPECT_EQ(prefill->detection().host, "127.0.0.1");
+  EXPECT_EQ(prefill->detection().transport, "tcp");
+  std::vector<char> src = Pattern(1 << 20, 1);
+  std::vector<char> dst(1 << 20, 0);
+  ASSERT_TRUE(prefill->RegisterMemory(src.data(), src.size()).ok());
+  // Two adjacent regions at the peer: a request may span both.
+  ASSERT_TRUE(decode->RegisterMemory(dst.data(), 1 << 19).ok());
+  ASSERT_TRUE(decode->RegisterMemory(dst.data() + (1 << 19), 1 << 19).ok());
+  auto seg = prefill->OpenSegment(decode->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(*prefill->OpenSegment(decode->address()), *seg);  // cached
+  std::vector<TransferRequest> reqs = {
+      {Opcode::kWrite, src.data(), Addr(dst), 300000},                // 5 slices
+      {Opcode::kWrite, src.data() + 300000, Addr(dst, 300000), 448576},  // spans regions
+      {Opcode::kWrite, src.data() + 748576, Addr(dst, 748576), 300000},
+  };
+  auto batch = prefill->Submit(*seg, reqs);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto status = prefill->Wait(*batch, absl::Seconds(10));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(status->ok());
+  EXPECT_EQ(status->succeeded, 3u);
+  EXPECT_EQ(src, dst);
+  EXPECT_TRUE(prefill->Release(*batch).ok());
+  EXPECT_EQ(prefill->Poll(*batch).status().code(), absl::StatusCode::kNotFound);
+
+  std::vector<char> back(1 << 20, 0);
+  ASSERT_TRUE(prefill->RegisterMemory(back.data(), back.size()).ok());
+  TransferRequest read{Opcode::kRead, back.data(), Addr(dst), dst.size()};
+  auto rb = prefill->Submit(*seg, {&read, 1});
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  ASSERT_TRUE(prefill->Wait(*rb, absl::Seconds(10))->ok());
+  EXPECT_EQ(back, src);
+}
+
+TEST(TransferEngine, OutOfRegionRequestsAreRefusedBeforeAnythingIsSent) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  std::vector<char> src = Pattern(8192, 2), dst(8192, 'd');
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), 4096).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  std::vector<TransferRequest> reqs = {
+      {Opcode::kWrite, src.data(), Addr(dst), 100},      // fine on its own
+      {Opcode::kWrite, src.data(), Addr(dst, 4000), 200},  // runs past the region
+  };
+  auto batch = a->Submit(*seg, reqs);
+  EXPECT_EQ(batch.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(batch.status().message().find("request 1"), std::string::npos);
+  EXPECT_NE(batch.status().message().find(b->address()), std::string::npos);
+  // Unregistered local memory.
+  std::vector<char> stray(64);
+  TransferRequest bad_local{Opcode::kWrite, stray.data(), Addr(dst), 64};
+  EXPECT_EQ(a->Submit(*seg, {&bad_local, 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(dst, std::vector<char>(8192, 'd'));  // nothing was sent
+  // The engine is still usable.
+  auto ok = a->Submit(*seg, {reqs.data(), 1});
+  ASSERT_TRUE(ok.ok());
+  EXPECT_TRUE(a->Wait(*ok, absl::Seconds(5))->ok());
+}
+
+TEST(TransferEngine, RemoteAccessRightsAreCheckedBeforePosting) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  std::vector<char> src(64), ro(64), hidden(64);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), 64).ok());
+  ASSERT_TRUE(b->RegisterMemory(ro.data(), 64, transport::Access::kRemoteRead).ok());
+  ASSERT_TRUE(b->RegisterMemory(hidden.data(), 64, transport::Access::kNone).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(ro), 64};
+  EXPECT_EQ(a->Submit(*seg, {&w, 1}).status().code(), absl::StatusCode::kPermissionDenied);
+  TransferRequest h{Opcode::kRead, src.data(), Addr(hidden), 64};
+  EXPECT_EQ(a->Submit(*seg, {&h, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TransferEngine, PeerNotListeningIsUnavailableInBoundedTime) {
+  uint16_t port;
+  {
+    auto s = net::Listen("127.0.0.1", 0, {16000, 16999});
+    ASSERT_TRUE(s.ok());
+    port = s->address.port();
+  }
+  auto a = MakeEngine();
+  const absl::Time start = absl::Now();
+  auto seg = a->OpenSegment("127.0.0.1:" + std::to_string(port));
+  EXPECT_EQ(seg.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(a->OpenSegment("no-port").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TransferEngine, PeerWithNothingRegisteredYetFailsClearlyThenWorks) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  std::vector<char> src = Pattern(4096, 3), dst(4096, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), 4096};
+  auto early = a->Submit(*seg, {&w, 1});
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(early.status().message().find(b->address()), std::string::npos);
+  EXPECT_NE(early.status().message().find("0 region"), std::string::npos);
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto later = a->Submit(*seg, {&w, 1});  // the miss refreshes the descriptor
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_TRUE(a->Wait(*later, absl::Seconds(5))->ok());
+  EXPECT_EQ(src, dst);
+}
+
+TEST(TransferEngine, PeerRestartedOnTheSamePortWorksAfterRefresh) {
+  auto a = MakeEngine();
+  EngineOptions fixed = Local();
+  auto b = MakeEngine(fixed);
+  const std::string address = b->address();
+  fixed.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  std::vector<char> src = Pattern(200000, 4), dst(200000, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(address);
+  ASSERT_TRUE(seg.ok());
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+  auto first = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(a->Wait(*first, absl::Seconds(5))->ok());
+  // The peer restarts on the same port, with new keys (same buffer).
+  const uint64_t old_id = b->engine_id();
+  b.reset();
+  std::fill(dst.begin(), dst.end(), 0);
+  b = MakeEngine(fixed);
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->address(), address);
+  EXPECT_NE(b->engine_id(), old_id);
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto second = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto status = a->Wait(*second, absl::Seconds(10));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(status->ok()) << status->requests[0];
+  EXPECT_EQ(src, dst);
+}
+
+TEST(TransferEngine, NotificationIsNeverObservedBeforeItsData) {
+  auto prefill = MakeEngine();
+  auto decode = MakeEngine();
+  const size_t kPage = 64 << 10, kPages = 16;
+  std::vector<char> src(kPage * kPages), dst(kPage * kPages, 0);
+  ASSERT_TRUE(prefill->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(decode->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = prefill->OpenSegment(decode->address());
+  ASSERT_TRUE(seg.ok());
+  for (int round = 1; round <= 20; ++round) {
+    std::fill(src.begin(), src.end(), static_cast<char>(round));
+    std::vector<TransferRequest> reqs;
+    for (size_t p = 0; p < kPages; ++p) {
+      reqs.push_back({Opcode::kWrite, src.data() + p * kPage, Addr(dst, p * kPage), kPage});
+    }
+    auto batch = prefill->Submit(*seg, reqs);
+    ASSERT_TRUE(batch.ok());
+    std::thread sender([&] {
+      EXPECT_TRUE(prefill->NotifyAfter(*batch, "round " + std::to_string(round),
+                                       absl::Seconds(10))
+                      .ok());
+    });
+    auto n = decode->WaitNotification(absl::Seconds(10));
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(n->message, "round " + std::to_string(round));
+    EXPECT_EQ(n->engine_id, prefill->engine_id());
+    // The moment the notification is seen, every byte is there.
+    size_t wrong = 0;
+    for (char c : dst) wrong += c != static_cast<char>(round);
+    EXPECT_EQ(wrong, 0u) << "round " << round;
+    sender.join();
+    ASSERT_TRUE(prefill->Release(*batch).ok());
+  }
+  EXPECT_TRUE(decode->TakeNotifications().empty());
+  EXPECT_EQ(decode->WaitNotification(absl::Milliseconds(20)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(TransferEngine, FailedBatchSendsNoNotification) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  std::vector<char> src(4096), dst(4096);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), 4096};
+  auto batch = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(batch.ok());
+  ASSERT_TRUE(a->Wait(*batch, absl::Seconds(5)).ok());
+  // Now the peer goes away: a new batch fails, and so does its notification.
+  b.reset();
+  auto doomed = a->Submit(*seg, {&w, 1});
+  if (doomed.ok()) {
+    absl::Status n = a->NotifyAfter(*doomed, "must not arrive", absl::Seconds(20));
+    EXPECT_FALSE(n.ok());
+  } else {
+    EXPECT_EQ(doomed.status().code(), absl::StatusCode::kUnavailable) << doomed.status();
+  }
+}
+
+TEST(TransferEngine, HundredEnginesGetDistinctPorts) {
+  std::vector<std::unique_ptr<TransferEngine>> engines;
+  std::set<std::string> addresses;
+  EngineOptions o = Local();
+  o.first_port = 15000;
+  o.last_port = 17000;
+  for (int i = 0; i < 100; ++i) {
+    auto e = TransferEngine::Create(o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    addresses.insert((*e)->address());
+    engines.push_back(std::move(*e));
+  }
+  EXPECT_EQ(addresses.size(), 100u);
+}
+
+TEST(TransferEngine, Ipv6LoopbackPeer) {
+  EngineOptions o;
+  o.local_host = "::1";
+  auto a = MakeEngine(o);
+  auto b = MakeEngine(o);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(b->address().rfind("[::1]:", 0), 0u);
+  std::vector<char> src = Pattern(10000, 5), dst(10000, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+  auto batch = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(batch.ok());
+  EXPECT_TRUE(a->Wait(*batch, absl::Seconds(5))->ok());
+  EXPECT_EQ(src, dst);
+}
+
+TEST(TransferEngine, BadOptionsAndRegistrations) {
+  EngineOptions o = Local();
+  o.transport = "carrier-pigeon";
+  EXPECT_EQ(TransferEngine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.transport = "rdma";
+  EXPECT_EQ(TransferEngine::Create(o).status().code(), absl::StatusCode::kUnimplemented);
+  o = Local();
+  o.slice_bytes = 0;
+  EXPECT_EQ(TransferEngine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  auto e = MakeEngine();
+  std::vector<char> buf(4096);
+  EXPECT_EQ(e->RegisterMemory(nullptr, 10).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(e->RegisterMemory(buf.data(), 4096).ok());
+  EXPECT_EQ(e->RegisterMemory(buf.data() + 100, 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->UnregisterMemory(buf.data() + 1).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(e->UnregisterMemory(buf.data()).ok());
+  EXPECT_TRUE(e->RegisterMemory(buf.data() + 100, 10).ok());
+}
+
+}  // namespace
+}  // namespace kvferry
