@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The demo end to end, small: two processes, every page verified; and the
+# split-role mode with a decode process started first.
+set -euo pipefail
+demo="$TEST_SRCDIR/$TEST_WORKSPACE/tools/demo"
+small=(--layers=4 --pool_pages=32 --pages=20 --host=127.0.0.1)
+
+out="$("$demo" "${small[@]}")"
+echo "$out"
+grep -q "OK: every page arrived intact." <<<"$out"
+grep -q "verified 160/160" <<<"$out"
+grep -q "transport tcp" <<<"$out"
+
+# Two separate invocations, as on two machines.
+log="$TEST_TMPDIR/decode.log"
+"$demo" --role=decode "${small[@]}" >"$log" 2>&1 &
+decode=$!
+for _ in $(seq 100); do grep -q -- "--peer=" "$log" && break; sleep 0.1; done
+peer="$(sed -n 's/.*--peer=\([^ ]*\) .*/\1/p' "$log")"
+pool="$(sed -n 's/.*--remote_pool=\(0x[0-9a-f]*\).*/\1/p' "$log")"
+"$demo" --role=prefill --peer="$peer" --remote_pool="$pool" "${small[@]}" | tee "$TEST_TMPDIR/prefill.log"
+grep -q "OK: every page arrived intact." "$TEST_TMPDIR/prefill.log"
+wait "$decode"
+
+if "$demo" --role=prefill 2>err.txt; then echo "prefill without --peer accepted"; exit 1; fi
+grep -q -- "--peer=HOST:PORT" err.txt
+echo "demo_test: ok"
