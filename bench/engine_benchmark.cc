@@ -1,0 +1,281 @@
+// Engine and TCP transport benchmarks, each next to its reference in the
+// same run:
+//   * BM_EngineControlPath: slices per second through TransferEngine with a
+//     transport that moves nothing (the engine's own cost per slice);
+//   * BM_EngineTcpWrite/BM_RawSocketPump: WRITE throughput through the engine
+//     over the TCP transport to a second process, and a raw socket stream to
+//     the same process (the reference), for 64 KiB and 1 MiB blocks.
+// The ratios are printed at the end.
+//
+//   ./bazelw run -c opt //bench:engine_benchmark
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "base/logging.h"
+#include "base/mutex.h"
+#include "benchmark/benchmark.h"
+#include "engine/transfer_engine.h"
+#include "handshake/tcp_network.h"
+#include "net/socket.h"
+
+namespace kvferry {
+namespace {
+
+using transport::Opcode;
+
+// A Transport that completes every request at once and moves nothing.
+class NullTransport final : public transport::Transport {
+ public:
+  transport::EndpointDescription LocalEndpoint() const override {
+    return {"null", {transport::NicInfo{"null0", "null", -1, 0, 0}}};
+  }
+  transport::Limits GetLimits() const override { return {1u << 20, 1ull << 40, 1ull << 46}; }
+  absl::StatusOr<transport::Region> RegisterMemory(void* addr, uint64_t len,
+                                                   transport::Access access) override {
+    MutexLock l(&mu_);
+    return transport::Region{++last_, reinterpret_cast<uintptr_t>(addr), len, access, {last_}};
+  }
+  absl::Status UnregisterMemory(transport::RegionId) override { return absl::OkStatus(); }
+  absl::StatusOr<transport::LinkOffer> CreateLink(transport::NicIndex,
+                                                  const transport::NicInfo&) override {
+    MutexLock l(&mu_);
+    return transport::LinkOffer{++last_, "p"};
+  }
+  absl::StatusOr<transport::LinkOffer> AcceptLink(transport::NicIndex, const transport::NicInfo&,
+                                                  absl::string_view) override {
+    MutexLock l(&mu_);
+    return transport::LinkOffer{++last_, "p"};
+  }
+  absl::Status CompleteLink(transport::LinkId, absl::string_view) override {
+    return absl::OkStatus();
+  }
+  absl::Status CloseLink(transport::LinkId) override { return absl::OkStatus(); }
+  absl::Status Post(absl::Span<const transport::WorkRequest> batch) override {
+    MutexLock l(&mu_);
+    for (const auto& wr : batch) done_.push_back(wr.cookie);
+    return absl::OkStatus();
+  }
+  size_t PollCompletions(absl::Span<transport::Completion> out) override {
+    MutexLock l(&mu_);
+    size_t n = 0;
+    while (n < out.size() && !done_.empty()) {
+      out[n++] = transport::Completion{done_.front(), absl::OkStatus()};
+      done_.pop_front();
+    }
+    return n;
+  }
+  size_t WaitCompletions(absl::Span<transport::Completion> out, absl::Duration) override {
+    return PollCompletions(out);
+  }
+
+ private:
+  Mutex mu_;
+  uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<uint64_t> done_ ABSL_GUARDED_BY(mu_);
+};
+
+std::unique_ptr<TransferEngine> NullEngine() {
+  EngineParts parts;
+  parts.transport = std::make_unique<NullTransport>();
+  parts.network = handshake::NewTcpNetwork();
+  parts.detection.host = "127.0.0.1";
+  auto e = TransferEngine::CreateWith(EngineOptions{}, std::move(parts));
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+void BM_EngineControlPath(benchmark::State& state) {
+  auto a = NullEngine();
+  auto b = NullEngine();
+  const uint64_t bytes = 64 << 20;  // never touched
+  static char fake_local, fake_remote;
+  (void)a->RegisterMemory(&fake_local, bytes);
+  (void)b->RegisterMemory(&fake_remote, bytes);
+  auto seg = a->OpenSegment(b->address());
+  const size_t slices = bytes / (64 << 10);
+  TransferRequest r{Opcode::kWrite, &fake_local, reinterpret_cast<uintptr_t>(&fake_remote), bytes};
+  for (auto _ : state) {
+    auto batch = a->Submit(*seg, {&r, 1});
+    auto st = a->Wait(*batch, absl::Seconds(10));
+    if (!st.ok() || !st->ok()) state.SkipWithError("batch failed");
+    (void)a->Release(*batch);
+  }
+  state.counters["slices_per_sec"] =
+      benchmark::Counter(double(slices) * state.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_EngineControlPath)->UseRealTime();
+
+// ---- a second process: a decode engine and a raw socket sink.
+
+constexpr size_t kPeerBytes = 64 << 20;
+constexpr int kDepth = 16;
+
+struct Peer {
+  pid_t pid = -1;
+  std::string engine;
+  uint64_t pool = 0;
+  std::string sink;
+};
+Peer* peer = nullptr;
+
+void RunPeer(int report_fd) {
+  SetLogThreshold(LogSeverity::kWarning);
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  auto engine = TransferEngine::Create(o);
+  std::vector<char> pool(kPeerBytes);
+  if (!engine.ok() || !(*engine)->RegisterMemory(pool.data(), pool.size()).ok()) _exit(1);
+  auto sink = net::Listen("127.0.0.1", 0, {0, 0});
+  if (!sink.ok()) _exit(1);
+  const std::string line = absl::StrCat((*engine)->address(), " ",
+                                        reinterpret_cast<uintptr_t>(pool.data()), " ",
+                                        sink->address.ToString(), "\n");
+  if (::write(report_fd, line.data(), line.size()) != ssize_t(line.size())) _exit(1);
+  // The raw sink: reads batches of kDepth blocks (a 8-byte header says the
+  // block size) into the pool and answers one byte per batch.
+  for (;;) {
+    auto fd = net::Accept(sink->fd.get(), absl::Hours(1));
+    if (!fd.ok()) continue;
+    uint64_t block;
+    while (net::ReadFull(fd->get(), &block, 8, absl::InfiniteFuture()).ok()) {
+      bool ok = true;
+      for (int i = 0; i < kDepth && ok; ++i) {
+        ok = net::ReadFull(fd->get(), pool.data() + (i * block) % (kPeerBytes - block), block,
+                           absl::InfiniteFuture())
+                 .ok();
+      }
+      char ack = 1;
+      if (!ok || !net::WriteFull(fd->get(), &ack, 1, absl::InfiniteFuture()).ok()) break;
+    }
+  }
+}
+
+Peer* StartPeer() {
+  int fds[2];
+  if (::pipe(fds) != 0) return nullptr;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    RunPeer(fds[1]);
+    _exit(0);
+  }
+  ::close(fds[1]);
+  std::string line;
+  char c;
+  while (::read(fds[0], &c, 1) == 1 && c != '\n') line.push_back(c);
+  ::close(fds[0]);
+  std::vector<std::string> parts = absl::StrSplit(line, ' ');
+  auto* p = new Peer;
+  p->pid = pid;
+  if (parts.size() != 3 || !absl::SimpleAtoi(parts[1], &p->pool)) return nullptr;
+  p->engine = parts[0];
+  p->sink = parts[2];
+  return p;
+}
+
+void BM_EngineTcpWrite(benchmark::State& state) {
+  const uint64_t block = state.range(0);
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  auto engine = TransferEngine::Create(o);
+  std::vector<char> src(block * kDepth, 'x');
+  (void)(*engine)->RegisterMemory(src.data(), src.size());
+  auto seg = (*engine)->OpenSegment(peer->engine);
+  if (!seg.ok()) {
+    state.SkipWithError("cannot reach the peer process");
+    return;
+  }
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < kDepth; ++i) {
+    reqs.push_back({Opcode::kWrite, src.data() + i * block, peer->pool + i * block, block});
+  }
+  for (auto _ : state) {
+    auto batch = (*engine)->Submit(*seg, reqs);
+    auto st = (*engine)->Wait(*batch, absl::Seconds(30));
+    if (!st.ok() || !st->ok()) state.SkipWithError("batch failed");
+    (void)(*engine)->Release(*batch);
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * block * kDepth);
+}
+
+void BM_RawSocketPump(benchmark::State& state) {
+  const uint64_t block = state.range(0);
+  auto hp = net::ParseHostPort(peer->sink);
+  auto fd = net::Connect(*hp, absl::Seconds(5));
+  if (!fd.ok()) {
+    state.SkipWithError("cannot reach the sink");
+    return;
+  }
+  (void)net::SetNoDelay(fd->get());
+  std::vector<char> src(block * kDepth, 'x');
+  for (auto _ : state) {
+    bool ok = net::WriteFull(fd->get(), &block, 8, absl::InfiniteFuture()).ok() &&
+              net::WriteFull(fd->get(), src.data(), src.size(), absl::InfiniteFuture()).ok();
+    char ack;
+    ok = ok && net::ReadFull(fd->get(), &ack, 1, absl::InfiniteFuture()).ok();
+    if (!ok) state.SkipWithError("raw pump failed");
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * block * kDepth);
+}
+
+// Pairs run back to back so the ratio compares like with like.
+BENCHMARK(BM_RawSocketPump)->Arg(64 << 10)->Arg(1 << 20)->UseRealTime();
+BENCHMARK(BM_EngineTcpWrite)->Arg(64 << 10)->Arg(1 << 20)->UseRealTime();
+
+// Collects bytes/s per benchmark to print the ratios at the end.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& r : runs) {
+      auto it = r.counters.find("bytes_per_second");
+      if (it != r.counters.end()) rates_[r.benchmark_name()] = it->second.value;
+    }
+  }
+  void PrintRatios() {
+    for (const char* arg : {"65536", "1048576"}) {
+      const std::string suffix = std::string("/") + arg + "/real_time";
+      const double engine = rates_["BM_EngineTcpWrite" + suffix];
+      const double raw = rates_["BM_RawSocketPump" + suffix];
+      if (engine > 0 && raw > 0) {
+        std::printf("ratio engine-over-TCP / raw socket pump, %s-byte blocks: %.2f "
+                    "(%.2f GB/s vs %.2f GB/s)\n",
+                    arg, engine / raw, engine / 1e9, raw / 1e9);
+      }
+    }
+  }
+
+ private:
+  std::map<std::string, double> rates_;
+};
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) {
+  kvferry::SetLogThreshold(kvferry::LogSeverity::kWarning);
+  kvferry::peer = kvferry::StartPeer();
+  if (kvferry::peer == nullptr) {
+    std::fprintf(stderr, "engine_benchmark: could not start the peer process\n");
+    return 1;
+  }
+  benchmark::Initialize(&argc, argv);
+  kvferry::RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  reporter.PrintRatios();
+  ::kill(kvferry::peer->pid, SIGTERM);
+  ::waitpid(kvferry::peer->pid, nullptr, 0);
+  return 0;
+}
