@@ -53,7 +53,8 @@ class TransferEngine::Impl {
         network_(std::move(parts.network)),
         detection_(std::move(parts.detection)),
         wait_(std::move(parts.wait)),
-        engine_id_(net::RandomU64()) {}
+        clock_(parts.clock != nullptr ? parts.clock : RealClock()),
+        engine_id_(parts.engine_id != 0 ? parts.engine_id : net::RandomU64()) {}
 
   ~Impl() {
     server_.reset();  // no more handler calls
@@ -114,6 +115,7 @@ class TransferEngine::Impl {
     uint64_t remote = 0;
     uint64_t length = 0;
     uint32_t retries_left = 0;
+    uint64_t generation = 0;  // of the segment's links it was last posted on
     absl::Status last_error;
   };
   struct Batch {
@@ -152,6 +154,7 @@ class TransferEngine::Impl {
   std::unique_ptr<handshake::Network> network_;
   Detection detection_;
   const std::function<bool(const std::function<bool()>&, absl::Duration)> wait_;
+  Clock* const clock_;
   const uint64_t engine_id_;
   std::unique_ptr<handshake::Server> server_;
   std::string address_;
@@ -416,6 +419,7 @@ absl::Status TransferEngine::Impl::PlanSlice(Segment& seg, Slice& slice, WorkReq
   }
   if (seg.links.empty()) return absl::UnavailableError(absl::StrCat("no links to ", seg.peer));
   const Link& link = seg.links[seg.next_link++ % seg.links.size()];
+  slice.generation = seg.generation;
   wr->opcode = slice.opcode;
   wr->link = link.id;
   wr->local_region = slice.local_region;
@@ -562,49 +566,51 @@ void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
 void TransferEngine::Impl::Pump(absl::Duration timeout) {
   Completion done[64];
   const size_t n = transport_->WaitCompletions(absl::MakeSpan(done), timeout);
-  std::map<SegmentId, std::vector<uint64_t>> retry;
+  // Slices whose link failed: on the segment's current links (refresh
+  // first), or on links a refresh has already replaced (just re-post).
+  std::map<SegmentId, std::vector<uint64_t>> refresh, repost;
   {
     MutexLock lock(&mu_);
     for (size_t i = 0; i < n; ++i) {
       auto it = slices_.find(done[i].cookie);
       if (it == slices_.end()) continue;
       Slice& s = it->second;
-      if (!done[i].status.ok() && Retryable(done[i].status.code()) && s.retries_left > 0) {
-        --s.retries_left;
+      if (!done[i].status.ok() && Retryable(done[i].status.code())) {
+        Segment& seg = segments_.at(s.segment);
         s.last_error = done[i].status;
-        segments_.at(s.segment).stale = true;
-        retry[s.segment].push_back(it->first);
-        continue;
+        if (s.generation < seg.generation) {
+          repost[s.segment].push_back(it->first);
+          continue;
+        }
+        if (s.retries_left > 0) {
+          --s.retries_left;
+          seg.stale = true;
+          refresh[s.segment].push_back(it->first);
+          continue;
+        }
       }
       FinishSlice(done[i].cookie, std::move(done[i].status));
     }
   }
-  for (auto& [segment, ids] : retry) {
+  for (auto& [segment, ids] : refresh) {
     bool changed = false;
     absl::Status refreshed = Refresh(segment, &changed);
-    if (refreshed.ok()) {
-      // Access refused with keys that did not change: retrying cannot help.
-      MutexLock lock(&mu_);
-      std::vector<uint64_t> keep;
-      for (uint64_t sid : ids) {
-        Slice& s = slices_.at(sid);
-        if (!changed && s.last_error.code() == absl::StatusCode::kPermissionDenied) {
-          FinishSlice(sid, s.last_error);
-        } else {
-          keep.push_back(sid);
-        }
-      }
-      ids.swap(keep);
-    }
-    if (!refreshed.ok()) {
-      MutexLock lock(&mu_);
-      for (uint64_t sid : ids) {
-        FinishSlice(sid, Annotate(slices_.at(sid).last_error,
+    MutexLock lock(&mu_);
+    std::vector<uint64_t>& keep = repost[segment];
+    for (uint64_t sid : ids) {
+      Slice& s = slices_.at(sid);
+      if (!refreshed.ok()) {
+        FinishSlice(sid, Annotate(s.last_error,
                                   absl::StrCat("retry impossible (", refreshed.message(), ")")));
+      } else if (!changed && s.last_error.code() == absl::StatusCode::kPermissionDenied) {
+        FinishSlice(sid, s.last_error);  // same keys: retrying cannot help
+      } else {
+        keep.push_back(sid);
       }
-      continue;
     }
-    (void)PostSlices(segment, ids);
+  }
+  for (auto& [segment, ids] : repost) {
+    if (!ids.empty()) (void)PostSlices(segment, ids);
   }
 }
 
@@ -631,20 +637,20 @@ absl::StatusOr<BatchStatus> TransferEngine::Impl::Poll(BatchId id) {
 }
 
 absl::StatusOr<BatchStatus> TransferEngine::Impl::Wait(BatchId id, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = clock_->Now() + timeout;
   for (;;) {
     {
       MutexLock lock(&mu_);
       auto it = batches_.find(id);
       if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
       if (it->second.pending == 0) return StatusOf(it->second);
-      if (absl::Now() >= deadline) {
+      if (clock_->Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "batch ", id, " still has ", it->second.pending, " request(s) pending after ",
             absl::FormatDuration(timeout)));
       }
     }
-    Pump(std::min(deadline - absl::Now(), absl::Milliseconds(50)));
+    Pump(std::min(deadline - clock_->Now(), absl::Milliseconds(50)));
   }
 }
 

@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "base/clock.h"
 #include "handshake/network.h"
 #include "transport/transport.h"
 
@@ -106,6 +107,10 @@ struct EngineParts {
   std::unique_ptr<transport::Transport> transport;
   std::unique_ptr<handshake::Network> network;
   Detection detection;
+  // The engine's id in descriptors and notifications; 0: a random one.
+  uint64_t engine_id = 0;
+  // The clock timeouts are measured on; null: the real clock.
+  Clock* clock = nullptr;
   // Blocks until ready() holds or the timeout passes; used to wait for
   // notifications. Empty: a condition variable (real time). Simulations
   // pass a function that runs the simulator instead.
