@@ -47,6 +47,7 @@ bool Retryable(absl::StatusCode code) {
 
 class TransferEngine::Impl {
  public:
+  using RemoteRegion = TransferEngine::RemoteRegion;
   Impl(EngineOptions options, EngineParts parts)
       : options_(std::move(options)),
         transport_(std::move(parts.transport)),
@@ -77,6 +78,16 @@ class TransferEngine::Impl {
   absl::Status RegisterMemory(void* addr, uint64_t length, Access access);
   absl::Status UnregisterMemory(void* addr);
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
+  absl::StatusOr<std::vector<RemoteRegion>> SegmentRegions(SegmentId id) {
+    MutexLock lock(&mu_);
+    auto it = segments_.find(id);
+    if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+    std::vector<RemoteRegion> out;
+    for (const RegionDescriptor& r : it->second.descriptor.regions) {
+      out.push_back(RemoteRegion{r.addr, r.length, r.access});
+    }
+    return out;
+  }
   absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests);
   absl::StatusOr<BatchStatus> Poll(BatchId id);
   absl::StatusOr<BatchStatus> Wait(BatchId id, absl::Duration timeout);
@@ -838,6 +849,10 @@ absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access 
 absl::Status TransferEngine::UnregisterMemory(void* addr) { return impl_->UnregisterMemory(addr); }
 absl::StatusOr<SegmentId> TransferEngine::OpenSegment(const std::string& peer) {
   return impl_->OpenSegment(peer);
+}
+absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> TransferEngine::SegmentRegions(
+    SegmentId segment) {
+  return impl_->SegmentRegions(segment);
 }
 absl::StatusOr<BatchId> TransferEngine::Submit(SegmentId segment,
                                                absl::Span<const TransferRequest> requests) {

@@ -147,6 +147,15 @@ class TransferEngine {
   // returns a handle; the same peer gives the same handle.
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
 
+  // The regions the peer advertises (as of the last handshake), sorted by
+  // address: where a request may write or read.
+  struct RemoteRegion {
+    uint64_t addr = 0;
+    uint64_t length = 0;
+    transport::Access access = transport::Access::kNone;
+  };
+  absl::StatusOr<std::vector<RemoteRegion>> SegmentRegions(SegmentId segment);
+
   // Posts the requests as one batch. kInvalidArgument (naming the request
   // and the peer) when a request falls outside registered memory on either
   // side, kPermissionDenied when the peer's region forbids the operation;

@@ -281,6 +281,29 @@ TEST(TransferEngine, Ipv6LoopbackPeer) {
   EXPECT_EQ(src, dst);
 }
 
+TEST(TransferEngine, BindsEveryInterfaceOnlyWhenAskedAndShowsPeerRegions) {
+  EngineOptions all = Local();
+  all.bind_host = "0.0.0.0";
+  auto a = MakeEngine(all);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->detection().bind_host, "0.0.0.0");
+  EXPECT_EQ(a->address().rfind("127.0.0.1:", 0), 0u);  // advertised, not 0.0.0.0
+  auto b = MakeEngine();
+  EXPECT_EQ(b->detection().bind_host, "127.0.0.1");
+  std::vector<char> buf(8192);
+  ASSERT_TRUE(a->RegisterMemory(buf.data(), 4096, transport::Access::kRemoteRead).ok());
+  ASSERT_TRUE(a->RegisterMemory(buf.data() + 4096, 4096, transport::Access::kNone).ok());
+  auto seg = b->OpenSegment(a->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  auto regions = b->SegmentRegions(*seg);
+  ASSERT_TRUE(regions.ok());
+  ASSERT_EQ(regions->size(), 1u);  // the private region is not advertised
+  EXPECT_EQ((*regions)[0].addr, Addr(buf));
+  EXPECT_EQ((*regions)[0].length, 4096u);
+  EXPECT_EQ((*regions)[0].access, transport::Access::kRemoteRead);
+  EXPECT_EQ(b->SegmentRegions(999).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST(TransferEngine, BadOptionsAndRegistrations) {
   EngineOptions o = Local();
   o.transport = "carrier-pigeon";

@@ -5,6 +5,8 @@
 //   ./bazelw run //tools:demo -- --role=decode   # on machine B: prints its address
 //   ./bazelw run //tools:demo -- --role=prefill --peer=B:15000   # on machine A
 //
+// The prefill side learns where the decode pool is from the handshake alone.
+//
 // The KV pool is laid out like a real model's: per layer a K and a V buffer
 // of `pool_pages` pages, each page `page_tokens` tokens of `kv_heads` x
 // `head_dim` bf16 values. The prefill side fills its pages with a
@@ -118,14 +120,12 @@ int RunDecode(int report_fd) {
   PrintDetection("decode", **engine);
   const std::string address = (*engine)->address();
   if (report_fd >= 0) {
-    const std::string line = absl::StrCat(address, " ", reinterpret_cast<uintptr_t>(pool.data()),
-                                          "\n");
+    const std::string line = address + "\n";
     if (::write(report_fd, line.data(), line.size()) != ssize_t(line.size())) return 1;
     ::close(report_fd);
   } else {
-    std::printf("  decode pool at 0x%llx; run the prefill side with --peer=%s --remote_pool=0x%llx\n",
-                (unsigned long long)reinterpret_cast<uintptr_t>(pool.data()), address.c_str(),
-                (unsigned long long)reinterpret_cast<uintptr_t>(pool.data()));
+    std::printf("  waiting; on the prefill machine run: demo --role=prefill --peer=%s\n",
+                address.c_str());
     std::fflush(stdout);
   }
   auto note = (*engine)->WaitNotification(absl::Hours(1));
@@ -155,7 +155,7 @@ int RunDecode(int report_fd) {
   return good == checked ? 0 : 1;
 }
 
-int RunPrefill(const std::string& peer, uint64_t remote_pool) {
+int RunPrefill(const std::string& peer) {
   const Layout layout = MakeLayout();
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   const uint32_t pages = std::min(absl::GetFlag(FLAGS_pages), layout.pool_pages);
@@ -192,6 +192,16 @@ int RunPrefill(const std::string& peer, uint64_t remote_pool) {
     return 1;
   }
   const absl::Duration handshake = absl::Now() - start;
+  // The decode pool is the one region the peer advertises: the handshake
+  // told us where it is and how big.
+  auto regions = (*engine)->SegmentRegions(*seg);
+  if (!regions.ok() || regions->size() != 1 || (*regions)[0].length != layout.pool_bytes()) {
+    std::fprintf(stderr, "prefill: the peer does not advertise one KV pool of %llu bytes "
+                         "(same --layers/--pool_pages/... on both sides?)\n",
+                 (unsigned long long)layout.pool_bytes());
+    return 1;
+  }
+  const uint64_t remote_pool = (*regions)[0].addr;
   // One batch per layer, as a prefill would send each layer when it is ready.
   std::vector<absl::Duration> latency;
   const absl::Time t0 = absl::Now();
@@ -263,10 +273,7 @@ int RunBoth() {
   char c;
   while (::read(pipefd[0], &c, 1) == 1 && c != '\n') line.push_back(c);
   ::close(pipefd[0]);
-  std::vector<std::string> parts = absl::StrSplit(line, ' ');
-  uint64_t pool = 0;
-  int rc = 1;
-  if (parts.size() == 2 && absl::SimpleAtoi(parts[1], &pool)) rc = RunPrefill(parts[0], pool);
+  const int rc = line.empty() ? 1 : RunPrefill(line);
   int status = 0;
   ::waitpid(child, &status, 0);
   const bool decode_ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
@@ -276,29 +283,23 @@ int RunBoth() {
 }  // namespace
 }  // namespace kvferry
 
-ABSL_FLAG(std::string, remote_pool, "", "prefill with --peer: the decode pool address it printed");
-
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "sends KV-cache pages from a prefill engine to a decode engine.\n"
       "  ./bazelw run //tools:demo\n"
       "  ./bazelw run //tools:demo -- --role=decode\n"
-      "  ./bazelw run //tools:demo -- --role=prefill --peer=HOST:PORT --remote_pool=0x...");
+      "  ./bazelw run //tools:demo -- --role=prefill --peer=HOST:PORT");
   absl::ParseCommandLine(argc, argv);
   if (!absl::GetFlag(FLAGS_verbose)) kvferry::SetLogThreshold(kvferry::LogSeverity::kWarning);
   const std::string role = absl::GetFlag(FLAGS_role);
   if (role == "both") return kvferry::RunBoth();
   if (role == "decode") return kvferry::RunDecode(-1);
   if (role == "prefill") {
-    uint64_t pool = 0;
-    const std::string text = absl::GetFlag(FLAGS_remote_pool);
-    if (absl::GetFlag(FLAGS_peer).empty() || text.empty() ||
-        !absl::SimpleHexAtoi(text, &pool)) {
-      std::fprintf(stderr, "demo: --role=prefill needs --peer=HOST:PORT and --remote_pool=0x... "
-                           "(both printed by --role=decode)\n");
+    if (absl::GetFlag(FLAGS_peer).empty()) {
+      std::fprintf(stderr, "demo: --role=prefill needs --peer=HOST:PORT (printed by --role=decode)\n");
       return 2;
     }
-    return kvferry::RunPrefill(absl::GetFlag(FLAGS_peer), pool);
+    return kvferry::RunPrefill(absl::GetFlag(FLAGS_peer));
   }
   std::fprintf(stderr, "demo: --role must be both, prefill or decode\n");
   return 2;
