@@ -17,6 +17,7 @@
 #include "handshake/tcp_network.h"
 #include "net/interfaces.h"
 #include "net/socket.h"
+#include "transport/checks.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
@@ -33,10 +34,6 @@ using transport::Opcode;
 using transport::WorkRequest;
 
 namespace {
-
-bool Inside(uint64_t addr, uint64_t len, uint64_t base, uint64_t size) {
-  return addr >= base && len <= size && addr - base <= size - len;
-}
 
 bool Retryable(absl::StatusCode code) {
   return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kAborted ||
@@ -276,7 +273,7 @@ const transport::Region* TransferEngine::Impl::FindLocal(const void* addr,
   auto it = regions_.upper_bound(a);
   if (it == regions_.begin()) return nullptr;
   --it;
-  return Inside(a, length, it->second.addr, it->second.length) ? &it->second : nullptr;
+  return transport::RangeInside(a, length, it->second.addr, it->second.length) ? &it->second : nullptr;
 }
 
 // ---------------------------------------------------------------- segments
@@ -416,7 +413,7 @@ const RegionDescriptor* TransferEngine::Impl::FindRemote(const Segment& seg, uin
 
 absl::Status TransferEngine::Impl::PlanSlice(Segment& seg, Slice& slice, WorkRequest* wr) {
   const RegionDescriptor* found = FindRemote(seg, slice.remote);
-  if (found == nullptr || !Inside(slice.remote, slice.length, found->addr, found->length)) {
+  if (found == nullptr || !transport::RangeInside(slice.remote, slice.length, found->addr, found->length)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "peer %s has no registered region covering [%#x, +%u) (it advertises %u region(s))",
         seg.peer, slice.remote, slice.length, seg.descriptor.regions.size()));

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "base/status_macros.h"
+#include "transport/checks.h"
 
 namespace kvferry {
 namespace transport {
@@ -35,10 +36,6 @@ bool DecodeParams(absl::string_view in, uint64_t* qpn, sim::NicId* nic) {
   std::memcpy(qpn, in.data(), 8);
   std::memcpy(nic, in.data() + 8, 4);
   return *qpn != 0;
-}
-
-bool Inside(uint64_t addr, uint64_t len, uint64_t base, uint64_t size) {
-  return addr >= base && len <= size && addr - base <= size - len;
 }
 
 }  // namespace
@@ -326,9 +323,6 @@ absl::Status SimTransport::CloseLink(LinkId id) {
 }
 
 absl::Status SimTransport::ValidateRequest(const WorkRequest& wr) const {
-  if (wr.opcode != Opcode::kWrite && wr.opcode != Opcode::kRead) {
-    return absl::InvalidArgumentError("unknown opcode");
-  }
   auto link = links_.find(wr.link);
   if (link == links_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown link ", wr.link));
@@ -341,48 +335,20 @@ absl::Status SimTransport::ValidateRequest(const WorkRequest& wr) const {
     return absl::FailedPreconditionError(
         absl::StrCat("link ", wr.link, " is in the error state; open a new one"));
   }
-  if (wr.length > options_.max_request_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("request of ", wr.length, " bytes exceeds the limit of ",
-                     options_.max_request_bytes));
-  }
   auto region = regions_.find(wr.local_region);
   if (region == regions_.end()) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown local region ", wr.local_region));
   }
-  const Region& r = region->second->region;
-  const uint64_t addr = reinterpret_cast<uintptr_t>(wr.local_addr);
-  if (wr.length > 0 && !Inside(addr, wr.length, r.addr, r.length)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "local range [%#x, +%u) lies outside region %u [%#x, +%u)", addr,
-        wr.length, r.id, r.addr, r.length));
-  }
-  return absl::OkStatus();
+  return CheckLocal(wr, region->second->region, options_.max_request_bytes);
 }
 
 absl::Status SimTransport::Post(absl::Span<const WorkRequest> batch) {
   // Validate everything first: Post is all or nothing.
-  std::vector<std::pair<LinkId, uint32_t>> per_link;
-  for (const WorkRequest& wr : batch) {
-    RETURN_IF_ERROR(ValidateRequest(wr));
-    auto it = std::find_if(per_link.begin(), per_link.end(),
-                           [&](const auto& e) { return e.first == wr.link; });
-    if (it == per_link.end()) {
-      per_link.emplace_back(wr.link, 1);
-    } else {
-      ++it->second;
-    }
-  }
-  for (const auto& [id, count] : per_link) {
-    const Link& link = *links_.at(id);
-    if (link.requests.size() + count > options_.max_outstanding_per_link) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "link ", id, " would have ", link.requests.size() + count,
-          " outstanding requests; the limit is ",
-          options_.max_outstanding_per_link));
-    }
-  }
+  for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateRequest(wr));
+  RETURN_IF_ERROR(CheckLinkCapacity(
+      batch, [this](LinkId id) { return links_.at(id)->requests.size(); },
+      options_.max_outstanding_per_link));
   for (const WorkRequest& wr : batch) {
     Link& link = *links_.at(wr.link);
     ++regions_.at(wr.local_region)->local_uses;
@@ -524,23 +490,12 @@ absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h,
                                    std::string* read_out) {
   if (h.length == 0) return absl::OkStatus();
   auto key = keys_by_nic_[nic].find(h.rkey);
-  if (key == keys_by_nic_[nic].end()) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("remote access error: unknown key %#x", h.rkey));
-  }
-  const Region& r = regions_.at(key->second)->region;
+  if (key == keys_by_nic_[nic].end()) return UnknownKeyError(h.rkey);
   const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
-  if (write ? !AllowsRemoteWrite(r.access) : !AllowsRemoteRead(r.access)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "remote access error: region does not allow remote ",
-        write ? "write" : "read"));
-  }
   // The whole request's range, checked on every segment.
-  if (!Inside(h.remote_addr, h.length, r.addr, r.length)) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "remote access error: range [%#x, +%u) outside region [%#x, +%u)",
-        h.remote_addr, h.length, r.addr, r.length));
-  }
+  RETURN_IF_ERROR(CheckRemoteAccess(regions_.at(key->second)->region,
+                                    write ? Opcode::kWrite : Opcode::kRead, h.remote_addr,
+                                    h.length));
   char* target = reinterpret_cast<char*>(h.remote_addr + h.segment_offset);
   if (write) {
     std::memcpy(target, data.data(), h.segment_length);

@@ -21,6 +21,7 @@
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/status_macros.h"
+#include "transport/checks.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the TCP transport's wire format assumes little-endian hosts");
@@ -46,10 +47,6 @@ struct DataHeader {
   uint64_t length = 0;  // data bytes following (WRITE request, READ answer)
 };
 static_assert(sizeof(DataHeader) == 40, "wire header size");
-
-bool Inside(uint64_t addr, uint64_t len, uint64_t base, uint64_t size) {
-  return addr >= base && len <= size && addr - base <= size - len;
-}
 
 // The sanitizers' sendmsg interceptor checks the sent bytes after the call
 // returns, when a peer in the same process may already have completed the
@@ -486,9 +483,6 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
 }
 
 absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
-  if (wr.opcode != Opcode::kWrite && wr.opcode != Opcode::kRead) {
-    return absl::InvalidArgumentError("unknown opcode");
-  }
   auto link = links_.find(wr.link);
   if (link == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", wr.link));
   if (link->second->state == Link::State::kPending) {
@@ -498,46 +492,23 @@ absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
     return absl::FailedPreconditionError(
         absl::StrCat("link ", wr.link, " is in the error state; open a new one"));
   }
-  if (wr.length > options_.max_request_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request of ", wr.length, " bytes exceeds the limit of ", options_.max_request_bytes));
-  }
   auto region = regions_.find(wr.local_region);
   if (region == regions_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
   }
-  const Region& r = region->second->region;
-  const uint64_t addr = reinterpret_cast<uintptr_t>(wr.local_addr);
-  if (wr.length > 0 && !Inside(addr, wr.length, r.addr, r.length)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "local range [%#x, +%u) lies outside region %u [%#x, +%u)", addr, wr.length,
-        r.id, r.addr, r.length));
-  }
-  return absl::OkStatus();
+  return CheckLocal(wr, region->second->region, options_.max_request_bytes);
 }
 
 absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   MutexLock lock(&mu_);
   ReaderMutexLock regions(&regions_mu_);
-  std::vector<std::pair<LinkId, uint32_t>> per_link;
-  for (const WorkRequest& wr : batch) {
-    RETURN_IF_ERROR(ValidateLocked(wr));
-    auto it = std::find_if(per_link.begin(), per_link.end(),
-                           [&](const auto& e) { return e.first == wr.link; });
-    if (it == per_link.end()) {
-      per_link.emplace_back(wr.link, 1);
-    } else {
-      ++it->second;
-    }
-  }
-  for (const auto& [id, count] : per_link) {
-    const Link& link = *links_.at(id);
-    if (link.outstanding.size() + count > options_.max_outstanding_per_link) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "link ", id, " would have ", link.outstanding.size() + count,
-          " outstanding requests; the limit is ", options_.max_outstanding_per_link));
-    }
-  }
+  for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr));
+  RETURN_IF_ERROR(CheckLinkCapacity(
+      batch,
+      [this](LinkId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu_ is held by Post
+        return links_.at(id)->outstanding.size();
+      },
+      options_.max_outstanding_per_link));
   for (const WorkRequest& wr : batch) {
     Link& link = *links_.at(wr.link);
     regions_.at(wr.local_region)->local_uses.fetch_add(1);
@@ -646,20 +617,9 @@ absl::Status TcpTransport::SendJob(Link& link, Job& job) {
 
 absl::Status TcpTransport::CheckRemote(const DataHeader& h, bool write, char** target) {
   auto it = by_key_.find(h.rkey);
-  if (it == by_key_.end()) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("remote access error: unknown key %#x", h.rkey));
-  }
-  const Region& r = it->second->region;
-  if (write ? !AllowsRemoteWrite(r.access) : !AllowsRemoteRead(r.access)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "remote access error: region does not allow remote ", write ? "write" : "read"));
-  }
-  if (!Inside(h.remote_addr, h.length, r.addr, r.length)) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "remote access error: range [%#x, +%u) outside region [%#x, +%u)", h.remote_addr,
-        h.length, r.addr, r.length));
-  }
+  if (it == by_key_.end()) return UnknownKeyError(h.rkey);
+  RETURN_IF_ERROR(CheckRemoteAccess(it->second->region, write ? Opcode::kWrite : Opcode::kRead,
+                                    h.remote_addr, h.length));
   *target = reinterpret_cast<char*>(h.remote_addr);
   return absl::OkStatus();
 }
