@@ -69,6 +69,7 @@ class TransferEngine::Impl {
   }
 
   const std::string& address() const { return address_; }
+  std::vector<transport::NicInfo> LocalNics() const { return transport_->LocalEndpoint().nics; }
   const Detection& detection() const { return detection_; }
   uint64_t engine_id() const { return engine_id_; }
 
@@ -832,6 +833,9 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   KVF_LOG(INFO) << "handshake listening on " << serve.bind_host << ":"
                 << impl->detection().port << ", peers reach this engine at "
                 << impl->address();
+  for (const transport::NicInfo& nic : impl->LocalNics()) {
+    KVF_LOG(INFO) << "data on " << nic.name << " at " << nic.address;
+  }
   return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
 }
 
