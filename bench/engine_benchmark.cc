@@ -240,8 +240,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& r : runs) {
+      // With --benchmark_repetitions, use the median of the repetitions.
+      if (r.run_type == Run::RT_Aggregate && r.aggregate_name != "median") continue;
       auto it = r.counters.find("bytes_per_second");
-      if (it != r.counters.end()) rates_[r.benchmark_name()] = it->second.value;
+      if (it != r.counters.end()) rates_[r.run_name.str()] = it->second.value;
     }
   }
   void PrintRatios() {

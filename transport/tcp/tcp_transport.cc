@@ -195,6 +195,8 @@ class TcpTransport final : public Transport {
     std::deque<Job> jobs;
     bool stopping = false;
     bool writer_busy = false;
+    bool passive = false;      // made by AcceptLink
+    bool reader_done = false;  // the reader thread has returned
     CondVar cv;  // jobs arrived / stopping / writer idle
     std::thread reader;
     std::thread writer;
@@ -217,6 +219,10 @@ class TcpTransport final : public Transport {
   void FailLink(Link& link, absl::Status first, uint64_t first_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StopAndJoin(const std::shared_ptr<Link>& link);
+  // Closes accepted links whose connection has ended and which have nothing
+  // outstanding: the peer that made them is gone or reconnected, and
+  // nobody here holds their id (the engine never posts on them).
+  void ReapDeadPassiveLinks();
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateLocked(const WorkRequest& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
@@ -406,6 +412,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   }
   uint64_t token;
   std::memcpy(&token, peer_params.data(), 8);
+  ReapDeadPassiveLinks();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   auto link = std::make_shared<Link>();
   {
@@ -423,6 +430,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     link->token = token;
     link->id = ++last_link_;
     link->state = Link::State::kEstablished;
+    link->passive = true;
     links_[link->id] = link;
   }
   (void)net::SetNoDelay(link->fd.get());
@@ -450,6 +458,23 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
   link->reader = std::thread([this, link] { ReaderLoop(link); });
   link->writer = std::thread([this, link] { WriterLoop(link); });
   return absl::OkStatus();
+}
+
+void TcpTransport::ReapDeadPassiveLinks() {
+  std::vector<std::shared_ptr<Link>> dead;
+  {
+    MutexLock lock(&mu_);
+    for (auto it = links_.begin(); it != links_.end();) {
+      const Link& l = *it->second;
+      if (l.passive && l.reader_done && l.outstanding.empty()) {
+        dead.push_back(it->second);
+        links_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& link : dead) StopAndJoin(link);
 }
 
 void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
@@ -711,6 +736,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     }
   }
   MutexLock lock(&mu_);
+  link->reader_done = true;
   // Closed here (CloseLink, destruction) or already failed: nothing to do.
   if (link->stopping) return;
   FailLink(*link,

@@ -17,6 +17,10 @@
 // A dead peer is noticed by EOF/RST at once, or by TCP keepalive and
 // TCP_USER_TIMEOUT within `dead_peer_timeout` when its host vanished.
 //
+// A link made by AcceptLink whose connection has ended, with nothing
+// outstanding, is closed by the transport on a later AcceptLink (its id then
+// reads as unknown), so peers that reconnect often leak no sockets.
+//
 // Thread-safe. Wire format: host byte order, little-endian hosts only.
 #ifndef KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_H_
 #define KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_H_
