@@ -55,27 +55,46 @@ absl::Status RunOne(Transport& t, const WorkRequest& wr,
   return c.status;
 }
 
+// Two hosts on one fabric, a source buffer on `a`, a target on `b`, both
+// registered, and a link from a's NIC 0 to b's NIC 0.
+struct World {
+  World(uint64_t seed, size_t bytes, Access target = Access::kRemoteWrite,
+        sim::FaultOptions faults = {}, int nics = 2, sim::NicSpec spec = {})
+      : h(seed, faults, nics), src(bytes, 's'), dst(bytes, 'd') {
+    h.set_nic_spec(spec);
+    a = *h.NewSimTransport();
+    b = *h.NewSimTransport();
+    l = Connect(*a, *b);
+    rs = *a->RegisterMemory(src.data(), src.size(), Access::kNone);
+    rd = *b->RegisterMemory(dst.data(), dst.size(), target);
+  }
+  // A request of `len` bytes at offset `off` of both buffers.
+  WorkRequest Req(Opcode op, size_t len, size_t off = 0, uint64_t cookie = 1,
+                  LinkId link = 0, NicIndex nic = 0) {
+    return transport::Req(op, link ? link : l.a, rs, src.data() + off, len, rd.addr + off,
+                          rd.keys[nic], cookie);
+  }
+
+  SimHarness h;
+  std::unique_ptr<SimTransport> a, b;
+  Linked l;
+  std::vector<char> src, dst;
+  Region rs, rd;
+};
+
 TEST(SimTransport, WriteCompletesAtTheModelledTime) {
   // 1 MiB over 8 Gb/s NICs, 1 us each, MTU 4096, 64 header bytes: 256
   // segments of 4160 wire bytes back to back, then 2 us to the target, then
   // the last 64-byte acknowledgement back.
-  SimHarness h(1, {}, 1);
-  h.set_nic_spec({8'000'000'000, absl::Microseconds(1), 4096});
-  auto a = *h.NewSimTransport();
-  auto b = *h.NewSimTransport();
-  Linked l = Connect(*a, *b);
-  std::vector<char> src(1 << 20, 'x'), dst(1 << 20, 0);
-  Region rs = *a->RegisterMemory(src.data(), src.size(), Access::kNone);
-  Region rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
-  const SimTime start = h.scheduler().now();
-  ASSERT_TRUE(RunOne(*a, Req(Opcode::kWrite, l.a, rs, src.data(), src.size(),
-                             rd.addr, rd.keys[0]))
-                  .ok());
+  World w(1, 1 << 20, Access::kRemoteWrite, {}, 1,
+          {8'000'000'000, absl::Microseconds(1), 4096});
+  const SimTime start = w.h.scheduler().now();
+  ASSERT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 1 << 20)).ok());
   const SimTime per_segment = sim::Fabric::SerializationTime(4096 + 64, 8'000'000'000);
   const SimTime expected = 256 * per_segment + 2000 +
                            sim::Fabric::SerializationTime(64, 8'000'000'000) + 2000;
-  EXPECT_EQ(h.scheduler().now() - start, expected);
-  EXPECT_EQ(src, dst);
+  EXPECT_EQ(w.h.scheduler().now() - start, expected);
+  EXPECT_EQ(w.src, w.dst);
 }
 
 TEST(SimTransport, ReadCompletesAtTheModelledTime) {
@@ -103,93 +122,52 @@ TEST(SimTransport, ReadCompletesAtTheModelledTime) {
 }
 
 TEST(SimTransport, KeysArePerNic) {
-  SimHarness h(3);
-  auto a = *h.NewSimTransport();
-  auto b = *h.NewSimTransport();
-  Linked l1 = Connect(*a, *b, 1, 1);
-  std::vector<char> src(64, 's'), dst(64, 'd');
-  Region rs = *a->RegisterMemory(src.data(), 64, Access::kNone);
-  Region rd = *b->RegisterMemory(dst.data(), 64, Access::kRemoteWrite);
-  ASSERT_EQ(rd.keys.size(), 2u);
-  EXPECT_NE(rd.keys[0], rd.keys[1]);
+  World w(3, 64);
+  Linked l1 = Connect(*w.a, *w.b, 1, 1);
+  ASSERT_EQ(w.rd.keys.size(), 2u);
+  EXPECT_NE(w.rd.keys[0], w.rd.keys[1]);
   // NIC 0's key on a link arriving at NIC 1 is refused.
-  EXPECT_EQ(RunOne(*a, Req(Opcode::kWrite, l1.a, rs, src.data(), 64, rd.addr,
-                           rd.keys[0]))
-                .code(),
+  EXPECT_EQ(RunOne(*w.a, w.Req(Opcode::kWrite, 64, 0, 1, l1.a, 0)).code(),
             absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(dst, std::vector<char>(64, 'd'));
-  Linked l2 = Connect(*a, *b, 1, 1);
-  EXPECT_TRUE(RunOne(*a, Req(Opcode::kWrite, l2.a, rs, src.data(), 64, rd.addr,
-                             rd.keys[1]))
-                  .ok());
-  EXPECT_EQ(dst, src);
+  EXPECT_EQ(w.dst, std::vector<char>(64, 'd'));
+  Linked l2 = Connect(*w.a, *w.b, 1, 1);
+  EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 64, 0, 1, l2.a, 1)).ok());
+  EXPECT_EQ(w.dst, w.src);
 }
 
 TEST(SimTransport, NicDownFailsItsLinksOnlyAndRecovers) {
-  SimHarness h(4);
-  auto a = *h.NewSimTransport();
-  auto b = *h.NewSimTransport();
-  Linked l0 = Connect(*a, *b, 0, 0);
-  Linked l1 = Connect(*a, *b, 1, 1);
-  std::vector<char> src(4096, 's'), dst(4096, 'd');
-  Region rs = *a->RegisterMemory(src.data(), src.size(), Access::kNone);
-  Region rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
-  h.fabric().SetNicUp(h.nics_of(1)[0], false);
-  EXPECT_EQ(RunOne(*a, Req(Opcode::kWrite, l0.a, rs, src.data(), 100, rd.addr,
-                           rd.keys[0]),
-                   a->PeerLossBound())
-                .code(),
+  World w(4, 4096);
+  Linked l1 = Connect(*w.a, *w.b, 1, 1);
+  w.h.fabric().SetNicUp(w.h.nics_of(1)[0], false);
+  EXPECT_EQ(RunOne(*w.a, w.Req(Opcode::kWrite, 100), w.a->PeerLossBound()).code(),
             absl::StatusCode::kUnavailable);
-  EXPECT_EQ(dst[0], 'd');
-  EXPECT_TRUE(RunOne(*a, Req(Opcode::kWrite, l1.a, rs, src.data(), 100, rd.addr,
-                             rd.keys[1]))
-                  .ok());
-  EXPECT_EQ(dst[99], 's');
-  h.fabric().SetNicUp(h.nics_of(1)[0], true);
-  Linked again = Connect(*a, *b, 0, 0);
-  EXPECT_TRUE(RunOne(*a, Req(Opcode::kWrite, again.a, rs, src.data(), 4096,
-                             rd.addr, rd.keys[0]))
-                  .ok());
-  EXPECT_EQ(dst, src);
+  EXPECT_EQ(w.dst[0], 'd');
+  EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 100, 0, 1, l1.a, 1)).ok());
+  EXPECT_EQ(w.dst[99], 's');
+  w.h.fabric().SetNicUp(w.h.nics_of(1)[0], true);
+  Linked again = Connect(*w.a, *w.b, 0, 0);
+  EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 4096, 0, 1, again.a)).ok());
+  EXPECT_EQ(w.dst, w.src);
 }
 
 TEST(SimTransport, PartitionFailsThenHealedPathWorks) {
-  SimHarness h(5);
-  auto a = *h.NewSimTransport();
-  auto b = *h.NewSimTransport();
-  Linked l = Connect(*a, *b);
-  std::vector<char> src(512, 's'), dst(512, 'd');
-  Region rs = *a->RegisterMemory(src.data(), src.size(), Access::kNone);
-  Region rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteReadWrite);
-  h.fabric().Partition({0}, {1});
-  EXPECT_EQ(RunOne(*a, Req(Opcode::kRead, l.a, rs, src.data(), 512, rd.addr,
-                           rd.keys[0]),
-                   a->PeerLossBound())
-                .code(),
+  World w(5, 512, Access::kRemoteReadWrite);
+  w.h.fabric().Partition({0}, {1});
+  EXPECT_EQ(RunOne(*w.a, w.Req(Opcode::kRead, 512), w.a->PeerLossBound()).code(),
             absl::StatusCode::kUnavailable);
-  EXPECT_EQ(src, std::vector<char>(512, 's'));
-  h.fabric().Heal();
-  Linked healed = Connect(*a, *b);
-  EXPECT_TRUE(RunOne(*a, Req(Opcode::kRead, healed.a, rs, src.data(), 512,
-                             rd.addr, rd.keys[0]))
-                  .ok());
-  EXPECT_EQ(src, dst);
+  EXPECT_EQ(w.src, std::vector<char>(512, 's'));
+  w.h.fabric().Heal();
+  Linked healed = Connect(*w.a, *w.b);
+  EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kRead, 512, 0, 1, healed.a)).ok());
+  EXPECT_EQ(w.src, w.dst);
 }
 
 TEST(SimTransport, ShortPartitionIsHiddenByRetransmission) {
-  SimHarness h(6);
-  auto a = *h.NewSimTransport();
-  auto b = *h.NewSimTransport();
-  Linked l = Connect(*a, *b);
-  std::vector<char> src(64 << 10, 's'), dst(64 << 10, 'd');
-  Region rs = *a->RegisterMemory(src.data(), src.size(), Access::kNone);
-  Region rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
-  h.fabric().Partition({0}, {1});
-  h.scheduler().After(sim::ToSimTime(absl::Milliseconds(3)), [&] { h.fabric().Heal(); });
-  EXPECT_TRUE(RunOne(*a, Req(Opcode::kWrite, l.a, rs, src.data(), src.size(),
-                             rd.addr, rd.keys[0]))
-                  .ok());
-  EXPECT_EQ(src, dst);
+  World w(6, 64 << 10);
+  w.h.fabric().Partition({0}, {1});
+  w.h.scheduler().After(sim::ToSimTime(absl::Milliseconds(3)), [&] { w.h.fabric().Heal(); });
+  EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 64 << 10)).ok());
+  EXPECT_EQ(w.src, w.dst);
 }
 
 TEST(SimTransport, RestartedPeerHasNewKeysAndOldLinksFail) {
@@ -231,23 +209,14 @@ TEST(SimTransport, RestartedPeerHasNewKeysAndOldLinksFail) {
 TEST(SimTransport, InjectedErrorCompletionFailsLinkAndFlushesRest) {
   sim::FaultOptions f;
   f.error_completion = sim::Ratio::Always();
-  SimHarness h(8, f);
-  auto a = *h.NewSimTransport();
-  auto b = *h.NewSimTransport();
-  Linked l = Connect(*a, *b);
-  std::vector<char> src(4 * 4096, 's'), dst(4 * 4096, 'd');
-  Region rs = *a->RegisterMemory(src.data(), src.size(), Access::kNone);
-  Region rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
+  World w(8, 4 * 4096, Access::kRemoteWrite, f);
   std::vector<WorkRequest> batch;
-  for (int i = 0; i < 4; ++i) {
-    batch.push_back(Req(Opcode::kWrite, l.a, rs, src.data() + i * 4096, 4096,
-                        rd.addr + i * 4096, rd.keys[0], i));
-  }
-  ASSERT_TRUE(a->Post(batch).ok());
+  for (int i = 0; i < 4; ++i) batch.push_back(w.Req(Opcode::kWrite, 4096, i * 4096, i));
+  ASSERT_TRUE(w.a->Post(batch).ok());
   Completion c[8];
   size_t n = 0;
   while (n < 4) {
-    size_t got = a->WaitCompletions(absl::MakeSpan(c + n, 8 - n), absl::Seconds(1));
+    size_t got = w.a->WaitCompletions(absl::MakeSpan(c + n, 8 - n), absl::Seconds(1));
     ASSERT_GT(got, 0u);
     n += got;
   }
