@@ -94,6 +94,8 @@ class TransferEngine::Impl {
   absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+  absl::Status PublishMetadata(const std::string& key, std::string value);
+  absl::StatusOr<std::string> FetchMetadata(SegmentId id, const std::string& key);
 
  private:
   struct LocalRegion {
@@ -176,6 +178,7 @@ class TransferEngine::Impl {
   absl::flat_hash_map<BatchId, Batch> batches_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Slice> slices_ ABSL_GUARDED_BY(mu_);
   std::deque<Notification> inbox_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> metadata_ ABSL_GUARDED_BY(mu_);
   SegmentId last_segment_ ABSL_GUARDED_BY(mu_) = 0;
   BatchId last_batch_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_slice_ ABSL_GUARDED_BY(mu_) = 0;
@@ -224,6 +227,19 @@ Frame TransferEngine::Impl::Handle(const Frame& request) {
       if (!p.ok()) return handshake::ErrorFrame(p.status());
       return Frame{MessageType::kProbeReply,
                    handshake::Encode(handshake::Probe{engine_id_, p->nonce})};
+    }
+    case MessageType::kGetMetadata: {
+      absl::StatusOr<handshake::MetadataRequest> m =
+          handshake::DecodeMetadataRequest(request.payload);
+      if (!m.ok()) return handshake::ErrorFrame(m.status());
+      MutexLock lock(&mu_);
+      auto it = metadata_.find(m->key);
+      if (it == metadata_.end()) {
+        return handshake::ErrorFrame(absl::NotFoundError(
+            absl::StrCat("engine ", address_, " has published no '", m->key, "'")));
+      }
+      return Frame{MessageType::kMetadata,
+                   handshake::Encode(handshake::Metadata{m->key, it->second})};
     }
     default:
       return handshake::ErrorFrame(absl::InvalidArgumentError(absl::StrCat(
@@ -751,6 +767,36 @@ absl::StatusOr<Notification> TransferEngine::Impl::WaitNotification(absl::Durati
   return n;
 }
 
+absl::Status TransferEngine::Impl::PublishMetadata(const std::string& key, std::string value) {
+  if (key.empty() || key.size() > handshake::kMaxStringBytes ||
+      value.size() > handshake::kMaxNotifyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metadata key must be 1 to ", handshake::kMaxStringBytes, " bytes and the value at most ",
+        handshake::kMaxNotifyBytes));
+  }
+  MutexLock lock(&mu_);
+  metadata_[key] = std::move(value);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> TransferEngine::Impl::FetchMetadata(SegmentId id,
+                                                                const std::string& key) {
+  std::string peer;
+  {
+    MutexLock lock(&mu_);
+    auto it = segments_.find(id);
+    if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+    peer = it->second.peer;
+  }
+  ASSIGN_OR_RETURN(Frame reply, network_->Call(peer,
+                                               Frame{MessageType::kGetMetadata,
+                                                     handshake::Encode(
+                                                         handshake::MetadataRequest{key})},
+                                               options_.handshake_timeout));
+  ASSIGN_OR_RETURN(handshake::Metadata m, handshake::DecodeMetadata(reply.payload));
+  return std::move(m.value);
+}
+
 // ---------------------------------------------------------------- creation
 
 namespace {
@@ -870,6 +916,13 @@ absl::Status TransferEngine::Notify(SegmentId segment, const std::string& messag
 absl::Status TransferEngine::NotifyAfter(BatchId batch, const std::string& message,
                                          absl::Duration timeout) {
   return impl_->NotifyAfter(batch, message, timeout);
+}
+absl::Status TransferEngine::PublishMetadata(const std::string& key, std::string value) {
+  return impl_->PublishMetadata(key, std::move(value));
+}
+absl::StatusOr<std::string> TransferEngine::FetchMetadata(SegmentId segment,
+                                                          const std::string& key) {
+  return impl_->FetchMetadata(segment, key);
 }
 std::vector<Notification> TransferEngine::TakeNotifications() {
   return impl_->TakeNotifications();

@@ -174,6 +174,11 @@ class TransferEngine {
   // its bytes are in place at the peer), sends `message` to the peer.
   absl::Status NotifyAfter(BatchId batch, const std::string& message,
                            absl::Duration timeout);
+  // Publishes `value` under `key` for peers (replacing an earlier value);
+  // FetchMetadata reads a peer's. kNotFound when the peer has no such key.
+  absl::Status PublishMetadata(const std::string& key, std::string value);
+  absl::StatusOr<std::string> FetchMetadata(SegmentId segment, const std::string& key);
+
   // Notifications received so far (and removes them), or waits for one.
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);

@@ -304,6 +304,23 @@ TEST(TransferEngine, BindsEveryInterfaceOnlyWhenAskedAndShowsPeerRegions) {
   EXPECT_EQ(b->SegmentRegions(999).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(TransferEngine, MetadataIsPublishedAndFetchedByPeers) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  ASSERT_TRUE(b->PublishMetadata("kv_pool", "layout-v1").ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  auto v = a->FetchMetadata(*seg, "kv_pool");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, "layout-v1");
+  ASSERT_TRUE(b->PublishMetadata("kv_pool", "layout-v2").ok());
+  EXPECT_EQ(*a->FetchMetadata(*seg, "kv_pool"), "layout-v2");
+  auto missing = a->FetchMetadata(*seg, "nope");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("nope"), std::string::npos);
+  EXPECT_EQ(b->PublishMetadata("", "x").code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(TransferEngine, BadOptionsAndRegistrations) {
   EngineOptions o = Local();
   o.transport = "carrier-pigeon";

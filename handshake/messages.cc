@@ -47,6 +47,10 @@ const char* MessageTypeName(MessageType type) {
       return "probe-reply";
     case MessageType::kError:
       return "error";
+    case MessageType::kGetMetadata:
+      return "get-metadata";
+    case MessageType::kMetadata:
+      return "metadata";
   }
   return "unknown";
 }
@@ -82,7 +86,7 @@ absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header,
                      "; this build speaks version ", kVersion));
   }
   if (type < static_cast<uint8_t>(MessageType::kDescribe) ||
-      type > static_cast<uint8_t>(MessageType::kError)) {
+      type > kLastMessageType) {
     return absl::DataLossError(absl::StrCat("unknown message type ", type));
   }
   if (length > max_payload_bytes) {
@@ -229,6 +233,38 @@ absl::StatusOr<Probe> DecodeProbe(absl::string_view payload) {
     return Malformed("probe");
   }
   return p;
+}
+
+std::string Encode(const MetadataRequest& m) {
+  std::string out;
+  Writer w(&out);
+  w.Bytes(m.key);
+  return out;
+}
+
+absl::StatusOr<MetadataRequest> DecodeMetadataRequest(absl::string_view payload) {
+  Reader r(payload);
+  MetadataRequest m;
+  if (!r.Bytes(&m.key, kMaxStringBytes) || !r.AtEnd()) return Malformed("get-metadata");
+  return m;
+}
+
+std::string Encode(const Metadata& m) {
+  std::string out;
+  Writer w(&out);
+  w.Bytes(m.key);
+  w.Bytes(m.value);
+  return out;
+}
+
+absl::StatusOr<Metadata> DecodeMetadata(absl::string_view payload) {
+  Reader r(payload);
+  Metadata m;
+  if (!r.Bytes(&m.key, kMaxStringBytes) || !r.Bytes(&m.value, kMaxNotifyBytes) ||
+      !r.AtEnd()) {
+    return Malformed("metadata");
+  }
+  return m;
 }
 
 std::string EncodeError(const absl::Status& status) {

@@ -45,7 +45,10 @@ enum class MessageType : uint8_t {
   kProbe = 7,         // request: are you there, who are you
   kProbeReply = 8,    // reply
   kError = 9,         // reply to any request: a status
+  kGetMetadata = 10,  // request: the value published under a key
+  kMetadata = 11,     // reply: that value
 };
+inline constexpr uint8_t kLastMessageType = 11;
 const char* MessageTypeName(MessageType type);
 
 struct FrameHeader {
@@ -99,11 +102,23 @@ struct Probe {
   uint64_t nonce = 0;
 };
 
+// Small named values an engine publishes for its peers (e.g. the layout of
+// a KV pool): keys up to kMaxStringBytes, values up to kMaxNotifyBytes.
+struct MetadataRequest {
+  std::string key;
+};
+struct Metadata {
+  std::string key;
+  std::string value;
+};
+
 std::string Encode(const EngineDescriptor& d);
 std::string Encode(const ConnectRequest& r);
 std::string Encode(const ConnectReply& r);
 std::string Encode(const Notify& n);
 std::string Encode(const Probe& p);
+std::string Encode(const MetadataRequest& m);
+std::string Encode(const Metadata& m);
 // An error reply carries a status (never OK).
 std::string EncodeError(const absl::Status& status);
 
@@ -112,6 +127,8 @@ absl::StatusOr<ConnectRequest> DecodeConnectRequest(absl::string_view payload);
 absl::StatusOr<ConnectReply> DecodeConnectReply(absl::string_view payload);
 absl::StatusOr<Notify> DecodeNotify(absl::string_view payload);
 absl::StatusOr<Probe> DecodeProbe(absl::string_view payload);
+absl::StatusOr<MetadataRequest> DecodeMetadataRequest(absl::string_view payload);
+absl::StatusOr<Metadata> DecodeMetadata(absl::string_view payload);
 // Decodes an error payload into the status it carries (kDataLoss if the
 // payload itself is malformed).
 absl::Status DecodeError(absl::string_view payload);

@@ -122,6 +122,13 @@ TEST(Messages, OthersRoundTrip) {
   auto p = DecodeProbe(Encode(Probe{5, 6}));
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->nonce, 6u);
+  auto mr = DecodeMetadataRequest(Encode(MetadataRequest{"kv_pool"}));
+  ASSERT_TRUE(mr.ok());
+  EXPECT_EQ(mr->key, "kv_pool");
+  auto md = DecodeMetadata(Encode(Metadata{"kv_pool", std::string("\0\1", 2)}));
+  ASSERT_TRUE(md.ok());
+  EXPECT_EQ(md->value, std::string("\0\1", 2));
+  EXPECT_FALSE(DecodeMetadata(Encode(Metadata{"k", "v"}).substr(0, 9)).ok());
   absl::Status e = DecodeError(EncodeError(absl::NotFoundError("no region")));
   EXPECT_EQ(e.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(e.message(), "no region");
@@ -180,7 +187,7 @@ TEST(Messages, MutationCorpusNeverCrashes) {
           break;
       }
     }
-    std::string frame = EncodeFrame(MessageType(1 + prng.Uniform(9)), m);
+    std::string frame = EncodeFrame(MessageType(1 + prng.Uniform(kLastMessageType)), m);
     if (prng.Chance({1, 4})) frame[prng.Uniform(kFrameHeaderBytes)] ^= 0x5a;
     auto header = ParseFrameHeader(frame, kDefaultMaxFrameBytes);
     if (!header.ok()) {
@@ -198,6 +205,8 @@ TEST(Messages, MutationCorpusNeverCrashes) {
       case MessageType::kProbe:
       case MessageType::kProbeReply: s = DecodeProbe(payload).status(); break;
       case MessageType::kError: s = DecodeError(payload); break;
+      case MessageType::kGetMetadata: s = DecodeMetadataRequest(payload).status(); break;
+      case MessageType::kMetadata: s = DecodeMetadata(payload).status(); break;
       default: s = absl::OkStatus(); break;
     }
     if (s.ok() || header->type == MessageType::kError) {
