@@ -72,6 +72,7 @@ class TransferEngine::Impl {
   std::vector<transport::NicInfo> LocalNics() const { return transport_->LocalEndpoint().nics; }
   const Detection& detection() const { return detection_; }
   uint64_t engine_id() const { return engine_id_; }
+  Clock* clock() const { return clock_; }
 
   absl::Status RegisterMemory(void* addr, uint64_t length, Access access);
   absl::Status UnregisterMemory(void* addr);
@@ -890,6 +891,7 @@ TransferEngine::~TransferEngine() = default;
 std::string TransferEngine::address() const { return impl_->address(); }
 const Detection& TransferEngine::detection() const { return impl_->detection(); }
 uint64_t TransferEngine::engine_id() const { return impl_->engine_id(); }
+Clock* TransferEngine::clock() const { return impl_->clock(); }
 absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access access) {
   return impl_->RegisterMemory(addr, length, access);
 }

@@ -133,6 +133,8 @@ class TransferEngine {
   std::string address() const;
   const Detection& detection() const;
   uint64_t engine_id() const;
+  // The clock the engine's timeouts run on (simulated time in simulation).
+  Clock* clock() const;
 
   // Registers [addr, addr+length) for local use and, per `access`, for
   // peers. kInvalidArgument for bad ranges or an overlap with a region

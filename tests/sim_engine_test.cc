@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/transfer_engine.h"
+#include "tests/sim_world.h"
 #include "gtest/gtest.h"
 #include "handshake/sim_network.h"
 #include "sim/fabric.h"
@@ -19,54 +20,6 @@ namespace kvferry {
 namespace {
 
 using transport::Opcode;
-
-class SimWorld {
- public:
-  explicit SimWorld(uint64_t seed, sim::FaultOptions faults = {})
-      : root_(seed), fabric_(&sched_, root_.Next64(), faults) {}
-
-  // A host with a data NIC and a management NIC.
-  int AddHost() {
-    const sim::NodeId node = fabric_.AddNode("host" + std::to_string(hosts_.size()));
-    hosts_.push_back({*fabric_.AddNic(node, {}), *fabric_.AddNic(node, {})});
-    return static_cast<int>(hosts_.size()) - 1;
-  }
-
-  absl::StatusOr<std::unique_ptr<TransferEngine>> StartEngine(int host, uint16_t port = 0) {
-    transport::SimTransportOptions o;
-    o.nics = {hosts_[host].data};
-    auto t = transport::SimTransport::Create(&fabric_, o, root_.Next64());
-    if (!t.ok()) return t.status();
-    auto network = std::make_unique<handshake::SimNetwork>(&fabric_, hosts_[host].mgmt);
-    EngineParts parts;
-    parts.detection.host = network->host();
-    parts.detection.transport = "sim";
-    parts.detection.transport_reason = "simulated fabric";
-    parts.transport = std::move(*t);
-    parts.network = std::move(network);
-    parts.engine_id = root_.Next64() | 1;
-    parts.clock = &sched_;
-    parts.wait = [this](const std::function<bool()>& ready, absl::Duration timeout) {
-      return sched_.RunUntilCondition(ready, sched_.now() + sim::ToSimTime(timeout));
-    };
-    EngineOptions options;
-    options.port = port;
-    options.slice_bytes = 16 << 10;
-    return TransferEngine::CreateWith(options, std::move(parts));
-  }
-
-  sim::Scheduler& sched() { return sched_; }
-  sim::Fabric& fabric() { return fabric_; }
-
- private:
-  struct Host {
-    sim::NicId data, mgmt;
-  };
-  sim::Prng root_;
-  sim::Scheduler sched_;
-  sim::Fabric fabric_;
-  std::vector<Host> hosts_;
-};
 
 constexpr size_t kLayers = 4, kPages = 32, kPage = 4096;
 

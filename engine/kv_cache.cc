@@ -1,0 +1,393 @@
+#include "engine/kv_cache.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/status_macros.h"
+
+namespace kvferry {
+namespace {
+
+constexpr size_t kMaxAuxBytes = 512 << 10;
+constexpr char kSep = '\0';
+
+// KV-layer notifications: "kv1\0done\0<id>\0<aux>" and "kv1\0fail\0<id>\0<reason>".
+std::string KvMessage(absl::string_view kind, absl::string_view id, absl::string_view body) {
+  return absl::StrCat("kv1", std::string(1, kSep), kind, std::string(1, kSep), id,
+                      std::string(1, kSep), body);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- layout
+
+absl::Status KvLayout::Validate() const {
+  if (layers == 0 || layers > 4096 || page_tokens == 0 || bytes_per_token == 0 || pages == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad KV layout: layers=", layers, " page_tokens=", page_tokens,
+        " bytes_per_token=", bytes_per_token, " pages=", pages, " (all must be positive)"));
+  }
+  if (bytes_per_token > (uint64_t{1} << 30) / page_tokens ||
+      page_bytes() > (uint64_t{1} << 44) / pages) {
+    return absl::InvalidArgumentError("bad KV layout: buffers would exceed 16 TiB");
+  }
+  return absl::OkStatus();
+}
+
+std::string KvLayout::Encode() const {
+  return absl::StrCat("kv1 layers=", layers, " combined=", combined_kv ? 1 : 0,
+                      " page_tokens=", page_tokens, " bytes_per_token=", bytes_per_token,
+                      " pages=", pages);
+}
+
+absl::StatusOr<KvLayout> KvLayout::Decode(absl::string_view text) {
+  std::vector<absl::string_view> fields = absl::StrSplit(text, ' ');
+  KvLayout l;
+  uint32_t combined = 0;
+  bool ok = fields.size() == 6 && fields[0] == "kv1";
+  for (size_t i = 1; ok && i < fields.size(); ++i) {
+    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(fields[i], '=');
+    if (kv.first == "layers") ok = absl::SimpleAtoi(kv.second, &l.layers);
+    else if (kv.first == "combined") ok = absl::SimpleAtoi(kv.second, &combined);
+    else if (kv.first == "page_tokens") ok = absl::SimpleAtoi(kv.second, &l.page_tokens);
+    else if (kv.first == "bytes_per_token") ok = absl::SimpleAtoi(kv.second, &l.bytes_per_token);
+    else if (kv.first == "pages") ok = absl::SimpleAtoi(kv.second, &l.pages);
+    else ok = false;
+  }
+  if (!ok) return absl::DataLossError(absl::StrCat("malformed KV layout '", text, "'"));
+  l.combined_kv = combined != 0;
+  RETURN_IF_ERROR(l.Validate());
+  return l;
+}
+
+// ---------------------------------------------------------------- pool
+
+absl::StatusOr<KvPool> KvPool::Allocate(const KvLayout& layout) {
+  RETURN_IF_ERROR(layout.Validate());
+  const uint64_t total = layout.buffer_bytes() * layout.buffer_count();
+  char* memory = static_cast<char*>(std::calloc(total, 1));
+  if (memory == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a KV pool of ", total,
+                                                     " bytes"));
+  }
+  KvPool pool;
+  pool.layout_ = layout;
+  pool.storage_ = std::shared_ptr<char>(memory, [](char* p) { std::free(p); });
+  for (uint32_t b = 0; b < layout.buffer_count(); ++b) {
+    pool.buffers_.push_back(memory + b * layout.buffer_bytes());
+  }
+  return pool;
+}
+
+absl::StatusOr<KvPool> KvPool::Wrap(const KvLayout& layout, std::vector<void*> buffers) {
+  RETURN_IF_ERROR(layout.Validate());
+  if (buffers.size() != layout.buffer_count()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a layout of ", layout.layers, " layers needs ", layout.buffer_count(),
+        " buffers; got ", buffers.size()));
+  }
+  for (void* b : buffers) {
+    if (b == nullptr) return absl::InvalidArgumentError("null KV buffer");
+  }
+  KvPool pool;
+  pool.layout_ = layout;
+  pool.buffers_ = std::move(buffers);
+  return pool;
+}
+
+absl::Status KvPool::Register(TransferEngine& engine, transport::Access access) const {
+  if (contiguous()) {
+    return engine.RegisterMemory(buffers_[0], layout_.buffer_bytes() * layout_.buffer_count(),
+                                 access);
+  }
+  for (void* b : buffers_) RETURN_IF_ERROR(engine.RegisterMemory(b, layout_.buffer_bytes(), access));
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- coalescing
+
+absl::StatusOr<std::vector<PageRun>> CoalescePages(absl::Span<const uint32_t> src,
+                                                   absl::Span<const uint32_t> dst) {
+  if (src.size() != dst.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        src.size(), " source pages but ", dst.size(), " destination pages"));
+  }
+  // Pages on one diagonal (dst - src) with consecutive dst form a run; with
+  // unique destinations each page has at most one successor, so grouping by
+  // diagonal and merging consecutive destinations gives the fewest runs.
+  std::vector<std::pair<uint32_t, uint32_t>> pairs;  // (dst, src)
+  pairs.reserve(src.size());
+  for (size_t i = 0; i < src.size(); ++i) pairs.emplace_back(dst[i], src[i]);
+  std::sort(pairs.begin(), pairs.end(), [](const auto& a, const auto& b) {
+    const int64_t da = int64_t{a.first} - a.second, db = int64_t{b.first} - b.second;
+    return da != db ? da < db : a.first < b.first;
+  });
+  std::vector<PageRun> runs;
+  std::vector<uint32_t> seen_dst;
+  seen_dst.reserve(pairs.size());
+  for (const auto& [d, s] : pairs) {
+    seen_dst.push_back(d);
+    if (!runs.empty()) {
+      PageRun& last = runs.back();
+      if (uint64_t{last.dst} + last.count == d && uint64_t{last.src} + last.count == s) {
+        ++last.count;
+        continue;
+      }
+    }
+    runs.push_back(PageRun{s, d, 1});
+  }
+  std::sort(seen_dst.begin(), seen_dst.end());
+  auto dup = std::adjacent_find(seen_dst.begin(), seen_dst.end());
+  if (dup != seen_dst.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("destination page ", *dup, " appears twice"));
+  }
+  std::sort(runs.begin(), runs.end(),
+            [](const PageRun& a, const PageRun& b) { return a.src < b.src; });
+  return runs;
+}
+
+// ---------------------------------------------------------------- sender
+
+absl::StatusOr<std::unique_ptr<KvSender>> KvSender::Create(TransferEngine* engine, KvPool pool,
+                                                          Options options) {
+  RETURN_IF_ERROR(pool.Register(*engine, transport::Access::kNone));
+  return std::unique_ptr<KvSender>(new KvSender(engine, std::move(pool), options));
+}
+
+absl::StatusOr<KvSender::Request*> KvSender::Find(Handle h) {
+  auto it = requests_.find(h);
+  if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("unknown KV request ", h));
+  return it->second.get();
+}
+
+absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
+                                                 const std::string& peer,
+                                                 absl::Span<const uint32_t> src_pages,
+                                                 absl::Span<const uint32_t> dst_pages) {
+  if (request_id.empty() || request_id.find(kSep) != std::string::npos) {
+    return absl::InvalidArgumentError("request ids must be non-empty and contain no NUL");
+  }
+  const KvLayout& mine = pool_.layout();
+  ASSIGN_OR_RETURN(std::vector<PageRun> runs, CoalescePages(src_pages, dst_pages));
+  ASSIGN_OR_RETURN(SegmentId segment, engine_->OpenSegment(peer));
+  ASSIGN_OR_RETURN(std::string published, engine_->FetchMetadata(segment, kKvPoolMetadataKey));
+  std::pair<std::string, std::string> lines = absl::StrSplit(published, '\n');
+  ASSIGN_OR_RETURN(KvLayout theirs, KvLayout::Decode(lines.first));
+  if (theirs.layers != mine.layers || theirs.combined_kv != mine.combined_kv ||
+      theirs.page_bytes() != mine.page_bytes()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the KV pool at ", peer, " (", theirs.Encode(), ") does not match this one (",
+        mine.Encode(), ")"));
+  }
+  auto r = std::make_unique<Request>();
+  for (absl::string_view a : absl::StrSplit(lines.second, ',', absl::SkipEmpty())) {
+    uint64_t addr;
+    if (!absl::SimpleHexAtoi(a, &addr)) return absl::DataLossError("malformed KV pool buffers");
+    r->remote_buffers.push_back(reinterpret_cast<void*>(addr));
+  }
+  if (r->remote_buffers.size() != theirs.buffer_count()) {
+    return absl::DataLossError("the peer's KV pool lists the wrong number of buffers");
+  }
+  for (const PageRun& run : runs) {
+    if (uint64_t{run.src} + run.count > mine.pages || uint64_t{run.dst} + run.count > theirs.pages) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", request_id, ": page run ", run.src, "->", run.dst, " x", run.count,
+          " falls outside the pools (", mine.pages, " local, ", theirs.pages, " remote pages)"));
+    }
+  }
+  r->id = request_id;
+  r->segment = segment;
+  r->runs = std::move(runs);
+  r->sent.assign(mine.layers, false);
+  MutexLock lock(&mu_);
+  const Handle h = ++last_;
+  requests_[h] = std::move(r);
+  return h;
+}
+
+absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
+  std::vector<TransferRequest> transfers;
+  SegmentId segment;
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Request * r, Find(h));
+    if (layer >= pool_.layout().layers) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " of ",
+                                                     pool_.layout().layers));
+    }
+    if (r->sent[layer]) return absl::OkStatus();
+    r->sent[layer] = true;
+    const KvLayout& l = pool_.layout();
+    for (uint32_t kv = 0; kv < l.buffers_per_layer(); ++kv) {
+      const uint32_t b = layer * l.buffers_per_layer() + kv;
+      for (const PageRun& run : r->runs) {
+        transfers.push_back({transport::Opcode::kWrite, pool_.page(layer, kv, run.src),
+                             reinterpret_cast<uintptr_t>(r->remote_buffers[b]) +
+                                 uint64_t{run.dst} * l.page_bytes(),
+                             uint64_t{run.count} * l.page_bytes()});
+      }
+    }
+    segment = r->segment;
+  }
+  absl::StatusOr<BatchId> batch = engine_->Submit(segment, transfers);
+  MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Request * r, Find(h));
+  if (!batch.ok()) {
+    if (r->error.ok()) r->error = batch.status();
+    return batch.status();
+  }
+  r->batches.push_back(*batch);
+  return absl::OkStatus();
+}
+
+absl::Status KvSender::SendAll(Handle h) {
+  for (uint32_t layer = 0; layer < pool_.layout().layers; ++layer) {
+    RETURN_IF_ERROR(SendLayer(h, layer));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvSender::Drain(Request& r) {
+  absl::Status first = r.error;
+  for (BatchId b : r.batches) {
+    absl::StatusOr<BatchStatus> st = engine_->Wait(b, options_.timeout);
+    if (st.ok()) {
+      (void)engine_->Release(b);
+      for (const absl::Status& s : st->requests) {
+        if (first.ok() && !s.ok()) first = s;
+      }
+    } else if (first.ok()) {
+      first = st.status();
+    }
+  }
+  r.batches.clear();
+  return first;
+}
+
+absl::Status KvSender::Tell(const Request& r, const std::string& message) {
+  return engine_->Notify(r.segment, message);
+}
+
+absl::Status KvSender::Finish(Handle h, const std::string& aux) {
+  if (aux.size() > kMaxAuxBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("aux payload of ", aux.size(),
+                                                   " bytes exceeds ", kMaxAuxBytes));
+  }
+  (void)SendAll(h);  // a failure is recorded in the request
+  std::unique_ptr<Request> r;
+  {
+    MutexLock lock(&mu_);
+    auto it = requests_.find(h);
+    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("unknown KV request ", h));
+    r = std::move(it->second);
+    requests_.erase(it);
+  }
+  absl::Status data = Drain(*r);
+  if (!data.ok()) {
+    (void)Tell(*r, KvMessage("fail", r->id, data.message()));
+    return Annotate(data, absl::StrCat("KV request ", r->id));
+  }
+  return Tell(*r, KvMessage("done", r->id, aux));
+}
+
+absl::Status KvSender::Cancel(Handle h, const std::string& reason) {
+  std::unique_ptr<Request> r;
+  {
+    MutexLock lock(&mu_);
+    auto it = requests_.find(h);
+    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("unknown KV request ", h));
+    r = std::move(it->second);
+    requests_.erase(it);
+  }
+  (void)Drain(*r);  // writes already posted cannot be recalled; let them land
+  return Tell(*r, KvMessage("fail", r->id, absl::StrCat("cancelled: ", reason)));
+}
+
+absl::Status KvSender::Send(const std::string& request_id, const std::string& peer,
+                            absl::Span<const uint32_t> src_pages,
+                            absl::Span<const uint32_t> dst_pages, const std::string& aux) {
+  ASSIGN_OR_RETURN(Handle h, Begin(request_id, peer, src_pages, dst_pages));
+  return Finish(h, aux);
+}
+
+// ---------------------------------------------------------------- receiver
+
+absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* engine,
+                                                              KvPool pool) {
+  RETURN_IF_ERROR(pool.Register(*engine, transport::Access::kRemoteWrite));
+  std::vector<std::string> addrs;
+  for (uint32_t b = 0; b < pool.layout().buffer_count(); ++b) {
+    addrs.push_back(absl::StrFormat("%x", reinterpret_cast<uintptr_t>(pool.buffer(b))));
+  }
+  RETURN_IF_ERROR(engine->PublishMetadata(
+      kKvPoolMetadataKey, absl::StrCat(pool.layout().Encode(), "\n", absl::StrJoin(addrs, ","))));
+  return std::unique_ptr<KvReceiver>(new KvReceiver(engine, std::move(pool)));
+}
+
+void KvReceiver::Absorb(std::vector<Notification> notes) {
+  for (Notification& n : notes) {
+    std::vector<std::string> parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 3));
+    if (parts.size() != 4 || parts[0] != "kv1" || (parts[1] != "done" && parts[1] != "fail")) {
+      others_.push_back(std::move(n));
+      continue;
+    }
+    Status& s = requests_[parts[2]];
+    if (s.state != State::kPending) continue;  // first word wins
+    if (parts[1] == "done") {
+      s.state = State::kComplete;
+      s.aux = std::move(parts[3]);
+    } else {
+      s.state = State::kFailed;
+      s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", parts[3]));
+    }
+  }
+}
+
+KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
+  std::vector<Notification> notes = engine_->TakeNotifications();
+  MutexLock lock(&mu_);
+  Absorb(std::move(notes));
+  auto it = requests_.find(request_id);
+  return it == requests_.end() ? Status{} : it->second;
+}
+
+absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_id,
+                                                   absl::Duration timeout) {
+  Clock* clock = engine_->clock();
+  const absl::Time deadline = clock->Now() + timeout;
+  for (;;) {
+    Status s = Poll(request_id);
+    if (s.state != State::kPending) return s;
+    const absl::Duration left = deadline - clock->Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "KV request ", request_id, " still pending after ", absl::FormatDuration(timeout)));
+    }
+    absl::StatusOr<Notification> n = engine_->WaitNotification(left);
+    if (n.ok()) {
+      MutexLock lock(&mu_);
+      Absorb({std::move(*n)});
+    }
+  }
+}
+
+void KvReceiver::Forget(const std::string& request_id) {
+  MutexLock lock(&mu_);
+  requests_.erase(request_id);
+}
+
+std::vector<Notification> KvReceiver::TakeOtherNotifications() {
+  std::vector<Notification> notes = engine_->TakeNotifications();
+  MutexLock lock(&mu_);
+  Absorb(std::move(notes));
+  return std::exchange(others_, {});
+}
+
+}  // namespace kvferry

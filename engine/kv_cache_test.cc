@@ -1,0 +1,260 @@
+#include "engine/kv_cache.h"
+
+#include <cstring>
+#include <memory>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "sim/prng.h"
+#include "sim/seed.h"
+
+namespace kvferry {
+namespace {
+
+// ---------------------------------------------------------------- layout
+
+TEST(KvLayout, SizesEncodingAndValidation) {
+  KvLayout l{32, false, 16, 8 * 128 * 2, 256};
+  ASSERT_TRUE(l.Validate().ok());
+  EXPECT_EQ(l.buffers_per_layer(), 2u);
+  EXPECT_EQ(l.buffer_count(), 64u);
+  EXPECT_EQ(l.page_bytes(), 32768u);
+  EXPECT_EQ(l.buffer_bytes(), 32768u * 256);
+  auto back = KvLayout::Decode(l.Encode());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->Encode(), l.Encode());
+  KvLayout mla{61, true, 64, 576 * 2, 100};
+  EXPECT_EQ(mla.buffer_count(), 61u);
+  EXPECT_EQ(KvLayout::Decode(mla.Encode())->combined_kv, true);
+  EXPECT_EQ((KvLayout{0, false, 16, 4, 4}).Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvLayout::Decode("kv1 layers=x").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(KvPool::Wrap(l, {nullptr}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------- coalescing
+
+// The fewest runs, by brute force: a pair starts a run exactly when the pair
+// one page earlier on both sides is absent.
+size_t MinimalRuns(const std::vector<uint32_t>& src, const std::vector<uint32_t>& dst) {
+  size_t starts = 0;
+  for (size_t i = 0; i < src.size(); ++i) {
+    bool has_predecessor = false;
+    for (size_t j = 0; j < src.size(); ++j) {
+      has_predecessor |= src[i] > 0 && dst[i] > 0 && src[j] + 1 == src[i] && dst[j] + 1 == dst[i];
+    }
+    starts += !has_predecessor;
+  }
+  return starts;
+}
+
+TEST(CoalescePages, MatchesTheBruteForceMinimumAndCoversExactly) {
+  const uint64_t seed = sim::TestSeed(5);
+  SCOPED_TRACE(sim::ReplayCommand(seed));
+  sim::Prng prng(seed);
+  for (int trial = 0; trial < 400; ++trial) {
+    // Build lists out of random runs so that merging really happens, then
+    // shuffle the pairs: order must not matter.
+    const uint32_t pool = 64 + prng.Uniform(200);
+    std::vector<uint32_t> free_dst(pool);
+    for (uint32_t i = 0; i < pool; ++i) free_dst[i] = i;
+    std::vector<uint32_t> src, dst;
+    std::set<uint32_t> used_dst;
+    const int runs = 1 + prng.Uniform(12);
+    for (int r = 0; r < runs; ++r) {
+      const uint32_t len = 1 + prng.Uniform(8);
+      const uint32_t s0 = prng.Uniform(pool), d0 = prng.Uniform(pool);
+      for (uint32_t k = 0; k < len && d0 + k < pool && s0 + k < pool; ++k) {
+        if (!used_dst.insert(d0 + k).second) break;
+        src.push_back(s0 + k);
+        dst.push_back(d0 + k);
+      }
+    }
+    for (size_t i = src.size(); i > 1; --i) {
+      const size_t j = prng.Uniform(i);
+      std::swap(src[i - 1], src[j]);
+      std::swap(dst[i - 1], dst[j]);
+    }
+    auto coalesced = CoalescePages(src, dst);
+    ASSERT_TRUE(coalesced.ok()) << coalesced.status();
+    std::multiset<std::pair<uint32_t, uint32_t>> want, got;
+    for (size_t i = 0; i < src.size(); ++i) want.insert({src[i], dst[i]});
+    for (const PageRun& run : *coalesced) {
+      ASSERT_GT(run.count, 0u);
+      for (uint32_t k = 0; k < run.count; ++k) got.insert({run.src + k, run.dst + k});
+    }
+    ASSERT_EQ(got, want) << "trial " << trial;
+    ASSERT_EQ(coalesced->size(), MinimalRuns(src, dst)) << "trial " << trial;
+  }
+}
+
+TEST(CoalescePages, SimpleCasesAndErrors) {
+  EXPECT_EQ(*CoalescePages({3, 4, 5, 9}, {10, 11, 12, 0}),
+            (std::vector<PageRun>{{3, 10, 3}, {9, 0, 1}}));
+  EXPECT_EQ(*CoalescePages({5, 3, 4}, {12, 10, 11}), (std::vector<PageRun>{{3, 10, 3}}));
+  EXPECT_TRUE(CoalescePages({}, {})->empty());
+  EXPECT_EQ(CoalescePages({1, 2}, {1}).status().code(), absl::StatusCode::kInvalidArgument);
+  auto dup = CoalescePages({1, 2}, {7, 7});
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.status().message().find("destination page 7"), std::string::npos);
+}
+
+// ---------------------------------------------------------------- end to end (TCP)
+
+std::unique_ptr<TransferEngine> Engine() {
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  auto e = TransferEngine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return std::move(*e);
+}
+
+void Fill(const KvPool& pool, int seed) {
+  const KvLayout& l = pool.layout();
+  for (uint32_t b = 0; b < l.buffer_count(); ++b) {
+    for (uint64_t i = 0; i < l.buffer_bytes(); ++i) {
+      pool.buffer(b)[i] = static_cast<char>(i * 31 + b * 7 + seed);
+    }
+  }
+}
+
+// Every (src -> dst) page of every layer and buffer is identical.
+bool PagesMatch(const KvPool& a, const KvPool& b, const std::vector<uint32_t>& src,
+                const std::vector<uint32_t>& dst) {
+  const KvLayout& l = a.layout();
+  for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    for (uint32_t kv = 0; kv < l.buffers_per_layer(); ++kv) {
+      for (size_t i = 0; i < src.size(); ++i) {
+        if (std::memcmp(a.page(layer, kv, src[i]), b.page(layer, kv, dst[i]), l.page_bytes())) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+struct Pair {
+  std::unique_ptr<TransferEngine> prefill_engine = Engine(), decode_engine = Engine();
+  std::unique_ptr<KvSender> sender;
+  std::unique_ptr<KvReceiver> receiver;
+  Pair(KvPool src, KvPool dst) {
+    sender = *KvSender::Create(prefill_engine.get(), std::move(src));
+    receiver = *KvReceiver::Create(decode_engine.get(), std::move(dst));
+  }
+};
+
+std::vector<std::vector<char>> SeparateBuffers(const KvLayout& l) {
+  return std::vector<std::vector<char>>(l.buffer_count(), std::vector<char>(l.buffer_bytes()));
+}
+
+TEST(KvCache, WholeAndLayerWiseRequestsArriveWithAuxAfterTheData) {
+  for (bool combined : {false, true}) {
+    SCOPED_TRACE(combined ? "MLA (combined)" : "GQA (K and V)");
+    const KvLayout l{6, combined, 16, 512, 48};
+    // The prefill pool is one allocation; the decode pool separate buffers.
+    KvPool src = *KvPool::Allocate(l);
+    Fill(src, 1);
+    auto storage = SeparateBuffers(l);
+    std::vector<void*> ptrs;
+    for (auto& b : storage) ptrs.push_back(b.data());
+    KvPool dst = *KvPool::Wrap(l, ptrs);
+    Pair p(src, dst);
+    const std::string peer = p.decode_engine->address();
+    std::vector<uint32_t> s = {3, 4, 5, 6, 20, 21, 40, 7}, d = {10, 11, 12, 13, 0, 1, 47, 30};
+    // Whole-request mode, with the decode side waiting in another thread.
+    std::thread waiter([&] {
+      auto st = p.receiver->Wait("req-whole", absl::Seconds(10));
+      ASSERT_TRUE(st.ok()) << st.status();
+      ASSERT_EQ(st->state, KvReceiver::State::kComplete);
+      EXPECT_EQ(st->aux, std::string("first token \0 42", 16));
+      // Seen complete: every byte is already there.
+      EXPECT_TRUE(PagesMatch(src, dst, s, d));
+    });
+    ASSERT_TRUE(p.sender->Send("req-whole", peer, s, d, std::string("first token \0 42", 16)).ok());
+    waiter.join();
+    // Layer-wise mode.
+    Fill(src, 2);
+    auto h = p.sender->Begin("req-layers", peer, s, d);
+    ASSERT_TRUE(h.ok()) << h.status();
+    for (uint32_t layer = 0; layer < l.layers; ++layer) {
+      ASSERT_TRUE(p.sender->SendLayer(*h, layer).ok());
+    }
+    ASSERT_TRUE(p.sender->Finish(*h, "").ok());
+    auto st = p.receiver->Wait("req-layers", absl::Seconds(10));
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->state, KvReceiver::State::kComplete);
+    EXPECT_TRUE(PagesMatch(src, dst, s, d));
+    EXPECT_EQ(p.receiver->Poll("never-sent").state, KvReceiver::State::kPending);
+  }
+}
+
+TEST(KvCache, CancelFailsTheRequestOnBothSidesAndTheEngineStaysUsable) {
+  const KvLayout l{8, false, 16, 256, 32};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 3);
+  Pair p(src, dst);
+  const std::string peer = p.decode_engine->address();
+  std::vector<uint32_t> s = {1, 2, 3}, d = {4, 5, 6};
+  auto h = p.sender->Begin("doomed", peer, s, d);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(p.sender->SendLayer(*h, 0).ok());
+  ASSERT_TRUE(p.sender->Cancel(*h, "client went away").ok());
+  EXPECT_EQ(p.sender->SendLayer(*h, 1).code(), absl::StatusCode::kNotFound);
+  auto st = p.receiver->Wait("doomed", absl::Seconds(5));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, KvReceiver::State::kFailed);
+  EXPECT_NE(st->error.message().find("cancelled: client went away"), std::string::npos);
+  // Layers after the cancel were never sent.
+  EXPECT_TRUE(std::memcmp(dst.page(7, 0, 4), std::vector<char>(l.page_bytes(), 0).data(),
+                          l.page_bytes()) == 0);
+  ASSERT_TRUE(p.sender->Send("next", peer, s, d, "ok").ok());
+  EXPECT_EQ(p.receiver->Wait("next", absl::Seconds(5))->state, KvReceiver::State::kComplete);
+  EXPECT_TRUE(PagesMatch(src, dst, s, d));
+}
+
+TEST(KvCache, BadRequestsAreRefusedBeforeSending) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Pair p(src, dst);
+  const std::string peer = p.decode_engine->address();
+  EXPECT_EQ(p.sender->Begin("r", peer, {1}, {16}).status().code(),
+            absl::StatusCode::kInvalidArgument);  // past the decode pool
+  EXPECT_EQ(p.sender->Begin("r", peer, {1, 2}, {3, 3}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.sender->Begin("", peer, {1}, {1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A decode engine with a differently shaped pool.
+  auto other_engine = Engine();
+  auto other = KvReceiver::Create(other_engine.get(), *KvPool::Allocate({2, false, 16, 128, 16}));
+  ASSERT_TRUE(other.ok());
+  auto mismatch = p.sender->Begin("r", other_engine->address(), {1}, {1});
+  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kFailedPrecondition);
+  // An engine that has no KV receiver at all.
+  auto bare = Engine();
+  EXPECT_EQ(p.sender->Begin("r", bare->address(), {1}, {1}).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(p.receiver->Poll("r").state, KvReceiver::State::kPending);
+}
+
+TEST(KvCache, APeerFailureFailsOnlyItsRequests) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l);
+  Pair p(src, *KvPool::Allocate(l));
+  auto survivor_engine = Engine();
+  KvPool survivor_pool = *KvPool::Allocate(l);
+  auto survivor = KvReceiver::Create(survivor_engine.get(), survivor_pool);
+  ASSERT_TRUE(survivor.ok());
+  auto doomed = p.sender->Begin("to-dead-peer", p.decode_engine->address(), {1}, {1});
+  ASSERT_TRUE(doomed.ok());
+  p.receiver.reset();
+  p.decode_engine.reset();  // the decode process dies
+  EXPECT_FALSE(p.sender->Finish(*doomed, "").ok());
+  ASSERT_TRUE(p.sender->Send("to-live-peer", survivor_engine->address(), {2}, {3}, "").ok());
+  EXPECT_EQ((*survivor)->Wait("to-live-peer", absl::Seconds(5))->state,
+            KvReceiver::State::kComplete);
+}
+
+}  // namespace
+}  // namespace kvferry
