@@ -52,7 +52,8 @@ class TransferEngine::Impl {
         detection_(std::move(parts.detection)),
         wait_(std::move(parts.wait)),
         clock_(parts.clock != nullptr ? parts.clock : RealClock()),
-        engine_id_(parts.engine_id != 0 ? parts.engine_id : net::RandomU64()) {}
+        engine_id_(parts.engine_id != 0 ? parts.engine_id : net::RandomU64()),
+        link_capacity_(std::max<uint32_t>(1, transport_->GetLimits().max_outstanding_per_link)) {}
 
   ~Impl() {
     server_.reset();  // no more handler calls
@@ -106,6 +107,7 @@ class TransferEngine::Impl {
     LinkId id = 0;
     NicIndex local_nic = 0;
     NicIndex remote_nic = 0;
+    uint32_t inflight = 0;  // slices posted and not yet completed
   };
   struct Segment {
     std::string peer;
@@ -114,7 +116,9 @@ class TransferEngine::Impl {
     uint64_t generation = 0;      // bumped by every refresh
     bool stale = false;
     bool refreshing = false;
-    uint64_t next_link = 0;       // round-robin position
+    // Slices waiting for room on a link (each link takes at most the
+    // transport's max_outstanding_per_link), in submission order.
+    std::deque<uint64_t> backlog;
   };
   // One slice in flight.
   struct Slice {
@@ -128,6 +132,7 @@ class TransferEngine::Impl {
     uint64_t length = 0;
     uint32_t retries_left = 0;
     uint64_t generation = 0;  // of the segment's links it was last posted on
+    LinkId link = 0;          // the link it was last posted on
     absl::Status last_error;
   };
   struct Batch {
@@ -147,11 +152,18 @@ class TransferEngine::Impl {
   // that arrive meanwhile wait for it. Sets *changed when the peer's engine
   // id changed.
   absl::Status Refresh(SegmentId id, bool* changed);
-  // Builds the work requests for `slices` (already in slices_) on segment
-  // `id`. Requires mu_.
-  absl::Status PlanSlice(Segment& seg, Slice& slice, WorkRequest* wr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks a slice against the peer's advertised regions.
+  absl::Status CheckSlice(const Segment& seg, const Slice& slice) const;
+  // Puts the slice on the least loaded link with room and fills `wr`; false
+  // when every link is full.
+  bool AssignLink(Segment& seg, Slice& slice, WorkRequest* wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A slice's link has one fewer in flight.
+  void Unassign(const Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Posts slices (already in slices_) on segment `id`; those that find no
+  // room wait in the segment's backlog.
   absl::Status PostSlices(SegmentId id, const std::vector<uint64_t>& slice_ids);
+  // Posts what waits in backlogs, as far as the links have room.
+  void DrainBacklogs();
   // Delivers transport completions into batches; re-posts retryable slices.
   void Pump(absl::Duration timeout);
   void FinishSlice(uint64_t slice_id, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -168,6 +180,7 @@ class TransferEngine::Impl {
   const std::function<bool(const std::function<bool()>&, absl::Duration)> wait_;
   Clock* const clock_;
   const uint64_t engine_id_;
+  const uint32_t link_capacity_;
   std::unique_ptr<handshake::Server> server_;
   std::string address_;
 
@@ -429,31 +442,51 @@ const RegionDescriptor* TransferEngine::Impl::FindRemote(const Segment& seg, uin
   return addr - it->addr < it->length ? &*it : nullptr;
 }
 
-absl::Status TransferEngine::Impl::PlanSlice(Segment& seg, Slice& slice, WorkRequest* wr) {
+absl::Status TransferEngine::Impl::CheckSlice(const Segment& seg, const Slice& slice) const {
   const RegionDescriptor* found = FindRemote(seg, slice.remote);
-  if (found == nullptr || !transport::RangeInside(slice.remote, slice.length, found->addr, found->length)) {
+  if (found == nullptr ||
+      !transport::RangeInside(slice.remote, slice.length, found->addr, found->length)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "peer %s has no registered region covering [%#x, +%u) (it advertises %u region(s))",
         seg.peer, slice.remote, slice.length, seg.descriptor.regions.size()));
   }
-  const RegionDescriptor& r = *found;
   const bool write = slice.opcode == Opcode::kWrite;
-  if (write ? !transport::AllowsRemoteWrite(r.access) : !transport::AllowsRemoteRead(r.access)) {
+  if (write ? !transport::AllowsRemoteWrite(found->access)
+            : !transport::AllowsRemoteRead(found->access)) {
     return absl::PermissionDeniedError(absl::StrFormat(
         "peer %s does not allow remote %s of [%#x, +%u)", seg.peer, write ? "write" : "read",
         slice.remote, slice.length));
   }
   if (seg.links.empty()) return absl::UnavailableError(absl::StrCat("no links to ", seg.peer));
-  const Link& link = seg.links[seg.next_link++ % seg.links.size()];
+  return absl::OkStatus();
+}
+
+bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr) {
+  Link* best = nullptr;
+  for (Link& l : seg.links) {
+    if (best == nullptr || l.inflight < best->inflight) best = &l;
+  }
+  if (best == nullptr || best->inflight >= link_capacity_) return false;
+  ++best->inflight;
+  const RegionDescriptor& r = *FindRemote(seg, slice.remote);
   slice.generation = seg.generation;
+  slice.link = best->id;
   wr->opcode = slice.opcode;
-  wr->link = link.id;
+  wr->link = best->id;
   wr->local_region = slice.local_region;
   wr->local_addr = slice.local;
   wr->length = slice.length;
   wr->remote_addr = slice.remote;
-  wr->remote_key = r.keys[link.remote_nic];
-  return absl::OkStatus();
+  wr->remote_key = r.keys[best->remote_nic];
+  return true;
+}
+
+void TransferEngine::Impl::Unassign(const Slice& slice) {
+  auto seg = segments_.find(slice.segment);
+  if (seg == segments_.end()) return;
+  for (Link& l : seg->second.links) {
+    if (l.id == slice.link && l.inflight > 0) --l.inflight;  // links of older generations are gone
+  }
 }
 
 absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
@@ -499,8 +532,7 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
         s.remote = r.remote + off;
         s.length = len;
         s.retries_left = options_.retries;
-        WorkRequest probe;
-        bad = PlanSlice(seg, s, &probe);
+        bad = CheckSlice(seg, s);
         if (!bad.ok()) {
           bad = Annotate(bad, absl::StrCat("request ", i));
           break;
@@ -553,15 +585,26 @@ absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<ui
       for (uint64_t sid : ids) {
         auto it = slices_.find(sid);
         if (it == slices_.end()) continue;
-        WorkRequest wr;
-        planned = PlanSlice(seg, it->second, &wr);
+        planned = CheckSlice(seg, it->second);
         if (!planned.ok()) break;
+        WorkRequest wr;
+        if (!AssignLink(seg, it->second, &wr)) {
+          seg.backlog.push_back(sid);  // posted when a link has room
+          continue;
+        }
         wr.cookie = sid;
         wrs.push_back(wr);
+      }
+      if (!planned.ok()) {
+        for (const WorkRequest& wr : wrs) Unassign(slices_.at(wr.cookie));
       }
     }
     absl::Status posted = planned.ok() ? transport_->Post(wrs) : planned;
     if (posted.ok()) return absl::OkStatus();
+    {
+      MutexLock lock(&mu_);
+      for (const WorkRequest& wr : wrs) Unassign(slices_.at(wr.cookie));
+    }
     // A link that failed since the last use: rebuild the links and retry.
     if (attempt == 0 && posted.code() == absl::StatusCode::kFailedPrecondition) {
       bool changed;
@@ -576,6 +619,19 @@ absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<ui
     return posted;
   }
   return absl::InternalError("unreachable");
+}
+
+void TransferEngine::Impl::DrainBacklogs() {
+  std::vector<std::pair<SegmentId, std::vector<uint64_t>>> work;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [id, seg] : segments_) {
+      if (seg.backlog.empty()) continue;
+      work.emplace_back(id, std::vector<uint64_t>(seg.backlog.begin(), seg.backlog.end()));
+      seg.backlog.clear();
+    }
+  }
+  for (auto& [id, ids] : work) (void)PostSlices(id, ids);
 }
 
 void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
@@ -601,6 +657,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
       auto it = slices_.find(done[i].cookie);
       if (it == slices_.end()) continue;
       Slice& s = it->second;
+      Unassign(s);
       if (!done[i].status.ok() && Retryable(done[i].status.code())) {
         Segment& seg = segments_.at(s.segment);
         s.last_error = done[i].status;
@@ -638,6 +695,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
   for (auto& [segment, ids] : repost) {
     if (!ids.empty()) (void)PostSlices(segment, ids);
   }
+  DrainBacklogs();
 }
 
 BatchStatus TransferEngine::Impl::StatusOf(const Batch& b) const {

@@ -9,10 +9,11 @@
 //
 // The KV pool is laid out like a real model's: per layer a K and a V buffer
 // of `pool_pages` pages, each page `page_tokens` tokens of `kv_heads` x
-// `head_dim` bf16 values. The prefill side fills its pages with a
-// deterministic pattern, sends `pages` scattered pages layer by layer (one
-// batch per layer), then notifies the decode side, which checks every page
-// it received by checksum and reports back.
+// `head_dim` bf16 values. Through the KV layer (engine/kv_cache.h) the
+// prefill side sends `requests` concurrent requests of `pages` scattered
+// pages each, layer by layer; the decode side checks every page of every
+// layer by checksum when each request completes, and reports back.
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
+#include "engine/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "sim/prng.h"
 
@@ -44,7 +46,8 @@ ABSL_FLAG(uint32_t, page_tokens, 16, "tokens per page");
 ABSL_FLAG(uint32_t, kv_heads, 8, "KV heads");
 ABSL_FLAG(uint32_t, head_dim, 128, "head dimension (bf16 values)");
 ABSL_FLAG(uint32_t, pool_pages, 256, "pages per layer buffer in each pool");
-ABSL_FLAG(uint32_t, pages, 200, "pages to transfer (scattered)");
+ABSL_FLAG(uint32_t, requests, 8, "concurrent requests");
+ABSL_FLAG(uint32_t, pages, 24, "pages per request (scattered)");
 ABSL_FLAG(uint64_t, seed, 1, "seed for the page choice and contents");
 ABSL_FLAG(bool, verbose, false, "show the engines' log lines");
 
@@ -103,18 +106,62 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> StartEngine() {
   return TransferEngine::Create(o);
 }
 
-// Decode: waits for the prefill's notification "<prefill address> <seed>
-// <src:dst,...>", verifies every page, and answers "verified N/M".
+// The pages request r uses on each side: a seeded, scattered, disjoint
+// choice (the same on both sides, so the decode side can check them).
+struct Plan {
+  std::vector<std::vector<uint32_t>> src, dst;  // per request
+};
+
+Plan MakePlan(const Layout& layout, uint64_t seed, uint32_t requests, uint32_t pages) {
+  sim::Prng prng(seed);
+  std::vector<uint32_t> src(layout.pool_pages), dst(layout.pool_pages);
+  for (uint32_t i = 0; i < layout.pool_pages; ++i) src[i] = dst[i] = i;
+  for (uint32_t i = layout.pool_pages - 1; i > 0; --i) {
+    std::swap(src[i], src[prng.Uniform(i + 1)]);
+    std::swap(dst[i], dst[prng.Uniform(i + 1)]);
+  }
+  Plan plan;
+  for (uint32_t r = 0; r < requests; ++r) {
+    plan.src.emplace_back(src.begin() + r * pages, src.begin() + (r + 1) * pages);
+    plan.dst.emplace_back(dst.begin() + r * pages, dst.begin() + (r + 1) * pages);
+  }
+  return plan;
+}
+
+KvLayout ToKvLayout(const Layout& layout) {
+  return KvLayout{layout.layers, false, absl::GetFlag(FLAGS_page_tokens),
+                  layout.page_bytes / absl::GetFlag(FLAGS_page_tokens), layout.pool_pages};
+}
+
+absl::Status CheckFlags(const Layout& layout) {
+  const uint64_t want = uint64_t{absl::GetFlag(FLAGS_requests)} * absl::GetFlag(FLAGS_pages);
+  if (absl::GetFlag(FLAGS_requests) == 0 || absl::GetFlag(FLAGS_pages) == 0 ||
+      want > layout.pool_pages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--requests x --pages (", want, ") must be between 1 and --pool_pages (",
+        layout.pool_pages, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// Decode: receives every request through the KV layer, checks every page of
+// every layer by checksum, and reports "verified N/M" to the prefill.
 int RunDecode(int report_fd) {
   const Layout layout = MakeLayout();
+  if (absl::Status s = CheckFlags(layout); !s.ok()) {
+    std::fprintf(stderr, "decode: %s\n", s.ToString().c_str());
+    return 2;
+  }
   auto engine = StartEngine();
   if (!engine.ok()) {
     std::fprintf(stderr, "decode: %s\n", engine.status().ToString().c_str());
     return 1;
   }
-  std::vector<char> pool(layout.pool_bytes(), 0);
-  if (absl::Status s = (*engine)->RegisterMemory(pool.data(), pool.size()); !s.ok()) {
-    std::fprintf(stderr, "decode: %s\n", s.ToString().c_str());
+  auto pool = KvPool::Allocate(ToKvLayout(layout));
+  auto receiver = pool.ok() ? KvReceiver::Create(engine->get(), *pool)
+                            : absl::StatusOr<std::unique_ptr<KvReceiver>>(pool.status());
+  if (!receiver.ok()) {
+    std::fprintf(stderr, "decode: %s\n", receiver.status().ToString().c_str());
     return 1;
   }
   PrintDetection("decode", **engine);
@@ -128,131 +175,116 @@ int RunDecode(int report_fd) {
                 address.c_str());
     std::fflush(stdout);
   }
-  auto note = (*engine)->WaitNotification(absl::Hours(1));
-  if (!note.ok()) return 1;
-  std::vector<std::string> parts = absl::StrSplit(note->message, ' ');
-  uint64_t seed = 0;
-  if (parts.size() != 3 || !absl::SimpleAtoi(parts[1], &seed)) return 1;
-  uint64_t checked = 0, good = 0;
+  const uint32_t requests = absl::GetFlag(FLAGS_requests);
+  uint64_t checked = 0, good = 0, seed = 0;
+  std::string prefill;
   std::vector<char> expected(layout.page_bytes);
-  for (absl::string_view pair : absl::StrSplit(parts[2], ',')) {
-    std::pair<std::string, std::string> sd = absl::StrSplit(pair, ':');
-    uint32_t src, dst;
-    if (!absl::SimpleAtoi(sd.first, &src) || !absl::SimpleAtoi(sd.second, &dst)) return 1;
-    for (uint32_t layer = 0; layer < layout.layers; ++layer) {
-      for (uint32_t kv = 0; kv < 2; ++kv) {
-        FillPage(expected.data(), layout.page_bytes, seed, layer, kv, src);
-        const char* got = pool.data() + layout.Offset(layer, kv, dst);
-        ++checked;
-        good += Checksum(got, layout.page_bytes) == Checksum(expected.data(), layout.page_bytes);
+  for (uint32_t r = 0; r < requests; ++r) {
+    auto st = (*receiver)->Wait(absl::StrCat("req-", r), absl::Hours(1));
+    if (!st.ok() || st->state != KvReceiver::State::kComplete) return 1;
+    // aux: "<prefill address> <seed>"
+    std::pair<std::string, std::string> aux = absl::StrSplit(st->aux, ' ');
+    prefill = aux.first;
+    if (!absl::SimpleAtoi(aux.second, &seed)) return 1;
+    const Plan plan = MakePlan(layout, seed, requests, absl::GetFlag(FLAGS_pages));
+    for (size_t i = 0; i < plan.src[r].size(); ++i) {
+      for (uint32_t layer = 0; layer < layout.layers; ++layer) {
+        for (uint32_t kv = 0; kv < 2; ++kv) {
+          FillPage(expected.data(), layout.page_bytes, seed, layer, kv, plan.src[r][i]);
+          const char* got = (*pool).page(layer, kv, plan.dst[r][i]);
+          ++checked;
+          good += Checksum(got, layout.page_bytes) == Checksum(expected.data(), layout.page_bytes);
+        }
       }
     }
   }
-  auto back = (*engine)->OpenSegment(parts[0]);
-  if (back.ok()) {
-    (void)(*engine)->Notify(*back, absl::StrCat("verified ", good, "/", checked));
-  }
+  auto back = (*engine)->OpenSegment(prefill);
+  if (back.ok()) (void)(*engine)->Notify(*back, absl::StrCat("verified ", good, "/", checked));
   return good == checked ? 0 : 1;
 }
 
 int RunPrefill(const std::string& peer) {
   const Layout layout = MakeLayout();
+  if (absl::Status s = CheckFlags(layout); !s.ok()) {
+    std::fprintf(stderr, "prefill: %s\n", s.ToString().c_str());
+    return 2;
+  }
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
-  const uint32_t pages = std::min(absl::GetFlag(FLAGS_pages), layout.pool_pages);
+  const uint32_t requests = absl::GetFlag(FLAGS_requests);
+  const uint32_t pages = absl::GetFlag(FLAGS_pages);
   auto engine = StartEngine();
   if (!engine.ok()) {
     std::fprintf(stderr, "prefill: %s\n", engine.status().ToString().c_str());
     return 1;
   }
   PrintDetection("prefill", **engine);
-  std::vector<char> pool(layout.pool_bytes());
+  auto pool = KvPool::Allocate(ToKvLayout(layout));
+  if (!pool.ok()) return 1;
   for (uint32_t layer = 0; layer < layout.layers; ++layer) {
     for (uint32_t kv = 0; kv < 2; ++kv) {
       for (uint32_t p = 0; p < layout.pool_pages; ++p) {
-        FillPage(pool.data() + layout.Offset(layer, kv, p), layout.page_bytes, seed, layer, kv, p);
+        FillPage(pool->page(layer, kv, p), layout.page_bytes, seed, layer, kv, p);
       }
     }
   }
-  if (absl::Status s = (*engine)->RegisterMemory(pool.data(), pool.size()); !s.ok()) {
-    std::fprintf(stderr, "prefill: %s\n", s.ToString().c_str());
+  auto sender = KvSender::Create(engine->get(), *pool);
+  if (!sender.ok()) {
+    std::fprintf(stderr, "prefill: %s\n", sender.status().ToString().c_str());
     return 1;
   }
-  // Scattered pages: a seeded shuffle on each side.
-  sim::Prng prng(seed);
-  std::vector<uint32_t> src(layout.pool_pages), dst(layout.pool_pages);
-  for (uint32_t i = 0; i < layout.pool_pages; ++i) src[i] = dst[i] = i;
-  for (uint32_t i = layout.pool_pages - 1; i > 0; --i) {
-    std::swap(src[i], src[prng.Uniform(i + 1)]);
-    std::swap(dst[i], dst[prng.Uniform(i + 1)]);
-  }
-  const absl::Time start = absl::Now();
-  auto seg = (*engine)->OpenSegment(peer);
-  if (!seg.ok()) {
-    std::fprintf(stderr, "prefill: %s\n", seg.status().ToString().c_str());
-    return 1;
-  }
-  const absl::Duration handshake = absl::Now() - start;
-  // The decode pool is the one region the peer advertises: the handshake
-  // told us where it is and how big.
-  auto regions = (*engine)->SegmentRegions(*seg);
-  if (!regions.ok() || regions->size() != 1 || (*regions)[0].length != layout.pool_bytes()) {
-    std::fprintf(stderr, "prefill: the peer does not advertise one KV pool of %llu bytes "
-                         "(same --layers/--pool_pages/... on both sides?)\n",
-                 (unsigned long long)layout.pool_bytes());
-    return 1;
-  }
-  const uint64_t remote_pool = (*regions)[0].addr;
-  // One batch per layer, as a prefill would send each layer when it is ready.
-  std::vector<absl::Duration> latency;
+  const Plan plan = MakePlan(layout, seed, requests, pages);
   const absl::Time t0 = absl::Now();
-  for (uint32_t layer = 0; layer < layout.layers; ++layer) {
-    std::vector<TransferRequest> reqs;
-    for (uint32_t kv = 0; kv < 2; ++kv) {
-      for (uint32_t i = 0; i < pages; ++i) {
-        reqs.push_back({Opcode::kWrite, pool.data() + layout.Offset(layer, kv, src[i]),
-                        remote_pool + layout.Offset(layer, kv, dst[i]), layout.page_bytes});
-      }
-    }
-    const absl::Time b0 = absl::Now();
-    auto batch = (*engine)->Submit(*seg, reqs);
-    auto status = batch.ok() ? (*engine)->Wait(*batch, absl::Seconds(60))
-                             : absl::StatusOr<BatchStatus>(batch.status());
-    if (!status.ok() || !status->ok()) {
-      std::fprintf(stderr, "prefill: layer %u failed: %s\n", layer,
-                   status.ok() ? status->requests[0].ToString().c_str()
-                               : status.status().ToString().c_str());
+  std::vector<KvSender::Handle> handles;
+  for (uint32_t r = 0; r < requests; ++r) {
+    auto h = (*sender)->Begin(absl::StrCat("req-", r), peer, plan.src[r], plan.dst[r]);
+    if (!h.ok()) {
+      std::fprintf(stderr, "prefill: %s\n", h.status().ToString().c_str());
       return 1;
     }
-    latency.push_back(absl::Now() - b0);
-    (void)(*engine)->Release(*batch);
+    handles.push_back(*h);
   }
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
-  std::string pairs;
-  for (uint32_t i = 0; i < pages; ++i) absl::StrAppend(&pairs, i ? "," : "", src[i], ":", dst[i]);
-  if (absl::Status s = (*engine)->Notify(*seg, absl::StrCat((*engine)->address(), " ", seed, " ",
-                                                            pairs));
-      !s.ok()) {
-    std::fprintf(stderr, "prefill: notify: %s\n", s.ToString().c_str());
-    return 1;
+  const absl::Duration handshake = absl::Now() - t0;
+  // All requests in flight at once, each layer sent as soon as it is "ready".
+  const absl::Time start = absl::Now();
+  for (uint32_t layer = 0; layer < layout.layers; ++layer) {
+    for (KvSender::Handle h : handles) {
+      if (absl::Status s = (*sender)->SendLayer(h, layer); !s.ok()) {
+        std::fprintf(stderr, "prefill: layer %u: %s\n", layer, s.ToString().c_str());
+        return 1;
+      }
+    }
   }
+  std::vector<double> latency_ms;
+  const std::string aux = absl::StrCat((*engine)->address(), " ", seed);
+  for (KvSender::Handle h : handles) {
+    if (absl::Status s = (*sender)->Finish(h, aux); !s.ok()) {
+      std::fprintf(stderr, "prefill: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    latency_ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   auto verdict = (*engine)->WaitNotification(absl::Seconds(120));
-  std::sort(latency.begin(), latency.end());
-  const double bytes = double(pages) * 2 * layout.layers * layout.page_bytes;
+  const double bytes = double(requests) * pages * 2 * layout.layers * layout.page_bytes;
+  const uint64_t total = uint64_t{requests} * pages * 2 * layout.layers;
   std::printf("  model    %u layers x K,V x %u-token pages x %u heads x %u dims bf16 = %s per page\n",
               layout.layers, absl::GetFlag(FLAGS_page_tokens), absl::GetFlag(FLAGS_kv_heads),
               absl::GetFlag(FLAGS_head_dim),
               absl::StrFormat("%.0f KiB", layout.page_bytes / 1024.0).c_str());
-  std::printf("  handshake %.1f ms (descriptor exchange and links)\n",
+  std::printf("  handshake %.1f ms (descriptors, links, the decode pool's layout)\n",
               absl::ToDoubleMilliseconds(handshake));
-  std::printf("  moved    %u scattered pages x %u buffers = %.1f MiB in %.3f s: %.2f GB/s\n",
-              pages, layout.layers * 2, bytes / (1 << 20), seconds, bytes / seconds / 1e9);
-  std::printf("  latency  per layer batch (%u requests): p50 %.2f ms, p99 %.2f ms\n", pages * 2,
-              absl::ToDoubleMilliseconds(latency[latency.size() / 2]),
-              absl::ToDoubleMilliseconds(latency[latency.size() * 99 / 100]));
-  const bool ok = verdict.ok() && verdict->message == absl::StrCat("verified ", pages * 2 *
-                                                                    layout.layers, "/", pages * 2 *
-                                                                    layout.layers);
-  std::printf("  decode   %s\n", verdict.ok() ? verdict->message.c_str() : "no verdict");
+  std::printf("  sent     %u concurrent requests x %u scattered pages, layer by layer: "
+              "%.1f MiB in %.3f s = %.2f GB/s\n",
+              requests, pages, bytes / (1 << 20), seconds, bytes / seconds / 1e9);
+  std::string per_request;
+  for (size_t r = 0; r < latency_ms.size(); ++r) {
+    absl::StrAppend(&per_request, r ? ", " : "", absl::StrFormat("%.1f", latency_ms[r]));
+  }
+  std::printf("  latency  per request, ms from the first layer to complete: %s\n",
+              per_request.c_str());
+  const bool ok = verdict.ok() && verdict->message == absl::StrCat("verified ", total, "/", total);
+  std::printf("  decode   %s page buffers by checksum\n",
+              verdict.ok() ? verdict->message.c_str() : "no verdict");
   std::printf("%s\n", ok ? "OK: every page arrived intact." : "FAILED");
   return ok ? 0 : 1;
 }
@@ -274,6 +306,7 @@ int RunBoth() {
   while (::read(pipefd[0], &c, 1) == 1 && c != '\n') line.push_back(c);
   ::close(pipefd[0]);
   const int rc = line.empty() ? 1 : RunPrefill(line);
+  if (rc != 0) ::kill(child, SIGTERM);  // it would wait for requests forever
   int status = 0;
   ::waitpid(child, &status, 0);
   const bool decode_ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;

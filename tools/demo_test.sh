@@ -3,12 +3,13 @@
 # split-role mode with a decode process started first.
 set -euo pipefail
 demo="$TEST_SRCDIR/$TEST_WORKSPACE/tools/demo"
-small=(--layers=4 --pool_pages=32 --pages=20 --host=127.0.0.1)
+small=(--layers=4 --pool_pages=32 --requests=3 --pages=8 --host=127.0.0.1)
 
 out="$("$demo" "${small[@]}")"
 echo "$out"
 grep -q "OK: every page arrived intact." <<<"$out"
-grep -q "verified 160/160" <<<"$out"
+grep -q "verified 192/192" <<<"$out"
+grep -q "3 concurrent requests" <<<"$out"
 grep -q "transport tcp" <<<"$out"
 
 # Two separate invocations, as on two machines.
@@ -24,4 +25,6 @@ wait "$decode"
 
 if "$demo" --role=prefill 2>err.txt; then echo "prefill without --peer accepted"; exit 1; fi
 grep -q -- "--peer=HOST:PORT" err.txt
+if "$demo" --requests=99 --pool_pages=32 2>err.txt >/dev/null; then echo "oversized plan accepted"; exit 1; fi
+grep -q -- "--requests x --pages" err.txt
 echo "demo_test: ok"
