@@ -1,6 +1,7 @@
 // The KV layer inside the simulator: pages verified, and layer-wise mode
 // overlapping transfer with (modelled) compute.
 #include <cstring>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -54,6 +55,28 @@ TEST(SimKv, PagesArriveAndAuxFollows) {
       }
     }
   }
+}
+
+TEST(SimKv, CancelFailsOnBothSidesAndThePairStaysUsable) {
+  const KvLayout l{4, true, 64, 1152, 16};  // MLA-shaped
+  KvWorld k(l);
+  auto h = k.sender->Begin("cancelled", k.decode->address(), {1, 2}, {3, 4});
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(k.sender->SendLayer(*h, 0).ok());
+  ASSERT_TRUE(k.sender->Cancel(*h, "preempted").ok());
+  auto st = k.receiver->Wait("cancelled", absl::Seconds(1));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, KvReceiver::State::kFailed);
+  EXPECT_NE(st->error.message().find("cancelled: preempted"), std::string::npos);
+  // Layer 3 was never sent.
+  EXPECT_EQ(std::memcmp(k.dst.page(3, 0, 3), std::string(l.page_bytes(), '\0').data(),
+                        l.page_bytes()), 0);
+  ASSERT_TRUE(k.sender->Send("after", k.decode->address(), {1, 2}, {3, 4}, "aux").ok());
+  auto after = k.receiver->Wait("after", absl::Seconds(1));
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->state, KvReceiver::State::kComplete);
+  EXPECT_EQ(after->aux, "aux");
+  EXPECT_EQ(std::memcmp(k.dst.page(3, 0, 3), k.src.page(3, 0, 1), 2 * l.page_bytes()), 0);
 }
 
 // Runs one request with `compute` per layer before each layer is ready;

@@ -49,6 +49,8 @@ ABSL_FLAG(uint32_t, pool_pages, 256, "pages per layer buffer in each pool");
 ABSL_FLAG(uint32_t, requests, 8, "concurrent requests");
 ABSL_FLAG(uint32_t, pages, 24, "pages per request (scattered)");
 ABSL_FLAG(uint64_t, seed, 1, "seed for the page choice and contents");
+ABSL_FLAG(bool, cancel_last, false,
+          "cancel the last request after its first layer (both sides must see it fail)");
 ABSL_FLAG(bool, verbose, false, "show the engines' log lines");
 
 namespace kvferry {
@@ -179,9 +181,20 @@ int RunDecode(int report_fd) {
   uint64_t checked = 0, good = 0, seed = 0;
   std::string prefill;
   std::vector<char> expected(layout.page_bytes);
+  const bool cancel_last = absl::GetFlag(FLAGS_cancel_last);
+  uint32_t cancelled = 0;
   for (uint32_t r = 0; r < requests; ++r) {
     auto st = (*receiver)->Wait(absl::StrCat("req-", r), absl::Hours(1));
-    if (!st.ok() || st->state != KvReceiver::State::kComplete) return 1;
+    if (!st.ok()) return 1;
+    if (cancel_last && r + 1 == requests) {
+      if (st->state != KvReceiver::State::kFailed ||
+          st->error.message().find("cancelled") == absl::string_view::npos) {
+        return 1;
+      }
+      ++cancelled;
+      continue;
+    }
+    if (st->state != KvReceiver::State::kComplete) return 1;
     // aux: "<prefill address> <seed>"
     std::pair<std::string, std::string> aux = absl::StrSplit(st->aux, ' ');
     prefill = aux.first;
@@ -199,7 +212,10 @@ int RunDecode(int report_fd) {
     }
   }
   auto back = (*engine)->OpenSegment(prefill);
-  if (back.ok()) (void)(*engine)->Notify(*back, absl::StrCat("verified ", good, "/", checked));
+  if (back.ok()) {
+    (void)(*engine)->Notify(*back, absl::StrCat("verified ", good, "/", checked,
+                                                cancelled ? ", 1 request seen cancelled" : ""));
+  }
   return good == checked ? 0 : 1;
 }
 
@@ -246,8 +262,10 @@ int RunPrefill(const std::string& peer) {
   const absl::Duration handshake = absl::Now() - t0;
   // All requests in flight at once, each layer sent as soon as it is "ready".
   const absl::Time start = absl::Now();
+  const bool cancel_last = absl::GetFlag(FLAGS_cancel_last);
   for (uint32_t layer = 0; layer < layout.layers; ++layer) {
     for (KvSender::Handle h : handles) {
+      if (cancel_last && h == handles.back() && layer > 0) continue;
       if (absl::Status s = (*sender)->SendLayer(h, layer); !s.ok()) {
         std::fprintf(stderr, "prefill: layer %u: %s\n", layer, s.ToString().c_str());
         return 1;
@@ -256,6 +274,13 @@ int RunPrefill(const std::string& peer) {
   }
   std::vector<double> latency_ms;
   const std::string aux = absl::StrCat((*engine)->address(), " ", seed);
+  if (cancel_last) {
+    if (absl::Status s = (*sender)->Cancel(handles.back(), "demo --cancel_last"); !s.ok()) {
+      std::fprintf(stderr, "prefill: cancel: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    handles.pop_back();
+  }
   for (KvSender::Handle h : handles) {
     if (absl::Status s = (*sender)->Finish(h, aux); !s.ok()) {
       std::fprintf(stderr, "prefill: %s\n", s.ToString().c_str());
@@ -265,8 +290,9 @@ int RunPrefill(const std::string& peer) {
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   auto verdict = (*engine)->WaitNotification(absl::Seconds(120));
-  const double bytes = double(requests) * pages * 2 * layout.layers * layout.page_bytes;
-  const uint64_t total = uint64_t{requests} * pages * 2 * layout.layers;
+  const uint32_t completed = requests - (cancel_last ? 1 : 0);
+  const double bytes = double(completed) * pages * 2 * layout.layers * layout.page_bytes;
+  const uint64_t total = uint64_t{completed} * pages * 2 * layout.layers;
   std::printf("  model    %u layers x K,V x %u-token pages x %u heads x %u dims bf16 = %s per page\n",
               layout.layers, absl::GetFlag(FLAGS_page_tokens), absl::GetFlag(FLAGS_kv_heads),
               absl::GetFlag(FLAGS_head_dim),
@@ -274,15 +300,18 @@ int RunPrefill(const std::string& peer) {
   std::printf("  handshake %.1f ms (descriptors, links, the decode pool's layout)\n",
               absl::ToDoubleMilliseconds(handshake));
   std::printf("  sent     %u concurrent requests x %u scattered pages, layer by layer: "
-              "%.1f MiB in %.3f s = %.2f GB/s\n",
-              requests, pages, bytes / (1 << 20), seconds, bytes / seconds / 1e9);
+              "%.1f MiB in %.3f s = %.2f GB/s%s\n",
+              requests, pages, bytes / (1 << 20), seconds, bytes / seconds / 1e9,
+              cancel_last ? " (the last one cancelled after layer 0)" : "");
   std::string per_request;
   for (size_t r = 0; r < latency_ms.size(); ++r) {
     absl::StrAppend(&per_request, r ? ", " : "", absl::StrFormat("%.1f", latency_ms[r]));
   }
   std::printf("  latency  per request, ms from the first layer to complete: %s\n",
               per_request.c_str());
-  const bool ok = verdict.ok() && verdict->message == absl::StrCat("verified ", total, "/", total);
+  const bool ok = verdict.ok() &&
+                  verdict->message == absl::StrCat("verified ", total, "/", total,
+                                                   cancel_last ? ", 1 request seen cancelled" : "");
   std::printf("  decode   %s page buffers by checksum\n",
               verdict.ok() ? verdict->message.c_str() : "no verdict");
   std::printf("%s\n", ok ? "OK: every page arrived intact." : "FAILED");

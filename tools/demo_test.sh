@@ -12,6 +12,12 @@ grep -q "verified 192/192" <<<"$out"
 grep -q "3 concurrent requests" <<<"$out"
 grep -q "transport tcp" <<<"$out"
 
+# Cancelling a request mid-way: both processes see it fail, the rest arrive.
+out="$("$demo" "${small[@]}" --cancel_last)"
+echo "$out"
+grep -q "verified 128/128, 1 request seen cancelled" <<<"$out"
+grep -q "OK: every page arrived intact." <<<"$out"
+
 # Two separate invocations, as on two machines.
 log="$TEST_TMPDIR/decode.log"
 "$demo" --role=decode "${small[@]}" >"$log" 2>&1 &
