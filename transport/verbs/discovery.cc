@@ -95,13 +95,23 @@ PortInfo ReadPort(const fs::path& dir, uint32_t port) {
   return p;
 }
 
-DeviceInfo ReadDevice(const fs::path& dir, const std::string& name, const std::string& dev_root) {
+DeviceInfo ReadDevice(const fs::path& root, const std::string& name,
+                      const std::string& dev_root) {
+  const fs::path dir = root / "class" / "infiniband" / name;
   DeviceInfo d;
   d.name = name;
-  d.pci_path = Resolve(dir / "device");
+  d.pci_path = Resolve(dir / "device");  // software devices (rxe) have none
   d.numa_node = ReadInt(dir / "device" / "numa_node", -1);
+  // class/infiniband_verbs/uverbsN/ibdev names the device, as rdma-core
+  // reads it; hardware devices also list it under their PCI device.
+  for (const std::string& u : List(root / "class" / "infiniband_verbs")) {
+    if (absl::StartsWith(u, "uverbs") &&
+        ReadTrimmed(root / "class" / "infiniband_verbs" / u / "ibdev") == name) {
+      d.uverbs = u;
+    }
+  }
   for (const std::string& u : List(dir / "device" / "infiniband_verbs")) {
-    if (absl::StartsWith(u, "uverbs")) d.uverbs = u;
+    if (d.uverbs.empty() && absl::StartsWith(u, "uverbs")) d.uverbs = u;
   }
   if (!d.uverbs.empty()) {
     const std::string node = absl::StrCat(dev_root, "/infiniband/", d.uverbs);
@@ -260,7 +270,7 @@ absl::StatusOr<Discovery> Discover(const DiscoveryOptions& options) {
   Discovery d;
   const fs::path root = options.sysfs_root;
   for (const std::string& name : List(root / "class" / "infiniband")) {
-    d.devices.push_back(ReadDevice(root / "class" / "infiniband" / name, name, options.dev_root));
+    d.devices.push_back(ReadDevice(root, name, options.dev_root));
   }
   d.gpus = ReadGpus(root);
   absl::StatusOr<Filter> filter = ParseFilter(options.devices);

@@ -7,7 +7,7 @@
 // Files read (under `sysfs_root`):
 //   class/infiniband/<dev>/device                       -> the PCI device (symlink)
 //   class/infiniband/<dev>/device/numa_node
-//   class/infiniband/<dev>/device/infiniband_verbs/uverbs<N>
+//   class/infiniband_verbs/uverbs<N>/ibdev               (names <dev>)
 //   class/infiniband/<dev>/ports/<p>/{state,link_layer}
 //   class/infiniband/<dev>/ports/<p>/gids/<i>
 //   class/infiniband/<dev>/ports/<p>/gid_attrs/{types,ndevs}/<i>
