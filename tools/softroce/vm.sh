@@ -51,7 +51,7 @@ copy_with_libs() {
   local tree="$1" bin="$2" dest="$3"
   mkdir -p "$tree$(dirname "$dest")"
   cp -L "$bin" "$tree$dest"
-  ldd "$bin" 2>/dev/null | awk '/=> \// {print $3} /^\s*\/lib/ {print $1}' | while read -r lib; do
+  (ldd "$bin" 2>/dev/null || true) | awk '/=> \// {print $3} /^\s*\/lib/ {print $1}' | while read -r lib; do
     mkdir -p "$tree/kvf/lib"
     [[ -e "$tree/kvf/lib/$(basename "$lib")" ]] || cp -L "$lib" "$tree/kvf/lib/"
   done
@@ -88,7 +88,7 @@ build_base() {
   cat >"$tree/init" <<'INIT'
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
-export PATH=/bin:/usr/bin LD_LIBRARY_PATH=/kvf/lib
+export PATH=/bin:/usr/bin LD_LIBRARY_PATH=/kvf/lib KVFERRY_REQUIRE_RDMA=1
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 for m in $(cat /kvf/modules.order); do insmod /kvf/modules/$m >/dev/null 2>&1; done

@@ -1,0 +1,53 @@
+// The Transport over libibverbs Reliable Connected queue pairs: RDMA WRITE
+// and READ straight between registered regions, done by the NIC.
+//
+// One NIC per selected port (from discovery.h): its own device context,
+// protection domain and CQ. Memory is registered on
+// every NIC (one key per NIC). A link is one RC queue pair, set up through
+// the handshake: INIT on CreateLink, RTR+RTS on AcceptLink/CompleteLink with
+// the peer's QP number, PSN, LID, GID and MTU (path MTU = the smaller
+// active MTU). One poller thread polls the CQs (sleeping briefly when idle)
+// and maps work completions to statuses: success OK, remote access error
+// kPermissionDenied, flush kAborted, retry/RNR exceeded and everything else
+// kUnavailable (with ibv_wc_status_str). The first error puts the QP in the
+// error state, exactly as the Transport contract describes.
+//
+// Every ibv_* call of the project is in this package; failures carry
+// context, e.g. "modify QP 0x1a2 to RTR (peer gid ..., mtu 4096): Invalid
+// argument".
+//
+// Thread-safe.
+#ifndef KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_H_
+#define KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "transport/transport.h"
+#include "transport/verbs/discovery.h"
+
+namespace kvferry {
+namespace transport {
+
+struct VerbsTransportOptions {
+  // The ports to use, typically Discover(...).selected.
+  std::vector<verbs::SelectedPort> ports;
+  uint32_t max_outstanding_per_link = 1024;
+  uint64_t max_request_bytes = uint64_t{1} << 30;
+  // RC transport timeout exponent (4.096 us * 2^timeout) and retry count:
+  // a peer that stopped answering fails requests after about
+  // (retry_count + 1) * 4.096 us * 2^timeout (14, 7: about 0.5 s).
+  uint8_t timeout = 14;
+  uint8_t retry_count = 7;
+};
+
+// Opens the devices and starts the poller. kUnavailable when a device
+// cannot be opened or queried (the message names it), kInvalidArgument for
+// no ports.
+absl::StatusOr<std::unique_ptr<Transport>> CreateVerbsTransport(VerbsTransportOptions options);
+
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_H_
