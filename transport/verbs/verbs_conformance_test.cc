@@ -31,6 +31,7 @@ class VerbsHarness : public testing::TransportHarness {
   absl::StatusOr<std::unique_ptr<Transport>> NewTransport() override {
     VerbsTransportOptions o;
     o.ports = {ports_[0]};
+    o.request_timeout = absl::Seconds(3);
     return CreateVerbsTransport(o);
   }
   Clock* clock() override { return RealClock(); }

@@ -132,6 +132,7 @@ class VerbsTransport final : public Transport {
   struct Pending {
     LinkId link;
     WorkRequest wr;
+    absl::Time posted;
   };
   struct CqEntry {
     Completion completion;
@@ -146,6 +147,8 @@ class VerbsTransport final : public Transport {
   void PollerLoop();
   // Delivers what `cq` holds; false if it held nothing.
   bool Drain(ibv_cq* cq);
+  // Fails requests older than request_timeout (see the options).
+  void ExpireOld();
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -501,7 +504,7 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
     ibv_send_wr* bad = nullptr;
     ++region.local_uses;
     ++link.outstanding;
-    pending_.emplace(id, Pending{wr.link, wr});
+    pending_.emplace(id, Pending{wr.link, wr, absl::Now()});
     if (int rc = ibv_post_send(link.qp, &swr, &bad); rc != 0) {
       // Validated above, so this is the QP failing: report it per request.
       pending_.erase(id);
@@ -546,12 +549,43 @@ bool VerbsTransport::Drain(ibv_cq* cq) {
   }
 }
 
+void VerbsTransport::ExpireOld() {
+  const absl::Time now = absl::Now();
+  MutexLock lock(&mu_);
+  for (auto p = pending_.begin(); p != pending_.end();) {
+    auto link = links_.find(p->second.link);
+    if (now - p->second.posted < options_.request_timeout || link == links_.end() ||
+        link->second->state == Link::State::kError) {
+      ++p;
+      continue;
+    }
+    Link& l = *link->second;
+    l.state = Link::State::kError;
+    // In the error state the NIC touches no buffer of this QP any more; the
+    // other requests come back as flush errors (kAborted).
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    ibv_modify_qp(l.qp, &attr, IBV_QP_STATE);
+    --l.outstanding;
+    CompleteLocked(p->second.wr,
+                   absl::UnavailableError(absl::StrFormat(
+                       "no completion from the peer within %s on QP %#x: peer presumed gone",
+                       absl::FormatDuration(options_.request_timeout), l.qp->qp_num)));
+    pending_.erase(p++);
+  }
+}
+
 void VerbsTransport::PollerLoop() {
   // Polls every CQ; backs off to short sleeps while nothing completes.
   // (Completion channels would let the thread sleep in the kernel, but
   // ibv_create_comp_channel crashes under Soft-RoCE in the test VM.)
   absl::Duration idle = absl::ZeroDuration();
+  absl::Time next_expiry_check = absl::Now();
   while (!stopping_) {
+    if (absl::Now() >= next_expiry_check) {
+      ExpireOld();
+      next_expiry_check = absl::Now() + absl::Milliseconds(100);
+    }
     bool any = false;
     for (Nic& nic : nics_) any |= Drain(nic.cq);
     if (any) {

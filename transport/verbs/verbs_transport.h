@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "transport/transport.h"
 #include "transport/verbs/discovery.h"
 
@@ -40,6 +41,11 @@ struct VerbsTransportOptions {
   // (retry_count + 1) * 4.096 us * 2^timeout (14, 7: about 0.5 s).
   uint8_t timeout = 14;
   uint8_t retry_count = 7;
+  // A request without a completion after this long fails with kUnavailable
+  // and its link is moved to the error state (the rest flush with
+  // kAborted). A backstop for NICs that never time out on a vanished peer
+  // (Soft-RoCE, seen in the test VM); keep it above the RC retry budget.
+  absl::Duration request_timeout = absl::Seconds(10);
 };
 
 // Opens the devices and starts the poller. kUnavailable when a device
