@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sums the test cases of one or more Bazel runs.
 
-Usage: test_summary.py BEP_JSON [BEP_JSON ...]
+Usage: test_summary.py [--gtest_log=LOG ...] BEP_JSON [BEP_JSON ...]
 
 Each argument is a file written by `bazel test --build_event_json_file=FILE`.
 Only the test.xml files named in those files are read (the latest attempt of
@@ -9,8 +9,15 @@ each test shard), never stale files under bazel-testlogs. A test target that
 was expected to run but produced no test.xml (it failed to build, or Bazel
 gave up) counts as one failed case, so a broken build can never look green.
 
+--gtest_log=LOG adds the cases of GoogleTest binaries whose console output
+is in LOG (e.g. tests run inside the Soft-RoCE VM): every "[       OK ]"
+line is a pass, every "[  FAILED  ] name (N ms)" result line a failure,
+every "[  SKIPPED ]" result line a skip. A log with no result line at all
+counts as one failure.
+
 Prints one line: "N passed, N failed, N skipped". Exits 1 if anything failed.
 """
+import re
 
 import json
 import sys
@@ -103,12 +110,41 @@ def summarize(bep_path):
     return passed, failed, skipped, problems
 
 
+def gtest_log_counts(path):
+    """Returns (passed, failed, skipped) from GoogleTest console output."""
+    passed = failed = skipped = 0
+    ansi = re.compile(r"\x1b\[[0-9;]*m")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for raw in f:
+            line = ansi.sub("", raw)
+            if line.startswith("[       OK ]"):
+                passed += 1
+            elif re.match(r"\[  FAILED  \] \S+.* \(\d+ ms\)", line):
+                failed += 1
+            elif re.match(r"\[  SKIPPED \] \S+.* \(\d+ ms\)", line):
+                skipped += 1
+    if passed + failed + skipped == 0:
+        failed = 1
+    return passed, failed, skipped
+
+
 def main(argv):
-    if len(argv) < 2:
+    logs = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--gtest_log=")]
+    beps = [a for a in argv[1:] if not a.startswith("--gtest_log=")]
+    if not beps and not logs:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     total = [0, 0, 0]
-    for path in argv[1:]:
+    for path in logs:
+        try:
+            p, f, s = gtest_log_counts(path)
+        except OSError as err:
+            print(f"test_summary: cannot read {path}: {err}", file=sys.stderr)
+            p, f, s = 0, 1, 0
+        if f:
+            print(f"  FAILED {path}: {f} failed case(s)", file=sys.stderr)
+        total = [total[0] + p, total[1] + f, total[2] + s]
+    for path in beps:
         try:
             p, f, s, problems = summarize(path)
         except (OSError, ValueError, ET.ParseError) as err:

@@ -76,6 +76,18 @@ class SummaryTest(unittest.TestCase):
                          self.result("//a:t", 1, xml, "TIMEOUT")])
         self.assertEqual(test_summary.summarize(path)[:3], (1, 1, 0))
 
+    def test_gtest_console_logs_count(self):
+        log = os.path.join(self.dir, "vm.log")
+        write(log, "\x1b[0;32m[       OK ] \x1b[mA.B (3 ms)\n"
+                   "[       OK ] A.C (1 ms)\n"
+                   "[  FAILED  ] A.D, where GetParam() = x (5 ms)\n"
+                   "[  FAILED  ] A.D, where GetParam() = x\n"
+                   "[  SKIPPED ] A.E (0 ms)\n")
+        self.assertEqual(test_summary.gtest_log_counts(log), (2, 1, 1))
+        empty = os.path.join(self.dir, "empty.log")
+        write(empty, "kernel panic\n")
+        self.assertEqual(test_summary.gtest_log_counts(empty), (0, 1, 0))
+
     def test_main_prints_one_line_and_exit_code(self):
         xml = os.path.join(self.dir, "ok.xml")
         write(xml, '<testsuites><testsuite><testcase name="a"/></testsuite>'
