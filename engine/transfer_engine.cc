@@ -19,6 +19,8 @@
 #include "net/socket.h"
 #include "transport/checks.h"
 #include "transport/tcp/tcp_transport.h"
+#include "transport/verbs/discovery.h"
+#include "transport/verbs/verbs_transport.h"
 
 namespace kvferry {
 
@@ -860,32 +862,70 @@ absl::StatusOr<std::string> TransferEngine::Impl::FetchMetadata(SegmentId id,
 
 namespace {
 
-absl::StatusOr<Detection> Detect(const EngineOptions& options) {
-  Detection d;
+// What Create decided, plus the RDMA ports when it chose RDMA.
+struct Decision {
+  Detection detection;
+  std::vector<transport::verbs::SelectedPort> ports;
+};
+
+absl::StatusOr<Decision> Detect(const EngineOptions& options) {
+  Decision out;
+  Detection& d = out.detection;
+  if (options.transport != "auto" && options.transport != "tcp" &&
+      options.transport != "rdma" && options.transport != "sim") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown transport '", options.transport, "' (expected auto, tcp, rdma or sim)"));
+  }
+  if (options.transport == "sim") {
+    return absl::InvalidArgumentError(
+        "transport=sim needs a simulated fabric: build the engine with CreateWith");
+  }
+  std::string rdma_netdev;
+  if (options.transport != "tcp") {
+    transport::verbs::DiscoveryOptions discovery;
+    discovery.devices = options.devices;
+    transport::verbs::ApplyEnvironment(&discovery);
+    absl::StatusOr<transport::verbs::Discovery> found = transport::verbs::Discover(discovery);
+    if (!found.ok()) return found.status();  // e.g. a named device that does not exist
+    for (const std::string& note : found->notes) KVF_LOG(INFO) << "rdma discovery: " << note;
+    out.ports = found->selected;
+    if (!out.ports.empty()) {
+      d.transport = "rdma";
+      std::vector<std::string> names;
+      for (const auto& p : out.ports) names.push_back(absl::StrCat(p.device, ":", p.port));
+      d.devices = absl::StrJoin(names, ",");
+      d.transport_reason = absl::StrCat(options.transport == "rdma" ? "set explicitly; " : "",
+                                        out.ports.size(), " active RDMA port(s); ",
+                                        out.ports[0].device, ":", out.ports[0].port, " ",
+                                        out.ports[0].why);
+      rdma_netdev = out.ports[0].netdev;
+    } else if (options.transport == "rdma") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport=rdma but no usable RDMA port was found (",
+          found->devices.empty() ? "no RDMA devices"
+                                 : absl::StrJoin(found->notes, "; "),
+          "); ./bazelw run //tools:devices explains"));
+    } else {
+      d.transport = "tcp";
+      d.transport_reason = found->devices.empty()
+                               ? "no RDMA devices on this host"
+                               : absl::StrCat("no usable RDMA port (",
+                                              absl::StrJoin(found->notes, "; "), ")");
+    }
+  } else {
+    d.transport = "tcp";
+    d.transport_reason = "set explicitly";
+  }
+  if (d.devices.empty()) d.devices = "none (TCP)";
   absl::StatusOr<std::vector<net::InterfaceAddress>> addresses = net::ListInterfaceAddresses();
   const net::HostChoice host = net::ChooseLocalHost(
-      options.local_host, "", addresses.ok() ? *addresses : std::vector<net::InterfaceAddress>{},
+      options.local_host, rdma_netdev,
+      addresses.ok() ? *addresses : std::vector<net::InterfaceAddress>{},
       net::DefaultRouteInterface());
   d.host = host.host;
   d.host_reason = host.reason;
   d.bind_host = options.bind_host.empty() ? host.host : options.bind_host;
-  if (options.transport == "auto") {
-    d.transport = "tcp";
-    d.transport_reason = "this build has no RDMA transport yet; TCP works everywhere";
-  } else if (options.transport == "tcp") {
-    d.transport = "tcp";
-    d.transport_reason = "set explicitly";
-  } else if (options.transport == "rdma") {
-    return absl::UnimplementedError("transport=rdma: this build has no RDMA transport yet");
-  } else if (options.transport == "sim") {
-    return absl::InvalidArgumentError(
-        "transport=sim needs a simulated fabric: build the engine with CreateWith");
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown transport '", options.transport, "' (expected auto, tcp, rdma or sim)"));
-  }
-  d.devices = options.devices.empty() ? "none (TCP)" : absl::StrJoin(options.devices, ",");
-  return d;
+  return out;
 }
 
 absl::Status CheckOptions(const EngineOptions& o) {
@@ -904,17 +944,24 @@ absl::Status CheckOptions(const EngineOptions& o) {
 
 absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOptions options) {
   RETURN_IF_ERROR(CheckOptions(options));
-  ASSIGN_OR_RETURN(Detection d, Detect(options));
+  ASSIGN_OR_RETURN(Decision decision, Detect(options));
+  Detection& d = decision.detection;
   KVF_LOG(INFO) << "advertising " << d.host << " (" << d.host_reason << ")";
   KVF_LOG(INFO) << "transport " << d.transport << " (" << d.transport_reason << ")";
-  transport::TcpTransportOptions t;
-  t.bind_host = d.bind_host;
-  t.advertise_host = d.host;
-  t.connect_timeout = options.connect_timeout;
-  ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> tcp,
-                   transport::CreateTcpTransport(t));
+  std::unique_ptr<transport::Transport> data;
+  if (d.transport == "rdma") {
+    transport::VerbsTransportOptions v;
+    v.ports = decision.ports;
+    ASSIGN_OR_RETURN(data, transport::CreateVerbsTransport(v));
+  } else {
+    transport::TcpTransportOptions t;
+    t.bind_host = d.bind_host;
+    t.advertise_host = d.host;
+    t.connect_timeout = options.connect_timeout;
+    ASSIGN_OR_RETURN(data, transport::CreateTcpTransport(t));
+  }
   EngineParts parts;
-  parts.transport = std::move(tcp);
+  parts.transport = std::move(data);
   parts.network = handshake::NewTcpNetwork();
   parts.detection = std::move(d);
   return CreateWith(std::move(options), std::move(parts));
