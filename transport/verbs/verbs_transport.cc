@@ -110,6 +110,7 @@ class VerbsTransport final : public Transport {
     verbs::SelectedPort port;
     ibv_context* context = nullptr;
     ibv_pd* pd = nullptr;
+    ibv_comp_channel* channel = nullptr;
     ibv_cq* cq = nullptr;
     ibv_port_attr attr{};
     ibv_gid gid{};
@@ -205,8 +206,15 @@ absl::Status VerbsTransport::OpenNic(Nic& nic) {
                            : std::min<uint64_t>(max_request_bytes_, nic.attr.max_msg_sz);
   nic.pd = ibv_alloc_pd(nic.context);
   if (nic.pd == nullptr) return VerbsError(errno, absl::StrCat("ibv_alloc_pd ", where));
-  nic.cq = ibv_create_cq(nic.context, 8192, nullptr, nullptr, 0);
+  nic.channel = ibv_create_comp_channel(nic.context);
+  if (nic.channel == nullptr) {
+    return VerbsError(errno, absl::StrCat("ibv_create_comp_channel ", where));
+  }
+  nic.cq = ibv_create_cq(nic.context, 8192, nullptr, nic.channel, 0);
   if (nic.cq == nullptr) return VerbsError(errno, absl::StrCat("ibv_create_cq ", where));
+  if (int rc = ibv_req_notify_cq(nic.cq, 0); rc != 0) {
+    return VerbsError(rc, absl::StrCat("ibv_req_notify_cq ", where));
+  }
   KVF_LOG(INFO) << "verbs: " << where << " GID " << nic.port.gid_index << " " << GidText(nic.gid)
                 << ", active MTU " << MtuBytes(nic.attr.active_mtu) << " (" << nic.port.why << ")";
   return absl::OkStatus();
@@ -233,6 +241,7 @@ VerbsTransport::~VerbsTransport() {
   }
   for (Nic& nic : nics_) {
     if (nic.cq) ibv_destroy_cq(nic.cq);
+    if (nic.channel) ibv_destroy_comp_channel(nic.channel);
     if (nic.pd) ibv_dealloc_pd(nic.pd);
     if (nic.context) ibv_close_device(nic.context);
   }
@@ -576,23 +585,25 @@ void VerbsTransport::ExpireOld() {
 }
 
 void VerbsTransport::PollerLoop() {
-  // Polls every CQ; backs off to short sleeps while nothing completes.
-  // (Completion channels would let the thread sleep in the kernel, but
-  // ibv_create_comp_channel crashes under Soft-RoCE in the test VM.)
-  absl::Duration idle = absl::ZeroDuration();
+  // Sleeps in the kernel until a CQ has news (or 100 ms pass, to check for
+  // expired requests and shutdown), re-arms, then drains.
+  std::vector<pollfd> fds;
+  for (Nic& nic : nics_) fds.push_back(pollfd{nic.channel->fd, POLLIN, 0});
   absl::Time next_expiry_check = absl::Now();
   while (!stopping_) {
     if (absl::Now() >= next_expiry_check) {
       ExpireOld();
       next_expiry_check = absl::Now() + absl::Milliseconds(100);
     }
-    bool any = false;
-    for (Nic& nic : nics_) any |= Drain(nic.cq);
-    if (any) {
-      idle = absl::ZeroDuration();
-    } else {
-      idle = std::min(absl::Microseconds(200), idle + absl::Microseconds(10));
-      absl::SleepFor(idle);
+    if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+    for (size_t i = 0; i < nics_.size(); ++i) {
+      if ((fds[i].revents & POLLIN) == 0) continue;
+      ibv_cq* cq;
+      void* context;
+      if (ibv_get_cq_event(nics_[i].channel, &cq, &context) != 0) continue;
+      ibv_ack_cq_events(cq, 1);
+      ibv_req_notify_cq(cq, 0);  // re-arm first, so nothing is missed
+      Drain(cq);
     }
   }
 }

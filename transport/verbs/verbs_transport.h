@@ -2,12 +2,12 @@
 // and READ straight between registered regions, done by the NIC.
 //
 // One NIC per selected port (from discovery.h): its own device context,
-// protection domain and CQ. Memory is registered on
+// protection domain, completion channel and CQ. Memory is registered on
 // every NIC (one key per NIC). A link is one RC queue pair, set up through
 // the handshake: INIT on CreateLink, RTR+RTS on AcceptLink/CompleteLink with
 // the peer's QP number, PSN, LID, GID and MTU (path MTU = the smaller
-// active MTU). One poller thread polls the CQs (sleeping briefly when idle)
-// and maps work completions to statuses: success OK, remote access error
+// active MTU). One poller thread sleeps on the completion channels and maps
+// work completions to statuses: success OK, remote access error
 // kPermissionDenied, flush kAborted, retry/RNR exceeded and everything else
 // kUnavailable (with ibv_wc_status_str). The first error puts the QP in the
 // error state, exactly as the Transport contract describes.
