@@ -14,7 +14,8 @@
 //  * Regions. RegisterMemory pins/registers [addr, addr+length) and returns
 //    one remote key per local NIC (keys[i] is valid for requests arriving on
 //    NIC i). The caller owns the memory and must keep it alive until
-//    UnregisterMemory returns OK. A region's Access decides what peers may
+//    UnregisterMemory returns OK (which waits for peer writes in progress;
+//    requests a peer cancelled may still be landing until then). A region's Access decides what peers may
 //    do; local use (as the source of a WRITE or the sink of a READ) is always
 //    allowed. Regions may overlap.
 //

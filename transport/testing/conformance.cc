@@ -500,6 +500,10 @@ TEST_P(TransportConformanceTest, CloseLinkCancelsOutstanding) {
                 done.status.code() == absl::StatusCode::kCancelled)
         << done.status;
   }
+  // Requests cancelled here may still be landing at the peer: its region is
+  // safe to free only once the peer has unregistered it (which waits for
+  // writes in progress).
+  EXPECT_TRUE(p.b->UnregisterMemory(dst.region.id).ok());
 }
 
 }  // namespace testing
