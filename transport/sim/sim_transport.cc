@@ -462,7 +462,7 @@ void SimTransport::FailLink(Link& link, uint64_t first_request,
 
 void SimTransport::Complete(const WorkRequest& wr, absl::Status status) {
   sched_->Trace(wr.cookie ^ (static_cast<uint64_t>(status.code()) << 56));
-  cq_.push_back(CqEntry{Completion{wr.cookie, std::move(status)}, wr.local_region});
+  cq_.Push(wr, std::move(status));
 }
 
 void SimTransport::OnMessage(NicIndex nic, sim::Message&& msg) {
@@ -594,15 +594,10 @@ void SimTransport::OnResponse(Link& link, const WireHeader& h,
 }
 
 size_t SimTransport::PollCompletions(absl::Span<Completion> out) {
-  size_t n = 0;
-  while (n < out.size() && !cq_.empty()) {
-    CqEntry& e = cq_.front();
-    auto region = regions_.find(e.region);
+  return cq_.Pop(out, [this](RegionId id) {
+    auto region = regions_.find(id);
     if (region != regions_.end()) --region->second->local_uses;
-    out[n++] = std::move(e.completion);
-    cq_.pop_front();
-  }
-  return n;
+  });
 }
 
 size_t SimTransport::WaitCompletions(absl::Span<Completion> out,

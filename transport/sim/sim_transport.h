@@ -48,6 +48,7 @@
 #include "sim/fabric.h"
 #include "sim/prng.h"
 #include "sim/scheduler.h"
+#include "transport/completion_queue.h"
 #include "transport/transport.h"
 
 namespace kvferry {
@@ -104,10 +105,6 @@ class SimTransport final : public Transport {
   struct Request;
   struct Segment;
   struct WireHeader;
-  struct CqEntry {
-    Completion completion;
-    RegionId region;
-  };
 
   SimTransport(sim::Fabric* fabric, SimTransportOptions options,
                uint64_t seed);
@@ -141,7 +138,7 @@ class SimTransport final : public Transport {
   std::vector<absl::flat_hash_map<RemoteKey, RegionId>> keys_by_nic_;
   absl::flat_hash_map<LinkId, std::unique_ptr<Link>> links_;
   absl::flat_hash_map<uint64_t, Link*> links_by_qpn_;
-  std::deque<CqEntry> cq_;
+  CompletionQueue cq_;
   // Cleared by the destructor; see WaitCompletions.
   const std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };

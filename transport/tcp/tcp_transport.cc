@@ -22,6 +22,7 @@
 #include "base/mutex.h"
 #include "base/status_macros.h"
 #include "transport/checks.h"
+#include "transport/completion_queue.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the TCP transport's wire format assumes little-endian hosts");
@@ -201,10 +202,6 @@ class TcpTransport final : public Transport {
     std::thread reader;
     std::thread writer;
   };
-  struct CqEntry {
-    Completion completion;
-    RegionId region;
-  };
 
   void AcceptLoop();
   void ReaderLoop(std::shared_ptr<Link> link);
@@ -250,7 +247,7 @@ class TcpTransport final : public Transport {
     absl::Time arrived;
   };
   absl::flat_hash_map<uint64_t, PendingAccept> pending_ ABSL_GUARDED_BY(mu_);
-  std::deque<CqEntry> cq_ ABSL_GUARDED_BY(mu_);
+  CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status TcpTransport::Start() {
@@ -553,7 +550,7 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
 }
 
 void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
-  cq_.push_back(CqEntry{Completion{wr.cookie, std::move(status)}, wr.local_region});
+  cq_.Push(wr, std::move(status));
   cq_cv_.SignalAll();
 }
 
@@ -748,15 +745,10 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
 size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
   MutexLock lock(&mu_);
   ReaderMutexLock regions(&regions_mu_);
-  size_t n = 0;
-  while (n < out.size() && !cq_.empty()) {
-    CqEntry& e = cq_.front();
-    auto region = regions_.find(e.region);
+  return cq_.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    auto region = regions_.find(id);
     if (region != regions_.end()) region->second->local_uses.fetch_sub(1);
-    out[n++] = std::move(e.completion);
-    cq_.pop_front();
-  }
-  return n;
+  });
 }
 
 size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {

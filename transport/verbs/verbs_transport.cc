@@ -22,6 +22,7 @@
 #include "base/status_macros.h"
 #include "net/socket.h"
 #include "transport/checks.h"
+#include "transport/completion_queue.h"
 
 namespace kvferry {
 namespace transport {
@@ -135,10 +136,6 @@ class VerbsTransport final : public Transport {
     WorkRequest wr;
     absl::Time posted;
   };
-  struct CqEntry {
-    Completion completion;
-    RegionId region;
-  };
 
   absl::Status OpenNic(Nic& nic);
   absl::StatusOr<Link*> NewLink(NicIndex nic) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -167,7 +164,7 @@ class VerbsTransport final : public Transport {
   absl::flat_hash_map<LinkId, std::unique_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
   uint64_t last_wr_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::deque<CqEntry> cq_ ABSL_GUARDED_BY(mu_);
+  CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status VerbsTransport::OpenNic(Nic& nic) {
@@ -526,7 +523,7 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
 }
 
 void VerbsTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
-  cq_.push_back(CqEntry{Completion{wr.cookie, std::move(status)}, wr.local_region});
+  cq_.Push(wr, std::move(status));
   cq_cv_.SignalAll();
 }
 
@@ -610,15 +607,10 @@ void VerbsTransport::PollerLoop() {
 
 size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
   MutexLock lock(&mu_);
-  size_t n = 0;
-  while (n < out.size() && !cq_.empty()) {
-    CqEntry& e = cq_.front();
-    auto region = regions_.find(e.region);
+  return cq_.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    auto region = regions_.find(id);
     if (region != regions_.end()) --region->second->local_uses;
-    out[n++] = std::move(e.completion);
-    cq_.pop_front();
-  }
-  return n;
+  });
 }
 
 size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
