@@ -5,11 +5,13 @@
 #ifndef KVFERRY_BASE_MUTEX_H_
 #define KVFERRY_BASE_MUTEX_H_
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <shared_mutex>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace kvferry {
@@ -112,6 +114,18 @@ class CondVar {
                      std::cv_status::timeout;
     lock.release();
     return timed_out;
+  }
+  // Waits until ready() holds (checked with `mu` held) or `deadline`
+  // passes; returns ready(). The one deadline loop the project uses.
+  template <typename Ready>
+  bool AwaitWithDeadline(Mutex* mu, absl::Time deadline, Ready ready)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    while (!ready()) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return false;
+      WaitWithTimeout(mu, std::min(left, absl::Hours(1)));
+    }
+    return true;
   }
   void Signal() { cv_.notify_one(); }
   void SignalAll() { cv_.notify_all(); }

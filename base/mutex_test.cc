@@ -66,6 +66,29 @@ TEST(CondVar, WakesWaiterAndTimesOut) {
   EXPECT_TRUE(cv.WaitWithTimeout(&mu, absl::Milliseconds(1)));
 }
 
+TEST(CondVar, AwaitWithDeadlineReturnsWhenReadyOrLate) {
+  Mutex mu;
+  CondVar cv;
+  bool ready = false;
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(5));
+    MutexLock lock(&mu);
+    ready = true;
+    cv.SignalAll();
+  });
+  {
+    MutexLock lock(&mu);
+    EXPECT_TRUE(cv.AwaitWithDeadline(&mu, absl::Now() + absl::Seconds(10),
+                                     [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return ready; }));
+  }
+  setter.join();
+  MutexLock lock(&mu);
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(cv.AwaitWithDeadline(&mu, start + absl::Milliseconds(20),
+                                    []() { return false; }));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(20));
+}
+
 TEST(Clock, RealClockAdvancesBySleep) {
   Clock* clock = RealClock();
   absl::Time before = clock->Now();

@@ -813,11 +813,9 @@ absl::StatusOr<Notification> TransferEngine::Impl::WaitNotification(absl::Durati
     }, timeout);
   }
   MutexLock lock(&mu_);
-  const absl::Time deadline = absl::Now() + timeout;
-  while (inbox_.empty() && !wait_) {
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) break;
-    cv_.WaitWithTimeout(&mu_, std::min(left, absl::Hours(1)));
+  if (!wait_) {
+    cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout,
+                          [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !inbox_.empty(); });
   }
   if (inbox_.empty()) {
     return absl::DeadlineExceededError(

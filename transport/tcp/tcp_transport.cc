@@ -414,13 +414,10 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   auto link = std::make_shared<Link>();
   {
     MutexLock lock(&mu_);
-    while (!pending_.contains(token)) {
-      const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) {
-        return absl::UnavailableError(
-            "AcceptLink: the peer's data connection never arrived");
-      }
-      accept_cv_.WaitWithTimeout(&mu_, left);
+    if (!accept_cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return pending_.contains(token);
+        })) {
+      return absl::UnavailableError("AcceptLink: the peer's data connection never arrived");
     }
     auto node = pending_.extract(token);
     link->fd = std::move(node.mapped().fd);
@@ -754,12 +751,9 @@ size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
 size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
   {
     MutexLock lock(&mu_);
-    const absl::Time deadline = absl::Now() + timeout;
-    while (cq_.empty()) {
-      const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) break;
-      cq_cv_.WaitWithTimeout(&mu_, std::min(left, absl::Hours(1)));
-    }
+    cq_cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return !cq_.empty();
+    });
   }
   return PollCompletions(out);
 }

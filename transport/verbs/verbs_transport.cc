@@ -616,12 +616,9 @@ size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
 size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
   {
     MutexLock lock(&mu_);
-    const absl::Time deadline = absl::Now() + timeout;
-    while (cq_.empty()) {
-      const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) break;
-      cq_cv_.WaitWithTimeout(&mu_, std::min(left, absl::Hours(1)));
-    }
+    cq_cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return !cq_.empty();
+    });
   }
   return PollCompletions(out);
 }
