@@ -685,8 +685,11 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
     for (uint64_t sid : ids) {
       Slice& s = slices_.at(sid);
       if (!refreshed.ok()) {
-        FinishSlice(sid, Annotate(s.last_error,
-                                  absl::StrCat("retry impossible (", refreshed.message(), ")")));
+        // The peer cannot be reached again: that is the request's error
+        // (kUnavailable for a dead peer), whatever its slices saw first.
+        FinishSlice(sid, absl::Status(refreshed.code(),
+                                      absl::StrCat(refreshed.message(), " (retrying after: ",
+                                                   s.last_error.message(), ")")));
       } else if (!changed && s.last_error.code() == absl::StatusCode::kPermissionDenied) {
         FinishSlice(sid, s.last_error);  // same keys: retrying cannot help
       } else {

@@ -193,6 +193,53 @@ TEST(TransferEngine, PeerRestartedOnTheSamePortWorksAfterRefresh) {
   EXPECT_EQ(src, dst);
 }
 
+// The peer dies while a batch is in flight: the batch ends (every request
+// OK or kUnavailable, none pending) in bounded time, and once the peer is back
+// the next batch handshakes again over new links and succeeds.
+TEST(TransferEngine, PeerDiesMidBatchFailsInBoundedTimeThenNextBatchReconnects) {
+  auto a = MakeEngine();
+  EngineOptions fixed = Local();
+  auto b = MakeEngine(fixed);
+  const std::string address = b->address();
+  fixed.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  const size_t kBlock = 64 << 10, kCount = 64;
+  std::vector<char> src = Pattern(kBlock * kCount, 9), dst(kBlock * kCount, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(address);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::vector<TransferRequest> batch;
+  for (size_t i = 0; i < kCount; ++i) {
+    batch.push_back({Opcode::kWrite, src.data() + i * kBlock, Addr(dst, i * kBlock), kBlock});
+  }
+  auto doomed = a->Submit(*seg, batch);
+  ASSERT_TRUE(doomed.ok()) << doomed.status();
+  b.reset();  // mid-batch: its links and keys are gone
+  const absl::Time start = absl::Now();
+  // Bound: the verbs transport's request_timeout backstop (10 s on
+  // Soft-RoCE, which never fails a request to a vanished QP) plus a retry
+  // that finds nobody listening.
+  auto ended = a->Wait(*doomed, absl::Seconds(30));
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->pending, 0u) << "requests to a dead peer still pending after 30 s";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  for (const absl::Status& s : ended->requests) {
+    EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kUnavailable) << s;
+  }
+  ASSERT_TRUE(a->Release(*doomed).ok());
+
+  b = MakeEngine(fixed);
+  ASSERT_TRUE(b);
+  std::fill(dst.begin(), dst.end(), 0);
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto next = a->Submit(*seg, batch);
+  ASSERT_TRUE(next.ok()) << next.status();
+  auto status = a->Wait(*next, absl::Seconds(30));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(status->ok()) << status->requests[0];
+  EXPECT_EQ(src, dst);
+}
+
 TEST(TransferEngine, NotificationIsNeverObservedBeforeItsData) {
   auto prefill = MakeEngine();
   auto decode = MakeEngine();

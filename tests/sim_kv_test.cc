@@ -90,7 +90,9 @@ absl::Duration RunRequest(KvWorld& k, const std::vector<uint32_t>& pages,
   const absl::Time start = sched.Now();
   for (uint32_t layer = 0; layer < l.layers; ++layer) {
     sched.SleepFor(compute);  // the model computes this layer
-    if (layer_wise) EXPECT_TRUE(k.sender->SendLayer(*h, layer).ok());
+    if (layer_wise) {
+      EXPECT_TRUE(k.sender->SendLayer(*h, layer).ok());
+    }
   }
   EXPECT_TRUE(k.sender->Finish(*h, "").ok());
   EXPECT_EQ(k.receiver->Wait(id, absl::Seconds(1))->state, KvReceiver::State::kComplete);

@@ -240,6 +240,54 @@ TEST_P(TransportConformanceTest, WrongKeyIsRejectedAndTargetUntouched) {
   EXPECT_EQ(dst.bytes, before);
 }
 
+// A wrong key inside a batch fails that request with kPermissionDenied and
+// no other: requests before it on the link complete, the ones after it are
+// flushed (kAborted) or complete, and another link is not disturbed.
+TEST_P(TransportConformanceTest, WrongKeyInABatchFailsThatRequestOnly) {
+  Pair p = MakePair();
+  auto second = Connect(*p.a, *p.b);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const size_t kCount = 8, kBad = 3, kBlock = 4096;
+  Buffer src = MakeBuffer(*p.a, (kCount + 1) * kBlock, 18);
+  Buffer dst = MakeBuffer(*p.b, (kCount + 1) * kBlock, 19);
+  const std::vector<uint8_t> before = dst.bytes;
+  std::vector<WorkRequest> batch;
+  for (size_t i = 0; i < kCount; ++i) {
+    batch.push_back(Write(p.link_a, src, i * kBlock, dst, i * kBlock, kBlock, 0, i));
+  }
+  batch[kBad].remote_key ^= 0x5a5a;
+  ASSERT_TRUE(p.a->Post(batch).ok());
+  WorkRequest other = Write(second->first, src, kCount * kBlock, dst, kCount * kBlock, kBlock, 0,
+                            100);
+  ASSERT_TRUE(p.a->Post({&other, 1}).ok());
+  std::vector<Completion> c = WaitFor(*p.a, kCount + 1);
+  ASSERT_EQ(c.size(), kCount + 1);
+  size_t denied = 0;
+  for (const Completion& done : c) {
+    const size_t i = done.cookie;
+    if (i == 100) {
+      EXPECT_TRUE(done.status.ok()) << "the other link was disturbed: " << done.status;
+      EXPECT_TRUE(SameBytes(dst.data() + kCount * kBlock, src.data() + kCount * kBlock, kBlock));
+      continue;
+    }
+    ASSERT_LT(i, kCount);
+    if (i == kBad) {
+      EXPECT_EQ(done.status.code(), absl::StatusCode::kPermissionDenied) << done.status;
+      ++denied;
+      EXPECT_TRUE(SameBytes(dst.data() + i * kBlock, before.data() + dst.guard + i * kBlock,
+                            kBlock))
+          << "the rejected write landed";
+    } else if (done.status.ok()) {
+      EXPECT_TRUE(SameBytes(dst.data() + i * kBlock, src.data() + i * kBlock, kBlock)) << i;
+    } else {
+      EXPECT_EQ(done.status.code(), absl::StatusCode::kAborted)
+          << "request " << i << " got the error of request " << kBad << ": " << done.status;
+      EXPECT_GT(i, kBad) << "a request posted before the bad one was flushed";
+    }
+  }
+  EXPECT_EQ(denied, 1u);
+}
+
 TEST_P(TransportConformanceTest, OutOfBoundsIsRejectedAndTargetUntouched) {
   struct Case { size_t off, len; };
   // One byte past the end, from the start and from the last byte.
@@ -481,6 +529,52 @@ TEST_P(TransportConformanceTest, PeerGoneWithManyOutstandingEachCompletesOnce) {
   EXPECT_EQ(cookies.size(), count);
   Completion extra[4];
   EXPECT_EQ(p.a->WaitCompletions(absl::MakeSpan(extra), absl::Milliseconds(50)), 0u);
+}
+
+// The peer destroys its end of a link (its QP) while a batch is in flight:
+// every request completes exactly once within the peer-loss bound, and a new
+// link to the same peer works at once.
+TEST_P(TransportConformanceTest, PeerClosesLinkMidBatchThenANewLinkWorks) {
+  Pair p = MakePair();
+  const size_t count = 64, block = 16384;
+  Buffer src = MakeBuffer(*p.a, count * block, 44);
+  Buffer dst = MakeBuffer(*p.b, count * block, 45);
+  std::vector<WorkRequest> batch;
+  for (size_t i = 0; i < count; ++i) {
+    batch.push_back(Write(p.link_a, src, i * block, dst, i * block, block, 0, i));
+  }
+  ASSERT_TRUE(p.a->Post(batch).ok());
+  ASSERT_TRUE(p.b->CloseLink(p.link_b).ok());
+  const absl::Time start = harness_->clock()->Now();
+  std::vector<Completion> c =
+      WaitFor(*p.a, count, harness_->PeerLossBound() + harness_->OperationTimeout());
+  ASSERT_EQ(c.size(), count) << "requests to a closed peer link never completed";
+  EXPECT_LE(harness_->clock()->Now() - start,
+            harness_->PeerLossBound() + harness_->OperationTimeout());
+  std::set<uint64_t> cookies;
+  for (const Completion& done : c) {
+    EXPECT_TRUE(cookies.insert(done.cookie).second);
+    EXPECT_TRUE(done.status.ok() || done.status.code() == absl::StatusCode::kUnavailable ||
+                done.status.code() == absl::StatusCode::kAborted)
+        << done.status;
+    if (done.status.ok()) {
+      EXPECT_TRUE(SameBytes(dst.data() + done.cookie * block, src.data() + done.cookie * block,
+                            block));
+    }
+  }
+  // The next batch goes over a new link and succeeds.
+  auto fresh = Connect(*p.a, *p.b);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  Buffer src2 = MakeBuffer(*p.a, count * block, 46);
+  for (size_t i = 0; i < count; ++i) {
+    batch[i] = Write(fresh->first, src2, i * block, dst, i * block, block, 0, 1000 + i);
+  }
+  ASSERT_TRUE(p.a->Post(batch).ok());
+  c = WaitFor(*p.a, count);
+  ASSERT_EQ(c.size(), count);
+  for (const Completion& done : c) EXPECT_TRUE(done.status.ok()) << done.status;
+  EXPECT_TRUE(SameBytes(dst.data(), src2.data(), count * block));
+  (void)p.a->CloseLink(p.link_a);
 }
 
 TEST_P(TransportConformanceTest, CloseLinkCancelsOutstanding) {
