@@ -336,8 +336,13 @@ absl::StatusOr<std::vector<TransferEngine::Impl::Link>> TransferEngine::Impl::Co
   std::vector<Link> links;
   for (uint32_t k = 0; k < std::max<uint32_t>(1, options_.links_per_peer); ++k) {
     Link link;
-    link.local_nic = k % local.nics.size();
     link.remote_nic = k % d.nics.size();
+    // The local NIC the host's routes say reaches that peer NIC (verbs with
+    // rdma_cm), else the NICs in order.
+    absl::StatusOr<NicIndex> routed = transport_->RouteTo(d.nics[link.remote_nic]);
+    link.local_nic = routed.ok() && *routed < local.nics.size()
+                         ? *routed
+                         : static_cast<NicIndex>(k % local.nics.size());
     absl::StatusOr<transport::LinkOffer> offer =
         transport_->CreateLink(link.local_nic, d.nics[link.remote_nic]);
     absl::StatusOr<Frame> reply =

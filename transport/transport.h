@@ -205,6 +205,13 @@ class Transport {
       absl::string_view peer_params) = 0;
   virtual absl::Status CompleteLink(LinkId link,
                                     absl::string_view peer_params) = 0;
+  // The local NIC that reaches `peer_nic` by this host's routes, when the
+  // transport can tell (verbs, through rdma_cm); otherwise an error saying
+  // why, and the caller pairs NICs by its own rule.
+  virtual absl::StatusOr<NicIndex> RouteTo(const NicInfo& peer_nic) {
+    (void)peer_nic;
+    return absl::UnimplementedError("this transport has no route information");
+  }
   // Tears the link down; its outstanding requests complete with kCancelled.
   virtual absl::Status CloseLink(LinkId link) = 0;
 

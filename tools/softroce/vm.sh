@@ -2,13 +2,19 @@
 # Runs programs inside a QEMU VM that boots Debian's own kernel with the
 # Soft-RoCE driver (rdma_rxe), for hosts whose kernel has no RDMA.
 #
-#   tools/softroce/vm.sh [--timeout=SECONDS] PROGRAM [PROGRAM...]
+#   tools/softroce/vm.sh [--timeout=SECONDS] [--pair] [--file=PATH]... PROGRAM [PROGRAM...]
 #
-# Each PROGRAM (a host-built binary, e.g. a Bazel test) runs in one VM boot
-# with rxe0 on the loopback netdev, in order; their output is printed as it
-# comes. The exit status is 0 only if the VM reached its end marker (a
-# per-run nonce) and every program exited 0: a kernel panic, a hang
-# (timeout) or a missing marker is a failure.
+# Each PROGRAM (a host-built binary or script, e.g. a Bazel test) runs in
+# one VM boot with rxe0 on the loopback netdev, in order; their output is
+# printed as it comes. The exit status is 0 only if the VM reached its end
+# marker (a per-run nonce) and every program exited 0: a kernel panic, a
+# hang (timeout) or a missing marker is a failure.
+#
+# --pair boots two VMs ("a" and "b") wired by a QEMU socket netdev; each has
+# rxe0 on its virtio eth0 (10.0.10.1 and 10.0.10.2, MTU 9000) and runs the
+# programs with KVFERRY_VM_ROLE=a|b, KVFERRY_VM_IP and KVFERRY_VM_PEER_IP set.
+# Both must pass; VM a's console is printed, then VM b's.
+# --file=PATH ships PATH to /t/ in the VM without running it (for scripts).
 #
 # Needs (installed on demand with apt): qemu-system-x86, busybox-static,
 # cpio, kmod, iproute2, libibverbs1, ibverbs-providers, ibverbs-utils,
@@ -17,11 +23,16 @@
 set -euo pipefail
 
 timeout_s=600
+pair=0
 programs=()
+files=()
 for a in "$@"; do
   case "$a" in
     --timeout=*) timeout_s="${a#--timeout=}" ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --pair) pair=1 ;;
+    --file=*) files+=("${a#--file=}") ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -*) echo "vm.sh: unknown option $a (see --help)" >&2; exit 2 ;;
     *) programs+=("$a") ;;
   esac
 done
@@ -60,9 +71,13 @@ copy_with_libs() {
 build_base() {
   local work; work="$(mktemp -d)"
   echo "vm.sh: preparing kernel $kver and the base initramfs (once)" >&2
-  (cd "$work" && apt-get download "$abi" >/dev/null 2>&1) ||
-    { echo "vm.sh: apt-get download $abi failed" >&2; exit 1; }
-  dpkg -x "$work"/*.deb "$work/x"
+  mkdir -p "$cache"
+  if [[ ! -f "$cache/kernel.deb" ]]; then
+    (cd "$work" && apt-get download "$abi" >/dev/null 2>&1) ||
+      { echo "vm.sh: apt-get download $abi failed" >&2; exit 1; }
+    mv "$work"/*.deb "$cache/kernel.deb"
+  fi
+  dpkg -x "$cache/kernel.deb" "$work/x"
   depmod -b "$work/x" "$kver"
   local tree="$work/tree"
   mkdir -p "$tree"/{bin,sbin,proc,sys,dev,tmp,etc/libibverbs.d,kvf/lib,kvf/modules,t} "$cache"
@@ -93,7 +108,18 @@ mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 for m in $(cat /kvf/modules.order); do insmod /kvf/modules/$m >/dev/null 2>&1; done
 /usr/bin/ip link set lo up
-/usr/bin/rdma link add rxe0 type rxe netdev lo
+arg() { sed -n "s/.*$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
+role=$(arg kvf_role)
+if [ -n "$role" ]; then
+  # One of a pair: rxe on the virtio NIC that joins the two VMs.
+  export KVFERRY_VM_ROLE=$role KVFERRY_VM_IP=$(arg kvf_ip) KVFERRY_VM_PEER_IP=$(arg kvf_peer)
+  /usr/bin/ip link set eth0 mtu 9000 up
+  /usr/bin/ip addr add $KVFERRY_VM_IP/24 dev eth0
+  /usr/bin/rdma link add rxe0 type rxe netdev eth0
+  echo "vm: $role at $KVFERRY_VM_IP, peer $KVFERRY_VM_PEER_IP"
+else
+  /usr/bin/rdma link add rxe0 type rxe netdev lo
+fi
 i=0
 while [ "$(cat /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null)" != "4: ACTIVE" ]; do
   i=$((i + 1)); [ $i -gt 100 ] && break; sleep 0.1
@@ -113,38 +139,82 @@ printf '\000' | dd of=/dev/port bs=1 seek=244 count=1 2>/dev/null
 poweroff -f
 INIT
   chmod +x "$tree/init"
-  (cd "$tree" && find . | cpio -o -H newc --quiet | gzip -1) >"$cache/base.cpio.gz"
+  (cd "$tree" && find . | cpio -o -H newc --quiet | gzip -1) >"$base"
   cp "$work/x/boot/vmlinuz-$kver" "$cache/vmlinuz"
   rm -rf "$work"
 }
 
-[[ -f "$cache/base.cpio.gz" && -f "$cache/vmlinuz" ]] || build_base
+# The base initramfs is rebuilt whenever this script changes.
+base="$cache/base-$(sha256sum "$0" | cut -c1-12).cpio.gz"
+[[ -f "$base" && -f "$cache/vmlinuz" ]] || { rm -f "$cache"/base*.cpio.gz; build_base; }
 
 run="$(mktemp -d)"
-trap 'rm -rf "$run"' EXIT
+trap 'rm -rf "$run"; [[ -n "${pid_a:-}" ]] && kill "$pid_a" 2>/dev/null; true' EXIT
 mkdir -p "$run/tree/t"
+for p in "${programs[@]}" "${files[@]}"; do
+  [[ -f "$p" ]] || { echo "vm.sh: $p does not exist" >&2; exit 2; }
+  copy_with_libs "$run/tree" "$p" "/t/$(basename "$p")"
+done
 for p in "${programs[@]}"; do
   [[ -x "$p" ]] || { echo "vm.sh: $p is not an executable" >&2; exit 2; }
-  name="$(basename "$p")"
-  copy_with_libs "$run/tree" "$p" "/t/$name"
-  echo "$name" >>"$run/tree/t/list"
+  basename "$p" >>"$run/tree/t/list"
 done
 (cd "$run/tree" && find . | cpio -o -H newc --quiet | gzip -1) >"$run/run.cpio.gz"
-cat "$cache/base.cpio.gz" "$run/run.cpio.gz" >"$run/initrd"
+cat "$base" "$run/run.cpio.gz" >"$run/initrd"
 
-nonce="$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')"
+# boot NAME CPUS NETDEV MAC APPEND: starts one VM in the background; its
+# console goes to $run/NAME.log. Sets $nonce_NAME.
+boot() {
+  local name="$1" cpus="$2" netdev="$3" mac="$4" append="$5"
+  local nonce; nonce="$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')"
+  printf -v "nonce_$name" %s "$nonce"
+  timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 -nodefaults -no-user-config \
+    -machine q35 -cpu qemu64 -m 2G -smp "$cpus" -display none -serial stdio -monitor none \
+    -no-reboot -kernel "$cache/vmlinuz" -initrd "$run/initrd" \
+    -append "console=ttyS0 quiet panic=-1 kvf_nonce=$nonce $append" \
+    -device isa-debug-exit,iobase=0xf4,iosize=0x04 \
+    -netdev "$netdev" -device "virtio-net-pci,netdev=n0,mac=$mac,romfile=" \
+    </dev/null >"$run/$name.log" 2>&1 &
+}
+
+# result NAME: the VM's exit status from its marker, or 1 without it.
+result() {
+  local name="$1" nonce_var="nonce_$1"
+  local r; r="$(sed -n "s/^KVF-EXIT-${!nonce_var}=\([0-9]*\).*/\1/p" "$run/$name.log" | tr -d '\r')"
+  if [[ -z "$r" ]]; then
+    echo "vm.sh: VM $name ended without its marker (panic, hang or timeout after ${timeout_s}s)" >&2
+    return 1
+  fi
+  return "$r"
+}
+
 set +e
-timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 -nodefaults -no-user-config \
-  -machine q35 -cpu qemu64 -m 2G -smp 2 -display none -serial stdio -monitor none \
-  -no-reboot -kernel "$cache/vmlinuz" -initrd "$run/initrd" \
-  -append "console=ttyS0 quiet panic=-1 kvf_nonce=$nonce" \
-  -device isa-debug-exit,iobase=0xf4,iosize=0x04 \
-  -netdev hubport,id=n0,hubid=0 -device virtio-net-pci,netdev=n0,romfile= \
-  </dev/null | tee "$run/console.log"
-set -e
-result="$(sed -n "s/^KVF-EXIT-$nonce=\([0-9]*\).*/\1/p" "$run/console.log" | tr -d '\r')"
-if [[ -z "$result" ]]; then
-  echo "vm.sh: the VM ended without its marker (panic, hang or timeout after ${timeout_s}s)" >&2
+if ((pair)); then
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  # Distinct MACs: rxe treats a frame to its own MAC as loopback, so with
+  # QEMU's default MAC on both VMs nothing would ever cross the wire.
+  boot a 1 "socket,id=n0,listen=127.0.0.1:$port" 52:54:00:00:10:01 "kvf_role=a kvf_ip=10.0.10.1 kvf_peer=10.0.10.2"
+  pid_a=$!
+  for _ in $(seq 100); do  # the listener must be up before b connects
+    ss -ltn "sport = :$port" 2>/dev/null | grep -q LISTEN && break
+    sleep 0.1
+  done
+  boot b 1 "socket,id=n0,connect=127.0.0.1:$port" 52:54:00:00:10:02 "kvf_role=b kvf_ip=10.0.10.2 kvf_peer=10.0.10.1"
+  pid_b=$!
+  wait "$pid_b"; wait "$pid_a"; pid_a=
+  for name in a b; do
+    echo "=== vm.sh: console of VM $name"
+    cat "$run/$name.log"
+  done
+  result a; ra=$?
+  result b; rb=$?
+  ((ra == 0 && rb == 0)) && exit 0
   exit 1
 fi
-exit "$result"
+boot vm 2 "hubport,id=n0,hubid=0" 52:54:00:12:34:56 ""
+pid=$!
+tail -f --pid="$pid" "$run/vm.log" 2>/dev/null &
+tail_pid=$!
+wait "$pid"
+wait "$tail_pid"
+result vm

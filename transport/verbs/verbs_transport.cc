@@ -23,6 +23,7 @@
 #include "net/socket.h"
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
+#include "transport/verbs/route.h"
 
 namespace kvferry {
 namespace transport {
@@ -101,6 +102,7 @@ class VerbsTransport final : public Transport {
   absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
                                        absl::string_view peer_params) override;
   absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
+  absl::StatusOr<NicIndex> RouteTo(const NicInfo& peer_nic) override;
   absl::Status CloseLink(LinkId link) override;
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
@@ -165,6 +167,9 @@ class VerbsTransport final : public Transport {
   uint64_t last_wr_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
   CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
+  // RouteTo's answers by peer address (resolving can take a while).
+  Mutex route_mu_;
+  absl::flat_hash_map<std::string, absl::StatusOr<NicIndex>> routes_ ABSL_GUARDED_BY(route_mu_);
 };
 
 absl::Status VerbsTransport::OpenNic(Nic& nic) {
@@ -404,6 +409,34 @@ absl::Status CheckPeerNic(const NicInfo& peer) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<NicIndex> VerbsTransport::RouteTo(const NicInfo& peer_nic) {
+  RETURN_IF_ERROR(CheckPeerNic(peer_nic));
+  const std::string gid = peer_nic.address.substr(6, peer_nic.address.find('/') - 6);
+  const std::string ip = verbs::Ipv4OfGid(gid);
+  if (ip.empty()) {
+    return absl::UnimplementedError(
+        absl::StrCat("peer GID ", gid, " carries no IPv4 address to route to"));
+  }
+  MutexLock lock(&route_mu_);  // one resolution per peer address at a time
+  auto cached = routes_.find(ip);
+  if (cached != routes_.end()) return cached->second;
+  absl::StatusOr<NicIndex> answer = [&]() -> absl::StatusOr<NicIndex> {
+    ASSIGN_OR_RETURN(verbs::Route route, verbs::ResolveRoute(ip));
+    std::vector<verbs::SelectedPort> ports;
+    for (const Nic& nic : nics_) ports.push_back(nic.port);
+    ASSIGN_OR_RETURN(size_t index, verbs::PortForRoute(route, ports));
+    KVF_LOG(INFO) << "verbs: rdma_cm routes " << ip << " via " << route.device << ":" << route.port
+                  << " from " << route.source_ip;
+    return static_cast<NicIndex>(index);
+  }();
+  if (!answer.ok()) {
+    KVF_LOG(INFO) << "verbs: no route-aware pairing for " << ip << " (" << answer.status().message()
+                  << "); pairing NICs in order";
+  }
+  routes_.emplace(ip, answer);
+  return answer;
+}
+
 absl::StatusOr<LinkOffer> VerbsTransport::CreateLink(NicIndex local_nic, const NicInfo& peer_nic) {
   RETURN_IF_ERROR(CheckPeerNic(peer_nic));
   MutexLock lock(&mu_);
@@ -560,12 +593,27 @@ void VerbsTransport::ExpireOld() {
   MutexLock lock(&mu_);
   for (auto p = pending_.begin(); p != pending_.end();) {
     auto link = links_.find(p->second.link);
-    if (now - p->second.posted < options_.request_timeout || link == links_.end() ||
-        link->second->state == Link::State::kError) {
+    if (now - p->second.posted < options_.request_timeout || link == links_.end()) {
       ++p;
       continue;
     }
     Link& l = *link->second;
+    if (l.state == Link::State::kError) {
+      // The QP is in the error state and touches no buffer; its flush
+      // completion should have come. A NIC that never sends it (seen with
+      // Soft-RoCE while it retransmits to a peer that drops everything)
+      // must not hold the request forever.
+      if (now - p->second.posted >= 2 * options_.request_timeout) {
+        --l.outstanding;
+        CompleteLocked(p->second.wr, absl::AbortedError(absl::StrFormat(
+                                         "QP %#x is in the error state and its flush never came",
+                                         l.qp->qp_num)));
+        pending_.erase(p++);
+      } else {
+        ++p;
+      }
+      continue;
+    }
     l.state = Link::State::kError;
     // In the error state the NIC touches no buffer of this QP any more; the
     // other requests come back as flush errors (kAborted).
