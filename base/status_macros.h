@@ -3,7 +3,7 @@
 //
 //   RETURN_IF_ERROR(DoThing());
 //   ASSIGN_OR_RETURN(auto fd, OpenSocket(addr));
-//   ASSIGN_OR_RETURN(size_t n, Read(fd), _.WithPrefix("reading header"));
+//   RETURN_IF_ERROR_CTX(Send(fd, frame), "sending header");
 #ifndef KVFERRY_BASE_STATUS_MACROS_H_
 #define KVFERRY_BASE_STATUS_MACROS_H_
 

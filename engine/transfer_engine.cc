@@ -6,6 +6,8 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -55,7 +57,25 @@ class TransferEngine::Impl {
         wait_(std::move(parts.wait)),
         clock_(parts.clock != nullptr ? parts.clock : RealClock()),
         engine_id_(parts.engine_id != 0 ? parts.engine_id : net::RandomU64()),
-        link_capacity_(std::max<uint32_t>(1, transport_->GetLimits().max_outstanding_per_link)) {}
+        near_nics_(std::move(parts.near_nics)),
+        link_capacity_(std::max<uint32_t>(1, transport_->GetLimits().max_outstanding_per_link)) {
+    for (const transport::NicInfo& nic : transport_->LocalEndpoint().nics) {
+      nic_counters_.push_back(NicCounters{nic.name, 0, 0});
+    }
+    if (!near_nics_) {
+      near_nics_ = [this](const std::string& location) {
+        std::vector<NicIndex> out;
+        int node;
+        if (absl::StartsWith(location, "cpu:") && absl::SimpleAtoi(location.substr(4), &node)) {
+          const std::vector<transport::NicInfo> nics = LocalNics();
+          for (NicIndex i = 0; i < nics.size(); ++i) {
+            if (nics[i].numa_node == node) out.push_back(i);
+          }
+        }
+        return absl::StatusOr<std::vector<NicIndex>>(out);
+      };
+    }
+  }
 
   ~Impl() {
     server_.reset();  // no more handler calls
@@ -77,7 +97,12 @@ class TransferEngine::Impl {
   uint64_t engine_id() const { return engine_id_; }
   Clock* clock() const { return clock_; }
 
-  absl::Status RegisterMemory(void* addr, uint64_t length, Access access);
+  absl::Status RegisterMemory(void* addr, uint64_t length, Access access,
+                              const std::string& location);
+  std::vector<NicCounters> GetNicCounters() const {
+    MutexLock lock(&mu_);
+    return nic_counters_;
+  }
   absl::Status UnregisterMemory(void* addr);
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
   absl::StatusOr<std::vector<RemoteRegion>> SegmentRegions(SegmentId id) {
@@ -182,13 +207,17 @@ class TransferEngine::Impl {
   const std::function<bool(const std::function<bool()>&, absl::Duration)> wait_;
   Clock* const clock_;
   const uint64_t engine_id_;
+  std::function<absl::StatusOr<std::vector<NicIndex>>(const std::string&)> near_nics_;
   const uint32_t link_capacity_;
   std::unique_ptr<handshake::Server> server_;
   std::string address_;
 
-  Mutex mu_;
+  mutable Mutex mu_;
   CondVar cv_;  // refresh finished, notification arrived
   std::map<uint64_t, transport::Region> regions_ ABSL_GUARDED_BY(mu_);  // by address
+  // Per local region with a location: which local NICs are near it.
+  absl::flat_hash_map<transport::RegionId, std::vector<bool>> near_ ABSL_GUARDED_BY(mu_);
+  std::vector<NicCounters> nic_counters_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, SegmentId> segment_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SegmentId, Segment> segments_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchId, Batch> batches_ ABSL_GUARDED_BY(mu_);
@@ -266,9 +295,28 @@ Frame TransferEngine::Impl::Handle(const Frame& request) {
 // ---------------------------------------------------------------- memory
 
 absl::Status TransferEngine::Impl::RegisterMemory(void* addr, uint64_t length,
-                                                  Access access) {
+                                                  Access access, const std::string& location) {
   if (addr == nullptr || length == 0) {
     return absl::InvalidArgumentError("RegisterMemory: null address or zero length");
+  }
+  std::vector<bool> near;
+  if (!location.empty()) {
+    int n;
+    const size_t colon = location.find(':');
+    const std::string kind = location.substr(0, colon);
+    if (colon == std::string::npos || (kind != "cpu" && kind != "cuda") ||
+        !absl::SimpleAtoi(location.substr(colon + 1), &n) || n < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterMemory: bad location '", location, "' (expected cpu:N or cuda:N)"));
+    }
+    absl::StatusOr<std::vector<NicIndex>> nics = near_nics_(location);
+    if (!nics.ok()) return Annotate(nics.status(), "RegisterMemory");
+    if (!nics->empty()) {
+      near.assign(transport_->LocalEndpoint().nics.size(), false);
+      for (NicIndex i : *nics) {
+        if (i < near.size()) near[i] = true;
+      }
+    }
   }
   const uint64_t base = reinterpret_cast<uintptr_t>(addr);
   {
@@ -286,6 +334,7 @@ absl::Status TransferEngine::Impl::RegisterMemory(void* addr, uint64_t length,
   ASSIGN_OR_RETURN(transport::Region region, transport_->RegisterMemory(addr, length, access));
   MutexLock lock(&mu_);
   regions_.emplace(base, region);
+  if (!near.empty()) near_[region.id] = std::move(near);
   return absl::OkStatus();
 }
 
@@ -296,6 +345,7 @@ absl::Status TransferEngine::Impl::UnregisterMemory(void* addr) {
     return absl::NotFoundError(absl::StrFormat("no registered region starts at %p", addr));
   }
   RETURN_IF_ERROR(transport_->UnregisterMemory(it->second.id));
+  near_.erase(it->second.id);
   regions_.erase(it);
   return absl::OkStatus();
 }
@@ -334,7 +384,10 @@ absl::StatusOr<std::vector<TransferEngine::Impl::Link>> TransferEngine::Impl::Co
     const std::string& peer, const EngineDescriptor& d) {
   const transport::EndpointDescription local = transport_->LocalEndpoint();
   std::vector<Link> links;
-  for (uint32_t k = 0; k < std::max<uint32_t>(1, options_.links_per_peer); ++k) {
+  // At least one link per local NIC, so every NIC can carry slices.
+  const uint32_t count = std::max<uint32_t>({1, options_.links_per_peer,
+                                             static_cast<uint32_t>(local.nics.size())});
+  for (uint32_t k = 0; k < count; ++k) {
     Link link;
     link.remote_nic = k % d.nics.size();
     // The local NIC the host's routes say reaches that peer NIC (verbs with
@@ -469,12 +522,25 @@ absl::Status TransferEngine::Impl::CheckSlice(const Segment& seg, const Slice& s
 }
 
 bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr) {
+  // The least loaded link with room on a NIC near the buffer; on another
+  // NIC only when the near ones are full.
+  auto near = near_.find(slice.local_region);
   Link* best = nullptr;
+  Link* best_far = nullptr;
   for (Link& l : seg.links) {
-    if (best == nullptr || l.inflight < best->inflight) best = &l;
+    if (l.inflight >= link_capacity_) continue;
+    const bool is_near = near == near_.end() ||
+                         (l.local_nic < near->second.size() && near->second[l.local_nic]);
+    Link*& slot = is_near ? best : best_far;
+    if (slot == nullptr || l.inflight < slot->inflight) slot = &l;
   }
-  if (best == nullptr || best->inflight >= link_capacity_) return false;
+  if (best == nullptr) best = best_far;
+  if (best == nullptr) return false;
   ++best->inflight;
+  if (best->local_nic < nic_counters_.size()) {
+    ++nic_counters_[best->local_nic].slices;
+    nic_counters_[best->local_nic].bytes += slice.length;
+  }
   const RegionDescriptor& r = *FindRemote(seg, slice.remote);
   slice.generation = seg.generation;
   slice.link = best->id;
@@ -872,7 +938,26 @@ namespace {
 struct Decision {
   Detection detection;
   std::vector<transport::verbs::SelectedPort> ports;
+  transport::verbs::Discovery discovery;  // when RDMA was looked for
 };
+
+// The selected ports (NIC indices of the verbs transport) nearest to
+// `location`: every port at the smallest distance.
+absl::StatusOr<std::vector<NicIndex>> NearestNics(const transport::verbs::Discovery& d,
+                                                  const std::string& location) {
+  std::vector<int> distance;
+  ASSIGN_OR_RETURN(std::vector<transport::verbs::SelectedPort> ports,
+                   transport::verbs::NearestPorts(d, location, &distance));
+  std::vector<NicIndex> out;
+  for (size_t i = 0; i < ports.size() && distance[i] == distance[0]; ++i) {
+    for (NicIndex n = 0; n < d.selected.size(); ++n) {
+      if (d.selected[n].device == ports[i].device && d.selected[n].port == ports[i].port) {
+        out.push_back(n);
+      }
+    }
+  }
+  return out;
+}
 
 absl::StatusOr<Decision> Detect(const EngineOptions& options) {
   Decision out;
@@ -895,6 +980,7 @@ absl::StatusOr<Decision> Detect(const EngineOptions& options) {
     if (!found.ok()) return found.status();  // e.g. a named device that does not exist
     for (const std::string& note : found->notes) KVF_LOG(INFO) << "rdma discovery: " << note;
     out.ports = found->selected;
+    out.discovery = *found;
     if (!out.ports.empty()) {
       d.transport = "rdma";
       std::vector<std::string> names;
@@ -970,6 +1056,11 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOpt
   parts.transport = std::move(data);
   parts.network = handshake::NewTcpNetwork();
   parts.detection = std::move(d);
+  if (!decision.ports.empty()) {
+    parts.near_nics = [discovery = std::move(decision.discovery)](const std::string& location) {
+      return NearestNics(discovery, location);
+    };
+  }
   return CreateWith(std::move(options), std::move(parts));
 }
 
@@ -1003,8 +1094,12 @@ std::string TransferEngine::address() const { return impl_->address(); }
 const Detection& TransferEngine::detection() const { return impl_->detection(); }
 uint64_t TransferEngine::engine_id() const { return impl_->engine_id(); }
 Clock* TransferEngine::clock() const { return impl_->clock(); }
-absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access access) {
-  return impl_->RegisterMemory(addr, length, access);
+absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access access,
+                                            const std::string& location) {
+  return impl_->RegisterMemory(addr, length, access, location);
+}
+std::vector<NicCounters> TransferEngine::GetNicCounters() const {
+  return impl_->GetNicCounters();
 }
 absl::Status TransferEngine::UnregisterMemory(void* addr) { return impl_->UnregisterMemory(addr); }
 absl::StatusOr<SegmentId> TransferEngine::OpenSegment(const std::string& peer) {

@@ -115,6 +115,20 @@ struct EngineParts {
   // notifications. Empty: a condition variable (real time). Simulations
   // pass a function that runs the simulator instead.
   std::function<bool(const std::function<bool()>& ready, absl::Duration timeout)> wait;
+  // The local NICs (indices into the transport's NICs) nearest to a buffer
+  // at `location` ("cpu:N" or "cuda:N"); an empty list means no preference.
+  // Empty function: for "cpu:N" the NICs whose NicInfo.numa_node is N, no
+  // preference for anything else. Create() uses the RDMA discovery (PCIe
+  // distance to the GPU, NUMA node of the NIC).
+  std::function<absl::StatusOr<std::vector<transport::NicIndex>>(const std::string& location)>
+      near_nics;
+};
+
+// What the engine posted on each of its NICs.
+struct NicCounters {
+  std::string name;     // the transport's NIC name, e.g. "mlx5_0:1"
+  uint64_t slices = 0;  // slices posted (re-posts included)
+  uint64_t bytes = 0;
 };
 
 class TransferEngine {
@@ -139,8 +153,16 @@ class TransferEngine {
   // Registers [addr, addr+length) for local use and, per `access`, for
   // peers. kInvalidArgument for bad ranges or an overlap with a region
   // already registered.
+  //
+  // `location` says where the buffer lives: "cpu:N" (NUMA node N) or
+  // "cuda:N" (GPU N). Slices of requests from this buffer then go over the
+  // NICs nearest to it, and over the others only while those are full (every
+  // link at the transport's outstanding limit). Empty: every NIC alike.
+  // kInvalidArgument for a malformed location, kNotFound for a GPU the
+  // RDMA discovery does not know.
   absl::Status RegisterMemory(void* addr, uint64_t length,
-                              transport::Access access = transport::Access::kRemoteReadWrite);
+                              transport::Access access = transport::Access::kRemoteReadWrite,
+                              const std::string& location = "");
   // Unregisters the region starting at `addr`. kFailedPrecondition while
   // transfers use it; kNotFound if no region starts there.
   absl::Status UnregisterMemory(void* addr);
@@ -182,6 +204,9 @@ class TransferEngine {
   absl::StatusOr<std::string> FetchMetadata(SegmentId segment, const std::string& key);
 
   // Notifications received so far (and removes them), or waits for one.
+  // Per local NIC, in the transport's order.
+  std::vector<NicCounters> GetNicCounters() const;
+
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
 

@@ -140,3 +140,89 @@ TEST(SimEngine, PeerThatIsGoneFailsInBoundedSimulatedTime) {
 
 }  // namespace
 }  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Four NICs per host, two per NUMA node. Moves `count` blocks from a buffer
+// registered at `location` and returns the slices each local NIC carried.
+std::vector<uint64_t> StripeOnce(const std::string& location, uint32_t link_capacity,
+                                 size_t count) {
+  SimWorld w(17);
+  const int a = w.AddMultiNicHost({0, 0, 1, 1});
+  const int b = w.AddMultiNicHost({0, 0, 1, 1});
+  auto prefill = w.StartEngine(a, 0, link_capacity);
+  auto decode = w.StartEngine(b, 0, link_capacity);
+  EXPECT_TRUE(prefill.ok() && decode.ok());
+  if (!prefill.ok() || !decode.ok()) return {};
+  const size_t kBlock = 16 << 10;  // one slice each
+  std::vector<char> src(count * kBlock), dst(count * kBlock, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 13 + (i >> 12));
+  EXPECT_TRUE(
+      (*prefill)->RegisterMemory(src.data(), src.size(), transport::Access::kNone, location).ok());
+  EXPECT_TRUE((*decode)->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = (*prefill)->OpenSegment((*decode)->address());
+  EXPECT_TRUE(seg.ok()) << seg.status();
+  if (!seg.ok()) return {};
+  std::vector<TransferRequest> reqs;
+  for (size_t i = 0; i < count; ++i) {
+    reqs.push_back({Opcode::kWrite, src.data() + i * kBlock,
+                    reinterpret_cast<uintptr_t>(dst.data()) + i * kBlock, kBlock});
+  }
+  auto batch = (*prefill)->Submit(*seg, reqs);
+  EXPECT_TRUE(batch.ok()) << batch.status();
+  if (!batch.ok()) return {};
+  auto st = (*prefill)->Wait(*batch, absl::Seconds(1));
+  EXPECT_TRUE(st.ok() && st->ok());
+  EXPECT_EQ(src, dst);
+  std::vector<uint64_t> slices;
+  uint64_t bytes = 0;
+  for (const NicCounters& c : (*prefill)->GetNicCounters()) {
+    slices.push_back(c.slices);
+    bytes += c.bytes;
+  }
+  EXPECT_EQ(bytes, src.size());
+  return slices;
+}
+
+TEST(SimEngineStriping, SlicesGoOverTheNicsNearTheBuffer) {
+  // A buffer on NUMA node 1: only NICs 2 and 3 carry it, evenly.
+  std::vector<uint64_t> near = StripeOnce("cpu:1", 1024, 64);
+  ASSERT_EQ(near.size(), 4u);
+  EXPECT_EQ(near[0] + near[1], 0u);
+  EXPECT_EQ(near[2] + near[3], 64u);
+  EXPECT_GE(near[2], 16u);
+  EXPECT_GE(near[3], 16u);
+  // No location: all four NICs share the work.
+  std::vector<uint64_t> all = StripeOnce("", 1024, 64);
+  ASSERT_EQ(all.size(), 4u);
+  for (uint64_t n : all) EXPECT_GE(n, 8u);
+}
+
+TEST(SimEngineStriping, FarNicsTakeOverWhenTheNearOnesAreFull) {
+  // Each link holds 4 slices: 64 at once overflow NICs 2 and 3 (8 slots),
+  // and the rest go over NICs 0 and 1 instead of waiting.
+  std::vector<uint64_t> spill = StripeOnce("cpu:1", 4, 64);
+  ASSERT_EQ(spill.size(), 4u);
+  EXPECT_GT(spill[0] + spill[1], 0u);
+  EXPECT_GE(spill[2] + spill[3], spill[0] + spill[1]);
+  EXPECT_EQ(spill[0] + spill[1] + spill[2] + spill[3], 64u);
+}
+
+TEST(SimEngineStriping, BadLocationsAreRefused) {
+  SimWorld w(18);
+  const int a = w.AddMultiNicHost({0, 1});
+  auto e = w.StartEngine(a);
+  ASSERT_TRUE(e.ok());
+  std::vector<char> buf(4096);
+  for (const char* bad : {"gpu:0", "cpu:", "cpu:-1", "cuda:x", "cpu0"}) {
+    absl::Status s = (*e)->RegisterMemory(buf.data(), buf.size(), transport::Access::kNone, bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find(bad), std::string::npos) << s;
+  }
+  // Still usable, and a location with no NIC on it means no preference.
+  EXPECT_TRUE((*e)->RegisterMemory(buf.data(), buf.size(), transport::Access::kNone, "cpu:7").ok());
+}
+
+}  // namespace
+}  // namespace kvferry

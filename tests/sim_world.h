@@ -23,15 +23,26 @@ class SimWorld {
       : root_(seed), fabric_(&sched_, root_.Next64(), faults) {}
 
   // A host with a data NIC and a management NIC.
-  int AddHost(sim::NicSpec data_nic = {}) {
+  int AddHost(sim::NicSpec data_nic = {}) { return AddMultiNicHost({-1}, data_nic); }
+
+  // A host with one data NIC per entry of `numa_nodes` (each NIC on that
+  // NUMA node) and a management NIC.
+  int AddMultiNicHost(const std::vector<int32_t>& numa_nodes, sim::NicSpec data_nic = {}) {
     const sim::NodeId node = fabric_.AddNode("host" + std::to_string(hosts_.size()));
-    hosts_.push_back({*fabric_.AddNic(node, data_nic), *fabric_.AddNic(node, {})});
+    Host h;
+    for (size_t i = 0; i < numa_nodes.size(); ++i) h.data.push_back(*fabric_.AddNic(node, data_nic));
+    h.numa = numa_nodes;
+    h.mgmt = *fabric_.AddNic(node, {});
+    hosts_.push_back(std::move(h));
     return static_cast<int>(hosts_.size()) - 1;
   }
 
-  absl::StatusOr<std::unique_ptr<TransferEngine>> StartEngine(int host, uint16_t port = 0) {
+  absl::StatusOr<std::unique_ptr<TransferEngine>> StartEngine(
+      int host, uint16_t port = 0, uint32_t max_outstanding_per_link = 1024) {
     transport::SimTransportOptions o;
-    o.nics = {hosts_[host].data};
+    o.nics = hosts_[host].data;
+    o.numa_nodes = hosts_[host].numa;
+    o.max_outstanding_per_link = max_outstanding_per_link;
     auto t = transport::SimTransport::Create(&fabric_, o, root_.Next64());
     if (!t.ok()) return t.status();
     auto network = std::make_unique<handshake::SimNetwork>(&fabric_, hosts_[host].mgmt);
@@ -57,7 +68,9 @@ class SimWorld {
 
  private:
   struct Host {
-    sim::NicId data, mgmt;
+    std::vector<sim::NicId> data;
+    std::vector<int32_t> numa;
+    sim::NicId mgmt = 0;
   };
   sim::Prng root_;
   sim::Scheduler sched_;

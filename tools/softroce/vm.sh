@@ -15,10 +15,12 @@
 # programs with KVFERRY_VM_ROLE=a|b, KVFERRY_VM_IP and KVFERRY_VM_PEER_IP set.
 # Both must pass; VM a's console is printed, then VM b's.
 # --file=PATH ships PATH to /t/ in the VM without running it (for scripts).
+# KVFERRY_VM_APPEND adds words to the kernel command line (programs read
+# them from /proc/cmdline).
 #
 # Needs (installed on demand with apt): qemu-system-x86, busybox-static,
 # cpio, kmod, iproute2, libibverbs1, ibverbs-providers, ibverbs-utils,
-# perftest. The kernel package is downloaded (never installed) once and
+# perftest, ucx-utils. The kernel package is downloaded (never installed) once and
 # cached with the base initramfs under ${KVFERRY_VM_CACHE:-~/.cache/kvferry/softroce}.
 set -euo pipefail
 
@@ -31,7 +33,7 @@ for a in "$@"; do
     --timeout=*) timeout_s="${a#--timeout=}" ;;
     --pair) pair=1 ;;
     --file=*) files+=("${a#--file=}") ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "vm.sh: unknown option $a (see --help)" >&2; exit 2 ;;
     *) programs+=("$a") ;;
   esac
@@ -39,7 +41,7 @@ done
 ((${#programs[@]})) || { echo "vm.sh: no program to run (see --help)" >&2; exit 2; }
 
 packages=(qemu-system-x86 busybox-static cpio kmod iproute2 libibverbs1
-          ibverbs-providers ibverbs-utils perftest)
+          ibverbs-providers ibverbs-utils perftest ucx-utils)
 missing=()
 installed="$( (dpkg-query -W -f='${db:Status-Status} ${Package}\n' "${packages[@]}" \
   2>/dev/null || true) | awk '$1 == "installed" {print $2}')"
@@ -94,6 +96,15 @@ build_base() {
   for b in /usr/bin/ip /usr/bin/rdma /usr/bin/ibv_devinfo /usr/bin/ib_write_bw /usr/bin/ib_write_lat; do
     [[ -x "$b" ]] && copy_with_libs "$tree" "$b" "$b"
   done
+  # UCX's perftest (a peer reference for benchmarks); it dlopens its
+  # transports from "ucx/" beside libucs, here /kvf/lib/ucx.
+  if [[ -x /usr/bin/ucx_perftest ]]; then
+    copy_with_libs "$tree" /usr/bin/ucx_perftest /usr/bin/ucx_perftest
+    mkdir -p "$tree/kvf/lib/ucx"
+    for m in "$arch_libs"/ucx/libuct_*.so.0; do
+      copy_with_libs "$tree" "$m" "/kvf/lib/ucx/$(basename "$m")"
+    done
+  fi
   cp -L "$arch_libs"/libibverbs/librxe-rdmav*.so "$tree/kvf/lib/"
   mkdir -p "$tree$arch_libs/libibverbs"
   cp -L "$arch_libs"/libibverbs/librxe-rdmav*.so "$tree$arch_libs/libibverbs/"
@@ -171,7 +182,7 @@ boot() {
   timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 -nodefaults -no-user-config \
     -machine q35 -cpu qemu64 -m 2G -smp "$cpus" -display none -serial stdio -monitor none \
     -no-reboot -kernel "$cache/vmlinuz" -initrd "$run/initrd" \
-    -append "console=ttyS0 quiet panic=-1 kvf_nonce=$nonce $append" \
+    -append "console=ttyS0 quiet panic=-1 kvf_nonce=$nonce $append ${KVFERRY_VM_APPEND:-}" \
     -device isa-debug-exit,iobase=0xf4,iosize=0x04 \
     -netdev "$netdev" -device "virtio-net-pci,netdev=n0,mac=$mac,romfile=" \
     </dev/null >"$run/$name.log" 2>&1 &

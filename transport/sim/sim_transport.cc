@@ -108,6 +108,9 @@ absl::StatusOr<std::unique_ptr<SimTransport>> SimTransport::Create(
   if (options.nics.empty()) {
     return absl::InvalidArgumentError("a sim transport needs at least one NIC");
   }
+  if (!options.numa_nodes.empty() && options.numa_nodes.size() != options.nics.size()) {
+    return absl::InvalidArgumentError("numa_nodes must be empty or name one node per NIC");
+  }
   for (sim::NicId nic : options.nics) {
     if (!fabric->HasNic(nic)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown fabric NIC ", nic));
@@ -165,6 +168,7 @@ EndpointDescription SimTransport::LocalEndpoint() const {
     info.name = absl::StrCat(fabric_->node_name(fabric_->node_of(nic)), "/nic", i);
     info.address = absl::StrCat(kAddressPrefix, nic);
     info.link_bits_per_sec = spec.bits_per_sec;
+    if (i < options_.numa_nodes.size()) info.numa_node = options_.numa_nodes[i];
     info.mtu = spec.mtu;
     d.nics.push_back(std::move(info));
   }

@@ -58,6 +58,8 @@ struct SimTransportOptions {
   // The fabric NICs this transport owns, in NicIndex order. Each fabric NIC
   // belongs to at most one live transport.
   std::vector<sim::NicId> nics;
+  // NUMA node of each NIC (advertised in NicInfo); empty: unknown (-1).
+  std::vector<int32_t> numa_nodes;
   absl::Duration ack_timeout = absl::Milliseconds(1);
   uint32_t retry_count = 7;
   uint32_t max_outstanding_per_link = 1024;

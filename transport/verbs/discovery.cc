@@ -347,7 +347,8 @@ absl::StatusOr<Discovery> Discover(const DiscoveryOptions& options) {
 }
 
 absl::StatusOr<std::vector<SelectedPort>> NearestPorts(const Discovery& d,
-                                                       const std::string& location) {
+                                                       const std::string& location,
+                                                       std::vector<int>* distances) {
   std::vector<std::pair<int, SelectedPort>> scored;
   if (location.empty()) {
     for (const SelectedPort& p : d.selected) scored.emplace_back(0, p);
@@ -374,7 +375,11 @@ absl::StatusOr<std::vector<SelectedPort>> NearestPorts(const Discovery& d,
   std::stable_sort(scored.begin(), scored.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<SelectedPort> out;
-  for (auto& [score, p] : scored) out.push_back(std::move(p));
+  if (distances != nullptr) distances->clear();
+  for (auto& [score, p] : scored) {
+    out.push_back(std::move(p));
+    if (distances != nullptr) distances->push_back(score);
+  }
   return out;
 }
 

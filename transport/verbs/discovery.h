@@ -116,9 +116,11 @@ int PciDistance(const std::string& a, const std::string& b);
 // Selected ports ordered nearest first for a buffer on `location`
 // ("cuda:N", "cpu:N" or "" for no preference): by PCIe distance to the GPU,
 // or same NUMA node first for a CPU buffer. Every port appears; callers use
-// the first ones and fall back to the rest.
+// the first ones and fall back to the rest. `distances`, if given, receives
+// each returned port's distance (equal distances: equally near).
 absl::StatusOr<std::vector<SelectedPort>> NearestPorts(const Discovery& d,
-                                                       const std::string& location);
+                                                       const std::string& location,
+                                                       std::vector<int>* distances = nullptr);
 
 }  // namespace verbs
 }  // namespace transport

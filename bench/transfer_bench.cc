@@ -1,0 +1,251 @@
+// transfer_bench: the engine's own throughput and latency, the figures to
+// hold against perftest (ib_write_bw / ib_write_lat) and ucx_perftest on
+// the same device.
+//
+//   ./bazelw run -c opt //bench:transfer_bench -- --mode=bw --block=65536
+//   ./bazelw run -c opt //bench:transfer_bench -- --mode=lat --block=8
+//
+// Two engines in one process (an initiator and a target, over loopback or
+// the local RDMA device), found by host:port like any peers.
+//   bw:  WRITE (or READ) `block`-byte requests, `depth` per batch, two
+//        batches in flight, for `iters` requests; prints MiB/s (2^20 bytes,
+//        as perftest does) and messages/s.
+//   lat: ping-pong like ib_write_lat: the initiator WRITEs `block` bytes to
+//        the target, the target sees them land and WRITEs them back; half
+//        the round trip is the one-way latency. Prints median, p99, p999
+//        in microseconds.
+// The last line is machine-readable: "RESULT mode=... value=...".
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "engine/transfer_engine.h"
+
+ABSL_FLAG(std::string, mode, "bw", "bw (throughput) or lat (ping-pong latency)");
+ABSL_FLAG(std::string, op, "write", "bw mode: write or read");
+ABSL_FLAG(std::string, transport, "auto", "auto, tcp or rdma");
+ABSL_FLAG(std::string, host, "127.0.0.1", "address both engines use");
+ABSL_FLAG(uint64_t, block, 64 << 10, "bytes per request");
+ABSL_FLAG(uint32_t, depth, 64, "bw mode: requests per batch (two batches in flight)");
+ABSL_FLAG(uint64_t, iters, 2000, "requests (bw) or round trips (lat) measured");
+ABSL_FLAG(uint64_t, warmup, 100, "requests or round trips before measuring");
+ABSL_FLAG(bool, verbose, false, "engine logs at INFO");
+
+namespace kvferry {
+namespace {
+
+using transport::Opcode;
+
+struct Pair {
+  std::unique_ptr<TransferEngine> initiator, target;
+  SegmentId to_target = 0, to_initiator = 0;
+};
+
+absl::StatusOr<Pair> MakePair() {
+  EngineOptions o;
+  o.local_host = absl::GetFlag(FLAGS_host);
+  o.transport = absl::GetFlag(FLAGS_transport);
+  o.slice_bytes = std::max<uint64_t>(o.slice_bytes, absl::GetFlag(FLAGS_block));
+  Pair p;
+  ASSIGN_OR_RETURN(p.initiator, TransferEngine::Create(o));
+  ASSIGN_OR_RETURN(p.target, TransferEngine::Create(o));
+  return p;
+}
+
+absl::Status Open(Pair& p) {
+  ASSIGN_OR_RETURN(p.to_target, p.initiator->OpenSegment(p.target->address()));
+  ASSIGN_OR_RETURN(p.to_initiator, p.target->OpenSegment(p.initiator->address()));
+  return absl::OkStatus();
+}
+
+absl::Status Finish(TransferEngine& e, BatchId b) {
+  ASSIGN_OR_RETURN(BatchStatus s, e.Wait(b, absl::Seconds(60)));
+  if (!s.ok()) {
+    return s.done() ? s.requests[0] : absl::DeadlineExceededError("batch did not finish in 60 s");
+  }
+  return e.Release(b);
+}
+
+int Bandwidth() {
+  const uint64_t block = absl::GetFlag(FLAGS_block);
+  const uint32_t depth = std::max<uint32_t>(1, absl::GetFlag(FLAGS_depth));
+  const bool write = absl::GetFlag(FLAGS_op) == "write";
+  if (!write && absl::GetFlag(FLAGS_op) != "read") {
+    std::fprintf(stderr, "transfer_bench: --op must be write or read\n");
+    return 2;
+  }
+  auto pair = MakePair();
+  if (!pair.ok()) {
+    std::fprintf(stderr, "transfer_bench: %s\n", std::string(pair.status().message()).c_str());
+    return 1;
+  }
+  Pair& p = *pair;
+  // Two batches in flight, each on its own part of both buffers.
+  std::vector<char> src(2 * depth * block, 'x'), dst(2 * depth * block, 0);
+  absl::Status st = p.initiator->RegisterMemory(src.data(), src.size());
+  if (st.ok()) st = p.target->RegisterMemory(dst.data(), dst.size());
+  if (st.ok()) st = Open(p);
+  std::vector<TransferRequest> batch[2];
+  for (int half = 0; half < 2; ++half) {
+    for (uint32_t i = 0; i < depth; ++i) {
+      const uint64_t off = (half * depth + i) * block;
+      batch[half].push_back({write ? Opcode::kWrite : Opcode::kRead, src.data() + off,
+                             reinterpret_cast<uintptr_t>(dst.data()) + off, block});
+    }
+  }
+  const uint64_t warm_batches = (absl::GetFlag(FLAGS_warmup) + depth - 1) / depth;
+  const uint64_t batches = std::max<uint64_t>(1, (absl::GetFlag(FLAGS_iters) + depth - 1) / depth);
+  absl::Time start;
+  BatchId inflight[2] = {0, 0};
+  bool busy[2] = {false, false};
+  for (uint64_t n = 0; st.ok() && n < warm_batches + batches; ++n) {
+    if (n == warm_batches) {
+      // Measure from an empty pipe.
+      for (int h = 0; h < 2 && st.ok(); ++h) {
+        if (busy[h]) st = Finish(*p.initiator, inflight[h]), busy[h] = false;
+      }
+      start = absl::Now();
+    }
+    const int h = n % 2;
+    if (busy[h] && st.ok()) st = Finish(*p.initiator, inflight[h]);
+    if (!st.ok()) break;
+    absl::StatusOr<BatchId> b = p.initiator->Submit(p.to_target, batch[h]);
+    if (!b.ok()) st = b.status();
+    else inflight[h] = *b, busy[h] = true;
+  }
+  for (int h = 0; h < 2 && st.ok(); ++h) {
+    if (busy[h]) st = Finish(*p.initiator, inflight[h]);
+  }
+  if (!st.ok()) {
+    std::fprintf(stderr, "transfer_bench: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const double requests = static_cast<double>(batches) * depth;
+  const double mib_s = requests * block / seconds / (1 << 20);
+  std::printf("%s %llu B x %.0f over %s: %.2f MiB/s, %.0f msg/s\n", write ? "WRITE" : "READ",
+              static_cast<unsigned long long>(block), requests,
+              p.initiator->detection().transport.c_str(), mib_s, requests / seconds);
+  std::printf("RESULT mode=bw op=%s block=%llu value=%.3f unit=MiB/s\n", write ? "write" : "read",
+              static_cast<unsigned long long>(block), mib_s);
+  return 0;
+}
+
+int Latency() {
+  const uint64_t block = std::max<uint64_t>(1, absl::GetFlag(FLAGS_block));
+  auto pair = MakePair();
+  if (!pair.ok()) {
+    std::fprintf(stderr, "transfer_bench: %s\n", std::string(pair.status().message()).c_str());
+    return 1;
+  }
+  Pair& p = *pair;
+  // Each side: a send buffer and a receive buffer whose last byte carries
+  // the round number (like perftest, the last byte lands last).
+  std::vector<char> isend(block, 0), irecv(block, 0), tsend(block, 0), trecv(block, 0);
+  absl::Status st = p.initiator->RegisterMemory(isend.data(), block);
+  if (st.ok()) st = p.initiator->RegisterMemory(irecv.data(), block);
+  if (st.ok()) st = p.target->RegisterMemory(tsend.data(), block);
+  if (st.ok()) st = p.target->RegisterMemory(trecv.data(), block);
+  if (st.ok()) st = Open(p);
+  if (!st.ok()) {
+    std::fprintf(stderr, "transfer_bench: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  const uint64_t warmup = absl::GetFlag(FLAGS_warmup);
+  const uint64_t rounds = warmup + std::max<uint64_t>(1, absl::GetFlag(FLAGS_iters));
+  auto wait_for = [](const char* last, char want, std::atomic<bool>& failed) {
+    while (reinterpret_cast<const volatile char*>(last)[0] != want) {
+      if (failed.load(std::memory_order_relaxed)) return false;
+    }
+    return true;
+  };
+  std::atomic<bool> failed{false};
+  std::string error;
+  // The target echoes every round back.
+  std::thread echo([&] {
+    for (uint64_t r = 1; r <= rounds; ++r) {
+      const char mark = static_cast<char>(r % 251 + 1);
+      if (!wait_for(&trecv[block - 1], mark, failed)) return;
+      tsend[block - 1] = mark;
+      TransferRequest w{Opcode::kWrite, tsend.data(), reinterpret_cast<uintptr_t>(irecv.data()),
+                        block};
+      absl::StatusOr<BatchId> b = p.target->Submit(p.to_initiator, {&w, 1});
+      absl::Status s = b.ok() ? Finish(*p.target, *b) : b.status();
+      if (!s.ok()) {
+        error = s.ToString();
+        failed = true;
+        return;
+      }
+    }
+  });
+  std::vector<double> half_rtt_us;
+  half_rtt_us.reserve(rounds);
+  for (uint64_t r = 1; r <= rounds && !failed; ++r) {
+    const char mark = static_cast<char>(r % 251 + 1);
+    isend[block - 1] = mark;
+    const absl::Time t0 = absl::Now();
+    TransferRequest w{Opcode::kWrite, isend.data(), reinterpret_cast<uintptr_t>(trecv.data()),
+                      block};
+    absl::StatusOr<BatchId> b = p.initiator->Submit(p.to_target, {&w, 1});
+    if (!b.ok()) {
+      error = b.status().ToString();
+      failed = true;
+      break;
+    }
+    const bool echoed = wait_for(&irecv[block - 1], mark, failed);
+    const absl::Time t1 = absl::Now();
+    absl::Status s = Finish(*p.initiator, *b);
+    if (!echoed || !s.ok()) {
+      if (!s.ok()) error = s.ToString();
+      failed = true;
+      break;
+    }
+    if (r > warmup) half_rtt_us.push_back(absl::ToDoubleMicroseconds(t1 - t0) / 2);
+  }
+  echo.join();
+  if (failed) {
+    std::fprintf(stderr, "transfer_bench: %s\n", error.c_str());
+    return 1;
+  }
+  std::sort(half_rtt_us.begin(), half_rtt_us.end());
+  auto at = [&](double q) {
+    return half_rtt_us[std::min(half_rtt_us.size() - 1,
+                                static_cast<size_t>(q * half_rtt_us.size()))];
+  };
+  std::printf("WRITE %llu B ping-pong x %zu over %s: one-way median %.2f us, p99 %.2f us, "
+              "p999 %.2f us\n",
+              static_cast<unsigned long long>(block), half_rtt_us.size(),
+              p.initiator->detection().transport.c_str(), at(0.5), at(0.99), at(0.999));
+  std::printf("RESULT mode=lat op=write block=%llu value=%.3f unit=us\n",
+              static_cast<unsigned long long>(block), at(0.5));
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "measures the engine's throughput (--mode=bw) or ping-pong latency (--mode=lat)\n"
+      "between two engines in this process.\n"
+      "  ./bazelw run -c opt //bench:transfer_bench -- --mode=bw --block=65536\n"
+      "  ./bazelw run -c opt //bench:transfer_bench -- --mode=lat --block=8");
+  absl::ParseCommandLine(argc, argv);
+  if (!absl::GetFlag(FLAGS_verbose)) kvferry::SetLogThreshold(kvferry::LogSeverity::kWarning);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode == "bw") return kvferry::Bandwidth();
+  if (mode == "lat") return kvferry::Latency();
+  std::fprintf(stderr, "transfer_bench: --mode must be bw or lat, not \"%s\"\n", mode.c_str());
+  return 2;
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The engine against perftest and UCX on the same Soft-RoCE device, in one
+# VM boot:
+#
+#   tools/softroce/bench.sh [--rounds=N]
+#
+# Builds //bench:transfer_bench (-c opt), boots the VM (tools/softroce/vm.sh)
+# and runs, alternating, N rounds (default 3) of: ib_write_bw, the engine
+# and ucx_perftest ucp_put_bw with 64 KiB WRITEs; ib_write_lat, the engine
+# and ucp_put_lat with 8 B (one-way latency, half a ping-pong); ib_write_bw
+# and the engine with 4 KiB WRITEs. Prints the medians and the median of the
+# per-round ratios to perftest. Timings under TCG are noisy: run it on a
+# quiet host and compare ratios, not absolute figures.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+rounds=3
+for a in "$@"; do
+  case "$a" in
+    --rounds=*) rounds="${a#--rounds=}" ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "bench.sh: unknown argument $a (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "bench.sh: --rounds must be a positive number" >&2; exit 2; }
+./bazelw build -c opt //bench:transfer_bench >&2
+bin="$(./bazelw info -c opt bazel-bin 2>/dev/null)/bench/transfer_bench"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+KVFERRY_VM_APPEND="kvf_rounds=$rounds" tools/softroce/vm.sh --timeout=$((300 + rounds * 300)) \
+  --file="$bin" tools/softroce/bench_in_vm.sh | tee "$log" | grep -a "^BENCH\|^bench:" >&2 || true
+python3 - "$log" <<'PY'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1], errors="replace"):
+    f = line.split()
+    if len(f) == 4 and f[0] == "BENCH":
+        rows.setdefault(f[2], {})[int(f[1])] = float(f[3])
+def med(name):
+    v = [x for x in rows.get(name, {}).values() if x == x]
+    return statistics.median(v) if v else float("nan")
+def ratio(name, ref):
+    a, b = rows.get(name, {}), rows.get(ref, {})
+    r = [a[k] / b[k] for k in a if k in b and a[k] == a[k] and b[k] == b[k] and b[k] > 0]
+    return statistics.median(r) if r else float("nan")
+print("| measure | perftest | kvferry | ratio | UCX | ratio |")
+print("|---|---|---|---|---|---|")
+for label, ref, eng, ucx in [
+        ("64 KiB WRITE, MiB/s", "ib_write_bw", "engine_write_bw", "ucx_put_bw"),
+        ("8 B WRITE one-way latency, us", "ib_write_lat", "engine_write_lat", "ucx_put_lat"),
+        ("4 KiB WRITE, MiB/s", "ib_write_bw_4k", "engine_write_bw_4k", None)]:
+    u = f"{med(ucx):.1f} | {ratio(ucx, ref):.2f}" if ucx else "- | -"
+    print(f"| {label} | {med(ref):.1f} | {med(eng):.1f} | {ratio(eng, ref):.2f} | {u} |")
+rounds = max((len(v) for v in rows.values()), default=0)
+print(f"({rounds} round(s) in one VM boot; ratio = median of per-round ratios to perftest)")
+PY
