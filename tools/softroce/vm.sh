@@ -174,7 +174,9 @@ done
 cat "$base" "$run/run.cpio.gz" >"$run/initrd"
 
 # boot NAME CPUS NETDEV MAC APPEND: starts one VM in the background; its
-# console goes to $run/NAME.log. Sets $nonce_NAME.
+# console goes to $run/NAME.log. Sets $nonce_NAME. tsc=reliable: TCG's TSC
+# looks unsynchronized, and the HPET fallback makes every clock read a
+# trapped syscall (tens of microseconds), which would distort every timing.
 boot() {
   local name="$1" cpus="$2" netdev="$3" mac="$4" append="$5"
   local nonce; nonce="$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')"
@@ -182,7 +184,7 @@ boot() {
   timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 -nodefaults -no-user-config \
     -machine q35 -cpu qemu64 -m 2G -smp "$cpus" -display none -serial stdio -monitor none \
     -no-reboot -kernel "$cache/vmlinuz" -initrd "$run/initrd" \
-    -append "console=ttyS0 quiet panic=-1 kvf_nonce=$nonce $append ${KVFERRY_VM_APPEND:-}" \
+    -append "console=ttyS0 quiet panic=-1 tsc=reliable clocksource=tsc kvf_nonce=$nonce $append ${KVFERRY_VM_APPEND:-}" \
     -device isa-debug-exit,iobase=0xf4,iosize=0x04 \
     -netdev "$netdev" -device "virtio-net-pci,netdev=n0,mac=$mac,romfile=" \
     </dev/null >"$run/$name.log" 2>&1 &

@@ -3,6 +3,7 @@
 #include <infiniband/verbs.h>
 #include <poll.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -654,6 +655,8 @@ void VerbsTransport::PollerLoop() {
 }
 
 size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
+  // What the NICs have now, without waiting for the poller thread.
+  for (Nic& nic : nics_) Drain(nic.cq);
   MutexLock lock(&mu_);
   return cq_.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     auto region = regions_.find(id);
@@ -662,6 +665,14 @@ size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
 }
 
 size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
+  if (size_t n = PollCompletions(out); n > 0 || timeout <= absl::ZeroDuration()) return n;
+  // Poll the CQs from this thread for a moment (see busy_poll), then sleep.
+  const absl::Time spin_until = absl::Now() + std::min(timeout, options_.busy_poll);
+  while (absl::Now() < spin_until) {
+    bool any = false;
+    for (Nic& nic : nics_) any = Drain(nic.cq) || any;
+    if (any) return PollCompletions(out);
+  }
   {
     MutexLock lock(&mu_);
     cq_cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
