@@ -1,6 +1,7 @@
 #include "engine/transfer_engine.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <utility>
@@ -15,6 +16,7 @@
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/status_macros.h"
+#include "handshake/auth.h"
 #include "handshake/messages.h"
 #include "handshake/tcp_network.h"
 #include "net/interfaces.h"
@@ -103,6 +105,8 @@ class TransferEngine::Impl {
     MutexLock lock(&mu_);
     return nic_counters_;
   }
+  void set_auth(const handshake::AuthenticatedNetwork* auth) { auth_ = auth; }
+  uint64_t rejected_handshakes() const { return auth_ == nullptr ? 0 : auth_->rejected(); }
   absl::Status UnregisterMemory(void* addr);
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
   absl::StatusOr<std::vector<RemoteRegion>> SegmentRegions(SegmentId id) {
@@ -211,6 +215,7 @@ class TransferEngine::Impl {
   const uint32_t link_capacity_;
   std::unique_ptr<handshake::Server> server_;
   std::string address_;
+  const handshake::AuthenticatedNetwork* auth_ = nullptr;  // inside network_, if any
 
   mutable Mutex mu_;
   CondVar cv_;  // refresh finished, notification arrived
@@ -286,6 +291,11 @@ Frame TransferEngine::Impl::Handle(const Frame& request) {
       return Frame{MessageType::kMetadata,
                    handshake::Encode(handshake::Metadata{m->key, it->second})};
     }
+    case MessageType::kChallenge:
+    case MessageType::kAuthenticated:
+      // Never downgrade: a peer with a secret must not talk to us without.
+      return handshake::ErrorFrame(absl::FailedPreconditionError(
+          "this engine has no handshake secret, and its peers must not use one"));
     default:
       return handshake::ErrorFrame(absl::InvalidArgumentError(absl::StrCat(
           "unexpected ", handshake::MessageTypeName(request.type), " request")));
@@ -1070,6 +1080,22 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   if (parts.transport == nullptr || parts.network == nullptr) {
     return absl::InvalidArgumentError("CreateWith needs a transport and a network");
   }
+  if (options.secret.empty()) {
+    if (const char* env = std::getenv(handshake::kSecretEnv); env != nullptr) options.secret = env;
+  }
+  handshake::AuthenticatedNetwork* auth = nullptr;
+  if (!options.secret.empty()) {
+    handshake::AuthOptions a;
+    a.secret = options.secret;
+    a.clock = parts.clock;
+    absl::StatusOr<std::unique_ptr<handshake::AuthenticatedNetwork>> wrapped =
+        handshake::AuthenticatedNetwork::Create(std::move(parts.network), std::move(a));
+    if (!wrapped.ok()) return wrapped.status();
+    auth = wrapped->get();
+    parts.network = std::move(*wrapped);
+    KVF_LOG(INFO) << "handshake authenticated with a shared secret";
+  }
+  options.secret.clear();  // kept only inside the authenticated network
   handshake::ServeOptions serve;
   serve.bind_host = parts.detection.bind_host.empty() ? parts.detection.host
                                                       : parts.detection.bind_host;
@@ -1078,6 +1104,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   serve.first_port = options.first_port;
   serve.last_port = options.last_port;
   auto impl = std::make_unique<Impl>(std::move(options), std::move(parts));
+  impl->set_auth(auth);
   RETURN_IF_ERROR(impl->Start(serve));
   KVF_LOG(INFO) << "handshake listening on " << serve.bind_host << ":"
                 << impl->detection().port << ", peers reach this engine at "
@@ -1101,6 +1128,7 @@ absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access 
 std::vector<NicCounters> TransferEngine::GetNicCounters() const {
   return impl_->GetNicCounters();
 }
+uint64_t TransferEngine::rejected_handshakes() const { return impl_->rejected_handshakes(); }
 absl::Status TransferEngine::UnregisterMemory(void* addr) { return impl_->UnregisterMemory(addr); }
 absl::StatusOr<SegmentId> TransferEngine::OpenSegment(const std::string& peer) {
   return impl_->OpenSegment(peer);

@@ -64,6 +64,12 @@ struct EngineOptions {
   absl::Duration handshake_timeout = absl::Seconds(10);
   // Re-posts of a slice after a link or peer failure.
   uint32_t retries = 2;
+  // Pre-shared handshake secret (at least 16 bytes); empty: the environment
+  // variable KVFERRY_SECRET, if set. With a secret, every handshake request
+  // and reply is authenticated (HMAC-SHA256, see handshake/auth.h): peers
+  // without it get no descriptor, keys, links or notifications, and peers
+  // must all use the same secret. Never logged.
+  std::string secret;
 };
 
 // What Create decided and why; also logged.
@@ -206,6 +212,8 @@ class TransferEngine {
   // Notifications received so far (and removes them), or waits for one.
   // Per local NIC, in the transport's order.
   std::vector<NicCounters> GetNicCounters() const;
+  // Handshake requests refused for lack of the secret (0 without one).
+  uint64_t rejected_handshakes() const;
 
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);

@@ -9,6 +9,7 @@
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "handshake/messages.h"
 #include "handshake/tcp_network.h"
 #include "net/socket.h"
 #include "transport/tcp/tcp_transport.h"
@@ -238,6 +239,57 @@ TEST(TransferEngine, PeerDiesMidBatchFailsInBoundedTimeThenNextBatchReconnects) 
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_TRUE(status->ok()) << status->requests[0];
   EXPECT_EQ(src, dst);
+}
+
+// With a shared secret, an engine answers only peers that hold it: no
+// descriptor (so no keys), no link, no notification for anyone else, and
+// each refused attempt is counted. Peers with the secret work as usual.
+TEST(TransferEngine, UnauthenticatedClientsReceiveNoKeys) {
+  EngineOptions locked = Local();
+  locked.secret = "kvferry-test-secret-0123456789";
+  auto b = MakeEngine(locked);
+  std::vector<char> src = Pattern(65536, 5), dst(65536, 0);
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+
+  auto stranger = MakeEngine();  // no secret
+  auto seg = stranger->OpenSegment(b->address());
+  EXPECT_EQ(seg.status().code(), absl::StatusCode::kUnauthenticated) << seg.status();
+  EXPECT_NE(seg.status().message().find("secret"), std::string::npos);
+  // Raw requests get nothing either: no descriptor, no notification.
+  auto raw = handshake::NewTcpNetwork();
+  auto describe =
+      raw->Call(b->address(), handshake::Frame{handshake::MessageType::kDescribe, ""},
+                absl::Seconds(5));
+  EXPECT_EQ(describe.status().code(), absl::StatusCode::kUnauthenticated);
+  auto notify = raw->Call(b->address(),
+                          handshake::Frame{handshake::MessageType::kNotify,
+                                           handshake::Encode(handshake::Notify{7, "forged"})},
+                          absl::Seconds(5));
+  EXPECT_EQ(notify.status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(b->TakeNotifications().empty());
+  EngineOptions wrong = Local();
+  wrong.secret = "some-other-secret-of-enough-bytes";
+  EXPECT_EQ(MakeEngine(wrong)->OpenSegment(b->address()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(b->rejected_handshakes(), 4u);
+
+  // A holder of the secret handshakes, writes, and notifies.
+  auto friend_engine = MakeEngine(locked);
+  ASSERT_TRUE(friend_engine->RegisterMemory(src.data(), src.size()).ok());
+  auto ok = friend_engine->OpenSegment(b->address());
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+  auto batch = friend_engine->Submit(*ok, {&w, 1});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  ASSERT_TRUE(friend_engine->NotifyAfter(*batch, "done", absl::Seconds(5)).ok());
+  auto note = b->WaitNotification(absl::Seconds(5));
+  ASSERT_TRUE(note.ok()) << note.status();
+  EXPECT_EQ(note->message, "done");
+  EXPECT_EQ(src, dst);
+  EXPECT_EQ(b->rejected_handshakes(), 4u);
+  // And an engine with a secret never talks to one without (no downgrade).
+  EXPECT_EQ(friend_engine->OpenSegment(stranger->address()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(TransferEngine, NotificationIsNeverObservedBeforeItsData) {

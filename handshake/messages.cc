@@ -49,6 +49,14 @@ const char* MessageTypeName(MessageType type) {
       return "error";
     case MessageType::kGetMetadata:
       return "get-metadata";
+    case MessageType::kChallenge:
+      return "challenge";
+    case MessageType::kChallengeReply:
+      return "challenge-reply";
+    case MessageType::kAuthenticated:
+      return "authenticated";
+    case MessageType::kAuthenticatedReply:
+      return "authenticated-reply";
     case MessageType::kMetadata:
       return "metadata";
   }

@@ -47,8 +47,14 @@ enum class MessageType : uint8_t {
   kError = 9,         // reply to any request: a status
   kGetMetadata = 10,  // request: the value published under a key
   kMetadata = 11,     // reply: that value
+  // Authentication (auth.h): a fresh server nonce, then the real request
+  // wrapped with an HMAC over it, and the reply wrapped likewise.
+  kChallenge = 12,           // request: give me a nonce
+  kChallengeReply = 13,      // reply: the nonce
+  kAuthenticated = 14,       // request: AuthenticatedFrame
+  kAuthenticatedReply = 15,  // reply: AuthenticatedFrame
 };
-inline constexpr uint8_t kLastMessageType = 11;
+inline constexpr uint8_t kLastMessageType = 15;
 const char* MessageTypeName(MessageType type);
 
 struct FrameHeader {

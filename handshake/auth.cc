@@ -1,0 +1,221 @@
+#include "handshake/auth.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <deque>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "base/mutex.h"
+#include "base/status_macros.h"
+#include "handshake/wire.h"
+
+namespace kvferry {
+namespace handshake {
+namespace {
+
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kTagBytes = 32;
+
+struct AuthenticatedFrame {
+  std::string server_nonce, client_nonce;
+  uint8_t type = 0;
+  std::string payload, tag;
+};
+
+std::string Encode(const AuthenticatedFrame& f) {
+  std::string out;
+  Writer w(&out);
+  w.Bytes(f.server_nonce);
+  w.Bytes(f.client_nonce);
+  w.U8(f.type);
+  w.Bytes(f.payload);
+  w.Bytes(f.tag);
+  return out;
+}
+
+absl::StatusOr<AuthenticatedFrame> Decode(absl::string_view payload) {
+  AuthenticatedFrame f;
+  Reader r(payload);
+  if (!r.Bytes(&f.server_nonce, kNonceBytes) || !r.Bytes(&f.client_nonce, kNonceBytes) ||
+      !r.U8(&f.type) || !r.Bytes(&f.payload, kDefaultMaxFrameBytes) || !r.Bytes(&f.tag, kTagBytes) ||
+      !r.AtEnd() || f.server_nonce.size() != kNonceBytes || f.client_nonce.size() != kNonceBytes ||
+      f.tag.size() != kTagBytes || f.type == 0 || f.type > kLastMessageType) {
+    return absl::DataLossError("malformed authenticated frame");
+  }
+  return f;
+}
+
+std::string Tag(absl::string_view secret, absl::string_view label, const AuthenticatedFrame& f) {
+  std::string data;
+  Writer w(&data);
+  w.Bytes(label);
+  w.Bytes(f.server_nonce);
+  w.Bytes(f.client_nonce);
+  w.U8(f.type);
+  w.Bytes(f.payload);
+  return HmacSha256(secret, data);
+}
+
+bool SameTag(absl::string_view a, absl::string_view b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string OpenSslRandom(size_t n) {
+  std::string out(n, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1) {
+    return "";
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string HmacSha256(absl::string_view key, absl::string_view data) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &len);
+  return std::string(reinterpret_cast<const char*>(out), len);
+}
+
+struct AuthenticatedNetwork::State {
+  AuthOptions options;
+  std::atomic<uint64_t> rejected{0};
+  Mutex mu;
+  // Outstanding server nonces and when they expire, oldest first.
+  absl::flat_hash_map<std::string, absl::Time> nonces ABSL_GUARDED_BY(mu);
+  std::deque<std::string> order ABSL_GUARDED_BY(mu);
+
+  absl::Time Now() const { return options.clock->Now(); }
+
+  Frame Reject(const std::string& why) {
+    const uint64_t n = ++rejected;
+    KVF_LOG(WARNING) << "handshake: refused an unauthenticated request (" << why << "); "
+                     << n << " refused so far";
+    return ErrorFrame(absl::UnauthenticatedError(
+        "this engine requires an authenticated handshake: give both engines the same secret "
+        "(EngineOptions::secret or KVFERRY_SECRET)"));
+  }
+
+  Frame Challenge() {
+    std::string nonce = options.random(kNonceBytes);
+    if (nonce.size() != kNonceBytes) {
+      return ErrorFrame(absl::InternalError("no random bytes for a challenge"));
+    }
+    MutexLock lock(&mu);
+    const absl::Time now = Now();
+    while (!order.empty() && (nonces.size() >= options.max_outstanding_challenges ||
+                              nonces[order.front()] <= now)) {
+      nonces.erase(order.front());
+      order.pop_front();
+    }
+    nonces[nonce] = now + options.challenge_ttl;
+    order.push_back(nonce);
+    return Frame{MessageType::kChallengeReply, nonce};
+  }
+
+  // True if `nonce` was handed out, has not expired, and was not used.
+  bool Consume(const std::string& nonce) {
+    MutexLock lock(&mu);
+    auto it = nonces.find(nonce);
+    if (it == nonces.end()) return false;
+    const bool fresh = it->second > Now();
+    nonces.erase(it);  // its entry in `order` goes when it reaches the front
+    return fresh;
+  }
+
+  Frame Serve(const Handler& handler, const Frame& request) {
+    if (request.type == MessageType::kChallenge) return Challenge();
+    if (request.type != MessageType::kAuthenticated) {
+      return Reject(absl::StrCat("plain ", MessageTypeName(request.type)));
+    }
+    absl::StatusOr<AuthenticatedFrame> f = Decode(request.payload);
+    if (!f.ok()) return Reject("malformed");
+    if (!Consume(f->server_nonce)) return Reject("unknown, expired or reused challenge");
+    if (!SameTag(f->tag, Tag(options.secret, "kvferry-req", *f))) return Reject("bad tag");
+    const Frame reply =
+        handler(Frame{static_cast<MessageType>(f->type), std::move(f->payload)});
+    AuthenticatedFrame out;
+    out.server_nonce = std::move(f->server_nonce);
+    out.client_nonce = std::move(f->client_nonce);
+    out.type = static_cast<uint8_t>(reply.type);
+    out.payload = reply.payload;
+    out.tag = Tag(options.secret, "kvferry-rep", out);
+    return Frame{MessageType::kAuthenticatedReply, Encode(out)};
+  }
+};
+
+absl::StatusOr<std::unique_ptr<AuthenticatedNetwork>> AuthenticatedNetwork::Create(
+    std::unique_ptr<Network> inner, AuthOptions options) {
+  if (inner == nullptr) return absl::InvalidArgumentError("no network to authenticate");
+  if (options.secret.size() < 16) {
+    return absl::InvalidArgumentError(
+        "the handshake secret must be at least 16 bytes (e.g. openssl rand -hex 32)");
+  }
+  if (options.clock == nullptr) options.clock = RealClock();
+  if (!options.random) options.random = OpenSslRandom;
+  if (options.max_outstanding_challenges == 0) options.max_outstanding_challenges = 1;
+  auto state = std::make_shared<State>();
+  state->options = std::move(options);
+  return std::unique_ptr<AuthenticatedNetwork>(
+      new AuthenticatedNetwork(std::move(inner), std::move(state)));
+}
+
+AuthenticatedNetwork::AuthenticatedNetwork(std::unique_ptr<Network> inner,
+                                           std::shared_ptr<State> state)
+    : inner_(std::move(inner)), state_(std::move(state)) {}
+AuthenticatedNetwork::~AuthenticatedNetwork() = default;
+
+uint64_t AuthenticatedNetwork::rejected() const { return state_->rejected.load(); }
+
+absl::StatusOr<std::unique_ptr<Server>> AuthenticatedNetwork::Serve(const ServeOptions& options,
+                                                                    Handler handler) {
+  // The state outlives this object if the server does.
+  return inner_->Serve(options, [state = state_, handler = std::move(handler)](const Frame& f) {
+    return state->Serve(handler, f);
+  });
+}
+
+absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const Frame& request,
+                                                 absl::Duration timeout) {
+  Clock* clock = state_->options.clock;
+  const absl::Time deadline = clock->Now() + timeout;
+  ASSIGN_OR_RETURN(Frame challenge, inner_->Call(peer, Frame{MessageType::kChallenge, ""}, timeout));
+  if (challenge.type != MessageType::kChallengeReply || challenge.payload.size() != kNonceBytes) {
+    return absl::DataLossError(
+        absl::StrCat("peer ", peer, " answered a challenge with ",
+                     MessageTypeName(challenge.type)));
+  }
+  AuthenticatedFrame f;
+  f.server_nonce = std::move(challenge.payload);
+  f.client_nonce = state_->options.random(kNonceBytes);
+  if (f.client_nonce.size() != kNonceBytes) return absl::InternalError("no random bytes");
+  f.type = static_cast<uint8_t>(request.type);
+  f.payload = request.payload;
+  f.tag = Tag(state_->options.secret, "kvferry-req", f);
+  ASSIGN_OR_RETURN(Frame reply,
+                   inner_->Call(peer, Frame{MessageType::kAuthenticated, Encode(f)},
+                                std::max(deadline - clock->Now(), absl::Milliseconds(1))));
+  absl::StatusOr<AuthenticatedFrame> got =
+      reply.type == MessageType::kAuthenticatedReply
+          ? Decode(reply.payload)
+          : absl::StatusOr<AuthenticatedFrame>(absl::DataLossError("not authenticated"));
+  if (!got.ok() || got->server_nonce != f.server_nonce || got->client_nonce != f.client_nonce ||
+      !SameTag(got->tag, Tag(state_->options.secret, "kvferry-rep", *got))) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "peer ", peer, " did not prove it holds the handshake secret; reply ignored"));
+  }
+  if (static_cast<MessageType>(got->type) == MessageType::kError) {
+    return DecodeError(got->payload);
+  }
+  return Frame{static_cast<MessageType>(got->type), std::move(got->payload)};
+}
+
+}  // namespace handshake
+}  // namespace kvferry

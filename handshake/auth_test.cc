@@ -1,0 +1,158 @@
+// The authenticated handshake over real TCP: only holders of the secret get
+// answers, every refusal is counted, nonces are single-use, and a client
+// never accepts an unauthenticated reply.
+#include "handshake/auth.h"
+
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "handshake/tcp_network.h"
+
+namespace kvferry {
+namespace handshake {
+namespace {
+
+const std::string kSecret = "0123456789abcdef-shared-secret";
+
+absl::StatusOr<std::unique_ptr<AuthenticatedNetwork>> Auth(std::string secret = kSecret) {
+  AuthOptions o;
+  o.secret = std::move(secret);
+  return AuthenticatedNetwork::Create(NewTcpNetwork(), o);
+}
+
+ServeOptions Loopback() {
+  ServeOptions s;
+  s.bind_host = "127.0.0.1";
+  return s;
+}
+
+// Answers describe with a "descriptor" holding secret keys.
+Frame KeysHandler(const Frame& f) {
+  if (f.type == MessageType::kDescribe) return Frame{MessageType::kDescriptor, "KEYS:" + f.payload};
+  return ErrorFrame(absl::NotFoundError("nothing here"));
+}
+
+TEST(Auth, HmacMatchesRfc4231) {
+  // RFC 4231 test case 2.
+  const std::string tag = HmacSha256("Jefe", "what do ya want for nothing?");
+  std::string hex;
+  for (unsigned char c : tag) hex += absl::StrFormat("%02x", c);
+  EXPECT_EQ(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+}
+
+TEST(Auth, HoldersOfTheSecretTalk) {
+  auto server_net = Auth();
+  ASSERT_TRUE(server_net.ok()) << server_net.status();
+  auto server = (*server_net)->Serve(Loopback(), KeysHandler);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Auth();
+  ASSERT_TRUE(client.ok());
+  auto reply = (*client)->Call((*server)->address(), Frame{MessageType::kDescribe, "x"},
+                               absl::Seconds(5));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->type, MessageType::kDescriptor);
+  EXPECT_EQ(reply->payload, "KEYS:x");
+  // An error reply of the handler comes back as its status, authenticated.
+  auto err = (*client)->Call((*server)->address(), Frame{MessageType::kProbe, ""},
+                             absl::Seconds(5));
+  EXPECT_EQ(err.status().code(), absl::StatusCode::kNotFound) << err.status();
+  EXPECT_EQ((*server_net)->rejected(), 0u);
+}
+
+TEST(Auth, WithoutTheSecretNothingIsAnsweredAndEachAttemptCounts) {
+  auto server_net = Auth();
+  ASSERT_TRUE(server_net.ok());
+  auto server = (*server_net)->Serve(Loopback(), KeysHandler);
+  ASSERT_TRUE(server.ok());
+  const std::string addr = (*server)->address();
+  // A plain client: refused, no keys.
+  auto plain = NewTcpNetwork()->Call(addr, Frame{MessageType::kDescribe, "x"}, absl::Seconds(5));
+  ASSERT_FALSE(plain.ok());
+  EXPECT_EQ(plain.status().code(), absl::StatusCode::kUnauthenticated) << plain.status();
+  EXPECT_EQ(plain.status().message().find("KEYS"), std::string::npos);
+  for (MessageType t : {MessageType::kConnect, MessageType::kNotify, MessageType::kGetMetadata}) {
+    EXPECT_EQ(NewTcpNetwork()->Call(addr, Frame{t, ""}, absl::Seconds(5)).status().code(),
+              absl::StatusCode::kUnauthenticated);
+  }
+  // A client with another secret: refused too.
+  auto wrong = Auth("another-secret-of-enough-length");
+  ASSERT_TRUE(wrong.ok());
+  auto bad = (*wrong)->Call(addr, Frame{MessageType::kDescribe, "x"}, absl::Seconds(5));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kUnauthenticated) << bad.status();
+  EXPECT_EQ((*server_net)->rejected(), 5u);
+}
+
+TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
+  auto server_net = Auth();
+  ASSERT_TRUE(server_net.ok());
+  auto server = (*server_net)->Serve(Loopback(), KeysHandler);
+  ASSERT_TRUE(server.ok());
+  const std::string addr = (*server)->address();
+  // Anyone gets a challenge (it reveals nothing).
+  auto plain = NewTcpNetwork();
+  auto nonce = plain->Call(addr, Frame{MessageType::kChallenge, ""}, absl::Seconds(5));
+  ASSERT_TRUE(nonce.ok()) << nonce.status();
+  ASSERT_EQ(nonce->payload.size(), 16u);
+  // A real client's authenticated request, recorded on its way out, is
+  // accepted once and refused when an eavesdropper replays it.
+  struct Recorder : Network {
+    std::unique_ptr<Network> inner = NewTcpNetwork();
+    Frame last;
+    absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler) override {
+      return absl::UnimplementedError("client only");
+    }
+    absl::StatusOr<Frame> Call(const std::string& peer, const Frame& f,
+                               absl::Duration timeout) override {
+      last = f;
+      return inner->Call(peer, f, timeout);
+    }
+  };
+  auto recorder = std::make_unique<Recorder>();
+  Recorder* rec = recorder.get();
+  AuthOptions o;
+  o.secret = kSecret;
+  auto client = AuthenticatedNetwork::Create(std::move(recorder), o);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->Call(addr, Frame{MessageType::kDescribe, "y"}, absl::Seconds(5)).ok());
+  const Frame captured = rec->last;
+  ASSERT_EQ(captured.type, MessageType::kAuthenticated);
+  // Replayed as is: the nonce was used.
+  auto replay = plain->Call(addr, captured, absl::Seconds(5));
+  EXPECT_EQ(replay.status().code(), absl::StatusCode::kUnauthenticated);
+  // One flipped payload byte under a fresh nonce fails the tag.
+  ASSERT_TRUE((*client)->Call(addr, Frame{MessageType::kDescribe, "z"}, absl::Seconds(5)).ok());
+  Frame tampered = rec->last;
+  tampered.payload[tampered.payload.size() - 37] ^= 1;  // the payload byte
+  EXPECT_EQ(plain->Call(addr, tampered, absl::Seconds(5)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*server_net)->rejected(), 2u);
+}
+
+TEST(Auth, AClientNeverAcceptsAnUnauthenticatedServer) {
+  // A server without the secret that answers challenges anyway.
+  auto server = NewTcpNetwork()->Serve(Loopback(), [](const Frame& f) {
+    if (f.type == MessageType::kChallenge) {
+      return Frame{MessageType::kChallengeReply, std::string(16, 'n')};
+    }
+    return Frame{MessageType::kAuthenticatedReply, "forged"};
+  });
+  ASSERT_TRUE(server.ok());
+  auto client = Auth();
+  ASSERT_TRUE(client.ok());
+  auto reply = (*client)->Call((*server)->address(), Frame{MessageType::kDescribe, ""},
+                               absl::Seconds(5));
+  EXPECT_EQ(reply.status().code(), absl::StatusCode::kUnauthenticated) << reply.status();
+}
+
+TEST(Auth, ShortSecretsAreRefused) {
+  AuthOptions o;
+  o.secret = "short";
+  auto n = AuthenticatedNetwork::Create(NewTcpNetwork(), o);
+  EXPECT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(n.status().message().find("short"), std::string::npos) << "the secret leaked";
+}
+
+}  // namespace
+}  // namespace handshake
+}  // namespace kvferry
