@@ -1,0 +1,121 @@
+#include "handshake/fuzz/fuzz_targets.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "handshake/messages.h"
+
+namespace kvferry {
+namespace handshake {
+namespace {
+
+void Check(bool ok, const char* what) {
+  if (!ok) {
+    std::fprintf(stderr, "fuzz: %s\n", what);
+    std::abort();
+  }
+}
+
+bool SameNic(const transport::NicInfo& a, const transport::NicInfo& b) {
+  return a.name == b.name && a.address == b.address && a.numa_node == b.numa_node &&
+         a.link_bits_per_sec == b.link_bits_per_sec && a.mtu == b.mtu;
+}
+
+bool SameDescriptor(const EngineDescriptor& a, const EngineDescriptor& b) {
+  if (a.engine_id != b.engine_id || a.transport_kind != b.transport_kind ||
+      a.nics.size() != b.nics.size() || a.regions.size() != b.regions.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < a.nics.size(); ++i) {
+    if (!SameNic(a.nics[i], b.nics[i])) return false;
+  }
+  for (size_t i = 0; i < a.regions.size(); ++i) {
+    const RegionDescriptor &x = a.regions[i], &y = b.regions[i];
+    if (x.addr != y.addr || x.length != y.length || x.access != y.access || x.keys != y.keys) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Decodes with `decode`; if it accepts, the re-encoding must decode equal.
+template <typename T, typename Decode, typename Same>
+void RoundTrip(absl::string_view payload, Decode decode, Same same) {
+  absl::StatusOr<T> v = decode(payload);
+  if (!v.ok()) return;
+  absl::StatusOr<T> again = decode(Encode(*v));
+  Check(again.ok(), "a decoded value does not decode after re-encoding");
+  Check(same(*v, *again), "a decoded value changed through re-encoding");
+}
+
+}  // namespace
+
+void FuzzDescriptor(const uint8_t* data, size_t size) {
+  RoundTrip<EngineDescriptor>(
+      absl::string_view(reinterpret_cast<const char*>(data), size),
+      [](absl::string_view p) { return DecodeDescriptor(p); }, SameDescriptor);
+}
+
+void FuzzFrame(const uint8_t* data, size_t size) {
+  const absl::string_view in(reinterpret_cast<const char*>(data), size);
+  absl::StatusOr<FrameHeader> h = ParseFrameHeader(in, 1 << 20);
+  if (!h.ok()) return;
+  Check(static_cast<uint8_t>(h->type) >= 1 && static_cast<uint8_t>(h->type) <= kLastMessageType,
+        "header accepted an unknown type");
+  Check(h->payload_bytes <= (1u << 20), "header accepted a payload above the limit");
+  const absl::string_view payload = in.substr(kFrameHeaderBytes, h->payload_bytes);
+  switch (h->type) {
+    case MessageType::kDescriptor:
+      FuzzDescriptor(reinterpret_cast<const uint8_t*>(payload.data()), payload.size());
+      break;
+    case MessageType::kConnect:
+      RoundTrip<ConnectRequest>(
+          payload, [](absl::string_view p) { return DecodeConnectRequest(p); },
+          [](const ConnectRequest& a, const ConnectRequest& b) {
+            return a.engine_id == b.engine_id && a.requester_nic == b.requester_nic &&
+                   SameNic(a.requester_nic_info, b.requester_nic_info) &&
+                   a.target_nic == b.target_nic && a.params == b.params;
+          });
+      break;
+    case MessageType::kConnectReply:
+      RoundTrip<ConnectReply>(
+          payload, [](absl::string_view p) { return DecodeConnectReply(p); },
+          [](const ConnectReply& a, const ConnectReply& b) { return a.params == b.params; });
+      break;
+    case MessageType::kNotify:
+      RoundTrip<Notify>(
+          payload, [](absl::string_view p) { return DecodeNotify(p); },
+          [](const Notify& a, const Notify& b) {
+            return a.engine_id == b.engine_id && a.payload == b.payload;
+          });
+      break;
+    case MessageType::kProbe:
+    case MessageType::kProbeReply:
+      RoundTrip<Probe>(
+          payload, [](absl::string_view p) { return DecodeProbe(p); },
+          [](const Probe& a, const Probe& b) { return a.engine_id == b.engine_id && a.nonce == b.nonce; });
+      break;
+    case MessageType::kGetMetadata:
+      RoundTrip<MetadataRequest>(
+          payload, [](absl::string_view p) { return DecodeMetadataRequest(p); },
+          [](const MetadataRequest& a, const MetadataRequest& b) { return a.key == b.key; });
+      break;
+    case MessageType::kMetadata:
+      RoundTrip<Metadata>(
+          payload, [](absl::string_view p) { return DecodeMetadata(p); },
+          [](const Metadata& a, const Metadata& b) { return a.key == b.key && a.value == b.value; });
+      break;
+    case MessageType::kError: {
+      absl::Status s = DecodeError(payload);
+      Check(!s.ok(), "an error payload decoded to OK");
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+}  // namespace handshake
+}  // namespace kvferry

@@ -1,0 +1,26 @@
+// What the handshake fuzzers exercise, callable from a libFuzzer entry
+// point (frame_fuzzer.cc, descriptor_fuzzer.cc) and from the corpus test
+// that replays every seed and every past crash in the normal build.
+//
+// Both abort (so the fuzzer reports a crash) when a decoder accepts bytes
+// whose re-encoding does not decode to the same value, besides whatever
+// the sanitizers find.
+#ifndef KVFERRY_HANDSHAKE_FUZZ_FUZZ_TARGETS_H_
+#define KVFERRY_HANDSHAKE_FUZZ_FUZZ_TARGETS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvferry {
+namespace handshake {
+
+// A frame as a peer would send it: header, then the payload decoded with
+// the decoder its type selects.
+void FuzzFrame(const uint8_t* data, size_t size);
+// A descriptor payload: decode, re-encode, decode again, compare.
+void FuzzDescriptor(const uint8_t* data, size_t size);
+
+}  // namespace handshake
+}  // namespace kvferry
+
+#endif  // KVFERRY_HANDSHAKE_FUZZ_FUZZ_TARGETS_H_
