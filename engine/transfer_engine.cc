@@ -106,7 +106,12 @@ class TransferEngine::Impl {
     return nic_counters_;
   }
   void set_auth(const handshake::AuthenticatedNetwork* auth) { auth_ = auth; }
-  uint64_t rejected_handshakes() const { return auth_ == nullptr ? 0 : auth_->rejected(); }
+  EngineCounters GetCounters() const {
+    MutexLock lock(&mu_);
+    EngineCounters c = counters_;
+    c.handshakes_refused = auth_ == nullptr ? 0 : auth_->rejected();
+    return c;
+  }
   absl::Status UnregisterMemory(void* addr);
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
   absl::StatusOr<std::vector<RemoteRegion>> SegmentRegions(SegmentId id) {
@@ -139,6 +144,9 @@ class TransferEngine::Impl {
     NicIndex local_nic = 0;
     NicIndex remote_nic = 0;
     uint32_t inflight = 0;  // slices posted and not yet completed
+    bool failed = false;    // an error completion came: no new slices
+    // Last sign of life: a completion, or the post that made it busy.
+    absl::Time progress;
   };
   struct Segment {
     std::string peer;
@@ -147,6 +155,10 @@ class TransferEngine::Impl {
     uint64_t generation = 0;      // bumped by every refresh
     bool stale = false;
     bool refreshing = false;
+    bool probing = false;
+    // Set when the peer did not answer a probe: slices of this generation
+    // fail with it instead of being retried.
+    absl::Status dead;
     // Slices waiting for room on a link (each link takes at most the
     // transport's max_outstanding_per_link), in submission order.
     std::deque<uint64_t> backlog;
@@ -197,6 +209,9 @@ class TransferEngine::Impl {
   void DrainBacklogs();
   // Delivers transport completions into batches; re-posts retryable slices.
   void Pump(absl::Duration timeout);
+  // Probes peers whose busy links have been silent for peer_timeout / 2
+  // (see EngineOptions::peer_timeout); at most every peer_timeout / 4.
+  void CheckPeers();
   void FinishSlice(uint64_t slice_id, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   BatchStatus StatusOf(const Batch& b) const;
   // The peer region containing `addr`, if any (regions sorted by address).
@@ -223,6 +238,8 @@ class TransferEngine::Impl {
   // Per local region with a location: which local NICs are near it.
   absl::flat_hash_map<transport::RegionId, std::vector<bool>> near_ ABSL_GUARDED_BY(mu_);
   std::vector<NicCounters> nic_counters_ ABSL_GUARDED_BY(mu_);
+  EngineCounters counters_ ABSL_GUARDED_BY(mu_);
+  absl::Time next_peer_check_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, SegmentId> segment_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SegmentId, Segment> segments_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchId, Batch> batches_ ABSL_GUARDED_BY(mu_);
@@ -424,10 +441,23 @@ absl::StatusOr<std::vector<TransferEngine::Impl::Link>> TransferEngine::Impl::Co
                                     : answer.status();
     if (!done.ok()) {
       if (offer.ok()) (void)transport_->CloseLink(offer->link);
-      for (const Link& l : links) (void)transport_->CloseLink(l.id);
-      return Annotate(done, absl::StrCat("connecting to ", peer));
+      const bool unreachable = !reply.ok() && (reply.status().code() == absl::StatusCode::kUnavailable ||
+                                              reply.status().code() ==
+                                                  absl::StatusCode::kDeadlineExceeded);
+      if (unreachable || k + 1 == count) {
+        if (!links.empty() && !unreachable) break;  // keep the NIC pairs that work
+        for (const Link& l : links) (void)transport_->CloseLink(l.id);
+        return Annotate(done, absl::StrCat("connecting to ", peer));
+      }
+      // One NIC pair failing (a NIC down on either side) must not cost the
+      // others: go on without it.
+      KVF_LOG(WARNING) << "connecting to " << peer << ": no link from local NIC "
+                       << link.local_nic << " to peer NIC " << link.remote_nic << ": "
+                       << done.message();
+      continue;
     }
     link.id = offer->link;
+    link.progress = clock_->Now();
     links.push_back(link);
   }
   return links;
@@ -497,7 +527,9 @@ absl::Status TransferEngine::Impl::Refresh(SegmentId id, bool* changed) {
   seg.descriptor = std::move(*d);
   seg.links = std::move(*links);
   seg.stale = false;
+  seg.dead = absl::OkStatus();
   ++seg.generation;
+  ++counters_.reconnects;
   return absl::OkStatus();
 }
 
@@ -538,7 +570,7 @@ bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* w
   Link* best = nullptr;
   Link* best_far = nullptr;
   for (Link& l : seg.links) {
-    if (l.inflight >= link_capacity_) continue;
+    if (l.failed || l.inflight >= link_capacity_) continue;
     const bool is_near = near == near_.end() ||
                          (l.local_nic < near->second.size() && near->second[l.local_nic]);
     Link*& slot = is_near ? best : best_far;
@@ -546,7 +578,7 @@ bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* w
   }
   if (best == nullptr) best = best_far;
   if (best == nullptr) return false;
-  ++best->inflight;
+  if (best->inflight++ == 0) best->progress = clock_->Now();
   if (best->local_nic < nic_counters_.size()) {
     ++nic_counters_[best->local_nic].slices;
     nic_counters_[best->local_nic].bytes += slice.length;
@@ -568,7 +600,10 @@ void TransferEngine::Impl::Unassign(const Slice& slice) {
   auto seg = segments_.find(slice.segment);
   if (seg == segments_.end()) return;
   for (Link& l : seg->second.links) {
-    if (l.id == slice.link && l.inflight > 0) --l.inflight;  // links of older generations are gone
+    if (l.id == slice.link && l.inflight > 0) {  // links of older generations are gone
+      --l.inflight;
+      l.progress = clock_->Now();
+    }
   }
 }
 
@@ -745,13 +780,31 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
         Segment& seg = segments_.at(s.segment);
         s.last_error = done[i].status;
         if (s.generation < seg.generation) {
-          repost[s.segment].push_back(it->first);
+          repost[s.segment].push_back(it->first);  // its links were replaced
+          continue;
+        }
+        if (!seg.dead.ok()) {  // the peer did not answer a probe
+          FinishSlice(done[i].cookie, seg.dead);
           continue;
         }
         if (s.retries_left > 0) {
           --s.retries_left;
-          seg.stale = true;
-          refresh[s.segment].push_back(it->first);
+          // The link is in error (RC semantics): no new slices on it. Move
+          // the slice to a healthy link of the segment if there is one
+          // (another NIC pair, say); rebuild the links only when none is
+          // left, or when the peer's keys may have changed.
+          bool healthy = false;
+          for (Link& l : seg.links) {
+            if (l.id == s.link) l.failed = true;
+            healthy = healthy || !l.failed;
+          }
+          if (healthy && done[i].status.code() != absl::StatusCode::kPermissionDenied) {
+            ++counters_.link_failovers;
+            repost[s.segment].push_back(it->first);
+          } else {
+            seg.stale = true;
+            refresh[s.segment].push_back(it->first);
+          }
           continue;
         }
       }
@@ -782,6 +835,73 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
     if (!ids.empty()) (void)PostSlices(segment, ids);
   }
   DrainBacklogs();
+  CheckPeers();
+}
+
+void TransferEngine::Impl::CheckPeers() {
+  const absl::Time now = clock_->Now();
+  const absl::Duration half = options_.peer_timeout / 2;
+  std::vector<std::pair<SegmentId, std::string>> silent;
+  {
+    MutexLock lock(&mu_);
+    if (now < next_peer_check_) return;
+    next_peer_check_ = now + options_.peer_timeout / 4;
+    for (auto& [id, seg] : segments_) {
+      if (seg.probing || seg.refreshing) continue;
+      for (const Link& l : seg.links) {
+        if (l.inflight > 0 && now - l.progress >= half) {
+          seg.probing = true;
+          silent.emplace_back(id, seg.peer);
+          break;
+        }
+      }
+    }
+  }
+  for (const auto& [id, peer] : silent) {
+    absl::StatusOr<Frame> reply = network_->Call(
+        peer, Frame{MessageType::kProbe, handshake::Encode(handshake::Probe{engine_id_, 0})},
+        half);
+    absl::StatusOr<handshake::Probe> answer =
+        reply.ok() ? handshake::DecodeProbe(reply->payload)
+                   : absl::StatusOr<handshake::Probe>(reply.status());
+    std::vector<LinkId> close;
+    {
+      MutexLock lock(&mu_);
+      ++counters_.probes;
+      auto it = segments_.find(id);
+      if (it == segments_.end()) continue;
+      Segment& seg = it->second;
+      seg.probing = false;
+      if (answer.ok() && answer->engine_id == seg.descriptor.engine_id) {
+        // Alive, only slow: give its links another period.
+        for (Link& l : seg.links) l.progress = clock_->Now();
+        continue;
+      }
+      if (answer.ok()) {
+        KVF_LOG(INFO) << "peer " << peer << " restarted (probe answered by a new engine id)";
+      } else {
+        ++counters_.probes_failed;
+        seg.dead = absl::UnavailableError(absl::StrCat(
+            "peer ", peer, " stopped answering: no completion for ",
+            absl::FormatDuration(half), " and no answer to a probe (", answer.status().message(),
+            ")"));
+        KVF_LOG(WARNING) << seg.dead.message();
+      }
+      // Either way the links are useless now: closing them completes their
+      // slices (kCancelled), which then fail with `dead` or are retried on
+      // the restarted peer. Waiting slices of the backlog fail likewise.
+      seg.stale = true;
+      for (Link& l : seg.links) {
+        l.failed = true;
+        close.push_back(l.id);
+      }
+      if (!seg.dead.ok()) {
+        for (uint64_t sid : seg.backlog) FinishSlice(sid, seg.dead);
+        seg.backlog.clear();
+      }
+    }
+    for (LinkId l : close) (void)transport_->CloseLink(l);
+  }
 }
 
 BatchStatus TransferEngine::Impl::StatusOf(const Batch& b) const {
@@ -1032,6 +1152,9 @@ absl::StatusOr<Decision> Detect(const EngineOptions& options) {
 
 absl::Status CheckOptions(const EngineOptions& o) {
   if (o.slice_bytes == 0) return absl::InvalidArgumentError("slice_bytes must be positive");
+  if (o.peer_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("peer_timeout must be positive");
+  }
   if (o.links_per_peer == 0 || o.links_per_peer > 64) {
     return absl::InvalidArgumentError("links_per_peer must be 1 to 64");
   }
@@ -1128,7 +1251,7 @@ absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access 
 std::vector<NicCounters> TransferEngine::GetNicCounters() const {
   return impl_->GetNicCounters();
 }
-uint64_t TransferEngine::rejected_handshakes() const { return impl_->rejected_handshakes(); }
+EngineCounters TransferEngine::GetCounters() const { return impl_->GetCounters(); }
 absl::Status TransferEngine::UnregisterMemory(void* addr) { return impl_->UnregisterMemory(addr); }
 absl::StatusOr<SegmentId> TransferEngine::OpenSegment(const std::string& peer) {
   return impl_->OpenSegment(peer);

@@ -64,6 +64,13 @@ struct EngineOptions {
   absl::Duration handshake_timeout = absl::Seconds(10);
   // Re-posts of a slice after a link or peer failure.
   uint32_t retries = 2;
+  // Bound on detecting a peer that stopped answering while requests to it
+  // are in flight: a link with requests outstanding and no completion for
+  // half of this makes a waiting thread probe the peer over the handshake
+  // (waiting up to the other half). No answer: those requests fail with
+  // kUnavailable and the next Submit handshakes again. An answer from a new
+  // engine id (the peer restarted): they are retried on new links.
+  absl::Duration peer_timeout = absl::Seconds(10);
   // Pre-shared handshake secret (at least 16 bytes); empty: the environment
   // variable KVFERRY_SECRET, if set. With a secret, every handshake request
   // and reply is authenticated (HMAC-SHA256, see handshake/auth.h): peers
@@ -128,6 +135,15 @@ struct EngineParts {
   // distance to the GPU, NUMA node of the NIC).
   std::function<absl::StatusOr<std::vector<transport::NicIndex>>(const std::string& location)>
       near_nics;
+};
+
+// Events of the engine's life, for monitoring and tests.
+struct EngineCounters {
+  uint64_t handshakes_refused = 0;  // requests without the secret (auth.h)
+  uint64_t reconnects = 0;          // segments whose links were rebuilt
+  uint64_t link_failovers = 0;      // slices moved off a failed link
+  uint64_t probes = 0;              // peers probed for silence
+  uint64_t probes_failed = 0;       // ... that did not answer
 };
 
 // What the engine posted on each of its NICs.
@@ -212,8 +228,7 @@ class TransferEngine {
   // Notifications received so far (and removes them), or waits for one.
   // Per local NIC, in the transport's order.
   std::vector<NicCounters> GetNicCounters() const;
-  // Handshake requests refused for lack of the secret (0 without one).
-  uint64_t rejected_handshakes() const;
+  EngineCounters GetCounters() const;
 
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);

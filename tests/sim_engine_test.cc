@@ -224,5 +224,52 @@ TEST(SimEngineStriping, BadLocationsAreRefused) {
   EXPECT_TRUE((*e)->RegisterMemory(buf.data(), buf.size(), transport::Access::kNone, "cpu:7").ok());
 }
 
+// A NIC goes down in the middle of a batch: its slices move to the other
+// NICs' links and every request still succeeds, bytes intact.
+TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
+  SimWorld w(19);
+  const int a = w.AddMultiNicHost({0, 0, 1, 1});
+  const int b = w.AddMultiNicHost({0, 0, 1, 1});
+  auto prefill = w.StartEngine(a);
+  auto decode = w.StartEngine(b);
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  const size_t kBlock = 16 << 10, kCount = 256;
+  std::vector<char> src(kCount * kBlock), dst(kCount * kBlock, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 29 + (i >> 10));
+  ASSERT_TRUE((*prefill)->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE((*decode)->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = (*prefill)->OpenSegment((*decode)->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::vector<TransferRequest> reqs;
+  for (size_t i = 0; i < kCount; ++i) {
+    reqs.push_back({Opcode::kWrite, src.data() + i * kBlock,
+                    reinterpret_cast<uintptr_t>(dst.data()) + i * kBlock, kBlock});
+  }
+  auto batch = (*prefill)->Submit(*seg, reqs);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  // Let part of it go, then take the sender's NIC 1 down for good.
+  w.sched().RunUntil(w.sched().now() + sim::ToSimTime(absl::Microseconds(50)));
+  auto early = (*prefill)->Poll(*batch);
+  ASSERT_TRUE(early.ok());
+  EXPECT_GT(early->pending, 0u) << "the batch finished before the NIC went down";
+  w.fabric().SetNicUp(w.data_nic(a, 1), false);
+  auto st = (*prefill)->Wait(*batch, absl::Seconds(1));
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->ok()) << st->requests[0];
+  EXPECT_EQ(src, dst);
+  const EngineCounters c = (*prefill)->GetCounters();
+  EXPECT_GT(c.link_failovers, 0u);
+  EXPECT_EQ(c.reconnects, 0u) << "healthy links were torn down";
+  // New batches keep flowing over the three NICs left, none over NIC 1.
+  const uint64_t nic1_before = (*prefill)->GetNicCounters()[1].slices;
+  std::fill(dst.begin(), dst.end(), 0);
+  auto again = (*prefill)->Submit(*seg, reqs);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto st2 = (*prefill)->Wait(*again, absl::Seconds(1));
+  ASSERT_TRUE(st2.ok() && st2->ok());
+  EXPECT_EQ(src, dst);
+  EXPECT_EQ((*prefill)->GetNicCounters()[1].slices, nic1_before);
+}
+
 }  // namespace
 }  // namespace kvferry

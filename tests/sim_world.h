@@ -64,6 +64,8 @@ class SimWorld {
   }
 
   sim::Scheduler& sched() { return sched_; }
+  // The fabric NIC behind data NIC `index` of `host`.
+  sim::NicId data_nic(int host, size_t index) const { return hosts_[host].data[index]; }
   sim::Fabric& fabric() { return fabric_; }
 
  private:
