@@ -835,7 +835,8 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
     if (!ids.empty()) (void)PostSlices(segment, ids);
   }
   DrainBacklogs();
-  CheckPeers();
+  // Not while completions are still pouring in: they are signs of life.
+  if (n < sizeof(done) / sizeof(done[0])) CheckPeers();
 }
 
 void TransferEngine::Impl::CheckPeers() {
@@ -849,7 +850,8 @@ void TransferEngine::Impl::CheckPeers() {
     for (auto& [id, seg] : segments_) {
       if (seg.probing || seg.refreshing) continue;
       for (const Link& l : seg.links) {
-        if (l.inflight > 0 && now - l.progress >= half) {
+        // Failed links are already closed (or closing): nothing to learn.
+        if (!l.failed && l.inflight > 0 && now - l.progress >= half) {
           seg.probing = true;
           silent.emplace_back(id, seg.peer);
           break;
