@@ -1,0 +1,229 @@
+// Soak: KV-sized traffic to a peer process over TCP on loopback while the
+// peer is SIGKILLed and restarted (same port, new keys, new buffer) at random
+// moments. Checked throughout: a request that reports success moved the
+// right bytes (read back and compared); every request ends, OK or with an
+// error, within a bound. At the end: file descriptors and RSS are back near
+// where they were after warm-up, and every request is accounted for.
+//
+// CI runs the short version (20 s); a longer one is one flag away:
+//   ./bazelw test //tests:soak_test --test_env=KVFERRY_SOAK_SECONDS=600 --test_timeout=900
+#include <dirent.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
+#include "engine/transfer_engine.h"
+#include "gtest/gtest.h"
+#include "sim/prng.h"
+#include "tests/peer_process.h"
+
+namespace kvferry {
+namespace {
+
+using transport::Opcode;
+
+constexpr uint64_t kPeerBytes = 8 << 20, kPage = 64 << 10;
+
+int OpenFds() {
+  int n = 0;
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return -1;
+  while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n - 1;  // the directory stream itself
+}
+
+uint64_t RssBytes() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+}
+
+int SoakSeconds() {
+  const char* v = std::getenv("KVFERRY_SOAK_SECONDS");
+  int s = 20;
+  if (v != nullptr && !absl::SimpleAtoi(v, &s)) s = 20;
+  return s;
+}
+
+TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
+  const absl::Duration duration = absl::Seconds(SoakSeconds());
+  auto first = PeerProcess::Start(0, kPeerBytes);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const uint16_t port = first->port();
+  const std::string address = first->address();
+  std::mutex peer_mu;
+  PeerProcess peer = std::move(*first);
+
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  o.transport = "tcp";
+  o.peer_timeout = absl::Seconds(2);
+  auto made = TransferEngine::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<TransferEngine> e = std::move(*made);
+  std::vector<char> src(kPeerBytes), check(kPeerBytes);
+  ASSERT_TRUE(e->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(e->RegisterMemory(check.data(), check.size()).ok());
+
+  // The killer: SIGKILL and restart at random moments, 0.5-2.5 s apart.
+  std::atomic<bool> stop{false};
+  std::atomic<int> kills{0}, restart_failures{0};
+  std::thread killer([&] {
+    sim::Prng prng(20261129);
+    while (!stop) {
+      const absl::Time at = absl::Now() + absl::Milliseconds(500 + prng.Uniform(2000));
+      while (!stop && absl::Now() < at) absl::SleepFor(absl::Milliseconds(20));
+      if (stop) break;
+      std::lock_guard<std::mutex> lock(peer_mu);
+      peer.Kill();
+      ++kills;
+      auto next = PeerProcess::Start(port, kPeerBytes);
+      if (!next.ok()) {
+        ++restart_failures;
+        continue;
+      }
+      peer = std::move(*next);
+    }
+  });
+
+  sim::Prng prng(7);
+  std::map<absl::StatusCode, uint64_t> failures;
+  uint64_t requests = 0, succeeded = 0, verified_bytes = 0, batches = 0, unaccounted = 0;
+  int base_fds = -1;
+  uint64_t base_rss = 0;
+  SegmentId seg = 0;
+  uint64_t remote = 0;
+  const absl::Time start = absl::Now();
+  while (absl::Now() - start < duration) {
+    if (base_fds < 0 && kills >= 1 && seg != 0) {  // warmed up: one restart survived
+      base_fds = OpenFds();
+      base_rss = RssBytes();
+    }
+    if (seg == 0 || remote == 0) {
+      auto s = e->OpenSegment(address);
+      if (!s.ok()) {
+        absl::SleepFor(absl::Milliseconds(50));
+        continue;
+      }
+      seg = *s;
+      uint64_t len = 0;
+      auto v = e->FetchMetadata(seg, "buffer");
+      if (!v.ok() || !ParseBuffer(*v, &remote, &len) || len != kPeerBytes) {
+        remote = 0;
+        absl::SleepFor(absl::Milliseconds(50));
+        continue;
+      }
+    }
+    // A batch of random pages at random places, with fresh bytes.
+    const size_t pages = 1 + prng.Uniform(32);
+    std::vector<TransferRequest> writes, reads;
+    for (size_t i = 0; i < pages; ++i) {
+      const uint64_t off = prng.Uniform(kPeerBytes / kPage) * kPage;
+      const uint64_t stamp = prng.Next64();
+      for (uint64_t b = 0; b < kPage; b += 8) std::memcpy(&src[off + b], &stamp, 8);
+      writes.push_back({Opcode::kWrite, src.data() + off, remote + off, kPage});
+      reads.push_back({Opcode::kRead, check.data() + off, remote + off, kPage});
+    }
+    // Pages may repeat within a batch; keep the last write of each.
+    std::sort(writes.begin(), writes.end(),
+              [](const TransferRequest& a, const TransferRequest& b) { return a.remote < b.remote; });
+    writes.erase(std::unique(writes.begin(), writes.end(),
+                             [](const TransferRequest& a, const TransferRequest& b) {
+                               return a.remote == b.remote;
+                             }),
+                 writes.end());
+    std::sort(reads.begin(), reads.end(),
+              [](const TransferRequest& a, const TransferRequest& b) { return a.remote < b.remote; });
+    reads.erase(std::unique(reads.begin(), reads.end(),
+                            [](const TransferRequest& a, const TransferRequest& b) {
+                              return a.remote == b.remote;
+                            }),
+                reads.end());
+    bool all_ok = true;
+    for (std::vector<TransferRequest>* batch : {&writes, &reads}) {
+      if (!all_ok) break;
+      ++batches;
+      requests += batch->size();
+      auto b = e->Submit(seg, *batch);
+      if (!b.ok()) {
+        failures[b.status().code()] += batch->size();
+        all_ok = false;
+        break;
+      }
+      auto st = e->Wait(*b, absl::Seconds(30));
+      if (!st.ok() || st->pending > 0) {
+        unaccounted += batch->size();
+        all_ok = false;
+        ADD_FAILURE() << "a batch did not end within 30 s: "
+                      << (st.ok() ? std::to_string(st->pending) + " pending" : st.status().ToString());
+        break;
+      }
+      for (const absl::Status& r : st->requests) {
+        if (r.ok()) {
+          ++succeeded;
+        } else {
+          ++failures[r.code()];
+          all_ok = false;
+        }
+      }
+      (void)e->Release(*b);
+    }
+    if (all_ok) {
+      // Success was reported for both: the bytes must be the ones written.
+      for (const TransferRequest& w : writes) {
+        const size_t off = static_cast<char*>(w.local) - src.data();
+        ASSERT_EQ(std::memcmp(src.data() + off, check.data() + off, kPage), 0)
+            << "a request reported success but the peer holds other bytes";
+        verified_bytes += kPage;
+      }
+    } else {
+      remote = 0;  // the peer may have restarted with its buffer elsewhere
+    }
+  }
+  stop = true;
+  killer.join();
+  const int end_fds = OpenFds();
+  const uint64_t end_rss = RssBytes();
+  uint64_t failed = 0;
+  std::string by_code;
+  for (const auto& [code, n] : failures) {
+    failed += n;
+    by_code += absl::StrCat(" ", absl::StatusCodeToString(code), "=", n);
+  }
+  std::printf("soak: %.0f s, %d kills survived (%d restarts failed), %llu batches, %llu requests: "
+              "%llu OK, %llu failed (%s ), %llu unaccounted; %llu MiB verified; fds %d -> %d, "
+              "RSS %.1f -> %.1f MiB\n",
+              absl::ToDoubleSeconds(absl::Now() - start), kills.load(), restart_failures.load(),
+              static_cast<unsigned long long>(batches), static_cast<unsigned long long>(requests),
+              static_cast<unsigned long long>(succeeded), static_cast<unsigned long long>(failed),
+              by_code.c_str(), static_cast<unsigned long long>(unaccounted),
+              static_cast<unsigned long long>(verified_bytes >> 20), base_fds, end_fds,
+              base_rss / 1048576.0, end_rss / 1048576.0);
+  EXPECT_EQ(requests, succeeded + failed + unaccounted);
+  EXPECT_EQ(unaccounted, 0u);
+  EXPECT_GE(kills.load(), 3);
+  EXPECT_EQ(restart_failures.load(), 0);
+  EXPECT_GT(succeeded, 0u);
+  // Failures are what a dead peer gives, nothing else.
+  for (const auto& [code, n] : failures) {
+    EXPECT_TRUE(code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInvalidArgument ||
+                code == absl::StatusCode::kNotFound)
+        << absl::StatusCodeToString(code) << " x" << n;
+  }
+  ASSERT_GE(base_fds, 0) << "never warmed up";
+  EXPECT_LE(end_fds, base_fds + 4);
+  EXPECT_LE(end_rss, base_rss + (32 << 20));
+}
+
+}  // namespace
+}  // namespace kvferry
