@@ -178,6 +178,9 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
   ASSIGN_OR_RETURN(std::vector<PageRun> runs, CoalescePages(src_pages, dst_pages));
   ASSIGN_OR_RETURN(SegmentId segment, engine_->OpenSegment(peer));
   ASSIGN_OR_RETURN(std::string published, engine_->FetchMetadata(segment, kKvPoolMetadataKey));
+  // The instance the pool description came from (FetchMetadata matched it
+  // to the segment's last handshake).
+  ASSIGN_OR_RETURN(const uint64_t instance, engine_->PeerEngineId(segment));
   std::pair<std::string, std::string> lines = absl::StrSplit(published, '\n');
   ASSIGN_OR_RETURN(KvLayout theirs, KvLayout::Decode(lines.first));
   if (theirs.layers != mine.layers || theirs.combined_kv != mine.combined_kv ||
@@ -204,6 +207,7 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
   }
   r->id = request_id;
   r->segment = segment;
+  r->peer_engine_id = instance;
   r->runs = std::move(runs);
   r->sent.assign(mine.layers, false);
   MutexLock lock(&mu_);
@@ -215,6 +219,7 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
 absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
   std::vector<TransferRequest> transfers;
   SegmentId segment;
+  uint64_t peer_engine_id;
   {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Request * r, Find(h));
@@ -235,8 +240,11 @@ absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
       }
     }
     segment = r->segment;
+    peer_engine_id = r->peer_engine_id;
   }
-  absl::StatusOr<BatchId> batch = engine_->Submit(segment, transfers);
+  // Bound to the decode instance whose pool the addresses describe: after a
+  // restart they would land in whatever its successor keeps there.
+  absl::StatusOr<BatchId> batch = engine_->Submit(segment, transfers, peer_engine_id);
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Request * r, Find(h));
   if (!batch.ok()) {
@@ -272,7 +280,7 @@ absl::Status KvSender::Drain(Request& r) {
 }
 
 absl::Status KvSender::Tell(const Request& r, const std::string& message) {
-  return engine_->Notify(r.segment, message);
+  return engine_->Notify(r.segment, message, r.peer_engine_id);
 }
 
 absl::Status KvSender::Finish(Handle h, const std::string& aux) {

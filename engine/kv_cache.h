@@ -139,6 +139,9 @@ class KvSender {
   struct Request {
     std::string id;
     SegmentId segment = 0;
+    // The decode instance whose pool `remote_buffers` describes; batches and
+    // the final notification go to it or fail.
+    uint64_t peer_engine_id = 0;
     std::vector<void*> remote_buffers;
     std::vector<PageRun> runs;
     std::vector<bool> sent;          // per layer

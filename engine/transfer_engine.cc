@@ -41,6 +41,14 @@ using transport::WorkRequest;
 
 namespace {
 
+// A slice's final error when the peer cannot be reached again: the
+// reconnect's (kUnavailable for a dead peer), whatever the slice saw first.
+absl::Status RetryImpossible(const absl::Status& reconnect, const absl::Status& first) {
+  if (first.ok()) return reconnect;
+  return absl::Status(reconnect.code(), absl::StrCat(reconnect.message(), " (retrying after: ",
+                                                     first.message(), ")"));
+}
+
 bool Retryable(absl::StatusCode code) {
   return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kAborted ||
          code == absl::StatusCode::kCancelled || code == absl::StatusCode::kPermissionDenied;
@@ -124,11 +132,26 @@ class TransferEngine::Impl {
     }
     return out;
   }
-  absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests);
+  absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests,
+                                 uint64_t peer_engine_id);
   absl::StatusOr<BatchStatus> Poll(BatchId id);
   absl::StatusOr<BatchStatus> Wait(BatchId id, absl::Duration timeout);
   absl::Status Release(BatchId id);
   absl::Status Notify(SegmentId id, const std::string& message);
+  absl::StatusOr<uint64_t> PeerEngineId(SegmentId id) {
+    MutexLock lock(&mu_);
+    auto it = segments_.find(id);
+    if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+    return it->second.descriptor.engine_id;
+  }
+  absl::StatusOr<uint64_t> BatchPeerEngineId(BatchId id) {
+    MutexLock lock(&mu_);
+    auto it = batches_.find(id);
+    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+    return it->second.peer_engine_id;
+  }
+  // Notify, refused by the peer unless it is the instance `target` (0: any).
+  absl::Status NotifyInstance(SegmentId id, const std::string& message, uint64_t target);
   absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
@@ -180,6 +203,12 @@ class TransferEngine::Impl {
   };
   struct Batch {
     SegmentId segment = 0;
+    // The peer instance (engine id) the batch writes to or reads from. A
+    // slice is never retried on another instance: its bytes would be split
+    // between a dead peer and its successor.
+    uint64_t peer_engine_id = 0;
+    bool bound = false;   // the caller named the instance
+    uint64_t landed = 0;  // slices completed OK
     std::vector<uint64_t> slices_left;  // per request
     std::vector<absl::Status> status;   // first error per request
     size_t pending = 0;
@@ -194,7 +223,9 @@ class TransferEngine::Impl {
   // restarted or a link failed. One refresh per segment at a time; callers
   // that arrive meanwhile wait for it. Sets *changed when the peer's engine
   // id changed.
-  absl::Status Refresh(SegmentId id, bool* changed);
+  // `seen_generation`: the links the caller found broken; if they were
+  // replaced since, there is nothing to do (UINT64_MAX: the current ones).
+  absl::Status Refresh(SegmentId id, bool* changed, uint64_t seen_generation = UINT64_MAX);
   // Checks a slice against the peer's advertised regions.
   absl::Status CheckSlice(const Segment& seg, const Slice& slice) const;
   // Puts the slice on the least loaded link with room and fills `wr`; false
@@ -284,6 +315,12 @@ Frame TransferEngine::Impl::Handle(const Frame& request) {
     case MessageType::kNotify: {
       absl::StatusOr<handshake::Notify> n = handshake::DecodeNotify(request.payload);
       if (!n.ok()) return handshake::ErrorFrame(n.status());
+      if (n->target_engine_id != 0 && n->target_engine_id != engine_id_) {
+        return handshake::ErrorFrame(absl::FailedPreconditionError(absl::StrFormat(
+            "notification meant for engine %#x, but this is engine %#x (the peer restarted; "
+            "what the notification is about went to its predecessor)",
+            n->target_engine_id, engine_id_)));
+      }
       MutexLock lock(&mu_);
       inbox_.push_back(Notification{n->engine_id, std::move(n->payload)});
       cv_.SignalAll();
@@ -306,7 +343,7 @@ Frame TransferEngine::Impl::Handle(const Frame& request) {
             absl::StrCat("engine ", address_, " has published no '", m->key, "'")));
       }
       return Frame{MessageType::kMetadata,
-                   handshake::Encode(handshake::Metadata{m->key, it->second})};
+                   handshake::Encode(handshake::Metadata{m->key, it->second, engine_id_})};
     }
     case MessageType::kChallenge:
     case MessageType::kAuthenticated:
@@ -491,7 +528,8 @@ absl::StatusOr<SegmentId> TransferEngine::Impl::OpenSegment(const std::string& p
   return id;
 }
 
-absl::Status TransferEngine::Impl::Refresh(SegmentId id, bool* changed) {
+absl::Status TransferEngine::Impl::Refresh(SegmentId id, bool* changed,
+                                           uint64_t seen_generation) {
   *changed = false;
   std::string peer;
   uint64_t generation;
@@ -499,7 +537,7 @@ absl::Status TransferEngine::Impl::Refresh(SegmentId id, bool* changed) {
     MutexLock lock(&mu_);
     auto it = segments_.find(id);
     if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-    generation = it->second.generation;
+    generation = seen_generation == UINT64_MAX ? it->second.generation : seen_generation;
     while (it->second.refreshing) {
       cv_.Wait(&mu_);
       it = segments_.find(id);
@@ -608,7 +646,8 @@ void TransferEngine::Impl::Unassign(const Slice& slice) {
 }
 
 absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
-                                                     absl::Span<const TransferRequest> requests) {
+                                                     absl::Span<const TransferRequest> requests,
+                                                     uint64_t peer_engine_id) {
   std::vector<uint64_t> slice_ids;
   BatchId batch_id;
   for (int attempt = 0;; ++attempt) {
@@ -672,6 +711,13 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
     batch_id = ++last_batch_;
     Batch& b = batches_[batch_id];
     b.segment = id;
+    b.peer_engine_id = seg.descriptor.engine_id;
+    b.bound = peer_engine_id != 0;
+    if (b.bound && peer_engine_id != seg.descriptor.engine_id) {
+      batches_.erase(batch_id);
+      return absl::UnavailableError(absl::StrCat(
+          "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
+    }
     b.slices_left.assign(requests.size(), 0);
     b.status.assign(requests.size(), absl::OkStatus());
     b.pending = requests.size();
@@ -695,6 +741,26 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
 
 absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<uint64_t>& ids) {
   for (int attempt = 0; attempt < 2; ++attempt) {
+    bool usable = false;
+    {
+      MutexLock lock(&mu_);
+      for (const Link& l : segments_.at(id).links) usable = usable || !l.failed;
+    }
+    if (!usable) {
+      // Every link failed: slices would wait for room that never comes.
+      // Rebuild the links first (a dead peer fails them here).
+      bool changed;
+      absl::Status refreshed = Refresh(id, &changed);
+      if (!refreshed.ok()) {
+        MutexLock lock(&mu_);
+        for (uint64_t sid : ids) {
+          auto it = slices_.find(sid);
+          if (it == slices_.end()) continue;
+          FinishSlice(sid, RetryImpossible(refreshed, it->second.last_error));
+        }
+        return refreshed;
+      }
+    }
     std::vector<WorkRequest> wrs;
     absl::Status planned;
     {
@@ -703,6 +769,18 @@ absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<ui
       for (uint64_t sid : ids) {
         auto it = slices_.find(sid);
         if (it == slices_.end()) continue;
+        auto batch = batches_.find(it->second.batch);
+        if (batch != batches_.end() && batch->second.peer_engine_id != seg.descriptor.engine_id) {
+          Batch& b = batch->second;
+          if (b.bound || b.landed > 0) {
+            FinishSlice(sid, absl::UnavailableError(absl::StrCat(
+                                 "peer ", seg.peer, " restarted during the batch; ",
+                                 b.landed > 0 ? "part of it went to the previous instance"
+                                              : "its addresses belong to the previous instance")));
+            continue;
+          }
+          b.peer_engine_id = seg.descriptor.engine_id;  // nothing landed: move it whole
+        }
         planned = CheckSlice(seg, it->second);
         if (!planned.ok()) break;
         WorkRequest wr;
@@ -759,6 +837,7 @@ void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
   slices_.erase(it);
   auto b = batches_.find(s.batch);
   if (b == batches_.end()) return;
+  if (status.ok()) ++b->second.landed;
   if (!status.ok() && b->second.status[s.request].ok()) b->second.status[s.request] = status;
   if (--b->second.slices_left[s.request] == 0) --b->second.pending;
 }
@@ -769,6 +848,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
   // Slices whose link failed: on the segment's current links (refresh
   // first), or on links a refresh has already replaced (just re-post).
   std::map<SegmentId, std::vector<uint64_t>> refresh, repost;
+  std::map<SegmentId, uint64_t> broken_generation;  // of the links that failed
   {
     MutexLock lock(&mu_);
     for (size_t i = 0; i < n; ++i) {
@@ -804,6 +884,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
           } else {
             seg.stale = true;
             refresh[s.segment].push_back(it->first);
+            broken_generation[s.segment] = seg.generation;
           }
           continue;
         }
@@ -813,17 +894,13 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
   }
   for (auto& [segment, ids] : refresh) {
     bool changed = false;
-    absl::Status refreshed = Refresh(segment, &changed);
+    absl::Status refreshed = Refresh(segment, &changed, broken_generation[segment]);
     MutexLock lock(&mu_);
     std::vector<uint64_t>& keep = repost[segment];
     for (uint64_t sid : ids) {
       Slice& s = slices_.at(sid);
       if (!refreshed.ok()) {
-        // The peer cannot be reached again: that is the request's error
-        // (kUnavailable for a dead peer), whatever its slices saw first.
-        FinishSlice(sid, absl::Status(refreshed.code(),
-                                      absl::StrCat(refreshed.message(), " (retrying after: ",
-                                                   s.last_error.message(), ")")));
+        FinishSlice(sid, RetryImpossible(refreshed, s.last_error));
       } else if (!changed && s.last_error.code() == absl::StatusCode::kPermissionDenied) {
         FinishSlice(sid, s.last_error);  // same keys: retrying cannot help
       } else {
@@ -960,6 +1037,11 @@ absl::Status TransferEngine::Impl::Release(BatchId id) {
 // ---------------------------------------------------------------- notifications
 
 absl::Status TransferEngine::Impl::Notify(SegmentId id, const std::string& message) {
+  return NotifyInstance(id, message, 0);
+}
+
+absl::Status TransferEngine::Impl::NotifyInstance(SegmentId id, const std::string& message,
+                                                  uint64_t target) {
   std::string peer;
   {
     MutexLock lock(&mu_);
@@ -975,7 +1057,8 @@ absl::Status TransferEngine::Impl::Notify(SegmentId id, const std::string& messa
   ASSIGN_OR_RETURN(Frame reply,
                    network_->Call(peer,
                                   Frame{MessageType::kNotify,
-                                        handshake::Encode(handshake::Notify{engine_id_, message})},
+                                        handshake::Encode(
+                                            handshake::Notify{engine_id_, message, target})},
                                   options_.handshake_timeout));
   if (reply.type != MessageType::kNotifyAck) {
     return absl::DataLossError(absl::StrCat("peer ", peer, " answered notify with ",
@@ -997,11 +1080,14 @@ absl::Status TransferEngine::Impl::NotifyAfter(BatchId id, const std::string& me
     }
   }
   SegmentId segment;
+  uint64_t target;
   {
     MutexLock lock(&mu_);
     segment = batches_.at(id).segment;
+    target = batches_.at(id).peer_engine_id;
   }
-  return Notify(segment, message);
+  // Only to the instance that holds the batch's bytes.
+  return NotifyInstance(segment, message, target);
 }
 
 std::vector<Notification> TransferEngine::Impl::TakeNotifications() {
@@ -1046,20 +1132,32 @@ absl::Status TransferEngine::Impl::PublishMetadata(const std::string& key, std::
 
 absl::StatusOr<std::string> TransferEngine::Impl::FetchMetadata(SegmentId id,
                                                                 const std::string& key) {
-  std::string peer;
-  {
-    MutexLock lock(&mu_);
-    auto it = segments_.find(id);
-    if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-    peer = it->second.peer;
+  for (int attempt = 0;; ++attempt) {
+    std::string peer;
+    uint64_t instance, generation;
+    {
+      MutexLock lock(&mu_);
+      auto it = segments_.find(id);
+      if (it == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+      peer = it->second.peer;
+      instance = it->second.descriptor.engine_id;
+      generation = it->second.generation;
+    }
+    ASSIGN_OR_RETURN(Frame reply, network_->Call(peer,
+                                                 Frame{MessageType::kGetMetadata,
+                                                       handshake::Encode(
+                                                           handshake::MetadataRequest{key})},
+                                                 options_.handshake_timeout));
+    ASSIGN_OR_RETURN(handshake::Metadata m, handshake::DecodeMetadata(reply.payload));
+    if (m.engine_id == instance) return std::move(m.value);
+    // The peer restarted since the last handshake: values and segment must
+    // describe the same instance, so handshake again first.
+    if (attempt > 0) {
+      return absl::UnavailableError(absl::StrCat("peer ", peer, " keeps restarting"));
+    }
+    bool changed;
+    RETURN_IF_ERROR(Refresh(id, &changed, generation));
   }
-  ASSIGN_OR_RETURN(Frame reply, network_->Call(peer,
-                                               Frame{MessageType::kGetMetadata,
-                                                     handshake::Encode(
-                                                         handshake::MetadataRequest{key})},
-                                               options_.handshake_timeout));
-  ASSIGN_OR_RETURN(handshake::Metadata m, handshake::DecodeMetadata(reply.payload));
-  return std::move(m.value);
 }
 
 // ---------------------------------------------------------------- creation
@@ -1263,16 +1361,24 @@ absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> TransferEngine::Segmen
   return impl_->SegmentRegions(segment);
 }
 absl::StatusOr<BatchId> TransferEngine::Submit(SegmentId segment,
-                                               absl::Span<const TransferRequest> requests) {
-  return impl_->Submit(segment, requests);
+                                               absl::Span<const TransferRequest> requests,
+                                               uint64_t peer_engine_id) {
+  return impl_->Submit(segment, requests, peer_engine_id);
 }
 absl::StatusOr<BatchStatus> TransferEngine::Poll(BatchId batch) { return impl_->Poll(batch); }
 absl::StatusOr<BatchStatus> TransferEngine::Wait(BatchId batch, absl::Duration timeout) {
   return impl_->Wait(batch, timeout);
 }
 absl::Status TransferEngine::Release(BatchId batch) { return impl_->Release(batch); }
-absl::Status TransferEngine::Notify(SegmentId segment, const std::string& message) {
-  return impl_->Notify(segment, message);
+absl::Status TransferEngine::Notify(SegmentId segment, const std::string& message,
+                                    uint64_t peer_engine_id) {
+  return impl_->NotifyInstance(segment, message, peer_engine_id);
+}
+absl::StatusOr<uint64_t> TransferEngine::PeerEngineId(SegmentId segment) {
+  return impl_->PeerEngineId(segment);
+}
+absl::StatusOr<uint64_t> TransferEngine::BatchPeerEngineId(BatchId batch) {
+  return impl_->BatchPeerEngineId(batch);
 }
 absl::Status TransferEngine::NotifyAfter(BatchId batch, const std::string& message,
                                          absl::Duration timeout) {

@@ -201,13 +201,25 @@ class TransferEngine {
     transport::Access access = transport::Access::kNone;
   };
   absl::StatusOr<std::vector<RemoteRegion>> SegmentRegions(SegmentId segment);
+  // The peer instance (its engine id, new on every start) as of the last
+  // handshake, which FetchMetadata values also come from.
+  absl::StatusOr<uint64_t> PeerEngineId(SegmentId segment);
+  // The peer instance a batch went to (or is going to).
+  absl::StatusOr<uint64_t> BatchPeerEngineId(BatchId batch);
 
   // Posts the requests as one batch. kInvalidArgument (naming the request
   // and the peer) when a request falls outside registered memory on either
   // side, kPermissionDenied when the peer's region forbids the operation;
   // nothing is posted then.
-  absl::StatusOr<BatchId> Submit(SegmentId segment,
-                                 absl::Span<const TransferRequest> requests);
+  //
+  // A batch's bytes all go to one peer instance. If the peer restarts
+  // before any of them landed, an unbound batch (peer_engine_id 0) moves to
+  // the new instance (the addresses are checked against its regions); once
+  // some landed, or when `peer_engine_id` names the instance the addresses
+  // came from (PeerEngineId), the rest fail with kUnavailable instead of
+  // being split between a dead peer and its successor.
+  absl::StatusOr<BatchId> Submit(SegmentId segment, absl::Span<const TransferRequest> requests,
+                                 uint64_t peer_engine_id = 0);
   // The batch's state now, or after waiting up to `timeout` for it to finish.
   absl::StatusOr<BatchStatus> Poll(BatchId batch);
   absl::StatusOr<BatchStatus> Wait(BatchId batch, absl::Duration timeout);
@@ -215,7 +227,11 @@ class TransferEngine {
   absl::Status Release(BatchId batch);
 
   // Sends `message` to the peer now.
-  absl::Status Notify(SegmentId segment, const std::string& message);
+  // `peer_engine_id`, if not 0, is the peer instance the message is meant
+  // for (see PeerEngineId): a peer that restarted since refuses it
+  // (kFailedPrecondition), so a notification never vouches for data that
+  // went to its predecessor.
+  absl::Status Notify(SegmentId segment, const std::string& message, uint64_t peer_engine_id = 0);
   // Waits for `batch` to finish and, only if every request succeeded (so
   // its bytes are in place at the peer), sends `message` to the peer.
   absl::Status NotifyAfter(BatchId batch, const std::string& message,

@@ -292,6 +292,53 @@ TEST(TransferEngine, UnauthenticatedClientsReceiveNoKeys) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// Work meant for one instance of a peer never lands at its successor: a
+// batch bound to the old instance and a notification addressed to it are
+// refused after a restart, while unbound work follows host:port.
+TEST(TransferEngine, WorkForARestartedPeersPredecessorIsRefused) {
+  auto a = MakeEngine();
+  EngineOptions fixed = Local();
+  auto b = MakeEngine(fixed);
+  const std::string address = b->address();
+  fixed.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  std::vector<char> src = Pattern(4096, 6), dst(4096, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(address);
+  ASSERT_TRUE(seg.ok());
+  auto old_id = a->PeerEngineId(*seg);
+  ASSERT_TRUE(old_id.ok());
+  EXPECT_EQ(*old_id, b->engine_id());
+  b.reset();
+  b = MakeEngine(fixed);
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  // Addressed to the predecessor: refused by the new instance.
+  absl::Status note = a->Notify(*seg, "for the old one", *old_id);
+  EXPECT_EQ(note.code(), absl::StatusCode::kFailedPrecondition) << note;
+  EXPECT_TRUE(b->TakeNotifications().empty());
+  // Fetching a value handshakes again (values and segment must describe
+  // the same instance) and learns the new id.
+  ASSERT_TRUE(b->PublishMetadata("pool", "at dst").ok());
+  EXPECT_EQ(a->FetchMetadata(*seg, "pool").value_or(""), "at dst");
+  auto new_id = a->PeerEngineId(*seg);
+  ASSERT_TRUE(new_id.ok());
+  EXPECT_EQ(*new_id, b->engine_id());
+  // A batch bound to the old instance fails before anything is sent.
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+  auto bound = a->Submit(*seg, {&w, 1}, *old_id);
+  EXPECT_EQ(bound.status().code(), absl::StatusCode::kUnavailable) << bound.status();
+  EXPECT_NE(dst, src);
+  // Bound to the current one, or unbound: it goes.
+  auto ok = a->Submit(*seg, {&w, 1}, *new_id);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(a->BatchPeerEngineId(*ok).value_or(0), *new_id);
+  ASSERT_TRUE(a->NotifyAfter(*ok, "for the new one", absl::Seconds(5)).ok());
+  auto got = b->WaitNotification(absl::Seconds(5));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->message, "for the new one");
+  EXPECT_EQ(dst, src);
+}
+
 TEST(TransferEngine, NotificationIsNeverObservedBeforeItsData) {
   auto prefill = MakeEngine();
   auto decode = MakeEngine();

@@ -213,6 +213,7 @@ std::string Encode(const Notify& n) {
   Writer w(&out);
   w.U64(n.engine_id);
   w.Bytes(n.payload);
+  w.U64(n.target_engine_id);
   return out;
 }
 
@@ -220,7 +221,7 @@ absl::StatusOr<Notify> DecodeNotify(absl::string_view payload) {
   Reader r(payload);
   Notify n;
   if (!r.U64(&n.engine_id) || !r.Bytes(&n.payload, kMaxNotifyBytes) ||
-      !r.AtEnd()) {
+      !r.U64(&n.target_engine_id) || !r.AtEnd()) {
     return Malformed("notify");
   }
   return n;
@@ -262,6 +263,7 @@ std::string Encode(const Metadata& m) {
   Writer w(&out);
   w.Bytes(m.key);
   w.Bytes(m.value);
+  w.U64(m.engine_id);
   return out;
 }
 
@@ -269,7 +271,7 @@ absl::StatusOr<Metadata> DecodeMetadata(absl::string_view payload) {
   Reader r(payload);
   Metadata m;
   if (!r.Bytes(&m.key, kMaxStringBytes) || !r.Bytes(&m.value, kMaxNotifyBytes) ||
-      !r.AtEnd()) {
+      !r.U64(&m.engine_id) || !r.AtEnd()) {
     return Malformed("metadata");
   }
   return m;

@@ -101,6 +101,10 @@ struct ConnectReply {
 struct Notify {
   uint64_t engine_id = 0;  // the sender
   std::string payload;
+  // The receiving engine it is meant for (0: whichever answers). A peer
+  // that restarted has a new id and refuses notifications about data that
+  // went to its predecessor.
+  uint64_t target_engine_id = 0;
 };
 
 struct Probe {
@@ -116,6 +120,7 @@ struct MetadataRequest {
 struct Metadata {
   std::string key;
   std::string value;
+  uint64_t engine_id = 0;  // the engine that answered
 };
 
 std::string Encode(const EngineDescriptor& d);

@@ -150,8 +150,11 @@ absl::StatusOr<Frame> SimNetwork::Call(const std::string& peer, const Frame& req
     return absl::UnavailableError(absl::StrCat("handshake with ", peer, ": no such host"));
   }
   sim::Scheduler* sched = fabric_->scheduler();
-  // Call ids are unique per network; ids from the fabric would do as well.
-  const uint64_t id = (uint64_t{nic_} << 40) | ++next_call_;
+  // Call ids must never repeat on a NIC, also across networks: a restarted
+  // engine's new network on the same NIC would otherwise get the answers the
+  // peer cached for its predecessor's calls (and its requests would never
+  // run). Hence the instance number, unique in the process.
+  const uint64_t id = (instance_ << 32) | ++next_call_;
   replies_[id] = Reply{};
   const std::string encoded = EncodeFrame(request.type, request.payload);
   const sim::SimTime deadline = sched->now() + sim::ToSimTime(timeout);

@@ -15,6 +15,7 @@
 #define KVFERRY_HANDSHAKE_SIM_NETWORK_H_
 
 #include <map>
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -56,6 +57,11 @@ class SimNetwork final : public Network {
   std::map<uint64_t, Reply> replies_;                      // by call id
   std::map<std::pair<sim::NicId, uint64_t>, std::string> answered_;  // dedup cache
   uint64_t next_call_ = 0;
+  const uint64_t instance_ = NextInstance();
+  static uint64_t NextInstance() {
+    static std::atomic<uint64_t> instances{0};
+    return ++instances;
+  }
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 

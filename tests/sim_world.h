@@ -57,12 +57,14 @@ class SimWorld {
     parts.wait = [this](const std::function<bool()>& ready, absl::Duration timeout) {
       return sched_.RunUntilCondition(ready, sched_.now() + sim::ToSimTime(timeout));
     };
-    EngineOptions options;
+    EngineOptions options = engine_options_;
     options.port = port;
-    options.slice_bytes = 16 << 10;
     return TransferEngine::CreateWith(options, std::move(parts));
   }
 
+  // Options every engine started from now on gets (port aside).
+  void set_engine_options(const EngineOptions& o) { engine_options_ = o; }
+  sim::NodeId node(int host) const { return fabric_.node_of(hosts_[host].mgmt); }
   sim::Scheduler& sched() { return sched_; }
   // The fabric NIC behind data NIC `index` of `host`.
   sim::NicId data_nic(int host, size_t index) const { return hosts_[host].data[index]; }
@@ -78,6 +80,11 @@ class SimWorld {
   sim::Scheduler sched_;
   sim::Fabric fabric_;
   std::vector<Host> hosts_;
+  EngineOptions engine_options_ = [] {
+    EngineOptions o;
+    o.slice_bytes = 16 << 10;
+    return o;
+  }();
 };
 
 }  // namespace kvferry

@@ -88,7 +88,8 @@ void FuzzFrame(const uint8_t* data, size_t size) {
       RoundTrip<Notify>(
           payload, [](absl::string_view p) { return DecodeNotify(p); },
           [](const Notify& a, const Notify& b) {
-            return a.engine_id == b.engine_id && a.payload == b.payload;
+            return a.engine_id == b.engine_id && a.payload == b.payload &&
+                   a.target_engine_id == b.target_engine_id;
           });
       break;
     case MessageType::kProbe:
@@ -105,7 +106,9 @@ void FuzzFrame(const uint8_t* data, size_t size) {
     case MessageType::kMetadata:
       RoundTrip<Metadata>(
           payload, [](absl::string_view p) { return DecodeMetadata(p); },
-          [](const Metadata& a, const Metadata& b) { return a.key == b.key && a.value == b.value; });
+          [](const Metadata& a, const Metadata& b) {
+            return a.key == b.key && a.value == b.value && a.engine_id == b.engine_id;
+          });
       break;
     case MessageType::kError: {
       absl::Status s = DecodeError(payload);
