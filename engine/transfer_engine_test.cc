@@ -37,6 +37,16 @@ std::vector<char> Pattern(size_t n, int seed) {
   return v;
 }
 
+// An engine on a port of its own choosing, which `fixed` then names, so
+// MakeEngine(*fixed) restarts it on the same port (with new keys).
+std::unique_ptr<TransferEngine> MakeRestartable(EngineOptions* fixed) {
+  auto e = MakeEngine(*fixed);
+  if (e == nullptr) return nullptr;
+  const std::string address = e->address();
+  fixed->port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  return e;
+}
+
 uint64_t Addr(const std::vector<char>& v, size_t off = 0) {
   return reinterpret_cast<uintptr_t>(v.data()) + off;
 }
@@ -163,9 +173,8 @@ TEST(TransferEngine, PeerWithNothingRegisteredYetFailsClearlyThenWorks) {
 TEST(TransferEngine, PeerRestartedOnTheSamePortWorksAfterRefresh) {
   auto a = MakeEngine();
   EngineOptions fixed = Local();
-  auto b = MakeEngine(fixed);
+  auto b = MakeRestartable(&fixed);
   const std::string address = b->address();
-  fixed.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
   std::vector<char> src = Pattern(200000, 4), dst(200000, 0);
   ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
@@ -200,9 +209,8 @@ TEST(TransferEngine, PeerRestartedOnTheSamePortWorksAfterRefresh) {
 TEST(TransferEngine, PeerDiesMidBatchFailsInBoundedTimeThenNextBatchReconnects) {
   auto a = MakeEngine();
   EngineOptions fixed = Local();
-  auto b = MakeEngine(fixed);
+  auto b = MakeRestartable(&fixed);
   const std::string address = b->address();
-  fixed.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
   const size_t kBlock = 64 << 10, kCount = 64;
   std::vector<char> src = Pattern(kBlock * kCount, 9), dst(kBlock * kCount, 0);
   ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
@@ -298,9 +306,8 @@ TEST(TransferEngine, UnauthenticatedClientsReceiveNoKeys) {
 TEST(TransferEngine, WorkForARestartedPeersPredecessorIsRefused) {
   auto a = MakeEngine();
   EngineOptions fixed = Local();
-  auto b = MakeEngine(fixed);
+  auto b = MakeRestartable(&fixed);
   const std::string address = b->address();
-  fixed.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
   std::vector<char> src = Pattern(4096, 6), dst(4096, 0);
   ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());

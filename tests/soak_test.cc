@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -127,28 +128,14 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
     // A batch of random pages at random places, with fresh bytes.
     const size_t pages = 1 + prng.Uniform(32);
     std::vector<TransferRequest> writes, reads;
-    for (size_t i = 0; i < pages; ++i) {
-      const uint64_t off = prng.Uniform(kPeerBytes / kPage) * kPage;
+    std::set<uint64_t> offsets;  // distinct pages: one write each
+    while (offsets.size() < pages) offsets.insert(prng.Uniform(kPeerBytes / kPage) * kPage);
+    for (uint64_t off : offsets) {
       const uint64_t stamp = prng.Next64();
       for (uint64_t b = 0; b < kPage; b += 8) std::memcpy(&src[off + b], &stamp, 8);
       writes.push_back({Opcode::kWrite, src.data() + off, remote + off, kPage});
       reads.push_back({Opcode::kRead, check.data() + off, remote + off, kPage});
     }
-    // Pages may repeat within a batch; keep the last write of each.
-    std::sort(writes.begin(), writes.end(),
-              [](const TransferRequest& a, const TransferRequest& b) { return a.remote < b.remote; });
-    writes.erase(std::unique(writes.begin(), writes.end(),
-                             [](const TransferRequest& a, const TransferRequest& b) {
-                               return a.remote == b.remote;
-                             }),
-                 writes.end());
-    std::sort(reads.begin(), reads.end(),
-              [](const TransferRequest& a, const TransferRequest& b) { return a.remote < b.remote; });
-    reads.erase(std::unique(reads.begin(), reads.end(),
-                            [](const TransferRequest& a, const TransferRequest& b) {
-                              return a.remote == b.remote;
-                            }),
-                reads.end());
     bool all_ok = true;
     for (std::vector<TransferRequest>* batch : {&writes, &reads}) {
       if (!all_ok) break;
