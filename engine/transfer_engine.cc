@@ -16,6 +16,7 @@
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/status_macros.h"
+#include "engine/metrics_server.h"
 #include "handshake/auth.h"
 #include "handshake/messages.h"
 #include "handshake/tcp_network.h"
@@ -114,6 +115,32 @@ class TransferEngine::Impl {
     return nic_counters_;
   }
   void set_auth(const handshake::AuthenticatedNetwork* auth) { auth_ = auth; }
+  EngineMetrics GetMetrics() const {
+    EngineMetrics m;
+    MutexLock lock(&mu_);
+    for (const auto& [id, seg] : segments_) m.peers.push_back(seg.metrics);
+    std::sort(m.peers.begin(), m.peers.end(),
+              [](const PeerMetrics& a, const PeerMetrics& b) { return a.peer < b.peer; });
+    m.nics = nic_counters_;
+    m.handshakes_refused = auth_ == nullptr ? 0 : auth_->rejected();
+    m.link_failovers = counters_.link_failovers;
+    m.probes = counters_.probes;
+    m.probes_failed = counters_.probes_failed;
+    return m;
+  }
+  absl::Status StartMetrics(const std::string& host, int port) {
+    if (port < 0) return absl::OkStatus();
+    if (port > 65535) return absl::InvalidArgumentError(absl::StrCat("metrics_port ", port));
+    ASSIGN_OR_RETURN(metrics_server_,
+                     MetricsServer::Start(host, static_cast<uint16_t>(port), [this] {
+                       return PrometheusText(GetMetrics(), address_);
+                     }));
+    KVF_LOG(INFO) << "metrics at http://" << metrics_server_->address() << "/metrics";
+    return absl::OkStatus();
+  }
+  std::string metrics_address() const {
+    return metrics_server_ == nullptr ? "" : metrics_server_->address();
+  }
   EngineCounters GetCounters() const {
     MutexLock lock(&mu_);
     EngineCounters c = counters_;
@@ -185,6 +212,7 @@ class TransferEngine::Impl {
     // Slices waiting for room on a link (each link takes at most the
     // transport's max_outstanding_per_link), in submission order.
     std::deque<uint64_t> backlog;
+    PeerMetrics metrics;
   };
   // One slice in flight.
   struct Slice {
@@ -209,6 +237,9 @@ class TransferEngine::Impl {
     uint64_t peer_engine_id = 0;
     bool bound = false;   // the caller named the instance
     uint64_t landed = 0;  // slices completed OK
+    absl::Time submitted;
+    std::vector<Opcode> op;        // per request
+    std::vector<uint64_t> length;  // per request
     std::vector<uint64_t> slices_left;  // per request
     std::vector<absl::Status> status;   // first error per request
     size_t pending = 0;
@@ -233,6 +264,8 @@ class TransferEngine::Impl {
   bool AssignLink(Segment& seg, Slice& slice, WorkRequest* wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A slice's link has one fewer in flight.
   void Unassign(const Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A slice failed on its link's NIC.
+  void CountNicError(const Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Posts slices (already in slices_) on segment `id`; those that find no
   // room wait in the segment's backlog.
   absl::Status PostSlices(SegmentId id, const std::vector<uint64_t>& slice_ids);
@@ -262,6 +295,7 @@ class TransferEngine::Impl {
   std::unique_ptr<handshake::Server> server_;
   std::string address_;
   const handshake::AuthenticatedNetwork* auth_ = nullptr;  // inside network_, if any
+  std::unique_ptr<MetricsServer> metrics_server_;  // last member: stops first
 
   mutable Mutex mu_;
   CondVar cv_;  // refresh finished, notification arrived
@@ -519,6 +553,7 @@ absl::StatusOr<SegmentId> TransferEngine::Impl::OpenSegment(const std::string& p
   const SegmentId id = ++last_segment_;
   Segment& seg = segments_[id];
   seg.peer = peer;
+  seg.metrics.peer = peer;
   seg.descriptor = std::move(d);
   seg.links = std::move(links);
   segment_by_peer_[peer] = id;
@@ -568,6 +603,7 @@ absl::Status TransferEngine::Impl::Refresh(SegmentId id, bool* changed,
   seg.dead = absl::OkStatus();
   ++seg.generation;
   ++counters_.reconnects;
+  ++seg.metrics.reconnects;
   return absl::OkStatus();
 }
 
@@ -621,6 +657,7 @@ bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* w
     ++nic_counters_[best->local_nic].slices;
     nic_counters_[best->local_nic].bytes += slice.length;
   }
+  ++seg.metrics.slices;
   const RegionDescriptor& r = *FindRemote(seg, slice.remote);
   slice.generation = seg.generation;
   slice.link = best->id;
@@ -632,6 +669,14 @@ bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* w
   wr->remote_addr = slice.remote;
   wr->remote_key = r.keys[best->remote_nic];
   return true;
+}
+
+void TransferEngine::Impl::CountNicError(const Slice& slice) {
+  auto seg = segments_.find(slice.segment);
+  if (seg == segments_.end()) return;
+  for (const Link& l : seg->second.links) {
+    if (l.id == slice.link && l.local_nic < nic_counters_.size()) ++nic_counters_[l.local_nic].errors;
+  }
 }
 
 void TransferEngine::Impl::Unassign(const Slice& slice) {
@@ -719,6 +764,12 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
           "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
     }
     b.slices_left.assign(requests.size(), 0);
+    b.submitted = clock_->Now();
+    for (const TransferRequest& r : requests) {
+      b.op.push_back(r.opcode);
+      b.length.push_back(r.length);
+    }
+    seg.metrics.requests += requests.size();
     b.status.assign(requests.size(), absl::OkStatus());
     b.pending = requests.size();
     for (Slice& s : planned) {
@@ -837,9 +888,25 @@ void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
   slices_.erase(it);
   auto b = batches_.find(s.batch);
   if (b == batches_.end()) return;
-  if (status.ok()) ++b->second.landed;
-  if (!status.ok() && b->second.status[s.request].ok()) b->second.status[s.request] = status;
-  if (--b->second.slices_left[s.request] == 0) --b->second.pending;
+  Batch& batch = b->second;
+  if (status.ok()) ++batch.landed;
+  if (!status.ok() && batch.status[s.request].ok()) batch.status[s.request] = status;
+  if (--batch.slices_left[s.request] == 0) {
+    --batch.pending;
+    auto seg = segments_.find(batch.segment);
+    if (seg != segments_.end()) {
+      PeerMetrics& m = seg->second.metrics;
+      m.latency.Record(clock_->Now() - batch.submitted);
+      const absl::Status& result = batch.status[s.request];
+      if (result.ok()) {
+        ++m.requests_ok;
+        (batch.op[s.request] == Opcode::kWrite ? m.bytes_written : m.bytes_read) +=
+            batch.length[s.request];
+      } else {
+        ++m.errors[absl::StatusCodeToString(result.code())];
+      }
+    }
+  }
 }
 
 void TransferEngine::Impl::Pump(absl::Duration timeout) {
@@ -856,6 +923,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
       if (it == slices_.end()) continue;
       Slice& s = it->second;
       Unassign(s);
+      if (!done[i].status.ok()) CountNicError(s);
       if (!done[i].status.ok() && Retryable(done[i].status.code())) {
         Segment& seg = segments_.at(s.segment);
         s.last_error = done[i].status;
@@ -878,6 +946,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
             if (l.id == s.link) l.failed = true;
             healthy = healthy || !l.failed;
           }
+          ++seg.metrics.retries;
           if (healthy && done[i].status.code() != absl::StatusCode::kPermissionDenied) {
             ++counters_.link_failovers;
             repost[s.segment].push_back(it->first);
@@ -1326,9 +1395,11 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   serve.port = options.port;
   serve.first_port = options.first_port;
   serve.last_port = options.last_port;
+  const int options_metrics_port = options.metrics_port;
   auto impl = std::make_unique<Impl>(std::move(options), std::move(parts));
   impl->set_auth(auth);
   RETURN_IF_ERROR(impl->Start(serve));
+  RETURN_IF_ERROR(impl->StartMetrics(serve.bind_host, options_metrics_port));
   KVF_LOG(INFO) << "handshake listening on " << serve.bind_host << ":"
                 << impl->detection().port << ", peers reach this engine at "
                 << impl->address();
@@ -1352,6 +1423,8 @@ std::vector<NicCounters> TransferEngine::GetNicCounters() const {
   return impl_->GetNicCounters();
 }
 EngineCounters TransferEngine::GetCounters() const { return impl_->GetCounters(); }
+EngineMetrics TransferEngine::GetMetrics() const { return impl_->GetMetrics(); }
+std::string TransferEngine::metrics_address() const { return impl_->metrics_address(); }
 absl::Status TransferEngine::UnregisterMemory(void* addr) { return impl_->UnregisterMemory(addr); }
 absl::StatusOr<SegmentId> TransferEngine::OpenSegment(const std::string& peer) {
   return impl_->OpenSegment(peer);

@@ -38,6 +38,7 @@
 #include "absl/types/span.h"
 #include "base/clock.h"
 #include "handshake/network.h"
+#include "engine/metrics.h"
 #include "transport/transport.h"
 
 namespace kvferry {
@@ -77,6 +78,10 @@ struct EngineOptions {
   // without it get no descriptor, keys, links or notifications, and peers
   // must all use the same secret. Never logged.
   std::string secret;
+  // Prometheus endpoint: -1 off; 0 any free port; else that port. Served at
+  // http://<bind host>:<port>/metrics (metrics_address()); the text format
+  // of GetMetrics().
+  int metrics_port = -1;
 };
 
 // What Create decided and why; also logged.
@@ -146,12 +151,8 @@ struct EngineCounters {
   uint64_t probes_failed = 0;       // ... that did not answer
 };
 
-// What the engine posted on each of its NICs.
-struct NicCounters {
-  std::string name;     // the transport's NIC name, e.g. "mlx5_0:1"
-  uint64_t slices = 0;  // slices posted (re-posts included)
-  uint64_t bytes = 0;
-};
+// What the engine posted on each of its NICs (see metrics.h).
+using NicCounters = NicMetrics;
 
 class TransferEngine {
  public:
@@ -245,6 +246,10 @@ class TransferEngine {
   // Per local NIC, in the transport's order.
   std::vector<NicCounters> GetNicCounters() const;
   EngineCounters GetCounters() const;
+  // Counters per peer and per NIC, latency histograms (metrics.h).
+  EngineMetrics GetMetrics() const;
+  // "host:port" of the Prometheus endpoint, "" when off.
+  std::string metrics_address() const;
 
   std::vector<Notification> TakeNotifications();
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);

@@ -1,0 +1,144 @@
+#include "engine/metrics.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+
+namespace kvferry {
+
+const std::vector<double>& LatencyHistogram::Bounds() {
+  static const std::vector<double> bounds = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3,
+                                             2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                                             0.5, 1, 2.5, 5, 10};
+  return bounds;
+}
+
+void LatencyHistogram::Record(absl::Duration d) {
+  const double s = absl::ToDoubleSeconds(d);
+  const std::vector<double>& b = Bounds();
+  const size_t i = std::lower_bound(b.begin(), b.end(), s) - b.begin();
+  ++buckets_[i];
+  ++count_;
+  sum_seconds_ += s;
+}
+
+std::vector<uint64_t> LatencyHistogram::Cumulative() const {
+  std::vector<uint64_t> out(buckets_.size());
+  uint64_t running = 0;
+  for (size_t i = 0; i < buckets_.size(); ++i) out[i] = running += buckets_[i];
+  return out;
+}
+
+double LatencyHistogram::QuantileBound(double q) const {
+  if (count_ == 0) return 0;
+  const std::vector<uint64_t> c = Cumulative();
+  const double want = q * static_cast<double>(count_);
+  for (size_t i = 0; i < Bounds().size(); ++i) {
+    if (static_cast<double>(c[i]) >= want) return Bounds()[i];
+  }
+  return 1e300;
+}
+
+namespace {
+
+std::string Escape(const std::string& v) {
+  return absl::StrReplaceAll(v, {{"\\", "\\\\"}, {"\"", "\\\""}, {"\n", "\\n"}});
+}
+
+class Writer {
+ public:
+  Writer(std::string* out, std::string engine) : out_(out), engine_(std::move(engine)) {}
+  void Family(const char* name, const char* type, const char* help) {
+    absl::StrAppend(out_, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+  }
+  // `labels`: extra labels already formatted as `k="v",...` (may be empty).
+  void Sample(const std::string& name, const std::string& labels, double value) {
+    absl::StrAppend(out_, name, "{engine=\"", Escape(engine_), "\"",
+                    labels.empty() ? "" : ",", labels, "} ", absl::StrFormat("%.17g", value),
+                    "\n");
+  }
+
+ private:
+  std::string* out_;
+  std::string engine_;
+};
+
+std::string Label(const char* key, const std::string& value) {
+  return absl::StrCat(key, "=\"", Escape(value), "\"");
+}
+
+}  // namespace
+
+std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
+  std::string out;
+  Writer w(&out, engine);
+  struct PeerCounter {
+    const char* name;
+    const char* help;
+    uint64_t PeerMetrics::*field;
+  };
+  const PeerCounter counters[] = {
+      {"kvferry_requests_total", "Requests submitted to the peer.", &PeerMetrics::requests},
+      {"kvferry_requests_ok_total", "Requests to the peer that succeeded.",
+       &PeerMetrics::requests_ok},
+      {"kvferry_slices_total", "Slices posted to the peer, re-posts included.",
+       &PeerMetrics::slices},
+      {"kvferry_retries_total", "Slices re-posted after a failure.", &PeerMetrics::retries},
+      {"kvferry_reconnects_total", "Times the links to the peer were rebuilt.",
+       &PeerMetrics::reconnects},
+  };
+  for (const PeerCounter& c : counters) {
+    w.Family(c.name, "counter", c.help);
+    for (const PeerMetrics& p : m.peers) w.Sample(c.name, Label("peer", p.peer), p.*c.field);
+  }
+  w.Family("kvferry_bytes_total", "counter", "Bytes moved by successful requests.");
+  for (const PeerMetrics& p : m.peers) {
+    w.Sample("kvferry_bytes_total", Label("peer", p.peer) + ",op=\"write\"", p.bytes_written);
+    w.Sample("kvferry_bytes_total", Label("peer", p.peer) + ",op=\"read\"", p.bytes_read);
+  }
+  w.Family("kvferry_request_errors_total", "counter", "Failed requests, by status code.");
+  for (const PeerMetrics& p : m.peers) {
+    for (const auto& [code, n] : p.errors) {
+      w.Sample("kvferry_request_errors_total", Label("peer", p.peer) + "," + Label("code", code),
+               n);
+    }
+  }
+  w.Family("kvferry_request_latency_seconds", "histogram",
+           "Time from Submit to the request's completion.");
+  for (const PeerMetrics& p : m.peers) {
+    const std::vector<uint64_t> c = p.latency.Cumulative();
+    const std::vector<double>& bounds = LatencyHistogram::Bounds();
+    for (size_t i = 0; i < c.size(); ++i) {
+      const std::string le =
+          i < bounds.size() ? absl::StrFormat("%g", bounds[i]) : std::string("+Inf");
+      w.Sample("kvferry_request_latency_seconds_bucket",
+               Label("peer", p.peer) + "," + Label("le", le), c[i]);
+    }
+    w.Sample("kvferry_request_latency_seconds_sum", Label("peer", p.peer), p.latency.sum_seconds());
+    w.Sample("kvferry_request_latency_seconds_count", Label("peer", p.peer), p.latency.count());
+  }
+  w.Family("kvferry_nic_slices_total", "counter", "Slices posted on the NIC.");
+  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_slices_total", Label("nic", n.name), n.slices);
+  w.Family("kvferry_nic_bytes_total", "counter", "Bytes posted on the NIC.");
+  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_bytes_total", Label("nic", n.name), n.bytes);
+  w.Family("kvferry_nic_errors_total", "counter", "Slices that failed on the NIC.");
+  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_errors_total", Label("nic", n.name), n.errors);
+  const std::pair<const char*, uint64_t> engine_counters[] = {
+      {"kvferry_handshakes_refused_total", m.handshakes_refused},
+      {"kvferry_link_failovers_total", m.link_failovers},
+      {"kvferry_probes_total", m.probes},
+      {"kvferry_probes_failed_total", m.probes_failed},
+  };
+  const char* helps[] = {"Handshake requests refused for lack of the secret.",
+                         "Slices moved off a failed link to another.",
+                         "Peers probed after a silence.", "Probes that got no answer."};
+  for (size_t i = 0; i < 4; ++i) {
+    w.Family(engine_counters[i].first, "counter", helps[i]);
+    w.Sample(engine_counters[i].first, "", engine_counters[i].second);
+  }
+  return out;
+}
+
+}  // namespace kvferry
