@@ -159,10 +159,14 @@ int Latency() {
   Pair& p = *pair;
   // Each side: a send buffer and a receive buffer whose last byte carries
   // the round number (like perftest, the last byte lands last).
-  std::vector<char> isend(block, 0), irecv(block, 0), tsend(block, 0), trecv(block, 0);
+  // The target echoes from two send buffers in turn: a buffer is written
+  // again only after the write that used it has completed.
+  std::vector<char> isend(block, 0), irecv(block, 0), trecv(block, 0);
+  std::vector<char> tsend[2] = {std::vector<char>(block, 0), std::vector<char>(block, 0)};
   absl::Status st = p.initiator->RegisterMemory(isend.data(), block);
   if (st.ok()) st = p.initiator->RegisterMemory(irecv.data(), block);
-  if (st.ok()) st = p.target->RegisterMemory(tsend.data(), block);
+  if (st.ok()) st = p.target->RegisterMemory(tsend[0].data(), block);
+  if (st.ok()) st = p.target->RegisterMemory(tsend[1].data(), block);
   if (st.ok()) st = p.target->RegisterMemory(trecv.data(), block);
   if (st.ok()) st = Open(p);
   if (!st.ok()) {
@@ -188,8 +192,9 @@ int Latency() {
     for (uint64_t r = 1; r <= rounds; ++r) {
       const char mark = static_cast<char>(r % 251 + 1);
       if (!wait_for(&trecv[block - 1], mark, failed)) return;
-      tsend[block - 1] = mark;
-      TransferRequest w{Opcode::kWrite, tsend.data(), reinterpret_cast<uintptr_t>(irecv.data()),
+      std::vector<char>& out = tsend[r % 2];
+      out[block - 1] = mark;
+      TransferRequest w{Opcode::kWrite, out.data(), reinterpret_cast<uintptr_t>(irecv.data()),
                         block};
       absl::StatusOr<BatchId> b = p.target->Submit(p.to_initiator, {&w, 1});
       absl::Status s = b.status();

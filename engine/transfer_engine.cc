@@ -374,7 +374,7 @@ Frame TransferEngine::Impl::Handle(const Frame& request) {
       auto it = metadata_.find(m->key);
       if (it == metadata_.end()) {
         return handshake::ErrorFrame(absl::NotFoundError(
-            absl::StrCat("engine ", address_, " has published no '", m->key, "'")));
+            absl::StrCat("the peer has published no '", m->key, "'")));
       }
       return Frame{MessageType::kMetadata,
                    handshake::Encode(handshake::Metadata{m->key, it->second, engine_id_})};
@@ -1212,11 +1212,13 @@ absl::StatusOr<std::string> TransferEngine::Impl::FetchMetadata(SegmentId id,
       instance = it->second.descriptor.engine_id;
       generation = it->second.generation;
     }
-    ASSIGN_OR_RETURN(Frame reply, network_->Call(peer,
-                                                 Frame{MessageType::kGetMetadata,
-                                                       handshake::Encode(
-                                                           handshake::MetadataRequest{key})},
-                                                 options_.handshake_timeout));
+    absl::StatusOr<Frame> answer = network_->Call(
+        peer, Frame{MessageType::kGetMetadata, handshake::Encode(handshake::MetadataRequest{key})},
+        options_.handshake_timeout);
+    if (!answer.ok()) {
+      return Annotate(answer.status(), absl::StrCat("metadata '", key, "' of ", peer));
+    }
+    Frame& reply = *answer;
     ASSIGN_OR_RETURN(handshake::Metadata m, handshake::DecodeMetadata(reply.payload));
     if (m.engine_id == instance) return std::move(m.value);
     // The peer restarted since the last handshake: values and segment must

@@ -115,7 +115,7 @@ TEST(PeerFailure, ConcurrentCallersShareOneReconnectAfterARestart) {
   const uint64_t reconnects_before = e->GetCounters().reconnects;
   // Eight threads race on the stale segment: one reconnect serves them all,
   // and nobody writes with the dead peer's keys.
-  uint64_t new_remote = 0;
+  std::atomic<uint64_t> new_remote{0};
   std::atomic<int> ok{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
@@ -132,7 +132,7 @@ TEST(PeerFailure, ConcurrentCallersShareOneReconnectAfterARestart) {
   }
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(ok.load(), 8);
-  EXPECT_NE(new_remote, 0u);
+  EXPECT_NE(new_remote.load(), 0u);
   EXPECT_EQ(e->GetCounters().reconnects - reconnects_before, 1u);
 }
 

@@ -28,7 +28,7 @@ EngineDescriptor Descriptor(int nics, int regions, const std::string& kind) {
   }
   for (int r = 0; r < regions; ++r) {
     RegionDescriptor rd;
-    rd.addr = 0x7f0000000000ull + (uint64_t{r} << 30);
+    rd.addr = 0x7f0000000000ull + (static_cast<uint64_t>(r) << 30);
     rd.length = uint64_t{1} << (12 + r);
     rd.access = static_cast<transport::Access>(r % 4);
     for (int i = 0; i < nics; ++i) rd.keys.push_back(0x1000u + r * 16 + i);

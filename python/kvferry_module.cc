@@ -1,0 +1,427 @@
+// The kvferry Python module (pybind11):
+//
+//   from kvferry import TransferEngine      # instead of: from mooncake.engine import TransferEngine
+//
+// TransferEngine mirrors the methods serving frameworks call on Mooncake's
+// Python engine, with the same arguments and return conventions (0 on
+// success, a negative number on failure; the reason is logged and kept for
+// get_last_error()). metadata_server "P2PHANDSHAKE" (or empty) is the only
+// mode: peers are named "host:port" (get_rpc_port() gives ours).
+//
+// Engine, KvPool, KvSender and KvReceiver are the Pythonic API: failures
+// raise kvferry.Error (a RuntimeError) carrying the engine's message and
+// status code. The GIL is released while the engine works.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/logging.h"
+#include "engine/kv_cache.h"
+#include "engine/metrics.h"
+#include "engine/transfer_engine.h"
+
+namespace py = pybind11;
+
+namespace kvferry {
+namespace {
+
+// kvferry.Error, created at import.
+PyObject* g_error = nullptr;
+
+[[noreturn]] void Raise(const absl::Status& s) {
+  py::object error = py::reinterpret_borrow<py::object>(g_error);
+  py::object instance = error(std::string(s.message()));
+  instance.attr("code") = absl::StatusCodeToString(s.code());
+  PyErr_SetObject(g_error, instance.ptr());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T Value(absl::StatusOr<T> v) {
+  if (!v.ok()) Raise(v.status());
+  return *std::move(v);
+}
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+// "host:port" -> (host, port); "host" -> (host, 0).
+void SplitHostPort(const std::string& in, std::string* host, uint16_t* port) {
+  *host = in;
+  *port = 0;
+  const size_t colon = in.rfind(':');
+  if (colon == std::string::npos || in.find(']') != std::string::npos && colon < in.find(']')) {
+    return;
+  }
+  uint32_t p = 0;
+  if (absl::SimpleAtoi(in.substr(colon + 1), &p) && p <= 65535) {
+    *host = in.substr(0, colon);
+    *port = static_cast<uint16_t>(p);
+  }
+}
+
+// --------------------------------------------------------------- Mooncake
+
+class MooncakeCompatEngine {
+ public:
+  int initialize(const std::string& local_hostname, const std::string& metadata_server,
+                 const std::string& protocol, const std::string& device_name) {
+    if (engine_ != nullptr) return Fail(absl::FailedPreconditionError("already initialized"));
+    if (!metadata_server.empty() && metadata_server != "P2PHANDSHAKE") {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "metadata server '", metadata_server,
+          "': kvferry needs none; pass \"P2PHANDSHAKE\" (peers are named host:port)")));
+    }
+    EngineOptions o;
+    std::string host;
+    uint16_t port;
+    SplitHostPort(local_hostname, &host, &port);
+    if (host != "localhost") o.local_host = host;
+    else o.local_host = "127.0.0.1";
+    o.port = port;
+    if (protocol == "rdma" || protocol == "tcp") {
+      o.transport = protocol;
+    } else if (!protocol.empty()) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("protocol '", protocol, "': kvferry speaks \"rdma\" and \"tcp\"")));
+    }
+    for (absl::string_view d : absl::StrSplit(device_name, ',', absl::SkipEmpty())) {
+      o.devices.emplace_back(d);
+    }
+    absl::StatusOr<std::unique_ptr<TransferEngine>> e;
+    {
+      py::gil_scoped_release release;
+      e = TransferEngine::Create(o);
+    }
+    if (!e.ok()) return Fail(e.status());
+    engine_ = std::move(*e);
+    return 0;
+  }
+
+  int get_rpc_port() const {
+    if (engine_ == nullptr) return -1;
+    const std::string a = engine_->address();
+    uint32_t port = 0;
+    return absl::SimpleAtoi(a.substr(a.rfind(':') + 1), &port) ? static_cast<int>(port) : -1;
+  }
+
+  int register_memory(uintptr_t addr, uint64_t length) {
+    if (!Ready()) return -1;
+    return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length));
+  }
+  int unregister_memory(uintptr_t addr) {
+    if (!Ready()) return -1;
+    return Result(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
+  }
+  int batch_register_memory(const std::vector<uintptr_t>& addrs,
+                            const std::vector<uint64_t>& lengths) {
+    if (!Ready()) return -1;
+    if (addrs.size() != lengths.size()) {
+      return Fail(absl::InvalidArgumentError("addresses and lengths differ in count"));
+    }
+    for (size_t i = 0; i < addrs.size(); ++i) {
+      if (register_memory(addrs[i], lengths[i]) != 0) return -1;
+    }
+    return 0;
+  }
+  int batch_unregister_memory(const std::vector<uintptr_t>& addrs) {
+    for (uintptr_t a : addrs) {
+      if (unregister_memory(a) != 0) return -1;
+    }
+    return 0;
+  }
+
+  int transfer_sync_write(const std::string& target, uintptr_t buffer, uint64_t peer_address,
+                          uint64_t length) {
+    return Sync(target, transport::Opcode::kWrite, {buffer}, {peer_address}, {length});
+  }
+  int transfer_sync_read(const std::string& target, uintptr_t buffer, uint64_t peer_address,
+                         uint64_t length) {
+    return Sync(target, transport::Opcode::kRead, {buffer}, {peer_address}, {length});
+  }
+  int batch_transfer_sync_write(const std::string& target, const std::vector<uintptr_t>& buffers,
+                                const std::vector<uint64_t>& peer_addresses,
+                                const std::vector<uint64_t>& lengths) {
+    return Sync(target, transport::Opcode::kWrite, buffers, peer_addresses, lengths);
+  }
+  int batch_transfer_sync_read(const std::string& target, const std::vector<uintptr_t>& buffers,
+                               const std::vector<uint64_t>& peer_addresses,
+                               const std::vector<uint64_t>& lengths) {
+    return Sync(target, transport::Opcode::kRead, buffers, peer_addresses, lengths);
+  }
+
+  std::string get_last_error() const { return last_error_; }
+  std::string get_local_address() const { return engine_ == nullptr ? "" : engine_->address(); }
+
+ private:
+  bool Ready() {
+    if (engine_ != nullptr) return true;
+    Fail(absl::FailedPreconditionError("call initialize() first"));
+    return false;
+  }
+  int Fail(const absl::Status& s) {
+    last_error_ = s.ToString();
+    KVF_LOG(WARNING) << "kvferry: " << last_error_;
+    return -1;
+  }
+  int Result(const absl::Status& s) { return s.ok() ? 0 : Fail(s); }
+
+  int Sync(const std::string& target, transport::Opcode op, const std::vector<uintptr_t>& local,
+           const std::vector<uint64_t>& remote, const std::vector<uint64_t>& lengths) {
+    if (!Ready()) return -1;
+    if (local.size() != remote.size() || local.size() != lengths.size()) {
+      return Fail(absl::InvalidArgumentError("buffers, peer addresses and lengths differ in count"));
+    }
+    std::vector<TransferRequest> requests;
+    for (size_t i = 0; i < local.size(); ++i) {
+      requests.push_back({op, reinterpret_cast<void*>(local[i]), remote[i], lengths[i]});
+    }
+    absl::Status result;
+    {
+      py::gil_scoped_release release;
+      result = [&]() -> absl::Status {
+        absl::StatusOr<SegmentId> seg = engine_->OpenSegment(target);
+        if (!seg.ok()) return seg.status();
+        absl::StatusOr<BatchId> batch = engine_->Submit(*seg, requests);
+        if (!batch.ok()) return batch.status();
+        absl::StatusOr<BatchStatus> st = engine_->Wait(*batch, absl::Seconds(kTimeoutSeconds));
+        if (!st.ok()) return st.status();
+        (void)engine_->Release(*batch);
+        for (const absl::Status& r : st->requests) {
+          if (!r.ok()) return r;
+        }
+        return absl::OkStatus();
+      }();
+    }
+    return Result(result);
+  }
+
+  static constexpr int kTimeoutSeconds = 30;  // Mooncake's MC_TRANSFER_TIMEOUT default
+  std::unique_ptr<TransferEngine> engine_;
+  std::string last_error_;
+};
+
+// --------------------------------------------------------------- Pythonic
+
+class Engine {
+ public:
+  Engine(const std::string& host, int port, const std::string& transport,
+         const std::vector<std::string>& devices, int metrics_port) {
+    EngineOptions o;
+    o.local_host = host;
+    o.port = static_cast<uint16_t>(port);
+    o.transport = transport;
+    o.devices = devices;
+    o.metrics_port = metrics_port;
+    absl::StatusOr<std::unique_ptr<TransferEngine>> e;
+    {
+      py::gil_scoped_release release;
+      e = TransferEngine::Create(o);
+    }
+    engine_ = Value(std::move(e));
+  }
+  TransferEngine* get() { return engine_.get(); }
+  std::string address() const { return engine_->address(); }
+  std::string transport() const { return engine_->detection().transport; }
+  void register_memory(uintptr_t addr, uint64_t length) {
+    Check(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length));
+  }
+  void unregister_memory(uintptr_t addr) {
+    Check(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
+  }
+  // [(op, local, remote, length)] with op "write" or "read"; raises on any
+  // failed request (the message names it).
+  void transfer(const std::string& peer,
+                const std::vector<std::tuple<std::string, uintptr_t, uint64_t, uint64_t>>& reqs,
+                double timeout_s) {
+    std::vector<TransferRequest> requests;
+    for (const auto& [op, local, remote, length] : reqs) {
+      if (op != "write" && op != "read") {
+        Raise(absl::InvalidArgumentError(absl::StrCat("op '", op, "': write or read")));
+      }
+      requests.push_back({op == "write" ? transport::Opcode::kWrite : transport::Opcode::kRead,
+                          reinterpret_cast<void*>(local), remote, length});
+    }
+    absl::Status result;
+    {
+      py::gil_scoped_release release;
+      result = [&]() -> absl::Status {
+        absl::StatusOr<SegmentId> seg = engine_->OpenSegment(peer);
+        if (!seg.ok()) return seg.status();
+        absl::StatusOr<BatchId> b = engine_->Submit(*seg, requests);
+        if (!b.ok()) return b.status();
+        absl::StatusOr<BatchStatus> st = engine_->Wait(*b, absl::Seconds(timeout_s));
+        if (!st.ok()) return st.status();
+        (void)engine_->Release(*b);
+        for (size_t i = 0; i < st->requests.size(); ++i) {
+          if (!st->requests[i].ok()) {
+            return absl::Status(st->requests[i].code(),
+                                absl::StrCat("request ", i, ": ", st->requests[i].message()));
+          }
+        }
+        return absl::OkStatus();
+      }();
+    }
+    Check(result);
+  }
+  py::dict metrics() const {
+    const EngineMetrics m = engine_->GetMetrics();
+    py::dict out;
+    py::list peers;
+    for (const PeerMetrics& p : m.peers) {
+      py::dict d;
+      d["peer"] = p.peer;
+      d["requests"] = p.requests;
+      d["requests_ok"] = p.requests_ok;
+      d["bytes_written"] = p.bytes_written;
+      d["bytes_read"] = p.bytes_read;
+      d["slices"] = p.slices;
+      d["retries"] = p.retries;
+      d["reconnects"] = p.reconnects;
+      d["errors"] = p.errors;
+      d["latency_p50_s"] = p.latency.QuantileBound(0.5);
+      d["latency_p99_s"] = p.latency.QuantileBound(0.99);
+      peers.append(d);
+    }
+    py::list nics;
+    for (const NicMetrics& n : m.nics) {
+      py::dict d;
+      d["name"] = n.name;
+      d["slices"] = n.slices;
+      d["bytes"] = n.bytes;
+      d["errors"] = n.errors;
+      nics.append(d);
+    }
+    out["peers"] = peers;
+    out["nics"] = nics;
+    out["prometheus"] = PrometheusText(m, engine_->address());
+    return out;
+  }
+  std::string metrics_address() const { return engine_->metrics_address(); }
+
+ private:
+  std::unique_ptr<TransferEngine> engine_;
+};
+
+KvLayout Layout(uint32_t layers, bool combined_kv, uint32_t page_tokens,
+                uint64_t bytes_per_token, uint32_t pages) {
+  KvLayout l{layers, combined_kv, page_tokens, bytes_per_token, pages};
+  Check(l.Validate());
+  return l;
+}
+
+// A pool over buffers the caller owns: one address per layer (and K/V).
+KvPool WrapPool(uint32_t layers, bool combined_kv, uint32_t page_tokens,
+                uint64_t bytes_per_token, uint32_t pages, const std::vector<uintptr_t>& buffers) {
+  std::vector<void*> b;
+  for (uintptr_t a : buffers) b.push_back(reinterpret_cast<void*>(a));
+  return Value(KvPool::Wrap(Layout(layers, combined_kv, page_tokens, bytes_per_token, pages), b));
+}
+
+}  // namespace
+}  // namespace kvferry
+
+PYBIND11_MODULE(kvferry, m) {
+  using namespace kvferry;
+  m.doc() = "kvferry: zero-configuration KV-cache transfer engine";
+  static py::exception<std::runtime_error> error(m, "Error", PyExc_RuntimeError);
+  g_error = error.ptr();
+
+  py::class_<MooncakeCompatEngine>(m, "TransferEngine",
+                                   "Drop-in for mooncake.engine.TransferEngine (P2PHANDSHAKE).")
+      .def(py::init<>())
+      .def("initialize", &MooncakeCompatEngine::initialize, py::arg("local_hostname"),
+           py::arg("metadata_server"), py::arg("protocol"), py::arg("device_name"))
+      .def("get_rpc_port", &MooncakeCompatEngine::get_rpc_port)
+      .def("register_memory", &MooncakeCompatEngine::register_memory, py::arg("buffer_addr"),
+           py::arg("capacity"))
+      .def("unregister_memory", &MooncakeCompatEngine::unregister_memory, py::arg("buffer_addr"))
+      .def("batch_register_memory", &MooncakeCompatEngine::batch_register_memory,
+           py::arg("buffer_addresses"), py::arg("capacities"))
+      .def("batch_unregister_memory", &MooncakeCompatEngine::batch_unregister_memory,
+           py::arg("buffer_addresses"))
+      .def("transfer_sync_write", &MooncakeCompatEngine::transfer_sync_write,
+           py::arg("target_hostname"), py::arg("buffer"), py::arg("peer_buffer_address"),
+           py::arg("length"))
+      .def("transfer_sync_read", &MooncakeCompatEngine::transfer_sync_read,
+           py::arg("target_hostname"), py::arg("buffer"), py::arg("peer_buffer_address"),
+           py::arg("length"))
+      .def("batch_transfer_sync_write", &MooncakeCompatEngine::batch_transfer_sync_write,
+           py::arg("target_hostname"), py::arg("buffers"), py::arg("peer_buffer_addresses"),
+           py::arg("lengths"))
+      .def("batch_transfer_sync_read", &MooncakeCompatEngine::batch_transfer_sync_read,
+           py::arg("target_hostname"), py::arg("buffers"), py::arg("peer_buffer_addresses"),
+           py::arg("lengths"))
+      .def("get_last_error", &MooncakeCompatEngine::get_last_error)
+      .def("get_local_address", &MooncakeCompatEngine::get_local_address);
+
+  py::class_<Engine>(m, "Engine", "A kvferry engine; failures raise kvferry.Error.")
+      .def(py::init<const std::string&, int, const std::string&, const std::vector<std::string>&,
+                    int>(),
+           py::arg("host") = "", py::arg("port") = 0, py::arg("transport") = "auto",
+           py::arg("devices") = std::vector<std::string>{}, py::arg("metrics_port") = -1)
+      .def_property_readonly("address", &Engine::address)
+      .def_property_readonly("transport", &Engine::transport)
+      .def_property_readonly("metrics_address", &Engine::metrics_address)
+      .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("length"))
+      .def("unregister_memory", &Engine::unregister_memory, py::arg("addr"))
+      .def("transfer", &Engine::transfer, py::arg("peer"), py::arg("requests"),
+           py::arg("timeout") = 30.0)
+      .def("metrics", &Engine::metrics);
+
+  py::class_<KvPool>(m, "KvPool", "Where a KV pool's buffers are.")
+      .def(py::init(&WrapPool), py::arg("layers"), py::arg("combined_kv"), py::arg("page_tokens"),
+           py::arg("bytes_per_token"), py::arg("pages"), py::arg("buffers"));
+
+  py::class_<KvSender>(m, "KvSender", "Sends a request's KV pages to a decode engine.")
+      .def(py::init([](Engine& e, const KvPool& pool) {
+             return Value(KvSender::Create(e.get(), pool));
+           }),
+           py::arg("engine"), py::arg("pool"), py::keep_alive<1, 2>())
+      .def(
+          "send",
+          [](KvSender& s, const std::string& request_id, const std::string& peer,
+             const std::vector<uint32_t>& src_pages, const std::vector<uint32_t>& dst_pages,
+             const std::string& aux) {
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.Send(request_id, peer, src_pages, dst_pages, aux);
+            }
+            Check(st);
+          },
+          py::arg("request_id"), py::arg("peer"), py::arg("src_pages"), py::arg("dst_pages"),
+          py::arg("aux") = "");
+
+  py::class_<KvReceiver>(m, "KvReceiver", "Receives KV pages into a pool.")
+      .def(py::init([](Engine& e, const KvPool& pool) {
+             return Value(KvReceiver::Create(e.get(), pool));
+           }),
+           py::arg("engine"), py::arg("pool"), py::keep_alive<1, 2>())
+      .def(
+          "wait",
+          [](KvReceiver& r, const std::string& request_id, double timeout_s) {
+            absl::StatusOr<KvReceiver::Status> st;
+            {
+              py::gil_scoped_release release;
+              st = r.Wait(request_id, absl::Seconds(timeout_s));
+            }
+            KvReceiver::Status s = Value(std::move(st));
+            if (s.state == KvReceiver::State::kFailed) Raise(s.error);
+            if (s.state == KvReceiver::State::kPending) {
+              Raise(absl::DeadlineExceededError(
+                  absl::StrCat("KV request ", request_id, " still pending")));
+            }
+            return py::bytes(s.aux);
+          },
+          py::arg("request_id"), py::arg("timeout") = 30.0);
+}

@@ -1,0 +1,216 @@
+"""The kvferry Python module: the Mooncake-compatible engine, the Pythonic
+engine and KV layer, errors as exceptions, the GIL released, metrics."""
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+import unittest
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+
+import kvferry  # noqa: E402
+
+
+def _target(conn, size):
+    """A second process: an engine serving a numpy buffer."""
+    engine = kvferry.Engine(host="127.0.0.1", transport="tcp")
+    buf = np.zeros(size, dtype=np.uint8)
+    engine.register_memory(buf.ctypes.data, buf.nbytes)
+    conn.send((engine.address, buf.ctypes.data))
+    conn.recv()
+    conn.send(bytes(buf[:16]) + bytes(buf[-16:]))
+    conn.recv()
+
+
+class MooncakeCompatTest(unittest.TestCase):
+    def test_a_mooncake_script_runs_unchanged(self):
+        env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run([sys.executable, os.path.join(HERE, "mooncake_p2p_write.py")],
+                             env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("verified", out.stdout)
+
+    def test_return_conventions_and_last_error(self):
+        engine = kvferry.TransferEngine()
+        self.assertEqual(engine.register_memory(1 << 20, 4096), -1)  # not initialized
+        self.assertIn("initialize", engine.get_last_error())
+        self.assertEqual(engine.initialize("127.0.0.1", "etcd://10.0.0.1:2379", "tcp", ""), -1)
+        self.assertIn("P2PHANDSHAKE", engine.get_last_error())
+        self.assertEqual(engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
+        self.assertGreater(engine.get_rpc_port(), 0)
+        buf = np.zeros(4096, dtype=np.uint8)
+        self.assertEqual(engine.register_memory(buf.ctypes.data, buf.nbytes), 0)
+        self.assertEqual(engine.register_memory(buf.ctypes.data, buf.nbytes), -1)  # overlap
+        self.assertIn("overlaps", engine.get_last_error())
+        ret = engine.transfer_sync_write("127.0.0.1:1", buf.ctypes.data, 0, 64)
+        self.assertLess(ret, 0)
+        self.assertEqual(engine.unregister_memory(buf.ctypes.data), 0)
+        a = np.zeros(4096, dtype=np.uint8)
+        b = np.zeros(4096, dtype=np.uint8)
+        self.assertEqual(engine.batch_register_memory([a.ctypes.data, b.ctypes.data],
+                                                      [4096, 4096]), 0)
+        self.assertEqual(engine.batch_unregister_memory([a.ctypes.data, b.ctypes.data]), 0)
+
+
+class EngineTest(unittest.TestCase):
+    def test_two_processes_move_numpy_buffers(self):
+        size = 8 << 20
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_target, args=(theirs, size))
+        p.start()
+        try:
+            peer, remote = mine.recv()
+            engine = kvferry.Engine(host="127.0.0.1", transport="tcp")
+            src = (np.arange(size, dtype=np.uint64) * 7).astype(np.uint8)
+            back = np.zeros(size, dtype=np.uint8)
+            engine.register_memory(src.ctypes.data, src.nbytes)
+            engine.register_memory(back.ctypes.data, back.nbytes)
+            half = size // 2
+            engine.transfer(peer, [("write", src.ctypes.data, remote, half),
+                                   ("write", src.ctypes.data + half, remote + half, half)])
+            engine.transfer(peer, [("read", back.ctypes.data, remote, size)])
+            np.testing.assert_array_equal(back, src)
+            mine.send("show me")
+            edges = mine.recv()
+            self.assertEqual(edges, bytes(src[:16]) + bytes(src[-16:]))
+            # Errors are exceptions carrying the engine's message and code.
+            with self.assertRaises(kvferry.Error) as err:
+                engine.transfer(peer, [("write", src.ctypes.data, 64, 128)])
+            self.assertIn("no registered region", str(err.exception))
+            self.assertEqual(err.exception.code, "INVALID_ARGUMENT")
+            with self.assertRaises(kvferry.Error):
+                engine.transfer(peer, [("copy", src.ctypes.data, remote, 1)])
+            with self.assertRaises(kvferry.Error) as gone:
+                engine.transfer("127.0.0.1:1", [("write", src.ctypes.data, remote, 1)])
+            self.assertEqual(gone.exception.code, "UNAVAILABLE")
+        finally:
+            mine.send("bye")
+            p.join(30)
+        self.assertEqual(p.exitcode, 0)
+
+    def test_the_gil_is_released_during_transfers(self):
+        a = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        b = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        size = 128 << 20
+        src = np.ones(size, dtype=np.uint8)
+        dst = np.zeros(size, dtype=np.uint8)
+        a.register_memory(src.ctypes.data, size)
+        b.register_memory(dst.ctypes.data, size)
+        running = threading.Event()
+        stop = threading.Event()
+        ticks = [0]
+
+        def spin():
+            while not stop.is_set():
+                if running.is_set():
+                    ticks[0] += 1
+
+        t = threading.Thread(target=spin)
+        t.start()
+        running.set()
+        start = time.monotonic()
+        a.transfer(b.address, [("write", src.ctypes.data, dst.ctypes.data, size)] * 4)
+        took = time.monotonic() - start
+        running.clear()
+        stop.set()
+        t.join()
+        # Holding the GIL for the whole call would leave the other thread a
+        # switch or two at most.
+        self.assertGreater(ticks[0], 100, f"{ticks[0]} ticks in {took:.3f} s")
+        self.assertEqual(int(dst[-1]), 1)
+
+
+class KvTest(unittest.TestCase):
+    def test_pages_move_between_pools_of_numpy_arrays(self):
+        layers, page_tokens, bytes_per_token, pages = 2, 16, 256, 32
+        page = page_tokens * bytes_per_token
+        prefill = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        decode = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        src = [np.full(page * pages, i + 1, dtype=np.uint8) for i in range(layers * 2)]
+        for arr in src:
+            arr[::page] = np.arange(pages, dtype=np.uint8)  # page numbers
+        dst = [np.zeros(page * pages, dtype=np.uint8) for _ in range(layers * 2)]
+        src_pool = kvferry.KvPool(layers, False, page_tokens, bytes_per_token, pages,
+                                  [a.ctypes.data for a in src])
+        dst_pool = kvferry.KvPool(layers, False, page_tokens, bytes_per_token, pages,
+                                  [a.ctypes.data for a in dst])
+        receiver = kvferry.KvReceiver(decode, dst_pool)
+        sender = kvferry.KvSender(prefill, src_pool)
+        sender.send("req-1", decode.address, [0, 1, 5], [10, 11, 20], aux="first token 7")
+        self.assertEqual(receiver.wait("req-1", timeout=10), b"first token 7")
+        for s, d in zip(src, dst):
+            for sp, dp in ((0, 10), (1, 11), (5, 20)):
+                np.testing.assert_array_equal(d[dp * page:(dp + 1) * page],
+                                              s[sp * page:(sp + 1) * page])
+        with self.assertRaises(kvferry.Error) as err:
+            sender.send("req-2", decode.address, [0], [pages + 3])
+        self.assertIn("outside", str(err.exception))
+        with self.assertRaises(kvferry.Error):
+            kvferry.KvPool(0, False, 16, 256, 32, [])
+
+
+class MetricsTest(unittest.TestCase):
+    def test_prometheus_endpoint_counts_traffic(self):
+        a = kvferry.Engine(host="127.0.0.1", transport="tcp", metrics_port=0)
+        b = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        src = np.ones(1 << 20, dtype=np.uint8)
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        a.register_memory(src.ctypes.data, src.nbytes)
+        b.register_memory(dst.ctypes.data, dst.nbytes)
+
+        def scrape():
+            with urllib.request.urlopen(f"http://{a.metrics_address}/metrics", timeout=10) as r:
+                return r.read().decode()
+
+        series = f'kvferry_bytes_total{{engine="{a.address}",peer="{b.address}",op="write"}}'
+        for n in (1, 2):
+            a.transfer(b.address, [("write", src.ctypes.data, dst.ctypes.data, src.nbytes)])
+            text = scrape()
+            line = [l for l in text.splitlines() if l.startswith(series + " ")]
+            self.assertEqual(len(line), 1, text)
+            self.assertEqual(float(line[0].split()[-1]), n * src.nbytes)
+        m = a.metrics()
+        self.assertEqual(m["peers"][0]["requests_ok"], 2)
+        self.assertGreater(m["peers"][0]["latency_p99_s"], 0)
+
+
+def _main():
+    """Runs the tests; under Bazel also writes one JUnit case per test to
+    $XML_OUTPUT_FILE, so each counts in CI's summary."""
+    suite = unittest.defaultTestLoader.loadTestsFromModule(sys.modules[__name__])
+    tests = list(_all_tests(suite))  # running the suite empties it
+    result = unittest.TextTestRunner(verbosity=2).run(suite)
+    path = os.environ.get("XML_OUTPUT_FILE")
+    if path:
+        import xml.etree.ElementTree as ET
+        root = ET.Element("testsuites")
+        ts = ET.SubElement(root, "testsuite", name="kvferry_test", tests=str(result.testsRun))
+        failed = {t.id(): msg for t, msg in result.failures + result.errors}
+        skipped = {t.id(): msg for t, msg in result.skipped}
+        for test in tests:
+            case = ET.SubElement(ts, "testcase", name=test.id(), classname="kvferry_test")
+            if test.id() in failed:
+                ET.SubElement(case, "failure", message="failed").text = failed[test.id()]
+            elif test.id() in skipped:
+                ET.SubElement(case, "skipped", message=skipped[test.id()])
+        ET.ElementTree(root).write(path)
+    return 0 if result.wasSuccessful() else 1
+
+
+def _all_tests(suite):
+    for t in suite:
+        if isinstance(t, unittest.TestSuite):
+            yield from _all_tests(t)
+        else:
+            yield t
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
