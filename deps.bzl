@@ -30,6 +30,6 @@ def kvferry_dependencies():
     if not native.existing_rule("sys"):
         native.new_local_repository(
             name = "sys",
-            build_file = Label("//third_party:sys.BUILD"),
+            build_file = "@kvferry//third_party:sys.BUILD",
             path = "/usr",
         )

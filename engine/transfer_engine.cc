@@ -1276,6 +1276,10 @@ absl::StatusOr<Decision> Detect(const EngineOptions& options) {
   if (options.transport != "tcp") {
     transport::verbs::DiscoveryOptions discovery;
     discovery.devices = options.devices;
+    if (options.gid_index >= 0) {
+      discovery.gid_index = options.gid_index;
+      discovery.gid_index_source = "EngineOptions::gid_index";
+    }
     transport::verbs::ApplyEnvironment(&discovery);
     absl::StatusOr<transport::verbs::Discovery> found = transport::verbs::Discover(discovery);
     if (!found.ok()) return found.status();  // e.g. a named device that does not exist

@@ -58,6 +58,9 @@ struct EngineOptions {
   std::string transport = "auto";
   // RDMA devices to use (allow-list), e.g. {"mlx5_0", "mlx5_1"}; empty: all.
   std::vector<std::string> devices;
+  // GID index for every RDMA port; -1: MC_GID_INDEX or NCCL_IB_GID_INDEX if
+  // set, else the ranked choice (docs/rdma-discovery.md).
+  int gid_index = -1;
   uint64_t slice_bytes = 64 << 10;
   // Links (for TCP: connections) opened to each peer.
   uint32_t links_per_peer = 2;

@@ -1,0 +1,88 @@
+"""The docs say what the code does: every EngineOptions field, environment
+variable and tool flag named in configuration.md exists, and every relative
+link between the docs points at a file that exists."""
+import os
+import re
+import subprocess
+import unittest
+
+ROOT = os.path.join(os.environ["TEST_SRCDIR"], os.environ["TEST_WORKSPACE"])
+DOCS = os.path.join(ROOT, "docs")
+
+
+def read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def section(text, title):
+    start = text.index("## " + title)
+    end = text.find("\n## ", start + 3)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def first_column(table_text):
+    names = []
+    for line in table_text.splitlines():
+        m = re.match(r"\|\s*`([^`]+)`\s*\|", line)
+        if m:
+            names.append(m.group(1))
+    return names
+
+
+class ConfigurationTest(unittest.TestCase):
+    config = read("docs/configuration.md")
+
+    def test_every_engine_option_exists(self):
+        header = read("engine/transfer_engine.h")
+        struct = header[header.index("struct EngineOptions {"):]
+        struct = struct[:struct.index("\n};")]
+        names = first_column(section(self.config, "EngineOptions"))
+        self.assertGreaterEqual(len(names), 15)
+        for name in names:
+            self.assertRegex(struct, r"\b%s\b(\s*=[^;]*)?;" % re.escape(name), name)
+        # ... and every field is documented.
+        fields = re.findall(r"^\s+[\w:<>, ]+?\s(\w+)(?: = [^;]*)?;$", struct, re.M)
+        for field in fields:
+            self.assertIn(field, names, f"EngineOptions::{field} is not on the page")
+
+    def test_every_environment_variable_is_read_somewhere(self):
+        sources = "".join(read(p) for p in [
+            "base/logging.cc", "handshake/auth.h", "sim/seed.cc", "tests/soak_test.cc",
+            "tools/softroce/vm.sh", "transport/verbs/discovery.cc",
+            "transport/verbs/verbs_conformance_test.cc"])
+        names = first_column(section(self.config, "Environment variables"))
+        self.assertGreaterEqual(len(names), 8)
+        for name in names:
+            self.assertIn(name, sources, name)
+
+    def test_every_tool_flag_exists(self):
+        rows = section(self.config, "Flags of the tools")
+        checked = 0
+        for line in rows.splitlines():
+            m = re.match(r"\|\s*`//(\w+):(\w+)`\s*\|(.*)\|", line)
+            if not m:
+                continue
+            binary = os.path.join(ROOT, m.group(1), m.group(2))
+            out = subprocess.run([binary, "--helpfull"], capture_output=True, text=True,
+                                 timeout=60)
+            text = out.stdout + out.stderr
+            for flag in re.findall(r"`--(\w+)`", m.group(3)):
+                self.assertIn(f"-{flag} ", text, f"{m.group(2)} has no --{flag}")
+                checked += 1
+        self.assertGreaterEqual(checked, 30)
+
+
+class LinksTest(unittest.TestCase):
+    def test_relative_links_resolve(self):
+        for name in sorted(os.listdir(DOCS)):
+            if not name.endswith(".md"):
+                continue
+            text = read(os.path.join("docs", name))
+            for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+                self.assertTrue(os.path.exists(os.path.join(DOCS, target)),
+                                f"{name} links to missing {target}")
+
+
+if __name__ == "__main__":
+    unittest.main()
