@@ -123,8 +123,14 @@ std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
   for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_slices_total", Label("nic", n.name), n.slices);
   w.Family("kvferry_nic_bytes_total", "counter", "Bytes posted on the NIC.");
   for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_bytes_total", Label("nic", n.name), n.bytes);
-  w.Family("kvferry_nic_errors_total", "counter", "Slices that failed on the NIC.");
-  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_errors_total", Label("nic", n.name), n.errors);
+  w.Family("kvferry_nic_errors_total", "counter", "Slices that failed on the NIC, by status code.");
+  for (const NicMetrics& n : m.nics) {
+    for (const auto& [code, count] : n.errors_by_code) {
+      w.Sample("kvferry_nic_errors_total", Label("nic", n.name) + "," + Label("code", code), count);
+    }
+  }
+  w.Family("kvferry_nic_retries_total", "counter", "Failed slices of the NIC that were re-posted.");
+  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_retries_total", Label("nic", n.name), n.retries);
   const std::pair<const char*, uint64_t> engine_counters[] = {
       {"kvferry_handshakes_refused_total", m.handshakes_refused},
       {"kvferry_link_failovers_total", m.link_failovers},

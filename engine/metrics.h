@@ -54,6 +54,8 @@ struct NicMetrics {
   uint64_t slices = 0;   // posted on it, re-posts included
   uint64_t bytes = 0;
   uint64_t errors = 0;   // slices that failed on it
+  std::map<std::string, uint64_t> errors_by_code;  // ... by status code
+  uint64_t retries = 0;  // failed slices of it that were re-posted
 };
 
 struct EngineMetrics {

@@ -126,6 +126,12 @@ TEST(Metrics, EndpointServesCountersThatMoveWithTraffic) {
   for (const auto& [code, n] : m.peers[0].errors) errors += n;
   EXPECT_EQ(m.peers[0].requests_ok + errors, 3 * kCount);
   EXPECT_GT(m.peers[0].errors.count("UNAVAILABLE"), 0u);
+  // NIC errors (failed completions; here the posts themselves failed)
+  // add up by code.
+  ASSERT_EQ(m.nics.size(), 1u);
+  uint64_t by_code = 0;
+  for (const auto& [code, n] : m.nics[0].errors_by_code) by_code += n;
+  EXPECT_EQ(by_code, m.nics[0].errors);
   const std::string text = Get((*a)->metrics_address(), "/metrics");
   EXPECT_GT(Sample(text, "kvferry_request_errors_total" + peer + ",code=\"UNAVAILABLE\"}"), 0);
   EXPECT_TRUE(absl::StartsWith(Get((*a)->metrics_address(), "/other"), "HTTP/1.1 404"));

@@ -265,7 +265,9 @@ class TransferEngine::Impl {
   // A slice's link has one fewer in flight.
   void Unassign(const Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A slice failed on its link's NIC.
-  void CountNicError(const Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountNicError(const Slice& slice, absl::StatusCode code) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The local NIC of the link a slice was last posted on, or -1.
+  int NicOf(const Slice& slice) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Posts slices (already in slices_) on segment `id`; those that find no
   // room wait in the segment's backlog.
   absl::Status PostSlices(SegmentId id, const std::vector<uint64_t>& slice_ids);
@@ -671,12 +673,20 @@ bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* w
   return true;
 }
 
-void TransferEngine::Impl::CountNicError(const Slice& slice) {
+int TransferEngine::Impl::NicOf(const Slice& slice) const {
   auto seg = segments_.find(slice.segment);
-  if (seg == segments_.end()) return;
+  if (seg == segments_.end()) return -1;
   for (const Link& l : seg->second.links) {
-    if (l.id == slice.link && l.local_nic < nic_counters_.size()) ++nic_counters_[l.local_nic].errors;
+    if (l.id == slice.link && l.local_nic < nic_counters_.size()) return static_cast<int>(l.local_nic);
   }
+  return -1;
+}
+
+void TransferEngine::Impl::CountNicError(const Slice& slice, absl::StatusCode code) {
+  const int nic = NicOf(slice);
+  if (nic < 0) return;
+  ++nic_counters_[nic].errors;
+  ++nic_counters_[nic].errors_by_code[absl::StatusCodeToString(code)];
 }
 
 void TransferEngine::Impl::Unassign(const Slice& slice) {
@@ -923,7 +933,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
       if (it == slices_.end()) continue;
       Slice& s = it->second;
       Unassign(s);
-      if (!done[i].status.ok()) CountNicError(s);
+      if (!done[i].status.ok()) CountNicError(s, done[i].status.code());
       if (!done[i].status.ok() && Retryable(done[i].status.code())) {
         Segment& seg = segments_.at(s.segment);
         s.last_error = done[i].status;
@@ -947,6 +957,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
             healthy = healthy || !l.failed;
           }
           ++seg.metrics.retries;
+          if (const int nic = NicOf(s); nic >= 0) ++nic_counters_[nic].retries;
           if (healthy && done[i].status.code() != absl::StatusCode::kPermissionDenied) {
             ++counters_.link_failovers;
             repost[s.segment].push_back(it->first);

@@ -299,6 +299,8 @@ class Engine {
       d["slices"] = n.slices;
       d["bytes"] = n.bytes;
       d["errors"] = n.errors;
+      d["errors_by_code"] = n.errors_by_code;
+      d["retries"] = n.retries;
       nics.append(d);
     }
     out["peers"] = peers;

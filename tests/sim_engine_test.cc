@@ -260,6 +260,12 @@ TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
   const EngineCounters c = (*prefill)->GetCounters();
   EXPECT_GT(c.link_failovers, 0u);
   EXPECT_EQ(c.reconnects, 0u) << "healthy links were torn down";
+  // The metrics put the failures and the re-posts on NIC 1.
+  const NicMetrics nic1 = (*prefill)->GetMetrics().nics[1];
+  EXPECT_GT(nic1.errors, 0u);
+  EXPECT_GT(nic1.retries, 0u);
+  EXPECT_FALSE(nic1.errors_by_code.empty());
+  EXPECT_EQ((*prefill)->GetMetrics().nics[0].errors, 0u);
   // New batches keep flowing over the three NICs left, none over NIC 1.
   const uint64_t nic1_before = (*prefill)->GetNicCounters()[1].slices;
   std::fill(dst.begin(), dst.end(), 0);

@@ -59,6 +59,8 @@ def summarize(bep_path):
     """Returns (passed, failed, skipped, problems) for one BEP JSON file."""
     latest = {}  # (label, run, shard) -> (attempt, xml path or None, status)
     expected = set()  # test labels Bazel meant to run
+    tags = {}  # test label -> its tags
+    tag_filters = []  # --test_tag_filters of the command
     summaries = {}  # label -> overall status
     with open(bep_path, encoding="utf-8") as f:
         for line in f:
@@ -84,7 +86,19 @@ def summarize(bep_path):
             elif "targetConfigured" in eid:
                 kind = event.get("configured", {}).get("targetKind", "")
                 if kind.endswith(" test") or kind.endswith("_test rule"):
-                    expected.add(eid["targetConfigured"].get("label"))
+                    label = eid["targetConfigured"].get("label")
+                    expected.add(label)
+                    tags[label] = set(event.get("configured", {}).get("tag", []))
+            elif "optionsParsed" in eid:
+                for arg in event.get("optionsParsed", {}).get("cmdLine", []):
+                    if arg.startswith("--test_tag_filters="):
+                        tag_filters = [t for t in arg.split("=", 1)[1].split(",") if t]
+    # Tests --test_tag_filters leaves out were never meant to run.
+    excluded = {t[1:] for t in tag_filters if t.startswith("-")}
+    required = {t for t in tag_filters if not t.startswith("-")}
+    expected = {label for label in expected
+                if not (tags.get(label, set()) & excluded)
+                and (not required or tags.get(label, set()) & required)}
     passed = failed = skipped = 0
     problems = []
     ran = set()

@@ -68,6 +68,19 @@ class SummaryTest(unittest.TestCase):
         self.assertEqual((passed, failed, skipped), (0, 1, 0))
         self.assertIn("//a:t", problems[0])
 
+    def test_tests_left_out_by_tag_filters_are_not_expected(self):
+        path = self.bep([
+            self.event(id={"optionsParsed": {}},
+                       optionsParsed={"cmdLine": ["--test_tag_filters=-no_asan"]}),
+            self.event(id={"targetConfigured": {"label": "//a:py"}},
+                       configured={"targetKind": "py_test rule", "tag": ["no_asan"]}),
+            self.configured("//a:t"),
+        ])
+        passed, failed, skipped, problems = test_summary.summarize(path)
+        self.assertEqual((passed, failed, skipped), (0, 1, 0))
+        self.assertEqual(len(problems), 1)
+        self.assertIn("//a:t", problems[0])
+
     def test_bazel_failure_without_failing_case_counts(self):
         xml = os.path.join(self.dir, "ok.xml")
         write(xml, '<testsuites><testsuite><testcase name="a"/></testsuite>'
