@@ -69,6 +69,28 @@ void SplitHostPort(const std::string& in, std::string* host, uint16_t* port) {
   }
 }
 
+// Opens (or reuses) the segment to `peer`, runs `requests` as one batch and
+// waits for it, without the GIL. The first failed request's status, naming
+// it.
+absl::Status RunBatch(TransferEngine& engine, const std::string& peer,
+                      const std::vector<TransferRequest>& requests, absl::Duration timeout) {
+  py::gil_scoped_release release;
+  absl::StatusOr<SegmentId> seg = engine.OpenSegment(peer);
+  if (!seg.ok()) return seg.status();
+  absl::StatusOr<BatchId> batch = engine.Submit(*seg, requests);
+  if (!batch.ok()) return batch.status();
+  absl::StatusOr<BatchStatus> st = engine.Wait(*batch, timeout);
+  if (!st.ok()) return st.status();
+  (void)engine.Release(*batch);
+  for (size_t i = 0; i < st->requests.size(); ++i) {
+    if (!st->requests[i].ok()) {
+      return absl::Status(st->requests[i].code(),
+                          absl::StrCat("request ", i, ": ", st->requests[i].message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // --------------------------------------------------------------- Mooncake
 
 class MooncakeCompatEngine {
@@ -185,24 +207,7 @@ class MooncakeCompatEngine {
     for (size_t i = 0; i < local.size(); ++i) {
       requests.push_back({op, reinterpret_cast<void*>(local[i]), remote[i], lengths[i]});
     }
-    absl::Status result;
-    {
-      py::gil_scoped_release release;
-      result = [&]() -> absl::Status {
-        absl::StatusOr<SegmentId> seg = engine_->OpenSegment(target);
-        if (!seg.ok()) return seg.status();
-        absl::StatusOr<BatchId> batch = engine_->Submit(*seg, requests);
-        if (!batch.ok()) return batch.status();
-        absl::StatusOr<BatchStatus> st = engine_->Wait(*batch, absl::Seconds(kTimeoutSeconds));
-        if (!st.ok()) return st.status();
-        (void)engine_->Release(*batch);
-        for (const absl::Status& r : st->requests) {
-          if (!r.ok()) return r;
-        }
-        return absl::OkStatus();
-      }();
-    }
-    return Result(result);
+    return Result(RunBatch(*engine_, target, requests, absl::Seconds(kTimeoutSeconds)));
   }
 
   static constexpr int kTimeoutSeconds = 30;  // Mooncake's MC_TRANSFER_TIMEOUT default
@@ -251,27 +256,7 @@ class Engine {
       requests.push_back({op == "write" ? transport::Opcode::kWrite : transport::Opcode::kRead,
                           reinterpret_cast<void*>(local), remote, length});
     }
-    absl::Status result;
-    {
-      py::gil_scoped_release release;
-      result = [&]() -> absl::Status {
-        absl::StatusOr<SegmentId> seg = engine_->OpenSegment(peer);
-        if (!seg.ok()) return seg.status();
-        absl::StatusOr<BatchId> b = engine_->Submit(*seg, requests);
-        if (!b.ok()) return b.status();
-        absl::StatusOr<BatchStatus> st = engine_->Wait(*b, absl::Seconds(timeout_s));
-        if (!st.ok()) return st.status();
-        (void)engine_->Release(*b);
-        for (size_t i = 0; i < st->requests.size(); ++i) {
-          if (!st->requests[i].ok()) {
-            return absl::Status(st->requests[i].code(),
-                                absl::StrCat("request ", i, ": ", st->requests[i].message()));
-          }
-        }
-        return absl::OkStatus();
-      }();
-    }
-    Check(result);
+    Check(RunBatch(*engine_, peer, requests, absl::Seconds(timeout_s)));
   }
   py::dict metrics() const {
     const EngineMetrics m = engine_->GetMetrics();
