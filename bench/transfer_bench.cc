@@ -14,7 +14,8 @@
 //        the target, the target sees them land and WRITEs them back; half
 //        the round trip is the one-way latency. Prints median, p99, p999
 //        in microseconds.
-// The last line is machine-readable: "RESULT mode=... value=...".
+// The last line is machine-readable: "RESULT mode=... value=..."; --json prints
+// one JSON object instead (throughput, ops/s, latency percentiles).
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -41,6 +42,7 @@ ABSL_FLAG(uint32_t, depth, 64, "bw mode: requests per batch (two batches in flig
 ABSL_FLAG(uint64_t, iters, 2000, "requests (bw) or round trips (lat) measured");
 ABSL_FLAG(uint64_t, warmup, 100, "requests or round trips before measuring");
 ABSL_FLAG(bool, verbose, false, "engine logs at INFO");
+ABSL_FLAG(bool, json, false, "print the result as one JSON object instead of text");
 
 namespace kvferry {
 namespace {
@@ -67,6 +69,21 @@ absl::Status Open(Pair& p) {
   ASSIGN_OR_RETURN(p.to_target, p.initiator->OpenSegment(p.target->address()));
   ASSIGN_OR_RETURN(p.to_initiator, p.target->OpenSegment(p.initiator->address()));
   return absl::OkStatus();
+}
+
+struct Percentiles {
+  double p50 = 0, p99 = 0, p999 = 0;
+};
+
+Percentiles Summarize(std::vector<double> v) {
+  Percentiles out;
+  if (v.empty()) return out;
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))]; };
+  out.p50 = at(0.5);
+  out.p99 = at(0.99);
+  out.p999 = at(0.999);
+  return out;
 }
 
 absl::Status Finish(TransferEngine& e, BatchId b) {
@@ -108,24 +125,35 @@ int Bandwidth() {
   const uint64_t batches = std::max<uint64_t>(1, (absl::GetFlag(FLAGS_iters) + depth - 1) / depth);
   absl::Time start;
   BatchId inflight[2] = {0, 0};
+  absl::Time submitted[2];
   bool busy[2] = {false, false};
+  std::vector<double> batch_us;  // Submit to done, measured batches only
+  auto finish = [&](int h) {
+    absl::Status s = Finish(*p.initiator, inflight[h]);
+    if (s.ok() && start != absl::Time()) {
+      batch_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - submitted[h]));
+    }
+    busy[h] = false;
+    return s;
+  };
   for (uint64_t n = 0; st.ok() && n < warm_batches + batches; ++n) {
     if (n == warm_batches) {
       // Measure from an empty pipe.
       for (int h = 0; h < 2 && st.ok(); ++h) {
-        if (busy[h]) st = Finish(*p.initiator, inflight[h]), busy[h] = false;
+        if (busy[h]) st = finish(h);
       }
       start = absl::Now();
     }
     const int h = n % 2;
-    if (busy[h] && st.ok()) st = Finish(*p.initiator, inflight[h]);
+    if (busy[h] && st.ok()) st = finish(h);
     if (!st.ok()) break;
+    submitted[h] = absl::Now();
     absl::StatusOr<BatchId> b = p.initiator->Submit(p.to_target, batch[h]);
     if (!b.ok()) st = b.status();
     else inflight[h] = *b, busy[h] = true;
   }
   for (int h = 0; h < 2 && st.ok(); ++h) {
-    if (busy[h]) st = Finish(*p.initiator, inflight[h]);
+    if (busy[h]) st = finish(h);
   }
   if (!st.ok()) {
     std::fprintf(stderr, "transfer_bench: %s\n", st.ToString().c_str());
@@ -134,9 +162,22 @@ int Bandwidth() {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const double requests = static_cast<double>(batches) * depth;
   const double mib_s = requests * block / seconds / (1 << 20);
-  std::printf("%s %llu B x %.0f over %s: %.2f MiB/s, %.0f msg/s\n", write ? "WRITE" : "READ",
-              static_cast<unsigned long long>(block), requests,
-              p.initiator->detection().transport.c_str(), mib_s, requests / seconds);
+  const Percentiles lat = Summarize(batch_us);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("{\"mode\": \"bw\", \"op\": \"%s\", \"transport\": \"%s\", \"block\": %llu, "
+                "\"depth\": %u, \"requests\": %.0f, \"seconds\": %.6f, \"mib_per_s\": %.3f, "
+                "\"gb_per_s\": %.6f, \"ops_per_s\": %.1f, \"batch_us_p50\": %.2f, "
+                "\"batch_us_p99\": %.2f, \"batch_us_p999\": %.2f}\n",
+                write ? "write" : "read", p.initiator->detection().transport.c_str(),
+                static_cast<unsigned long long>(block), depth, requests, seconds, mib_s,
+                requests * block / seconds / 1e9, requests / seconds, lat.p50, lat.p99, lat.p999);
+    return 0;
+  }
+  std::printf("%s %llu B x %.0f over %s: %.2f MiB/s (%.3f GB/s), %.0f ops/s; batch of %u: "
+              "p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
+              write ? "WRITE" : "READ", static_cast<unsigned long long>(block), requests,
+              p.initiator->detection().transport.c_str(), mib_s, requests * block / seconds / 1e9,
+              requests / seconds, depth, lat.p50, lat.p99, lat.p999);
   std::printf("RESULT mode=bw op=%s block=%llu value=%.3f unit=MiB/s\n", write ? "write" : "read",
               static_cast<unsigned long long>(block), mib_s);
   return 0;
@@ -237,17 +278,21 @@ int Latency() {
     std::fprintf(stderr, "transfer_bench: %s\n", error.c_str());
     return 1;
   }
-  std::sort(half_rtt_us.begin(), half_rtt_us.end());
-  auto at = [&](double q) {
-    return half_rtt_us[std::min(half_rtt_us.size() - 1,
-                                static_cast<size_t>(q * half_rtt_us.size()))];
-  };
+  const Percentiles lat = Summarize(half_rtt_us);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("{\"mode\": \"lat\", \"op\": \"write\", \"transport\": \"%s\", \"block\": %llu, "
+                "\"round_trips\": %zu, \"one_way_us_p50\": %.3f, \"one_way_us_p99\": %.3f, "
+                "\"one_way_us_p999\": %.3f}\n",
+                p.initiator->detection().transport.c_str(), static_cast<unsigned long long>(block),
+                half_rtt_us.size(), lat.p50, lat.p99, lat.p999);
+    return 0;
+  }
   std::printf("WRITE %llu B ping-pong x %zu over %s: one-way median %.2f us, p99 %.2f us, "
               "p999 %.2f us\n",
               static_cast<unsigned long long>(block), half_rtt_us.size(),
-              p.initiator->detection().transport.c_str(), at(0.5), at(0.99), at(0.999));
+              p.initiator->detection().transport.c_str(), lat.p50, lat.p99, lat.p999);
   std::printf("RESULT mode=lat op=write block=%llu value=%.3f unit=us\n",
-              static_cast<unsigned long long>(block), at(0.5));
+              static_cast<unsigned long long>(block), lat.p50);
   return 0;
 }
 

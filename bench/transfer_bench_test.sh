@@ -19,6 +19,16 @@ check() {  # check NAME EXPECTED_MODE ARGS...
 check write_bw bw --mode=bw --block=65536 --depth=16 --iters=256 --warmup=16
 check read_bw bw --mode=bw --op=read --block=4096 --depth=8 --iters=64 --warmup=8
 check latency lat --mode=lat --block=8 --iters=50 --warmup=5
+# --json: one parseable object with the figures.
+for mode in bw lat; do
+  out="$("$bench" --transport=tcp --mode=$mode --block=4096 --depth=8 --iters=64 --warmup=8 --json 2>&1)"
+  if python3 -c 'import json, sys; d = json.loads(sys.argv[1]); assert d["mode"] == sys.argv[2]
+assert (d["mib_per_s"] > 0 and d["batch_us_p99"] >= d["batch_us_p50"] > 0) if d["mode"] == "bw" else (d["one_way_us_p999"] >= d["one_way_us_p50"] > 0)' "$out" "$mode"; then
+    echo "ok   json $mode: $out"
+  else
+    echo "FAIL json $mode: $out"; fail=1
+  fi
+done
 for bad in "--mode=fast" "--op=copy"; do
   if out="$("$bench" --transport=tcp $bad 2>&1)"; then
     echo "FAIL $bad was accepted: $out"; fail=1
