@@ -197,6 +197,11 @@ class KvCluster {
     // host may have restarted during the request (a new receiver, a new
     // pool): the incarnation that reports the request complete holds them.
     const bool restarted = restarts_seen(d) != generation_to;
+    if (restarted) {
+      // Begin may have fetched the new incarnation's pool: these pages are
+      // legitimately its targets too.
+      for (uint32_t page : dst) to.targeted.insert(page);
+    }
     const bool d_alive = !to.down && to.receiver != nullptr;
     const KvReceiver::State state =
         d_alive ? to.receiver->Poll(id).state : KvReceiver::State::kPending;
