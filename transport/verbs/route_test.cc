@@ -54,7 +54,12 @@ TEST(Route, ResolvesThePeerOfAVmPairOrFailsCleanly) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
     return;
   }
-  auto r = ResolveRoute(peer, absl::Seconds(5));
+  // The other VM may still be booting (no ARP answer yet): try for a while.
+  absl::StatusOr<Route> r;
+  const absl::Time give_up = absl::Now() + absl::Seconds(90);
+  do {
+    r = ResolveRoute(peer, absl::Seconds(5));
+  } while (!r.ok() && absl::Now() < give_up);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->device, "rxe0");
   EXPECT_EQ(r->port, 1u);
