@@ -158,6 +158,10 @@ class VerbsTransport final : public Transport {
   uint64_t max_request_bytes_ = 0;
   std::thread poller_;
   std::atomic<bool> stopping_{false};
+  // Threads asleep in WaitCompletions. Completion events are requested only
+  // while some thread sleeps: a thread that polls the CQs itself needs no
+  // wake-up, and the poller's wake-ups would only steal its CPU.
+  std::atomic<int> sleepers_{0};
 
   Mutex mu_;
   CondVar cq_cv_;
@@ -648,7 +652,9 @@ void VerbsTransport::PollerLoop() {
       void* context;
       if (ibv_get_cq_event(nics_[i].channel, &cq, &context) != 0) continue;
       ibv_ack_cq_events(cq, 1);
-      ibv_req_notify_cq(cq, 0);  // re-arm first, so nothing is missed
+      // Re-arm first, so nothing is missed, but only for sleepers (see
+      // sleepers_); a thread that goes to sleep later arms for itself.
+      if (sleepers_.load() > 0) ibv_req_notify_cq(cq, 0);
       Drain(cq);
     }
   }
@@ -673,12 +679,19 @@ size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duratio
     for (Nic& nic : nics_) any = Drain(nic.cq) || any;
     if (any) return PollCompletions(out);
   }
-  {
+  // Going to sleep: ask for completion events, then look once more (a
+  // completion that came before the request raises no event).
+  ++sleepers_;
+  for (Nic& nic : nics_) ibv_req_notify_cq(nic.cq, 0);
+  bool any = false;
+  for (Nic& nic : nics_) any = Drain(nic.cq) || any;
+  if (!any) {
     MutexLock lock(&mu_);
     cq_cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       return !cq_.empty();
     });
   }
+  --sleepers_;
   return PollCompletions(out);
 }
 

@@ -6,8 +6,10 @@
 // every NIC (one key per NIC). A link is one RC queue pair, set up through
 // the handshake: INIT on CreateLink, RTR+RTS on AcceptLink/CompleteLink with
 // the peer's QP number, PSN, LID, GID and MTU (path MTU = the smaller
-// active MTU). One poller thread sleeps on the completion channels and maps
-// work completions to statuses: success OK, remote access error
+// active MTU). Waiting threads poll the CQs themselves first (busy_poll);
+// only while some thread sleeps are completion events requested, and the
+// poller thread, woken by them, drains the CQs for it. Work completions map
+// to statuses: success OK, remote access error
 // kPermissionDenied, flush kAborted, retry/RNR exceeded and everything else
 // kUnavailable (with ibv_wc_status_str). The first error puts the QP in the
 // error state, exactly as the Transport contract describes.
@@ -49,7 +51,7 @@ struct VerbsTransportOptions {
   // WaitCompletions polls the CQs itself for up to this long before it
   // sleeps until the poller thread wakes it: a completion that comes soon
   // then costs no thread wake-up (tens of microseconds). Zero: never spin.
-  absl::Duration busy_poll = absl::Microseconds(50);
+  absl::Duration busy_poll = absl::Microseconds(200);
 };
 
 // Opens the devices and starts the poller. kUnavailable when a device
