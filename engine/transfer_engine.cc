@@ -801,33 +801,19 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
 }
 
 absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<uint64_t>& ids) {
+  bool rebuilt = false;
   for (int attempt = 0; attempt < 2; ++attempt) {
+    std::vector<WorkRequest> wrs;
+    absl::Status planned;
     bool usable = false;
     {
       MutexLock lock(&mu_);
-      for (const Link& l : segments_.at(id).links) usable = usable || !l.failed;
-    }
-    if (!usable) {
-      // Every link failed: slices would wait for room that never comes.
-      // Rebuild the links first (a dead peer fails them here).
-      bool changed;
-      absl::Status refreshed = Refresh(id, &changed);
-      if (!refreshed.ok()) {
-        MutexLock lock(&mu_);
-        for (uint64_t sid : ids) {
-          auto it = slices_.find(sid);
-          if (it == slices_.end()) continue;
-          FinishSlice(sid, RetryImpossible(refreshed, it->second.last_error));
-        }
-        return refreshed;
-      }
-    }
-    std::vector<WorkRequest> wrs;
-    absl::Status planned;
-    {
-      MutexLock lock(&mu_);
       Segment& seg = segments_.at(id);
-      for (uint64_t sid : ids) {
+      for (const Link& l : seg.links) usable = usable || !l.failed;
+      // With every link failed, slices would wait for room that never
+      // comes: rebuild the links first (below; a dead peer fails them).
+      for (size_t i = 0; usable && i < ids.size(); ++i) {
+        const uint64_t sid = ids[i];
         auto it = slices_.find(sid);
         if (it == slices_.end()) continue;
         auto batch = batches_.find(it->second.batch);
@@ -855,6 +841,23 @@ absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<ui
       if (!planned.ok()) {
         for (const WorkRequest& wr : wrs) Unassign(slices_.at(wr.cookie));
       }
+    }
+    if (!usable) {
+      bool changed;
+      absl::Status refreshed = rebuilt ? absl::UnavailableError("every link to the peer failed, also after a rebuild")
+                                       : Refresh(id, &changed);
+      rebuilt = true;
+      if (refreshed.ok()) {
+        --attempt;  // rebuilding is not a failed attempt
+        continue;
+      }
+      MutexLock lock(&mu_);
+      for (uint64_t sid : ids) {
+        auto it = slices_.find(sid);
+        if (it == slices_.end()) continue;
+        FinishSlice(sid, RetryImpossible(refreshed, it->second.last_error));
+      }
+      return refreshed;
     }
     absl::Status posted = planned.ok() ? transport_->Post(wrs) : planned;
     if (posted.ok()) return absl::OkStatus();

@@ -64,6 +64,21 @@ absl::Status CheckRemoteAccess(const Region& r, Opcode opcode, uint64_t addr,
   return absl::OkStatus();
 }
 
+absl::Status CheckLinkUsable(LinkId link, LinkUse use) {
+  switch (use) {
+    case LinkUse::kUnknown:
+      return absl::InvalidArgumentError(absl::StrCat("unknown link ", link));
+    case LinkUse::kNotEstablished:
+      return absl::FailedPreconditionError(absl::StrCat("link ", link, " is not established"));
+    case LinkUse::kInError:
+      return absl::FailedPreconditionError(
+          absl::StrCat("link ", link, " is in the error state; open a new one"));
+    case LinkUse::kReady:
+      break;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UnknownKeyError(RemoteKey key) {
   return absl::PermissionDeniedError(
       absl::StrFormat("remote access error: unknown key %#x", key));

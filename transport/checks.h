@@ -38,6 +38,12 @@ absl::Status CheckRemoteAccess(const Region& region, Opcode opcode, uint64_t add
 // kPermissionDenied for a key that names no region.
 absl::Status UnknownKeyError(RemoteKey key);
 
+// What a link is, as far as Post cares.
+enum class LinkUse { kUnknown, kNotEstablished, kInError, kReady };
+// Post's check of the link a request names: kInvalidArgument for an
+// unknown link, kFailedPrecondition for one not established or in error.
+absl::Status CheckLinkUsable(LinkId link, LinkUse use);
+
 }  // namespace transport
 }  // namespace kvferry
 

@@ -507,14 +507,11 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   MutexLock lock(&mu_);
   for (const WorkRequest& wr : batch) {
     auto link = links_.find(wr.link);
-    if (link == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", wr.link));
-    if (link->second->state == Link::State::kInit) {
-      return absl::FailedPreconditionError(absl::StrCat("link ", wr.link, " is not established"));
-    }
-    if (link->second->state == Link::State::kError) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("link ", wr.link, " is in the error state; open a new one"));
-    }
+    RETURN_IF_ERROR(CheckLinkUsable(
+        wr.link, link == links_.end()                            ? LinkUse::kUnknown
+                 : link->second->state == Link::State::kInit  ? LinkUse::kNotEstablished
+                 : link->second->state == Link::State::kError ? LinkUse::kInError
+                                                              : LinkUse::kReady));
     auto region = regions_.find(wr.local_region);
     if (region == regions_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
