@@ -1,5 +1,6 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -31,12 +32,21 @@ namespace kvferry {
 namespace transport {
 namespace {
 
-constexpr uint64_t kHelloMagic = 0x31305043'5446564bULL;  // "KVFTCP01"
+constexpr uint64_t kHelloMagic = 0x32305043'5446564bULL;  // "KVFTCP02"
 constexpr size_t kHelloBytes = 16;
 constexpr uint32_t kMaxErrorText = 1024;
+// The writer sends up to this many queued messages with one sendmsg.
+constexpr size_t kMaxJobsPerSend = 64;
+// A responder acknowledges WRITEs in runs while more requests are already
+// waiting in the socket, up to this many requests or bytes per ack.
+constexpr uint64_t kMaxAckRun = 32;
+constexpr uint64_t kMaxAckRunBytes = 1 << 20;
 
 enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp = 4 };
 
+// A kWriteAck answers a run of WRITEs: ids `id` .. `id + remote_addr - 1`
+// (consecutive on the link, so no READ among them) all landed. An ack that
+// reports an error answers the one request `id` (remote_addr 1).
 struct DataHeader {
   uint8_t type = 0;
   uint8_t status = 0;  // absl::StatusCode of an answer
@@ -141,6 +151,12 @@ absl::Status Drain(int fd, uint64_t n) {
   return absl::OkStatus();
 }
 
+// Whether a whole message header is already waiting to be read.
+bool HeaderWaiting(int fd) {
+  int n = 0;
+  return ::ioctl(fd, FIONREAD, &n) == 0 && n >= static_cast<int>(sizeof(DataHeader));
+}
+
 std::string TokenBytes(uint64_t token) {
   std::string s(8, '\0');
   std::memcpy(&s[0], &token, 8);
@@ -206,7 +222,9 @@ class TcpTransport final : public Transport {
   void AcceptLoop();
   void ReaderLoop(std::shared_ptr<Link> link);
   void WriterLoop(std::shared_ptr<Link> link);
-  absl::Status SendJob(Link& link, Job& job);
+  // Sends `jobs` with one sendmsg. Sets *close_after when the connection
+  // must be closed after them (a refused request).
+  absl::Status SendJobs(Link& link, std::vector<Job>& jobs, bool* close_after);
   // Responder side: executes a peer's request; returns the answer to send.
   Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
   absl::Status CheckRemote(const DataHeader& h, bool write, char** target)
@@ -220,6 +238,7 @@ class TcpTransport final : public Transport {
   // outstanding: the peer that made them is gone or reconnected, and
   // nobody here holds their id (the engine never posts on them).
   void ReapDeadPassiveLinks();
+  // Queues a completion; the caller wakes waiters (cq_cv_) once.
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateLocked(const WorkRequest& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
@@ -498,6 +517,7 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
     CompleteLocked(wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
   }
   link->outstanding.clear();
+  cq_cv_.SignalAll();
   return absl::OkStatus();
 }
 
@@ -538,14 +558,16 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
     job.header.length = wr.length;
     if (wr.opcode == Opcode::kWrite) job.data = wr.local_addr;
     link.jobs.push_back(std::move(job));
-    link.cv.SignalAll();
+  }
+  // One wake-up per link, not per request.
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (i == 0 || batch[i].link != batch[i - 1].link) links_.at(batch[i].link)->cv.SignalAll();
   }
   return absl::OkStatus();
 }
 
 void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
   cq_.Push(wr, std::move(status));
-  cq_cv_.SignalAll();
 }
 
 void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
@@ -570,65 +592,82 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
                            "flushed: link ", link.id, " failed earlier: ", reason)));
   }
   link.outstanding.clear();
+  cq_cv_.SignalAll();
 }
 
 void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
+  std::vector<Job> jobs;
+  jobs.reserve(kMaxJobsPerSend);
   for (;;) {
-    Job job;
+    jobs.clear();
     {
       MutexLock lock(&mu_);
       while (link->jobs.empty() && !link->stopping) link->cv.Wait(&mu_);
       if (link->stopping) return;
-      job = std::move(link->jobs.front());
-      link->jobs.pop_front();
+      // Everything queued (up to a bound) goes out in one sendmsg.
+      while (!link->jobs.empty() && jobs.size() < kMaxJobsPerSend) {
+        jobs.push_back(std::move(link->jobs.front()));
+        link->jobs.pop_front();
+      }
       link->writer_busy = true;
     }
-    absl::Status sent = SendJob(*link, job);
+    bool close_after = false;
+    absl::Status sent = SendJobs(*link, jobs, &close_after);
     {
       MutexLock lock(&mu_);
       link->writer_busy = false;
       link->cv.SignalAll();
     }
-    if (!sent.ok() || job.close_after) {
+    if (!sent.ok() || close_after) {
       // The reader sees the connection end and fails the link.
-      ::shutdown(link->fd.get(), job.close_after ? SHUT_WR : SHUT_RDWR);
+      ::shutdown(link->fd.get(), sent.ok() ? SHUT_WR : SHUT_RDWR);
       return;
     }
   }
 }
 
-absl::Status TcpTransport::SendJob(Link& link, Job& job) {
-  iovec iov[3];
+absl::Status TcpTransport::SendJobs(Link& link, std::vector<Job>& jobs, bool* close_after) {
+  iovec iov[3 * kMaxJobsPerSend];
   int n = 0;
-  if (!job.read_answer) {
-    job.header.text_len = static_cast<uint32_t>(job.text.size());
-    iov[n++] = {&job.header, sizeof job.header};
-    if (!job.text.empty()) iov[n++] = {job.text.data(), job.text.size()};
-    if (job.data != nullptr && job.header.length > 0) {
-      iov[n++] = {const_cast<void*>(job.data), job.header.length};
+  // A READ answer sends region bytes: the region may have been unregistered
+  // since the request was checked, so check again and send while holding
+  // the lock (taken only when a READ answer is among the jobs).
+  auto gather_and_send = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+    absl::Status refused_read;
+    for (Job& job : jobs) {
+      if (job.read_answer) {
+        char* source = nullptr;
+        DataHeader request = job.header;
+        request.type = kReadReq;
+        absl::Status ok = CheckRemote(request, /*write=*/false, &source);
+        if (!ok.ok()) {
+          job.header.status = static_cast<uint8_t>(ok.code());
+          job.header.length = 0;
+          job.text = std::string(ok.message().substr(0, kMaxErrorText));
+          refused_read = absl::AbortedError("refused a READ");  // close the connection
+        } else {
+          job.data = source;
+        }
+      }
+      job.header.text_len = static_cast<uint32_t>(job.text.size());
+      iov[n++] = {&job.header, sizeof job.header};
+      if (!job.text.empty()) iov[n++] = {job.text.data(), job.text.size()};
+      if (job.data != nullptr && job.header.length > 0) {
+        iov[n++] = {const_cast<void*>(job.data), job.header.length};
+      }
+      if (!refused_read.ok() || job.close_after) {
+        *close_after = job.close_after;
+        break;  // nothing after a refusal: the connection closes
+      }
     }
-    return SendAll(link.fd.get(), iov, n);
-  }
-  // A READ answer: the region may have been unregistered since the request
-  // was checked, so check again and send while holding the lock.
-  ReaderMutexLock lock(&regions_mu_);
-  char* source = nullptr;
-  DataHeader request = job.header;
-  request.type = kReadReq;
-  absl::Status ok = CheckRemote(request, /*write=*/false, &source);
-  if (!ok.ok()) {
-    job.header.status = static_cast<uint8_t>(ok.code());
-    job.header.length = 0;
-    job.text = std::string(ok.message().substr(0, kMaxErrorText));
-    job.header.text_len = static_cast<uint32_t>(job.text.size());
-    iov[n++] = {&job.header, sizeof job.header};
-    iov[n++] = {job.text.data(), job.text.size()};
     RETURN_IF_ERROR(SendAll(link.fd.get(), iov, n));
-    return absl::AbortedError("refused a READ");  // close the connection
-  }
-  iov[n++] = {&job.header, sizeof job.header};
-  if (job.header.length > 0) iov[n++] = {source, job.header.length};
-  return SendAll(link.fd.get(), iov, n);
+    return refused_read;
+  };
+  bool reads = false;
+  for (const Job& job : jobs) reads = reads || job.read_answer;
+  if (!reads) return gather_and_send();
+  ReaderMutexLock lock(&regions_mu_);
+  return gather_and_send();
 }
 
 absl::Status TcpTransport::CheckRemote(const DataHeader& h, bool write, char** target) {
@@ -673,6 +712,24 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
 }
 
 absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
+  if (h.type == kWriteAck && h.status == 0) {
+    // A run of WRITEs, all landed.
+    if (h.remote_addr == 0 || h.remote_addr > options_.max_outstanding_per_link) {
+      return absl::DataLossError(absl::StrCat("WRITE ack for ", h.remote_addr, " requests"));
+    }
+    MutexLock lock(&mu_);
+    for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
+      auto it = link.outstanding.find(id);
+      if (it == link.outstanding.end()) {
+        if (link.stopping) break;  // closed or failed here meanwhile
+        return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
+      }
+      CompleteLocked(it->second, absl::OkStatus());
+      link.outstanding.erase(it);
+    }
+    cq_cv_.SignalAll();
+    return absl::OkStatus();
+  }
   WorkRequest wr;
   {
     MutexLock lock(&mu_);
@@ -689,20 +746,31 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
     FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
     return absl::OkStatus();
   }
-  if (h.type == kReadResp) {
-    if (h.length != wr.length) {
-      return absl::DataLossError("READ answer of the wrong length");
-    }
-    // Straight into the caller's buffer, which stays pinned until completion.
-    RETURN_IF_ERROR(RecvAll(link.fd.get(), wr.local_addr, h.length));
+  if (h.length != wr.length) {
+    return absl::DataLossError("READ answer of the wrong length");
   }
+  // Straight into the caller's buffer, which stays pinned until completion.
+  RETURN_IF_ERROR(RecvAll(link.fd.get(), wr.local_addr, h.length));
   MutexLock lock(&mu_);
-  if (link.outstanding.erase(h.id) == 1) CompleteLocked(wr, absl::OkStatus());
+  if (link.outstanding.erase(h.id) == 1) {
+    CompleteLocked(wr, absl::OkStatus());
+    cq_cv_.SignalAll();
+  }
   return absl::OkStatus();
 }
 
 void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   absl::Status error;
+  Job acked;  // WRITEs executed and not yet acknowledged (remote_addr: how many)
+  uint64_t acked_bytes = 0;
+  // Hands an answer to the writer; false once the link is stopping.
+  auto queue = [&](Job job) {
+    MutexLock lock(&mu_);
+    if (link->stopping) return false;
+    link->jobs.push_back(std::move(job));
+    link->cv.SignalAll();
+    return true;
+  };
   for (;;) {
     DataHeader h;
     error = RecvAll(link->fd.get(), &h, sizeof h);
@@ -714,10 +782,36 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
         error = stream;
         break;
       }
-      MutexLock lock(&mu_);
-      if (link->stopping) break;
-      link->jobs.push_back(std::move(answer));
-      link->cv.SignalAll();
+      const bool landed = h.type == kWriteReq && answer.header.status == 0;
+      if (landed && acked.header.remote_addr > 0 &&
+          h.id != acked.header.id + acked.header.remote_addr) {
+        if (!queue(std::move(acked))) break;  // not consecutive: its own run
+        acked = Job{};
+      }
+      if (landed) {
+        // Acknowledged in runs while more requests wait in the socket: one
+        // answer (and one wake-up at the requester) for many WRITEs.
+        if (acked.header.remote_addr == 0) {
+          acked.header.type = kWriteAck;
+          acked.header.id = h.id;
+        }
+        ++acked.header.remote_addr;
+        acked_bytes += h.length;
+        if (acked.header.remote_addr < kMaxAckRun && acked_bytes < kMaxAckRunBytes &&
+            HeaderWaiting(link->fd.get())) {
+          continue;
+        }
+        acked_bytes = 0;
+        if (!queue(std::move(acked))) break;
+        acked = Job{};
+        continue;
+      }
+      if (acked.header.remote_addr > 0) {
+        if (!queue(std::move(acked))) break;
+        acked = Job{};
+        acked_bytes = 0;
+      }
+      if (!queue(std::move(answer))) break;
     } else if (h.type == kWriteAck || h.type == kReadResp) {
       error = OnAnswer(*link, h);
       if (!error.ok()) break;
