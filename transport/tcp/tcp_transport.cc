@@ -157,10 +157,19 @@ bool HeaderWaiting(int fd) {
   return ::ioctl(fd, FIONREAD, &n) == 0 && n >= static_cast<int>(sizeof(DataHeader));
 }
 
-std::string TokenBytes(uint64_t token) {
-  std::string s(8, '\0');
+// Link parameters: the pairing token and the transport's in-process key
+// (0: no shortcut).
+constexpr size_t kLinkParamBytes = 16;
+std::string LinkParams(uint64_t token, uint64_t key) {
+  std::string s(kLinkParamBytes, '\0');
   std::memcpy(&s[0], &token, 8);
+  std::memcpy(&s[8], &key, 8);
   return s;
+}
+uint64_t ParamWord(absl::string_view params, int i) {
+  uint64_t v;
+  std::memcpy(&v, params.data() + 8 * i, 8);
+  return v;
 }
 
 class TcpTransport final : public Transport {
@@ -204,6 +213,9 @@ class TcpTransport final : public Transport {
   struct Link {
     enum class State { kPending, kEstablished, kError };
     LinkId id = 0;
+    // The peer's in-process key when it lives in this process (shortcut).
+    uint64_t peer_key = 0;
+    uint32_t direct_busy = 0;  // shortcut copies running on this link
     net::Fd fd;
     State state = State::kPending;
     uint64_t token = 0;
@@ -218,6 +230,42 @@ class TcpTransport final : public Transport {
     std::thread reader;
     std::thread writer;
   };
+
+  // The process's TCP transports by in-process key. Held shared while a
+  // shortcut copy runs, so a transport is not destroyed under it.
+  struct Registry {
+    SharedMutex mu;
+    struct Entry {
+      TcpTransport* transport;
+      pid_t pid;  // a child made by fork() inherits entries that are not its own
+    };
+    absl::flat_hash_map<uint64_t, Entry> by_key ABSL_GUARDED_BY(mu);
+  };
+  // `key` if a transport of this process has it, else 0 (no shortcut).
+  static uint64_t InProcessKey(uint64_t key) {
+    if (key == 0) return 0;
+    Registry& r = registry();
+    ReaderMutexLock lock(&r.mu);
+    auto it = r.by_key.find(key);
+    return it != r.by_key.end() && it->second.pid == ::getpid() ? key : 0;
+  }
+  static Registry& registry() {
+    static Registry* r = new Registry;
+    return *r;
+  }
+  // A request on a link whose peer is in this process.
+  struct Direct {
+    std::shared_ptr<Link> link;
+    uint64_t rid = 0;
+    WorkRequest wr;
+  };
+  absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct);
+  // Copies the bytes of `d` and completes it.
+  void RunDirect(const Direct& d);
+  // Waits until no shortcut copy or send uses the link's requests.
+  void WaitLinkIdle(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    while (link.writer_busy || link.direct_busy > 0) link.cv.Wait(&mu_);
+  }
 
   void AcceptLoop();
   void ReaderLoop(std::shared_ptr<Link> link);
@@ -249,6 +297,7 @@ class TcpTransport final : public Transport {
   std::string advertised_;
   std::thread accept_thread_;
   std::atomic<bool> stopping_{false};
+  uint64_t key_ = 0;  // in-process key, 0 without the shortcut
 
   SharedMutex regions_mu_;
   RegionId last_region_ ABSL_GUARDED_BY(regions_mu_) = 0;
@@ -282,6 +331,14 @@ absl::Status TcpTransport::Start() {
     host = options_.bind_host;
   }
   advertised_ = net::HostPort{host, listener_.address.port()}.ToString();
+  if (options_.in_process_shortcut) {
+    Registry& r = registry();
+    WriterMutexLock lock(&r.mu);
+    do {
+      key_ = net::RandomU64();
+    } while (key_ == 0 || r.by_key.contains(key_));
+    r.by_key[key_] = Registry::Entry{this, ::getpid()};
+  }
   accept_thread_ = std::thread([this] { AcceptLoop(); });
   KVF_LOG(DEBUG) << "tcp transport listening on " << listener_.address.ToString()
                  << ", advertised as " << advertised_;
@@ -289,6 +346,12 @@ absl::Status TcpTransport::Start() {
 }
 
 TcpTransport::~TcpTransport() {
+  if (key_ != 0) {
+    // Waits for peers' shortcut copies into this transport's regions.
+    Registry& r = registry();
+    WriterMutexLock lock(&r.mu);
+    r.by_key.erase(key_);
+  }
   stopping_ = true;
   ::shutdown(listener_.fd.get(), SHUT_RDWR);  // wakes the accept loop
   if (accept_thread_.joinable()) accept_thread_.join();
@@ -413,7 +476,7 @@ absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
   MutexLock lock(&mu_);
   link->id = ++last_link_;
   links_[link->id] = link;
-  return LinkOffer{link->id, TokenBytes(token)};
+  return LinkOffer{link->id, LinkParams(token, key_)};
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
@@ -423,11 +486,10 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   if (local_nic != 0) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
   }
-  if (peer_params.size() != 8) {
+  if (peer_params.size() != kLinkParamBytes) {
     return absl::InvalidArgumentError("AcceptLink: malformed link parameters");
   }
-  uint64_t token;
-  std::memcpy(&token, peer_params.data(), 8);
+  const uint64_t token = ParamWord(peer_params, 0);
   ReapDeadPassiveLinks();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   auto link = std::make_shared<Link>();
@@ -444,13 +506,14 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     link->id = ++last_link_;
     link->state = Link::State::kEstablished;
     link->passive = true;
+    if (key_ != 0) link->peer_key = InProcessKey(ParamWord(peer_params, 1));
     links_[link->id] = link;
   }
   (void)net::SetNoDelay(link->fd.get());
   (void)net::SetKeepAlive(link->fd.get(), options_.dead_peer_timeout);
   link->reader = std::thread([this, link] { ReaderLoop(link); });
   link->writer = std::thread([this, link] { WriterLoop(link); });
-  return LinkOffer{link->id, TokenBytes(token)};
+  return LinkOffer{link->id, LinkParams(token, key_)};
 }
 
 absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
@@ -463,10 +526,11 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     if (link->state != Link::State::kPending) {
       return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
     }
-    if (peer_params != TokenBytes(link->token)) {
+    if (peer_params.size() != kLinkParamBytes || ParamWord(peer_params, 0) != link->token) {
       return absl::InvalidArgumentError("CompleteLink: malformed link parameters");
     }
     link->state = Link::State::kEstablished;
+    if (key_ != 0) link->peer_key = InProcessKey(ParamWord(peer_params, 1));
   }
   link->reader = std::thread([this, link] { ReaderLoop(link); });
   link->writer = std::thread([this, link] { WriterLoop(link); });
@@ -513,6 +577,7 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
   // Nothing touches request buffers once both threads are gone.
   StopAndJoin(link);
   MutexLock lock(&mu_);
+  WaitLinkIdle(*link);
   for (const auto& [rid, wr] : link->outstanding) {
     CompleteLocked(wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
   }
@@ -536,6 +601,17 @@ absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
 }
 
 absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
+  // Requests to a peer in this process, copied after the locks are gone.
+  thread_local std::vector<Direct> direct;
+  direct.clear();
+  RETURN_IF_ERROR(PostLocked(batch, direct));
+  for (const Direct& d : direct) RunDirect(d);
+  direct.clear();
+  return absl::OkStatus();
+}
+
+absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
+                                      std::vector<Direct>& direct) {
   MutexLock lock(&mu_);
   ReaderMutexLock regions(&regions_mu_);
   for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr));
@@ -550,6 +626,10 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
     regions_.at(wr.local_region)->local_uses.fetch_add(1);
     const uint64_t rid = link.next_id++;
     link.outstanding.emplace(rid, wr);
+    if (link.peer_key != 0) {
+      direct.push_back(Direct{links_.at(wr.link), rid, wr});
+      continue;
+    }
     Job job;
     job.header.type = wr.opcode == Opcode::kWrite ? kWriteReq : kReadReq;
     job.header.id = rid;
@@ -566,6 +646,47 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   return absl::OkStatus();
 }
 
+void TcpTransport::RunDirect(const Direct& d) {
+  Link& link = *d.link;
+  {
+    MutexLock lock(&mu_);
+    // Failed or closed since Post: already completed.
+    if (link.state == Link::State::kError || link.outstanding.count(d.rid) == 0) return;
+    ++link.direct_busy;
+  }
+  absl::Status status;
+  if (d.wr.length > 0) {
+    Registry& r = registry();
+    ReaderMutexLock registered(&r.mu);
+    auto it = r.by_key.find(link.peer_key);
+    if (it == r.by_key.end()) {
+      status = absl::UnavailableError("the peer transport in this process is gone");
+    } else {
+      TcpTransport& peer = *it->second.transport;
+      ReaderMutexLock regions(&peer.regions_mu_);
+      DataHeader h;
+      h.remote_addr = d.wr.remote_addr;
+      h.rkey = d.wr.remote_key;
+      h.length = d.wr.length;
+      char* remote = nullptr;
+      const bool write = d.wr.opcode == Opcode::kWrite;
+      status = peer.CheckRemote(h, write, &remote);
+      if (status.ok() && write) std::memcpy(remote, d.wr.local_addr, d.wr.length);
+      if (status.ok() && !write) std::memcpy(d.wr.local_addr, remote, d.wr.length);
+    }
+  }
+  MutexLock lock(&mu_);
+  --link.direct_busy;
+  link.cv.SignalAll();
+  if (!status.ok()) {
+    // Like a refused request on the wire: the link enters the error state.
+    FailLink(link, std::move(status), d.rid);
+  } else if (link.outstanding.erase(d.rid) == 1) {
+    CompleteLocked(d.wr, absl::OkStatus());
+    cq_cv_.SignalAll();
+  }
+}
+
 void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
   cq_.Push(wr, std::move(status));
 }
@@ -579,7 +700,7 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
   ::shutdown(link.fd.get(), SHUT_RDWR);
   // The writer may be sending from a request buffer: wait until it is not,
   // so no buffer is read after its request has been completed.
-  while (link.writer_busy) link.cv.Wait(&mu_);
+  WaitLinkIdle(link);
   const std::string reason(first.message());
   auto it = link.outstanding.find(first_id);
   if (it == link.outstanding.end()) it = link.outstanding.begin();

@@ -21,6 +21,9 @@
 // outstanding, is closed by the transport on a later AcceptLink (its id then
 // reads as unknown), so peers that reconnect often leak no sockets.
 //
+// Between two transports in one process (in_process_shortcut) requests are
+// memcpy, not socket I/O; see TcpTransportOptions.
+//
 // Thread-safe. Wire format: host byte order, little-endian hosts only.
 #ifndef KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_H_
 #define KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_H_
@@ -50,6 +53,11 @@ struct TcpTransportOptions {
   uint32_t max_outstanding_per_link = 4096;
   uint64_t max_request_bytes = uint64_t{1} << 32;
   uint64_t max_region_bytes = uint64_t{1} << 44;
+  // When both ends of a link are TCP transports in this process, requests
+  // skip the socket: the requester copies straight between the regions
+  // (with the same key, bounds and access checks) and completes at once.
+  // The connection stays, to notice the peer closing the link.
+  bool in_process_shortcut = true;
 };
 
 // Creates a TCP transport and starts its listener. kInvalidArgument for a
