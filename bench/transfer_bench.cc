@@ -1,25 +1,50 @@
-// transfer_bench: the engine's own throughput and latency, the figures to
-// hold against perftest (ib_write_bw / ib_write_lat) and ucx_perftest on
-// the same device.
+// transfer_bench: the engine's throughput and latency, each beside a
+// reference measured in the same run.
 //
-//   ./bazelw run -c opt //bench:transfer_bench -- --mode=bw --block=65536
-//   ./bazelw run -c opt //bench:transfer_bench -- --mode=lat --block=8
+//   ./bazelw run -c opt //bench:transfer_bench                       # loopback
+//   ./bazelw run -c opt //bench:transfer_bench -- --role=target --port=16000
+//   ./bazelw run -c opt //bench:transfer_bench -- --role=initiator --peer=HOST:16000
+//   ./bazelw run -c opt //bench:transfer_bench -- --sweep=4096,65536,1048576 --out=/tmp/s
 //
-// Two engines in one process (an initiator and a target, over loopback or
-// the local RDMA device), found by host:port like any peers.
-//   bw:  WRITE (or READ) `block`-byte requests, `depth` per batch, two
-//        batches in flight, for `iters` requests; prints MiB/s (2^20 bytes,
-//        as perftest does) and messages/s.
-//   lat: ping-pong like ib_write_lat: the initiator WRITEs `block` bytes to
-//        the target, the target sees them land and WRITEs them back; half
-//        the round trip is the one-way latency. Prints median, p99, p999
-//        in microseconds.
-// The last line is machine-readable: "RESULT mode=... value=..."; --json prints
-// one JSON object instead (throughput, ops/s, latency percentiles).
+// Roles: `loopback` runs an initiator and a target engine in this process;
+// `target` serves a registered buffer (and a raw socket sink for the
+// reference) until an initiator says it is done (or for ever with
+// --forever); `initiator` finds the target by host:port alone.
+//
+// Modes:
+//   bw:  WRITE (or READ) `block`-byte requests, `batch` per batch, two
+//        batches in flight per thread, for --duration seconds, --bytes, or
+//        --iters requests; MiB/s (2^20 bytes, as perftest), GB/s, ops/s and
+//        the time of a batch (p50/p99/p999). A progress line per second on
+//        runs longer than one.
+//   lat: ping-pong like ib_write_lat: the initiator WRITEs `block` bytes, the
+//        target sees them land and WRITEs them back; half the round trip is
+//        the one-way latency (p50/p99/p999).
+//   --sweep=B1,B2,...: both modes at every block size, engine and reference
+//        side by side; writes OUT.csv and, with gnuplot, OUT.png.
+//
+// References (--reference): `memcpy` of the same bytes (the in-process path:
+// two TCP-transport engines in one process copy without sockets), `socket`
+// (a raw TCP stream to the target's sink, between the same processes), or
+// `none`. `auto`: memcpy for loopback over TCP, socket for an initiator
+// over TCP, none over RDMA (tools/softroce/bench.sh runs perftest and UCX
+// beside it on the same device). Ratios are engine / reference.
+//
+// The last text line is "RESULT mode=... value=..." for scripts; --json
+// prints one JSON object per measure instead.
+#include <netinet/in.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,49 +52,47 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
+#include "base/mutex.h"
 #include "base/status_macros.h"
 #include "engine/transfer_engine.h"
+#include "net/socket.h"
 
+ABSL_FLAG(std::string, role, "loopback", "loopback (both engines here), target or initiator");
+ABSL_FLAG(std::string, peer, "", "initiator: the target's host:port");
 ABSL_FLAG(std::string, mode, "bw", "bw (throughput) or lat (ping-pong latency)");
 ABSL_FLAG(std::string, op, "write", "bw mode: write or read");
 ABSL_FLAG(std::string, transport, "auto", "auto, tcp or rdma");
-ABSL_FLAG(std::string, host, "127.0.0.1", "address both engines use");
+ABSL_FLAG(std::string, devices, "", "RDMA devices to use, comma-separated (empty: all)");
+ABSL_FLAG(std::string, host, "", "address to advertise (empty: detected; loopback: 127.0.0.1)");
+ABSL_FLAG(uint32_t, port, 0, "target: handshake port (0: first free from 15000)");
 ABSL_FLAG(uint64_t, block, 64 << 10, "bytes per request");
-ABSL_FLAG(uint32_t, depth, 64, "bw mode: requests per batch (two batches in flight)");
+ABSL_FLAG(uint32_t, batch, 64, "bw mode: requests per batch (two batches in flight per thread)");
+ABSL_FLAG(uint32_t, threads, 1, "bw mode: submitting threads");
+ABSL_FLAG(double, duration, 0, "seconds to run each measure (0: --bytes or --iters)");
+ABSL_FLAG(uint64_t, bytes, 0, "bw mode: bytes to move (0: --iters)");
 ABSL_FLAG(uint64_t, iters, 2000, "requests (bw) or round trips (lat) measured");
 ABSL_FLAG(uint64_t, warmup, 100, "requests or round trips before measuring");
+ABSL_FLAG(std::string, reference, "auto", "auto, memcpy, socket or none (see the file comment)");
+ABSL_FLAG(std::string, sweep, "", "block sizes to sweep, e.g. 4096,65536,1048576 ('default': 4 KiB..4 MiB)");
+ABSL_FLAG(std::string, out, "transfer_bench_sweep", "sweep: writes OUT.csv and OUT.png");
+ABSL_FLAG(uint64_t, buffer_mib, 256, "target: MiB of registered memory to serve");
+ABSL_FLAG(bool, forever, false, "target: keep serving after an initiator is done");
 ABSL_FLAG(bool, verbose, false, "engine logs at INFO");
-ABSL_FLAG(bool, json, false, "print the result as one JSON object instead of text");
+ABSL_FLAG(bool, json, false, "print each result as one JSON object instead of text");
 
 namespace kvferry {
 namespace {
 
 using transport::Opcode;
 
-struct Pair {
-  std::unique_ptr<TransferEngine> initiator, target;
-  SegmentId to_target = 0, to_initiator = 0;
-};
-
-absl::StatusOr<Pair> MakePair() {
-  EngineOptions o;
-  o.local_host = absl::GetFlag(FLAGS_host);
-  o.transport = absl::GetFlag(FLAGS_transport);
-  o.slice_bytes = std::max<uint64_t>(o.slice_bytes, absl::GetFlag(FLAGS_block));
-  Pair p;
-  ASSIGN_OR_RETURN(p.initiator, TransferEngine::Create(o));
-  ASSIGN_OR_RETURN(p.target, TransferEngine::Create(o));
-  return p;
-}
-
-absl::Status Open(Pair& p) {
-  ASSIGN_OR_RETURN(p.to_target, p.initiator->OpenSegment(p.target->address()));
-  ASSIGN_OR_RETURN(p.to_initiator, p.target->OpenSegment(p.initiator->address()));
-  return absl::OkStatus();
-}
+constexpr char kMetadataKey[] = "transfer_bench";
+constexpr char kStopMark = static_cast<char>(255);  // ends a ping-pong
 
 struct Percentiles {
   double p50 = 0, p99 = 0, p999 = 0;
@@ -86,214 +109,848 @@ Percentiles Summarize(std::vector<double> v) {
   return out;
 }
 
-absl::Status Finish(TransferEngine& e, BatchId b) {
+// When a measure ends: after a time, or after a number of units (requests
+// or round trips).
+struct Stop {
+  absl::Duration duration = absl::ZeroDuration();
+  uint64_t units = 0;
+};
+
+Stop StopFor(uint64_t block, bool bandwidth) {
+  Stop s;
+  const double d = absl::GetFlag(FLAGS_duration);
+  if (d > 0) {
+    s.duration = absl::Seconds(d);
+  } else if (bandwidth && absl::GetFlag(FLAGS_bytes) > 0) {
+    s.units = std::max<uint64_t>(1, absl::GetFlag(FLAGS_bytes) / block);
+  } else {
+    s.units = std::max<uint64_t>(1, absl::GetFlag(FLAGS_iters));
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------- bandwidth
+
+// Moves batch `half` (0 or 1) of thread `tid`: Start begins it, Finish
+// waits for it. Each (tid, half) has its own part of both buffers.
+class Mover {
+ public:
+  virtual ~Mover() = default;
+  virtual absl::Status Start(int tid, int half) = 0;
+  virtual absl::Status Finish(int tid, int half) = 0;
+};
+
+struct BwResult {
+  double seconds = 0;
+  double requests = 0;
+  uint64_t block = 0;
+  Percentiles batch_us;
+  double gb_s() const { return requests * block / seconds / 1e9; }
+  double mib_s() const { return requests * block / seconds / (1 << 20); }
+  double ops_s() const { return requests / seconds; }
+};
+
+// Runs `threads` threads, each keeping two batches in flight.
+absl::StatusOr<BwResult> DriveBandwidth(Mover& m, int threads, uint32_t batch, uint64_t block,
+                                        const std::string& label) {
+  // Warm-up on thread 0, then measure from an empty pipe.
+  const uint64_t warm = (absl::GetFlag(FLAGS_warmup) + batch - 1) / batch;
+  for (uint64_t n = 0; n < warm; ++n) {
+    RETURN_IF_ERROR(m.Start(0, 0));
+    RETURN_IF_ERROR(m.Finish(0, 0));
+  }
+  const Stop stop = StopFor(block, /*bandwidth=*/true);
+  const uint64_t batches_per_thread =
+      stop.units == 0 ? 0 : std::max<uint64_t>(1, (stop.units + threads * batch - 1) / (threads * batch));
+  std::atomic<uint64_t> requests{0};
+  std::atomic<bool> running{true};
+  std::vector<std::vector<double>> lat(threads);
+  std::vector<absl::Status> errors(threads);
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = stop.duration > absl::ZeroDuration() ? start + stop.duration
+                                                                   : absl::InfiniteFuture();
+  auto worker = [&](int tid) {
+    bool busy[2] = {false, false};
+    absl::Time submitted[2];
+    absl::Status st;
+    auto finish = [&](int h) {
+      st = m.Finish(tid, h);
+      busy[h] = false;
+      if (st.ok()) {
+        lat[tid].push_back(absl::ToDoubleMicroseconds(absl::Now() - submitted[h]));
+        requests.fetch_add(batch, std::memory_order_relaxed);
+      }
+    };
+    for (uint64_t n = 0; st.ok(); ++n) {
+      if (batches_per_thread > 0 ? n >= batches_per_thread : absl::Now() >= deadline) break;
+      const int h = n % 2;
+      if (busy[h]) finish(h);
+      if (!st.ok()) break;
+      submitted[h] = absl::Now();
+      st = m.Start(tid, h);
+      busy[h] = st.ok();
+    }
+    for (int h = 0; h < 2; ++h) {
+      if (busy[h]) {
+        absl::Status keep = st;
+        finish(h);
+        if (!keep.ok()) st = keep;
+      }
+    }
+    errors[tid] = st;
+  };
+  // A progress line per second (stderr), for runs longer than one.
+  std::thread progress([&] {
+    uint64_t last = 0;
+    absl::Time last_t = start;
+    for (int s = 1; running.load(); ++s) {
+      while (running.load() && absl::Now() < start + absl::Seconds(s)) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      if (!running.load()) break;
+      const uint64_t now_req = requests.load();
+      const absl::Time t = absl::Now();
+      const double dt = absl::ToDoubleSeconds(t - last_t);
+      std::fprintf(stderr, "[%3d s] %s %llu B: %.3f GB/s, %.0f ops/s\n", s, label.c_str(),
+                   static_cast<unsigned long long>(block),
+                   (now_req - last) * double(block) / dt / 1e9, (now_req - last) / dt);
+      last = now_req;
+      last_t = t;
+    }
+  });
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+  worker(0);
+  for (auto& t : pool) t.join();
+  const absl::Time end = absl::Now();
+  running = false;
+  progress.join();
+  for (const absl::Status& e : errors) RETURN_IF_ERROR(e);
+  BwResult r;
+  r.seconds = absl::ToDoubleSeconds(end - start);
+  r.requests = static_cast<double>(requests.load());
+  r.block = block;
+  std::vector<double> all;
+  for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+  r.batch_us = Summarize(std::move(all));
+  return r;
+}
+
+// Where a thread's batches go: thread t, half h uses bytes
+// [(2t+h)*batch*block, +batch*block) of both buffers.
+uint64_t BwSpan(int threads, uint32_t batch, uint64_t block) {
+  return uint64_t(threads) * 2 * batch * block;
+}
+
+class EngineMover : public Mover {
+ public:
+  EngineMover(TransferEngine& e, SegmentId seg, char* local, uint64_t remote, int threads,
+              uint32_t batch, uint64_t block, bool write)
+      : e_(e), seg_(seg), reqs_(threads * 2), ids_(threads * 2) {
+    for (int i = 0; i < threads * 2; ++i) {
+      for (uint32_t j = 0; j < batch; ++j) {
+        const uint64_t off = (uint64_t(i) * batch + j) * block;
+        reqs_[i].push_back({write ? Opcode::kWrite : Opcode::kRead, local + off, remote + off, block});
+      }
+    }
+  }
+  absl::Status Start(int tid, int half) override {
+    ASSIGN_OR_RETURN(ids_[2 * tid + half], e_.Submit(seg_, reqs_[2 * tid + half]));
+    return absl::OkStatus();
+  }
+  absl::Status Finish(int tid, int half) override {
+    const BatchId b = ids_[2 * tid + half];
+    ASSIGN_OR_RETURN(BatchStatus s, e_.Wait(b, absl::Seconds(60)));
+    if (!s.ok()) {
+      if (!s.done()) return absl::DeadlineExceededError("a batch did not finish in 60 s");
+      for (const absl::Status& r : s.requests) RETURN_IF_ERROR(r);
+    }
+    return e_.Release(b);
+  }
+
+ private:
+  TransferEngine& e_;
+  const SegmentId seg_;
+  std::vector<std::vector<TransferRequest>> reqs_;
+  std::vector<BatchId> ids_;
+};
+
+// The in-process reference: memcpy of the same bytes between the same
+// buffers.
+class MemcpyMover : public Mover {
+ public:
+  MemcpyMover(char* src, char* dst, uint32_t batch, uint64_t block)
+      : src_(src), dst_(dst), batch_(batch), block_(block) {}
+  absl::Status Start(int tid, int half) override {
+    const uint64_t base = (uint64_t(2 * tid + half) * batch_) * block_;
+    for (uint32_t j = 0; j < batch_; ++j) {
+      std::memcpy(dst_ + base + j * block_, src_ + base + j * block_, block_);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Finish(int, int) override { return absl::OkStatus(); }
+
+ private:
+  char* src_;
+  char* dst_;
+  const uint32_t batch_;
+  const uint64_t block_;
+};
+
+// The raw socket sink's protocol: a 16-byte header, then data.
+struct SinkHeader {
+  uint32_t kind = 0;   // kStream or kEcho
+  uint32_t count = 0;  // kStream: blocks that follow
+  uint64_t block = 0;
+};
+enum : uint32_t { kStream = 1, kEcho = 2 };
+
+// The TCP reference: a raw stream of the same bytes to the sink, one
+// connection per thread; the sink answers one byte per batch.
+class SocketMover : public Mover {
+ public:
+  static absl::StatusOr<std::unique_ptr<SocketMover>> Connect(const std::string& sink, char* src,
+                                                              int threads, uint32_t batch,
+                                                              uint64_t block) {
+    ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(sink));
+    auto m = std::unique_ptr<SocketMover>(new SocketMover(src, batch, block));
+    for (int t = 0; t < threads; ++t) {
+      ASSIGN_OR_RETURN(net::Fd fd, net::Connect(hp, absl::Seconds(5)));
+      RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
+      m->fds_.push_back(std::move(fd));
+    }
+    return m;
+  }
+  absl::Status Start(int tid, int half) override {
+    SinkHeader h{kStream, batch_, block_};
+    const int fd = fds_[tid].get();
+    RETURN_IF_ERROR(net::WriteFull(fd, &h, sizeof h, absl::InfiniteFuture()));
+    return net::WriteFull(fd, src_ + uint64_t(2 * tid + half) * batch_ * block_, batch_ * block_,
+                          absl::InfiniteFuture());
+  }
+  absl::Status Finish(int tid, int) override {
+    char ack;
+    return net::ReadFull(fds_[tid].get(), &ack, 1, absl::Now() + absl::Seconds(60));
+  }
+
+ private:
+  SocketMover(char* src, uint32_t batch, uint64_t block) : src_(src), batch_(batch), block_(block) {}
+  char* src_;
+  const uint32_t batch_;
+  const uint64_t block_;
+  std::vector<net::Fd> fds_;
+};
+
+// Serves the raw socket reference into `buffer` until the process ends.
+class Sink {
+ public:
+  static absl::StatusOr<std::unique_ptr<Sink>> Start(const std::string& host, char* buffer,
+                                                     uint64_t length) {
+    auto s = std::unique_ptr<Sink>(new Sink(buffer, length));
+    ASSIGN_OR_RETURN(s->listener_, net::Listen(host, 0, {0, 0}));
+    Sink* raw = s.get();
+    std::thread([raw] { raw->AcceptLoop(); }).detach();
+    return s;
+  }
+  std::string address() const { return listener_.address.ToString(); }
+
+ private:
+  Sink(char* buffer, uint64_t length) : buffer_(buffer), length_(length) {}
+  void AcceptLoop() {
+    for (;;) {
+      auto fd = net::Accept(listener_.fd.get(), absl::Hours(24));
+      if (!fd.ok()) continue;
+      (void)net::SetNoDelay(fd->get());
+      std::thread([this, fd = std::make_shared<net::Fd>(std::move(*fd))] { Serve(fd->get()); })
+          .detach();
+    }
+  }
+  void Serve(int fd) {
+    SinkHeader h;
+    while (net::ReadFull(fd, &h, sizeof h, absl::InfiniteFuture()).ok()) {
+      if (h.block == 0 || h.block > length_) return;
+      if (h.kind == kStream) {
+        for (uint32_t i = 0; i < h.count; ++i) {
+          const uint64_t off = (uint64_t(i) * h.block) % (length_ - h.block + 1);
+          if (!net::ReadFull(fd, buffer_ + off, h.block, absl::InfiniteFuture()).ok()) return;
+        }
+        char ack = 1;
+        if (!net::WriteFull(fd, &ack, 1, absl::InfiniteFuture()).ok()) return;
+      } else if (h.kind == kEcho) {
+        std::vector<char> data(h.block);
+        if (!net::ReadFull(fd, data.data(), h.block, absl::InfiniteFuture()).ok() ||
+            !net::WriteFull(fd, data.data(), h.block, absl::InfiniteFuture()).ok()) {
+          return;
+        }
+      } else {
+        return;
+      }
+    }
+  }
+  char* buffer_;
+  uint64_t length_;
+  net::ListeningSocket listener_;
+};
+
+// ---------------------------------------------------------------- latency
+
+// Reads a byte the transport writes behind our back (the NIC's DMA, the
+// TCP transport's recv, the in-process copy), as perftest's latency tests
+// do. Not a synchronisation ThreadSanitizer can see, so not instrumented.
+__attribute__((no_sanitize("thread"))) char Peek(const char* p) {
+  return *reinterpret_cast<const volatile char*>(p);
+}
+__attribute__((no_sanitize("thread"))) void Poke(char* p, char v) {
+  *reinterpret_cast<volatile char*>(p) = v;
+}
+
+absl::Status FinishOne(TransferEngine& e, BatchId b) {
   ASSIGN_OR_RETURN(BatchStatus s, e.Wait(b, absl::Seconds(60)));
   if (!s.ok()) {
-    return s.done() ? s.requests[0] : absl::DeadlineExceededError("batch did not finish in 60 s");
+    return s.done() ? s.requests[0] : absl::DeadlineExceededError("a WRITE did not finish in 60 s");
   }
   return e.Release(b);
 }
 
-int Bandwidth() {
-  const uint64_t block = absl::GetFlag(FLAGS_block);
-  const uint32_t depth = std::max<uint32_t>(1, absl::GetFlag(FLAGS_depth));
-  const bool write = absl::GetFlag(FLAGS_op) == "write";
-  if (!write && absl::GetFlag(FLAGS_op) != "read") {
-    std::fprintf(stderr, "transfer_bench: --op must be write or read\n");
-    return 2;
+// Waits until the byte at `last` is `want` or the stop mark; false on the
+// stop mark, `failed`, or nothing for `patience`.
+bool AwaitMark(const char* last, char want, const std::atomic<bool>& failed,
+               absl::Duration patience) {
+  const absl::Time give_up = absl::Now() + patience;
+  for (uint32_t spins = 0;; ++spins) {
+    const char c = Peek(last);
+    if (c == want) return true;
+    if (c == kStopMark || failed.load(std::memory_order_relaxed)) return false;
+    if ((spins & 0xffff) == 0 && absl::Now() > give_up) return false;
   }
-  auto pair = MakePair();
-  if (!pair.ok()) {
-    std::fprintf(stderr, "transfer_bench: %s\n", std::string(pair.status().message()).c_str());
-    return 1;
+}
+
+// The target's half of a ping-pong: every message that lands in
+// [recv, +block) is written back from one of two send buffers in turn to
+// `remote` at the peer, until the stop mark arrives.
+absl::Status Echo(TransferEngine& e, SegmentId to_initiator, char* recv, char* send[2],
+                  uint64_t remote, uint64_t block, std::atomic<bool>& failed) {
+  BatchId previous = 0;
+  absl::Status s;
+  for (uint64_t r = 1; s.ok(); ++r) {
+    const char mark = static_cast<char>(r % 251 + 1);
+    if (!AwaitMark(&recv[block - 1], mark, failed, absl::Seconds(30))) break;
+    char* out = send[r % 2];
+    out[block - 1] = mark;
+    // Like ib_write_lat, the previous round's WRITE is finished only once
+    // the next message is in (by then it has long completed).
+    TransferRequest w{Opcode::kWrite, out, remote, block};
+    absl::StatusOr<BatchId> b = e.Submit(to_initiator, {&w, 1});
+    s = b.status();
+    if (s.ok() && previous != 0) s = FinishOne(e, previous);
+    if (s.ok()) previous = *b;
   }
-  Pair& p = *pair;
-  // Two batches in flight, each on its own part of both buffers.
-  std::vector<char> src(2 * depth * block, 'x'), dst(2 * depth * block, 0);
-  absl::Status st = p.initiator->RegisterMemory(src.data(), src.size());
-  if (st.ok()) st = p.target->RegisterMemory(dst.data(), dst.size());
-  if (st.ok()) st = Open(p);
-  std::vector<TransferRequest> batch[2];
-  for (int half = 0; half < 2; ++half) {
-    for (uint32_t i = 0; i < depth; ++i) {
-      const uint64_t off = (half * depth + i) * block;
-      batch[half].push_back({write ? Opcode::kWrite : Opcode::kRead, src.data() + off,
-                             reinterpret_cast<uintptr_t>(dst.data()) + off, block});
+  if (s.ok() && previous != 0) s = FinishOne(e, previous);
+  Poke(&recv[block - 1], 0);
+  if (!s.ok()) failed = true;
+  return s;
+}
+
+struct LatResult {
+  size_t rounds = 0;
+  Percentiles one_way_us;
+};
+
+// The initiator's half: WRITEs `send` to `remote`, waits for the echo in
+// `recv`; ends by sending the stop mark.
+absl::StatusOr<LatResult> Ping(TransferEngine& e, SegmentId to_target, char* send, char* recv,
+                               uint64_t remote, uint64_t block, std::atomic<bool>& failed) {
+  const uint64_t warmup = absl::GetFlag(FLAGS_warmup);
+  const Stop stop = StopFor(block, /*bandwidth=*/false);
+  std::vector<double> half_rtt_us;
+  absl::Status st;
+  absl::Time measure_start;
+  for (uint64_t r = 1; st.ok(); ++r) {
+    if (r == warmup + 1) measure_start = absl::Now();
+    if (r > warmup && (stop.units > 0 ? r > warmup + stop.units
+                                      : absl::Now() - measure_start >= stop.duration)) {
+      break;
     }
-  }
-  const uint64_t warm_batches = (absl::GetFlag(FLAGS_warmup) + depth - 1) / depth;
-  const uint64_t batches = std::max<uint64_t>(1, (absl::GetFlag(FLAGS_iters) + depth - 1) / depth);
-  absl::Time start;
-  BatchId inflight[2] = {0, 0};
-  absl::Time submitted[2];
-  bool busy[2] = {false, false};
-  std::vector<double> batch_us;  // Submit to done, measured batches only
-  auto finish = [&](int h) {
-    absl::Status s = Finish(*p.initiator, inflight[h]);
-    if (s.ok() && start != absl::Time()) {
-      batch_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - submitted[h]));
+    const char mark = static_cast<char>(r % 251 + 1);
+    send[block - 1] = mark;
+    const absl::Time t0 = absl::Now();
+    TransferRequest w{Opcode::kWrite, send, remote, block};
+    absl::StatusOr<BatchId> b = e.Submit(to_target, {&w, 1});
+    if (!b.ok()) {
+      st = b.status();
+      break;
     }
-    busy[h] = false;
-    return s;
-  };
-  for (uint64_t n = 0; st.ok() && n < warm_batches + batches; ++n) {
-    if (n == warm_batches) {
-      // Measure from an empty pipe.
-      for (int h = 0; h < 2 && st.ok(); ++h) {
-        if (busy[h]) st = finish(h);
-      }
-      start = absl::Now();
-    }
-    const int h = n % 2;
-    if (busy[h] && st.ok()) st = finish(h);
-    if (!st.ok()) break;
-    submitted[h] = absl::Now();
-    absl::StatusOr<BatchId> b = p.initiator->Submit(p.to_target, batch[h]);
-    if (!b.ok()) st = b.status();
-    else inflight[h] = *b, busy[h] = true;
+    const bool echoed = AwaitMark(&recv[block - 1], mark, failed, absl::Seconds(30));
+    const absl::Time t1 = absl::Now();
+    st = FinishOne(e, *b);
+    if (st.ok() && !echoed) st = absl::DeadlineExceededError("no echo from the target in 30 s");
+    if (st.ok() && r > warmup) half_rtt_us.push_back(absl::ToDoubleMicroseconds(t1 - t0) / 2);
   }
-  for (int h = 0; h < 2 && st.ok(); ++h) {
-    if (busy[h]) st = finish(h);
-  }
+  // The stop mark ends the echo (also after a failure).
+  send[block - 1] = kStopMark;
+  TransferRequest w{Opcode::kWrite, send, remote, block};
+  absl::StatusOr<BatchId> b = e.Submit(to_target, {&w, 1});
+  if (b.ok()) (void)FinishOne(e, *b);
+  Poke(&recv[block - 1], 0);
   if (!st.ok()) {
-    std::fprintf(stderr, "transfer_bench: %s\n", st.ToString().c_str());
-    return 1;
+    failed = true;
+    return st;
   }
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  const double requests = static_cast<double>(batches) * depth;
-  const double mib_s = requests * block / seconds / (1 << 20);
-  const Percentiles lat = Summarize(batch_us);
+  return LatResult{half_rtt_us.size(), Summarize(std::move(half_rtt_us))};
+}
+
+// Reference latencies: a memcpy of the block, or a raw socket echo.
+absl::StatusOr<LatResult> ReferenceLatency(const std::string& kind, char* a, char* b,
+                                           uint64_t block, const std::string& sink) {
+  const Stop stop = StopFor(block, /*bandwidth=*/false);
+  const uint64_t warmup = absl::GetFlag(FLAGS_warmup);
+  net::Fd fd;
+  if (kind == "socket") {
+    ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(sink));
+    ASSIGN_OR_RETURN(fd, net::Connect(hp, absl::Seconds(5)));
+    RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
+  }
+  std::vector<double> us;
+  absl::Time measure_start;
+  for (uint64_t r = 1;; ++r) {
+    if (r == warmup + 1) measure_start = absl::Now();
+    if (r > warmup && (stop.units > 0 ? r > warmup + stop.units
+                                      : absl::Now() - measure_start >= stop.duration)) {
+      break;
+    }
+    const absl::Time t0 = absl::Now();
+    if (kind == "memcpy") {
+      std::memcpy(b, a, block);
+      asm volatile("" : : "g"(b) : "memory");  // the copy is not optimized away
+    } else {
+      SinkHeader h{kEcho, 1, block};
+      RETURN_IF_ERROR(net::WriteFull(fd.get(), &h, sizeof h, absl::InfiniteFuture()));
+      RETURN_IF_ERROR(net::WriteFull(fd.get(), a, block, absl::InfiniteFuture()));
+      RETURN_IF_ERROR(net::ReadFull(fd.get(), b, block, absl::Now() + absl::Seconds(30)));
+    }
+    const double t = absl::ToDoubleMicroseconds(absl::Now() - t0);
+    // memcpy is one way already; a socket echo is a round trip.
+    if (r > warmup) us.push_back(kind == "memcpy" ? t : t / 2);
+  }
+  return LatResult{us.size(), Summarize(std::move(us))};
+}
+
+// ---------------------------------------------------------------- sessions
+
+[[noreturn]] void Die(const absl::Status& s) {
+  std::fprintf(stderr, "transfer_bench: %s\n", std::string(s.message()).c_str());
+  std::exit(1);
+}
+
+EngineOptions Options(const std::string& role) {
+  EngineOptions o;
+  o.local_host = absl::GetFlag(FLAGS_host);
+  if (o.local_host.empty() && role == "loopback") o.local_host = "127.0.0.1";
+  o.transport = absl::GetFlag(FLAGS_transport);
+  const std::string devices = absl::GetFlag(FLAGS_devices);
+  if (!devices.empty()) o.devices = absl::StrSplit(devices, ',', absl::SkipEmpty());
+  if (role == "target") o.port = static_cast<uint16_t>(absl::GetFlag(FLAGS_port));
+  return o;
+}
+
+// The initiator's view: its engine and buffer, the target's buffer, and
+// (loopback) the target engine itself.
+struct Session {
+  std::unique_ptr<TransferEngine> initiator;
+  std::unique_ptr<TransferEngine> target;  // loopback only
+  std::vector<char> local;
+  std::vector<char> target_buffer;  // loopback only
+  SegmentId to_target = 0;
+  SegmentId to_initiator = 0;  // loopback only
+  uint64_t remote = 0;         // the target's buffer
+  uint64_t remote_len = 0;
+  std::unique_ptr<Sink> sink;  // loopback socket reference
+  std::string sink_address;
+  std::string reference;  // resolved: memcpy, socket or none
+};
+
+absl::Status OpenSession(Session& s, const std::string& role, uint64_t max_block, int threads,
+                         uint32_t batch) {
+  const uint64_t arena = std::max(BwSpan(threads, batch, max_block), 3 * max_block);
+  ASSIGN_OR_RETURN(s.initiator, TransferEngine::Create(Options(role)));
+  s.local.assign(arena, 'x');
+  RETURN_IF_ERROR(s.initiator->RegisterMemory(s.local.data(), s.local.size()));
+  if (role == "loopback") {
+    ASSIGN_OR_RETURN(s.target, TransferEngine::Create(Options(role)));
+    s.target_buffer.assign(arena, 0);
+    RETURN_IF_ERROR(s.target->RegisterMemory(s.target_buffer.data(), s.target_buffer.size()));
+    ASSIGN_OR_RETURN(s.to_target, s.initiator->OpenSegment(s.target->address()));
+    ASSIGN_OR_RETURN(s.to_initiator, s.target->OpenSegment(s.initiator->address()));
+    s.remote = reinterpret_cast<uintptr_t>(s.target_buffer.data());
+    s.remote_len = arena;
+  } else {
+    const std::string peer = absl::GetFlag(FLAGS_peer);
+    if (peer.empty()) return absl::InvalidArgumentError("--role=initiator needs --peer=HOST:PORT");
+    ASSIGN_OR_RETURN(s.to_target, s.initiator->OpenSegment(peer));
+    ASSIGN_OR_RETURN(std::string meta, s.initiator->FetchMetadata(s.to_target, kMetadataKey));
+    std::vector<std::string> parts = absl::StrSplit(meta, ' ');
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &s.remote) ||
+        !absl::SimpleAtoi(parts[1], &s.remote_len)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(peer, " is not a transfer_bench target (metadata \"", meta, "\")"));
+    }
+    s.sink_address = parts[2];
+    if (s.remote_len < arena) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the target serves %d MiB; %d thread(s) x 2 batches x %u x %d B need %d MiB: start "
+          "it with a larger --buffer_mib",
+          s.remote_len >> 20, threads, batch, max_block, (arena + (1 << 20) - 1) >> 20));
+    }
+  }
+  std::string ref = absl::GetFlag(FLAGS_reference);
+  const std::string transport = s.initiator->detection().transport;
+  if (ref == "auto") {
+    ref = transport != "tcp" ? "none" : role == "loopback" ? "memcpy" : "socket";
+  }
+  if (ref != "memcpy" && ref != "socket" && ref != "none") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--reference must be auto, memcpy, socket or none, not \"", ref, "\""));
+  }
+  if (ref == "socket" && role == "loopback") {
+    ASSIGN_OR_RETURN(s.sink, Sink::Start("127.0.0.1", s.target_buffer.data(), arena));
+    s.sink_address = s.sink->address();
+  }
+  s.reference = ref;
+  return absl::OkStatus();
+}
+
+// The target process: serves its buffer and the sink, echoes ping-pongs.
+int ServeTarget() {
+  auto engine = TransferEngine::Create(Options("target"));
+  if (!engine.ok()) Die(engine.status());
+  TransferEngine& e = **engine;
+  const uint64_t len = absl::GetFlag(FLAGS_buffer_mib) << 20;
+  if (len == 0) Die(absl::InvalidArgumentError("--buffer_mib must be positive"));
+  std::vector<char> buffer(len, 0);
+  absl::Status st = e.RegisterMemory(buffer.data(), len);
+  if (!st.ok()) Die(st);
+  auto sink = Sink::Start(e.detection().bind_host.empty() ? e.detection().host
+                                                          : e.detection().bind_host,
+                          buffer.data(), len);
+  if (!sink.ok()) Die(sink.status());
+  st = e.PublishMetadata(kMetadataKey, absl::StrCat(reinterpret_cast<uintptr_t>(buffer.data()),
+                                                    " ", len, " ", (*sink)->address()));
+  if (!st.ok()) Die(st);
+  std::printf("target ready at %s over %s, %llu MiB registered; run\n"
+              "  transfer_bench --role=initiator --peer=%s\n",
+              e.address().c_str(), e.detection().transport.c_str(),
+              static_cast<unsigned long long>(len >> 20), e.address().c_str());
+  std::fflush(stdout);
+  for (;;) {
+    auto n = e.WaitNotification(absl::Hours(24));
+    if (!n.ok()) continue;
+    std::vector<std::string> w = absl::StrSplit(n->message, ' ');
+    if (w[0] == "done") {
+      std::printf("initiator %llx is done\n", static_cast<unsigned long long>(n->engine_id));
+      std::fflush(stdout);
+      if (!absl::GetFlag(FLAGS_forever)) return 0;
+      continue;
+    }
+    uint64_t remote = 0, block = 0;
+    if (w.size() != 4 || w[0] != "lat" || !absl::SimpleAtoi(w[2], &remote) ||
+        !absl::SimpleAtoi(w[3], &block) || block == 0 || 3 * block > len) {
+      KVF_LOG(WARNING) << "transfer_bench: ignored notification \"" << n->message << "\"";
+      continue;
+    }
+    auto back = e.OpenSegment(w[1]);
+    if (back.ok()) st = e.Notify(*back, "ready");
+    if (!back.ok() || !st.ok()) {
+      KVF_LOG(WARNING) << "transfer_bench: cannot answer " << w[1] << ": "
+                       << (back.ok() ? st : back.status());
+      continue;
+    }
+    std::atomic<bool> failed{false};
+    char* send[2] = {buffer.data() + len - 2 * block, buffer.data() + len - block};
+    st = Echo(e, *back, buffer.data(), send, remote, block, failed);
+    if (!st.ok()) KVF_LOG(WARNING) << "transfer_bench: ping-pong ended: " << st;
+  }
+}
+
+// ---------------------------------------------------------------- measures
+
+std::string OpName(bool write) { return write ? "write" : "read"; }
+
+absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threads,
+                                                           uint32_t batch, uint64_t block,
+                                                           bool write) {
+  if (s.reference == "none") return std::optional<BwResult>();
+  std::unique_ptr<Mover> m;
+  if (s.reference == "memcpy") {
+    char* a = s.local.data();
+    char* b = s.target_buffer.empty() ? s.local.data() + BwSpan(threads, batch, block) / 2
+                                      : s.target_buffer.data();
+    if (s.target_buffer.empty()) batch = std::max<uint32_t>(1, batch / 2);
+    m = std::make_unique<MemcpyMover>(write ? a : b, write ? b : a, batch, block);
+  } else {
+    ASSIGN_OR_RETURN(m, SocketMover::Connect(s.sink_address, s.local.data(), threads, batch, block));
+  }
+  ASSIGN_OR_RETURN(BwResult r, DriveBandwidth(*m, threads, batch, block, s.reference));
+  return std::optional<BwResult>(r);
+}
+
+absl::StatusOr<LatResult> EngineLatency(Session& s, uint64_t block) {
+  std::atomic<bool> failed{false};
+  char* send = s.local.data();
+  char* recv = s.local.data() + block;
+  Poke(&recv[block - 1], 0);
+  const uint64_t recv_addr = reinterpret_cast<uintptr_t>(recv);
+  if (s.target) {
+    char* trecv = s.target_buffer.data();
+    char* tsend[2] = {trecv + block, trecv + 2 * block};
+    Poke(&trecv[block - 1], 0);
+    absl::Status echo;
+    std::thread t([&] { echo = Echo(*s.target, s.to_initiator, trecv, tsend, recv_addr, block, failed); });
+    auto r = Ping(*s.initiator, s.to_target, send, recv, s.remote, block, failed);
+    t.join();
+    if (r.ok() && !echo.ok()) return echo;
+    return r;
+  }
+  // Ask the target to open a segment back and echo; it answers "ready".
+  (void)s.initiator->TakeNotifications();
+  RETURN_IF_ERROR(s.initiator->Notify(
+      s.to_target, absl::StrCat("lat ", s.initiator->address(), " ", recv_addr, " ", block)));
+  ASSIGN_OR_RETURN(Notification n, s.initiator->WaitNotification(absl::Seconds(30)));
+  if (n.message != "ready") {
+    return absl::FailedPreconditionError(absl::StrCat("the target answered \"", n.message, "\""));
+  }
+  return Ping(*s.initiator, s.to_target, send, recv, s.remote, block, failed);
+}
+
+void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const BwResult& r,
+             const std::optional<BwResult>& ref) {
+  const std::string transport = s.initiator->detection().transport;
+  const double ratio = ref ? r.gb_s() / ref->gb_s() : 0;
   if (absl::GetFlag(FLAGS_json)) {
     std::printf("{\"mode\": \"bw\", \"op\": \"%s\", \"transport\": \"%s\", \"block\": %llu, "
-                "\"depth\": %u, \"requests\": %.0f, \"seconds\": %.6f, \"mib_per_s\": %.3f, "
-                "\"gb_per_s\": %.6f, \"ops_per_s\": %.1f, \"batch_us_p50\": %.2f, "
-                "\"batch_us_p99\": %.2f, \"batch_us_p999\": %.2f}\n",
-                write ? "write" : "read", p.initiator->detection().transport.c_str(),
-                static_cast<unsigned long long>(block), depth, requests, seconds, mib_s,
-                requests * block / seconds / 1e9, requests / seconds, lat.p50, lat.p99, lat.p999);
-    return 0;
+                "\"batch\": %u, \"threads\": %d, \"requests\": %.0f, \"seconds\": %.6f, "
+                "\"mib_per_s\": %.3f, \"gb_per_s\": %.6f, \"ops_per_s\": %.1f, "
+                "\"batch_us_p50\": %.2f, \"batch_us_p99\": %.2f, \"batch_us_p999\": %.2f, "
+                "\"reference\": \"%s\", \"reference_gb_per_s\": %.6f, \"ratio\": %.4f}\n",
+                OpName(write).c_str(), transport.c_str(), static_cast<unsigned long long>(r.block),
+                batch, threads, r.requests, r.seconds, r.mib_s(), r.gb_s(), r.ops_s(),
+                r.batch_us.p50, r.batch_us.p99, r.batch_us.p999, s.reference.c_str(),
+                ref ? ref->gb_s() : 0.0, ratio);
+    return;
   }
-  std::printf("%s %llu B x %.0f over %s: %.2f MiB/s (%.3f GB/s), %.0f ops/s; batch of %u: "
-              "p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
-              write ? "WRITE" : "READ", static_cast<unsigned long long>(block), requests,
-              p.initiator->detection().transport.c_str(), mib_s, requests * block / seconds / 1e9,
-              requests / seconds, depth, lat.p50, lat.p99, lat.p999);
-  std::printf("RESULT mode=bw op=%s block=%llu value=%.3f unit=MiB/s\n", write ? "write" : "read",
-              static_cast<unsigned long long>(block), mib_s);
-  return 0;
+  std::printf("%s %llu B x %.0f over %s, %d thread(s): %.2f MiB/s (%.3f GB/s), %.0f ops/s; "
+              "batch of %u: p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
+              write ? "WRITE" : "READ", static_cast<unsigned long long>(r.block), r.requests,
+              transport.c_str(), threads, r.mib_s(), r.gb_s(), r.ops_s(), batch, r.batch_us.p50,
+              r.batch_us.p99, r.batch_us.p999);
+  if (ref) {
+    std::printf("  reference %s: %.3f GB/s, %.0f ops/s; ratio engine/%s %.2f\n",
+                s.reference.c_str(), ref->gb_s(), ref->ops_s(), s.reference.c_str(), ratio);
+  }
+  std::printf("RESULT mode=bw op=%s block=%llu value=%.3f unit=MiB/s%s\n", OpName(write).c_str(),
+              static_cast<unsigned long long>(r.block), r.mib_s(),
+              ref ? absl::StrFormat(" reference=%s ratio=%.4f", s.reference, ratio).c_str() : "");
 }
 
-// Reads a byte the transport writes behind our back (the NIC's DMA, or
-// the TCP transport's recv), as perftest's latency tests do. Not a
-// synchronisation ThreadSanitizer can see, so not instrumented.
-__attribute__((no_sanitize("thread"))) char Peek(const char* p) {
-  return *reinterpret_cast<const volatile char*>(p);
-}
-
-int Latency() {
-  const uint64_t block = std::max<uint64_t>(1, absl::GetFlag(FLAGS_block));
-  auto pair = MakePair();
-  if (!pair.ok()) {
-    std::fprintf(stderr, "transfer_bench: %s\n", std::string(pair.status().message()).c_str());
-    return 1;
-  }
-  Pair& p = *pair;
-  // Each side: a send buffer and a receive buffer whose last byte carries
-  // the round number (like perftest, the last byte lands last).
-  // The target echoes from two send buffers in turn: a buffer is written
-  // again only after the write that used it has completed.
-  std::vector<char> isend(block, 0), irecv(block, 0), trecv(block, 0);
-  std::vector<char> tsend[2] = {std::vector<char>(block, 0), std::vector<char>(block, 0)};
-  absl::Status st = p.initiator->RegisterMemory(isend.data(), block);
-  if (st.ok()) st = p.initiator->RegisterMemory(irecv.data(), block);
-  if (st.ok()) st = p.target->RegisterMemory(tsend[0].data(), block);
-  if (st.ok()) st = p.target->RegisterMemory(tsend[1].data(), block);
-  if (st.ok()) st = p.target->RegisterMemory(trecv.data(), block);
-  if (st.ok()) st = Open(p);
-  if (!st.ok()) {
-    std::fprintf(stderr, "transfer_bench: %s\n", st.ToString().c_str());
-    return 1;
-  }
-  const uint64_t warmup = absl::GetFlag(FLAGS_warmup);
-  const uint64_t rounds = warmup + std::max<uint64_t>(1, absl::GetFlag(FLAGS_iters));
-  auto wait_for = [](const char* last, char want, std::atomic<bool>& failed) {
-    while (Peek(last) != want) {
-      if (failed.load(std::memory_order_relaxed)) return false;
-    }
-    return true;
-  };
-  std::atomic<bool> failed{false};
-  std::string error;
-  // The target echoes every round back.
-  // Like ib_write_lat, neither side blocks on its write's completion before
-  // waiting for the next message: each finishes the previous round's batch
-  // once the next message is in (by then it has long completed).
-  std::thread echo([&] {
-    BatchId previous = 0;
-    for (uint64_t r = 1; r <= rounds; ++r) {
-      const char mark = static_cast<char>(r % 251 + 1);
-      if (!wait_for(&trecv[block - 1], mark, failed)) return;
-      std::vector<char>& out = tsend[r % 2];
-      out[block - 1] = mark;
-      TransferRequest w{Opcode::kWrite, out.data(), reinterpret_cast<uintptr_t>(irecv.data()),
-                        block};
-      absl::StatusOr<BatchId> b = p.target->Submit(p.to_initiator, {&w, 1});
-      absl::Status s = b.status();
-      if (s.ok() && previous != 0) s = Finish(*p.target, previous);
-      if (s.ok()) previous = *b;
-      if (s.ok() && r == rounds) s = Finish(*p.target, previous);
-      if (!s.ok()) {
-        error = s.ToString();
-        failed = true;
-        return;
-      }
-    }
-  });
-  std::vector<double> half_rtt_us;
-  half_rtt_us.reserve(rounds);
-  for (uint64_t r = 1; r <= rounds && !failed; ++r) {
-    const char mark = static_cast<char>(r % 251 + 1);
-    isend[block - 1] = mark;
-    const absl::Time t0 = absl::Now();
-    TransferRequest w{Opcode::kWrite, isend.data(), reinterpret_cast<uintptr_t>(trecv.data()),
-                      block};
-    absl::StatusOr<BatchId> b = p.initiator->Submit(p.to_target, {&w, 1});
-    if (!b.ok()) {
-      error = b.status().ToString();
-      failed = true;
-      break;
-    }
-    const bool echoed = wait_for(&irecv[block - 1], mark, failed);
-    const absl::Time t1 = absl::Now();
-    absl::Status s = echoed ? Finish(*p.initiator, *b) : absl::OkStatus();
-    if (!echoed || !s.ok()) {
-      if (!s.ok()) error = s.ToString();
-      failed = true;
-      break;
-    }
-    if (r > warmup) half_rtt_us.push_back(absl::ToDoubleMicroseconds(t1 - t0) / 2);
-  }
-  echo.join();
-  if (failed) {
-    std::fprintf(stderr, "transfer_bench: %s\n", error.c_str());
-    return 1;
-  }
-  const Percentiles lat = Summarize(half_rtt_us);
+void PrintLat(const Session& s, uint64_t block, const LatResult& r,
+              const std::optional<LatResult>& ref) {
+  const std::string transport = s.initiator->detection().transport;
+  const double ratio = ref ? r.one_way_us.p50 / ref->one_way_us.p50 : 0;
   if (absl::GetFlag(FLAGS_json)) {
     std::printf("{\"mode\": \"lat\", \"op\": \"write\", \"transport\": \"%s\", \"block\": %llu, "
                 "\"round_trips\": %zu, \"one_way_us_p50\": %.3f, \"one_way_us_p99\": %.3f, "
-                "\"one_way_us_p999\": %.3f}\n",
-                p.initiator->detection().transport.c_str(), static_cast<unsigned long long>(block),
-                half_rtt_us.size(), lat.p50, lat.p99, lat.p999);
-    return 0;
+                "\"one_way_us_p999\": %.3f, \"reference\": \"%s\", "
+                "\"reference_one_way_us_p50\": %.3f, \"ratio\": %.4f}\n",
+                transport.c_str(), static_cast<unsigned long long>(block), r.rounds,
+                r.one_way_us.p50, r.one_way_us.p99, r.one_way_us.p999, s.reference.c_str(),
+                ref ? ref->one_way_us.p50 : 0.0, ratio);
+    return;
   }
   std::printf("WRITE %llu B ping-pong x %zu over %s: one-way median %.2f us, p99 %.2f us, "
               "p999 %.2f us\n",
-              static_cast<unsigned long long>(block), half_rtt_us.size(),
-              p.initiator->detection().transport.c_str(), lat.p50, lat.p99, lat.p999);
-  std::printf("RESULT mode=lat op=write block=%llu value=%.3f unit=us\n",
-              static_cast<unsigned long long>(block), lat.p50);
+              static_cast<unsigned long long>(block), r.rounds, transport.c_str(),
+              r.one_way_us.p50, r.one_way_us.p99, r.one_way_us.p999);
+  if (ref) {
+    std::printf("  reference %s: median %.2f us; ratio engine/%s %.2f\n", s.reference.c_str(),
+                ref->one_way_us.p50, s.reference.c_str(), ratio);
+  }
+  std::printf("RESULT mode=lat op=write block=%llu value=%.3f unit=us%s\n",
+              static_cast<unsigned long long>(block), r.one_way_us.p50,
+              ref ? absl::StrFormat(" reference=%s ratio=%.4f", s.reference, ratio).c_str() : "");
+}
+
+absl::StatusOr<std::optional<LatResult>> RefLat(Session& s, uint64_t block) {
+  if (s.reference == "none") return std::optional<LatResult>();
+  char* a = s.local.data();
+  char* b = s.local.data() + block;
+  ASSIGN_OR_RETURN(LatResult r, ReferenceLatency(s.reference, a, b, block, s.sink_address));
+  return std::optional<LatResult>(r);
+}
+
+// A path given on the command line, relative to where `bazel run` was run.
+std::string UserPath(const std::string& p) {
+  const char* wd = std::getenv("BUILD_WORKING_DIRECTORY");
+  if (p.empty() || p[0] == '/' || wd == nullptr) return p;
+  return absl::StrCat(wd, "/", p);
+}
+
+int Sweep(Session& s, const std::vector<uint64_t>& blocks, bool write, uint32_t batch,
+          int threads) {
+  const std::string out = UserPath(absl::GetFlag(FLAGS_out));
+  const std::string csv = out + ".csv", png = out + ".png", gp = out + ".gp";
+  FILE* f = std::fopen(csv.c_str(), "w");
+  if (f == nullptr) Die(absl::InvalidArgumentError(absl::StrCat("cannot write ", csv)));
+  std::fprintf(f, "block_bytes,engine_gb_per_s,reference_gb_per_s,bw_ratio,engine_ops_per_s,"
+                  "engine_batch_us_p50,engine_lat_us_p50,engine_lat_us_p99,reference_lat_us_p50,"
+                  "lat_ratio\n");
+  for (uint64_t block : blocks) {
+    auto bw = [&] {
+      EngineMover m(*s.initiator, s.to_target, s.local.data(), s.remote, threads, batch, block, write);
+      return DriveBandwidth(m, threads, batch, block, "engine");
+    }();
+    if (!bw.ok()) Die(bw.status());
+    auto rbw = ReferenceBandwidth(s, threads, batch, block, write);
+    if (!rbw.ok()) Die(rbw.status());
+    PrintBw(s, write, batch, threads, *bw, *rbw);
+    auto lat = EngineLatency(s, block);
+    if (!lat.ok()) Die(lat.status());
+    auto rlat = RefLat(s, block);
+    if (!rlat.ok()) Die(rlat.status());
+    PrintLat(s, block, *lat, *rlat);
+    std::fprintf(f, "%llu,%.6f,%.6f,%.4f,%.1f,%.2f,%.3f,%.3f,%.3f,%.4f\n",
+                 static_cast<unsigned long long>(block), bw->gb_s(),
+                 *rbw ? (*rbw)->gb_s() : 0.0, *rbw ? bw->gb_s() / (*rbw)->gb_s() : 0.0,
+                 bw->ops_s(), bw->batch_us.p50, lat->one_way_us.p50, lat->one_way_us.p99,
+                 *rlat ? (*rlat)->one_way_us.p50 : 0.0,
+                 *rlat ? lat->one_way_us.p50 / (*rlat)->one_way_us.p50 : 0.0);
+    std::fflush(f);
+  }
+  std::fclose(f);
+  std::printf("sweep: wrote %s\n", csv.c_str());
+  // The chart: throughput and latency against block size, engine and
+  // reference side by side.
+  FILE* g = std::fopen(gp.c_str(), "w");
+  if (g == nullptr) Die(absl::InvalidArgumentError(absl::StrCat("cannot write ", gp)));
+  const std::string transport = s.initiator->detection().transport;
+  const bool ref = s.reference != "none";
+  std::fprintf(g,
+               "set terminal pngcairo size 1200,500 noenhanced\n"
+               "set output '%s'\n"
+               "set datafile separator ','\n"
+               "set key top left\n"
+               "set logscale x 2\n"
+               "set grid\n"
+               "set xlabel 'block (bytes)'\n"
+               "set multiplot layout 1,2 title 'kvferry transfer_bench: %s %s, batch %u, %d "
+               "thread(s), reference %s'\n"
+               "set ylabel 'GB/s'\n"
+               "plot '%s' using 1:2 skip 1 with linespoints title 'kvferry'%s\n"
+               "set logscale y\n"
+               "set ylabel 'one-way latency p50 (us)'\n"
+               "plot '%s' using 1:7 skip 1 with linespoints title 'kvferry'%s\n"
+               "unset multiplot\n",
+               png.c_str(), OpName(write).c_str(), transport.c_str(), batch, threads,
+               s.reference.c_str(), csv.c_str(),
+               ref ? absl::StrCat(", '", csv, "' using 1:3 skip 1 with linespoints title '",
+                                  s.reference, "'").c_str() : "",
+               csv.c_str(),
+               ref ? absl::StrCat(", '", csv, "' using 1:9 skip 1 with linespoints title '",
+                                  s.reference, "'").c_str() : "");
+  std::fclose(g);
+  const std::string cmd = absl::StrCat("gnuplot '", gp, "' 2>&1");
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
+    std::fprintf(stderr, "transfer_bench: gnuplot not found (apt-get install gnuplot-nox); "
+                 "the chart script is %s\n", gp.c_str());
+    return 1;
+  }
+  if (std::system(cmd.c_str()) != 0) {
+    std::fprintf(stderr, "transfer_bench: gnuplot failed on %s\n", gp.c_str());
+    return 1;
+  }
+  std::printf("sweep: wrote %s\n", png.c_str());
   return 0;
+}
+
+absl::StatusOr<std::vector<uint64_t>> ParseBlocks(const std::string& list) {
+  std::vector<uint64_t> out;
+  if (list == "default") {
+    for (uint64_t b = 4096; b <= (4 << 20); b *= 4) out.push_back(b);
+    return out;
+  }
+  for (absl::string_view w : absl::StrSplit(list, ',', absl::SkipEmpty())) {
+    uint64_t b;
+    if (!absl::SimpleAtoi(w, &b) || b == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--sweep: \"", std::string(w), "\" is not a block size in bytes"));
+    }
+    out.push_back(b);
+  }
+  if (out.empty()) return absl::InvalidArgumentError("--sweep names no block size");
+  return out;
+}
+
+int Main() {
+  const std::string role = absl::GetFlag(FLAGS_role);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  const std::string op = absl::GetFlag(FLAGS_op);
+  if (role != "loopback" && role != "target" && role != "initiator") {
+    std::fprintf(stderr, "transfer_bench: --role must be loopback, target or initiator, not \"%s\"\n",
+                 role.c_str());
+    return 2;
+  }
+  if (mode != "bw" && mode != "lat") {
+    std::fprintf(stderr, "transfer_bench: --mode must be bw or lat, not \"%s\"\n", mode.c_str());
+    return 2;
+  }
+  if (op != "write" && op != "read") {
+    std::fprintf(stderr, "transfer_bench: --op must be write or read, not \"%s\"\n", op.c_str());
+    return 2;
+  }
+  if (role == "target") return ServeTarget();
+  const int threads = static_cast<int>(absl::GetFlag(FLAGS_threads));
+  const uint32_t batch = absl::GetFlag(FLAGS_batch);
+  if (threads < 1 || threads > 64 || batch < 1) {
+    std::fprintf(stderr, "transfer_bench: --threads must be 1..64 and --batch at least 1\n");
+    return 2;
+  }
+  std::vector<uint64_t> blocks = {std::max<uint64_t>(1, absl::GetFlag(FLAGS_block))};
+  const std::string sweep = absl::GetFlag(FLAGS_sweep);
+  if (!sweep.empty()) {
+    auto b = ParseBlocks(sweep);
+    if (!b.ok()) {
+      std::fprintf(stderr, "transfer_bench: %s\n", std::string(b.status().message()).c_str());
+      return 2;
+    }
+    blocks = *b;
+    // A second per measure unless told otherwise.
+    if (absl::GetFlag(FLAGS_duration) <= 0 && absl::GetFlag(FLAGS_bytes) == 0) {
+      absl::SetFlag(&FLAGS_duration, 1.0);
+    }
+  }
+  Session s;
+  absl::Status st =
+      OpenSession(s, role, *std::max_element(blocks.begin(), blocks.end()), threads, batch);
+  if (!st.ok()) Die(st);
+  const bool write = op == "write";
+  int rc = 0;
+  if (!sweep.empty()) {
+    rc = Sweep(s, blocks, write, batch, threads);
+  } else if (mode == "bw") {
+    EngineMover m(*s.initiator, s.to_target, s.local.data(), s.remote, threads, batch, blocks[0],
+                  write);
+    auto r = DriveBandwidth(m, threads, batch, blocks[0], "engine");
+    if (!r.ok()) Die(r.status());
+    auto ref = ReferenceBandwidth(s, threads, batch, blocks[0], write);
+    if (!ref.ok()) Die(ref.status());
+    PrintBw(s, write, batch, threads, *r, *ref);
+  } else {
+    auto r = EngineLatency(s, blocks[0]);
+    if (!r.ok()) Die(r.status());
+    auto ref = RefLat(s, blocks[0]);
+    if (!ref.ok()) Die(ref.status());
+    PrintLat(s, blocks[0], *r, *ref);
+  }
+  if (role == "initiator") (void)s.initiator->Notify(s.to_target, "done");
+  return rc;
 }
 
 }  // namespace
@@ -301,15 +958,15 @@ int Latency() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "measures the engine's throughput (--mode=bw) or ping-pong latency (--mode=lat)\n"
-      "between two engines in this process.\n"
-      "  ./bazelw run -c opt //bench:transfer_bench -- --mode=bw --block=65536\n"
-      "  ./bazelw run -c opt //bench:transfer_bench -- --mode=lat --block=8");
+      "the engine's throughput (--mode=bw) or ping-pong latency (--mode=lat), each beside a\n"
+      "reference measured in the same run (memcpy, a raw socket stream).\n"
+      "  ./bazelw run -c opt //bench:transfer_bench                     # loopback, bw\n"
+      "  ./bazelw run -c opt //bench:transfer_bench -- --mode=lat --block=8\n"
+      "  ./bazelw run -c opt //bench:transfer_bench -- --role=target --port=16000\n"
+      "  ./bazelw run -c opt //bench:transfer_bench -- --role=initiator --peer=HOST:16000\n"
+      "  ./bazelw run -c opt //bench:transfer_bench -- --sweep=default --out=/tmp/sweep");
   absl::ParseCommandLine(argc, argv);
+  ::signal(SIGPIPE, SIG_IGN);
   if (!absl::GetFlag(FLAGS_verbose)) kvferry::SetLogThreshold(kvferry::LogSeverity::kWarning);
-  const std::string mode = absl::GetFlag(FLAGS_mode);
-  if (mode == "bw") return kvferry::Bandwidth();
-  if (mode == "lat") return kvferry::Latency();
-  std::fprintf(stderr, "transfer_bench: --mode must be bw or lat, not \"%s\"\n", mode.c_str());
-  return 2;
+  return kvferry::Main();
 }

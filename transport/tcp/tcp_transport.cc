@@ -216,6 +216,7 @@ class TcpTransport final : public Transport {
     // The peer's in-process key when it lives in this process (shortcut).
     uint64_t peer_key = 0;
     uint32_t direct_busy = 0;  // shortcut copies running on this link
+    uint32_t idle_waiters = 0;  // threads in WaitLinkIdle
     net::Fd fd;
     State state = State::kPending;
     uint64_t token = 0;
@@ -258,13 +259,18 @@ class TcpTransport final : public Transport {
     std::shared_ptr<Link> link;
     uint64_t rid = 0;
     WorkRequest wr;
+    bool run = false;  // still outstanding when the copies began
+    absl::Status status;
   };
   absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct);
-  // Copies the bytes of `d` and completes it.
-  void RunDirect(const Direct& d);
+  // Copies the bytes of each request and completes it, taking each lock
+  // once for the lot.
+  void RunDirect(std::vector<Direct>& direct);
   // Waits until no shortcut copy or send uses the link's requests.
   void WaitLinkIdle(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++link.idle_waiters;
     while (link.writer_busy || link.direct_busy > 0) link.cv.Wait(&mu_);
+    --link.idle_waiters;
   }
 
   void AcceptLoop();
@@ -605,7 +611,7 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   thread_local std::vector<Direct> direct;
   direct.clear();
   RETURN_IF_ERROR(PostLocked(batch, direct));
-  for (const Direct& d : direct) RunDirect(d);
+  if (!direct.empty()) RunDirect(direct);
   direct.clear();
   return absl::OkStatus();
 }
@@ -641,50 +647,76 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
   }
   // One wake-up per link, not per request.
   for (size_t i = 0; i < batch.size(); ++i) {
-    if (i == 0 || batch[i].link != batch[i - 1].link) links_.at(batch[i].link)->cv.SignalAll();
+    if (i > 0 && batch[i].link == batch[i - 1].link) continue;
+    Link& link = *links_.at(batch[i].link);
+    if (!link.jobs.empty()) link.cv.SignalAll();
   }
   return absl::OkStatus();
 }
 
-void TcpTransport::RunDirect(const Direct& d) {
-  Link& link = *d.link;
+void TcpTransport::RunDirect(std::vector<Direct>& direct) {
   {
     MutexLock lock(&mu_);
-    // Failed or closed since Post: already completed.
-    if (link.state == Link::State::kError || link.outstanding.count(d.rid) == 0) return;
-    ++link.direct_busy;
+    for (Direct& d : direct) {
+      // Failed or closed since Post: already completed.
+      Link& link = *d.link;
+      d.run = link.state != Link::State::kError && link.outstanding.count(d.rid) != 0;
+      if (d.run) ++link.direct_busy;
+    }
   }
-  absl::Status status;
-  if (d.wr.length > 0) {
+  {
     Registry& r = registry();
     ReaderMutexLock registered(&r.mu);
-    auto it = r.by_key.find(link.peer_key);
-    if (it == r.by_key.end()) {
-      status = absl::UnavailableError("the peer transport in this process is gone");
-    } else {
-      TcpTransport& peer = *it->second.transport;
-      ReaderMutexLock regions(&peer.regions_mu_);
+    TcpTransport* peer = nullptr;
+    uint64_t peer_key = 0;
+    for (Direct& d : direct) {
+      if (!d.run || d.wr.length == 0) continue;
+      if (d.link->peer_key != peer_key || peer == nullptr) {
+        if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
+        auto it = r.by_key.find(d.link->peer_key);
+        peer = it == r.by_key.end() ? nullptr : it->second.transport;
+        peer_key = d.link->peer_key;
+        if (peer != nullptr) peer->regions_mu_.ReaderLock();
+      }
+      if (peer == nullptr) {
+        d.status = absl::UnavailableError("the peer transport in this process is gone");
+        continue;
+      }
       DataHeader h;
       h.remote_addr = d.wr.remote_addr;
       h.rkey = d.wr.remote_key;
       h.length = d.wr.length;
       char* remote = nullptr;
       const bool write = d.wr.opcode == Opcode::kWrite;
-      status = peer.CheckRemote(h, write, &remote);
-      if (status.ok() && write) std::memcpy(remote, d.wr.local_addr, d.wr.length);
-      if (status.ok() && !write) std::memcpy(d.wr.local_addr, remote, d.wr.length);
+      // The peer's regions lock is held (taken above for this peer).
+      d.status = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return peer->CheckRemote(h, write, &remote);
+      }();
+      if (d.status.ok() && write) std::memcpy(remote, d.wr.local_addr, d.wr.length);
+      if (d.status.ok() && !write) std::memcpy(d.wr.local_addr, remote, d.wr.length);
     }
+    if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
   }
   MutexLock lock(&mu_);
-  --link.direct_busy;
-  link.cv.SignalAll();
-  if (!status.ok()) {
-    // Like a refused request on the wire: the link enters the error state.
-    FailLink(link, std::move(status), d.rid);
-  } else if (link.outstanding.erase(d.rid) == 1) {
-    CompleteLocked(d.wr, absl::OkStatus());
-    cq_cv_.SignalAll();
+  bool completed = false;
+  for (Direct& d : direct) {
+    if (!d.run) continue;
+    Link& link = *d.link;
+    --link.direct_busy;
+    if (link.idle_waiters > 0) link.cv.SignalAll();
   }
+  for (Direct& d : direct) {
+    if (!d.run) continue;
+    Link& link = *d.link;
+    if (!d.status.ok()) {
+      // Like a refused request on the wire: the link enters the error state.
+      FailLink(link, std::move(d.status), d.rid);
+    } else if (link.outstanding.erase(d.rid) == 1) {
+      CompleteLocked(d.wr, absl::OkStatus());
+      completed = true;
+    }
+  }
+  if (completed) cq_cv_.SignalAll();
 }
 
 void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
