@@ -341,16 +341,16 @@ class SocketMover : public Mover {
   std::vector<net::Fd> fds_;
 };
 
-// Serves the raw socket reference into `buffer` until the process ends.
+// Serves the raw socket reference into `buffer` until the process ends
+// (its threads are detached, so it is never destroyed).
 class Sink {
  public:
-  static absl::StatusOr<std::unique_ptr<Sink>> Start(const std::string& host, char* buffer,
-                                                     uint64_t length) {
+  static absl::StatusOr<Sink*> Start(const std::string& host, char* buffer, uint64_t length) {
     auto s = std::unique_ptr<Sink>(new Sink(buffer, length));
     ASSIGN_OR_RETURN(s->listener_, net::Listen(host, 0, {0, 0}));
-    Sink* raw = s.get();
+    Sink* raw = s.release();
     std::thread([raw] { raw->AcceptLoop(); }).detach();
-    return s;
+    return raw;
   }
   std::string address() const { return listener_.address.ToString(); }
 
@@ -564,7 +564,7 @@ struct Session {
   SegmentId to_initiator = 0;  // loopback only
   uint64_t remote = 0;         // the target's buffer
   uint64_t remote_len = 0;
-  std::unique_ptr<Sink> sink;  // loopback socket reference
+  Sink* sink = nullptr;  // loopback socket reference (lives as long as the process)
   std::string sink_address;
   std::string reference;  // resolved: memcpy, socket or none
 };
