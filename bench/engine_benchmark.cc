@@ -2,6 +2,9 @@
 // same run:
 //   * BM_EngineControlPath: slices per second through TransferEngine with a
 //     transport that moves nothing (the engine's own cost per slice);
+//   * BM_EngineSteadyState: the same for batches of R requests of B bytes,
+//     counting heap allocations (operator new, replaced in this binary) per
+//     slice on the submit -> complete -> release path once warm;
 //   * BM_EngineTcpWrite/BM_RawSocketPump: WRITE throughput through the engine
 //     over the TCP transport to a second process, and a raw socket stream to
 //     the same process (the reference), for 64 KiB and 1 MiB blocks.
@@ -13,7 +16,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <new>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -31,12 +37,29 @@
 #include "handshake/tcp_network.h"
 #include "net/socket.h"
 
+// Every heap allocation of this process, counted.
+std::atomic<uint64_t> heap_allocations{0};
+
+void* CountedAlloc(size_t n) {
+  heap_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+
+void* operator new(size_t n) { return CountedAlloc(n); }
+void* operator new[](size_t n) { return CountedAlloc(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+
 namespace kvferry {
 namespace {
 
 using transport::Opcode;
 
-// A Transport that completes every request at once and moves nothing.
+// A Transport that completes every request at once and moves nothing (and,
+// once warm, allocates nothing).
 class NullTransport final : public transport::Transport {
  public:
   transport::EndpointDescription LocalEndpoint() const override {
@@ -71,9 +94,12 @@ class NullTransport final : public transport::Transport {
   size_t PollCompletions(absl::Span<transport::Completion> out) override {
     MutexLock l(&mu_);
     size_t n = 0;
-    while (n < out.size() && !done_.empty()) {
-      out[n++] = transport::Completion{done_.front(), absl::OkStatus()};
-      done_.pop_front();
+    while (n < out.size() && head_ < done_.size()) {
+      out[n++] = transport::Completion{done_[head_++], absl::OkStatus()};
+    }
+    if (head_ == done_.size()) {
+      done_.clear();  // capacity kept
+      head_ = 0;
     }
     return n;
   }
@@ -84,7 +110,8 @@ class NullTransport final : public transport::Transport {
  private:
   Mutex mu_;
   uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<uint64_t> done_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> done_ ABSL_GUARDED_BY(mu_);  // [head_, end) not yet delivered
+  size_t head_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 std::unique_ptr<TransferEngine> NullEngine() {
@@ -116,6 +143,49 @@ void BM_EngineControlPath(benchmark::State& state) {
       benchmark::Counter(double(slices) * state.iterations(), benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_EngineControlPath)->UseRealTime();
+
+// Batches of state.range(0) requests of state.range(1) bytes, submitted,
+// waited for and released over and over; allocations counted once warm.
+void BM_EngineSteadyState(benchmark::State& state) {
+  const uint64_t requests = state.range(0), block = state.range(1);
+  auto a = NullEngine();
+  auto b = NullEngine();
+  static char fake_local, fake_remote;
+  const uint64_t bytes = requests * block;  // never touched
+  (void)a->RegisterMemory(&fake_local, bytes);
+  (void)b->RegisterMemory(&fake_remote, bytes);
+  auto seg = a->OpenSegment(b->address());
+  std::vector<TransferRequest> reqs;
+  for (uint64_t i = 0; i < requests; ++i) {
+    reqs.push_back({Opcode::kWrite, &fake_local + i * block,
+                    reinterpret_cast<uintptr_t>(&fake_remote) + i * block, block});
+  }
+  const uint64_t slices_per_batch = requests * ((block + (64 << 10) - 1) / (64 << 10));
+  BatchStatus status;  // reused: Wait fills it without allocating
+  auto one = [&] {
+    auto batch = a->Submit(*seg, reqs);
+    if (!batch.ok() || !a->Wait(*batch, absl::Seconds(10), &status).ok() || !status.ok()) {
+      state.SkipWithError("batch failed");
+      return;
+    }
+    (void)a->Release(*batch);
+  };
+  for (int i = 0; i < 1000; ++i) one();  // warm: tables and queues at size
+  const uint64_t before = heap_allocations.load();
+  for (auto _ : state) one();
+  const uint64_t allocs = heap_allocations.load() - before;
+  const double slices = double(slices_per_batch) * state.iterations();
+  state.counters["slices_per_sec"] = benchmark::Counter(slices, benchmark::Counter::kIsRate);
+  state.counters["allocs_per_slice"] = double(allocs) / slices;
+  state.counters["allocs_per_batch"] = double(allocs) / state.iterations();
+}
+BENCHMARK(BM_EngineSteadyState)
+    ->Args({1, 4096})
+    ->Args({1, 64 << 10})
+    ->Args({64, 4096})
+    ->Args({64, 64 << 10})
+    ->Args({16, 1 << 20})
+    ->UseRealTime();
 
 // ---- a second process: a decode engine and a raw socket sink.
 

@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/mutex.h"
+#include "base/scratch.h"
 #include "base/status_macros.h"
 #include "engine/metrics_server.h"
 #include "handshake/auth.h"
@@ -163,6 +164,7 @@ class TransferEngine::Impl {
                                  uint64_t peer_engine_id);
   absl::StatusOr<BatchStatus> Poll(BatchId id);
   absl::StatusOr<BatchStatus> Wait(BatchId id, absl::Duration timeout);
+  absl::Status Wait(BatchId id, absl::Duration timeout, BatchStatus* out);
   absl::Status Release(BatchId id);
   absl::Status Notify(SegmentId id, const std::string& message);
   absl::StatusOr<uint64_t> PeerEngineId(SegmentId id) {
@@ -243,6 +245,19 @@ class TransferEngine::Impl {
     std::vector<uint64_t> slices_left;  // per request
     std::vector<absl::Status> status;   // first error per request
     size_t pending = 0;
+    // Empties it for reuse, keeping the vectors' capacity.
+    void Reset() {
+      segment = 0;
+      peer_engine_id = 0;
+      bound = false;
+      landed = 0;
+      submitted = absl::Time();
+      op.clear();
+      length.clear();
+      slices_left.clear();
+      status.clear();
+      pending = 0;
+    }
   };
 
   Frame Handle(const Frame& request);
@@ -279,7 +294,12 @@ class TransferEngine::Impl {
   // (see EngineOptions::peer_timeout); at most every peer_timeout / 4.
   void CheckPeers();
   void FinishSlice(uint64_t slice_id, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  BatchStatus StatusOf(const Batch& b) const;
+  void StatusOf(const Batch& b, BatchStatus* out) const;
+  BatchStatus StatusOf(const Batch& b) const {
+    BatchStatus out;
+    StatusOf(b, &out);
+    return out;
+  }
   // The peer region containing `addr`, if any (regions sorted by address).
   static const RegionDescriptor* FindRemote(const Segment& seg, uint64_t addr);
   const transport::Region* FindLocal(const void* addr, uint64_t length) const
@@ -310,6 +330,9 @@ class TransferEngine::Impl {
   absl::flat_hash_map<std::string, SegmentId> segment_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SegmentId, Segment> segments_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchId, Batch> batches_ ABSL_GUARDED_BY(mu_);
+  // Released batches, reused by Submit (at most kSpareBatches).
+  static constexpr size_t kSpareBatches = 64;
+  std::vector<Batch> spare_batches_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Slice> slices_ ABSL_GUARDED_BY(mu_);
   std::deque<Notification> inbox_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> metadata_ ABSL_GUARDED_BY(mu_);
@@ -703,7 +726,8 @@ void TransferEngine::Impl::Unassign(const Slice& slice) {
 absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
                                                      absl::Span<const TransferRequest> requests,
                                                      uint64_t peer_engine_id) {
-  std::vector<uint64_t> slice_ids;
+  Scratch<uint64_t> slice_ids_scratch;
+  std::vector<uint64_t>& slice_ids = *slice_ids_scratch;
   BatchId batch_id;
   for (int attempt = 0;; ++attempt) {
     bool stale;
@@ -718,7 +742,8 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
     MutexLock lock(&mu_);
     Segment& seg = segments_.at(id);
     // Cut every request into slices and check them all before posting.
-    std::vector<Slice> planned;
+    Scratch<Slice> planned_scratch;
+    std::vector<Slice>& planned = *planned_scratch;
     absl::Status bad;
     for (size_t i = 0; i < requests.size() && bad.ok(); ++i) {
       const TransferRequest& r = requests[i];
@@ -765,6 +790,10 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
     }
     batch_id = ++last_batch_;
     Batch& b = batches_[batch_id];
+    if (!spare_batches_.empty()) {
+      b = std::move(spare_batches_.back());  // vectors with capacity, emptied
+      spare_batches_.pop_back();
+    }
     b.segment = id;
     b.peer_engine_id = seg.descriptor.engine_id;
     b.bound = peer_engine_id != 0;
@@ -775,6 +804,8 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
     }
     b.slices_left.assign(requests.size(), 0);
     b.submitted = clock_->Now();
+    b.op.reserve(requests.size());
+    b.length.reserve(requests.size());
     for (const TransferRequest& r : requests) {
       b.op.push_back(r.opcode);
       b.length.push_back(r.length);
@@ -803,7 +834,8 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
 absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<uint64_t>& ids) {
   bool rebuilt = false;
   for (int attempt = 0; attempt < 2; ++attempt) {
-    std::vector<WorkRequest> wrs;
+    Scratch<WorkRequest> wrs_scratch;
+    std::vector<WorkRequest>& wrs = *wrs_scratch;
     absl::Status planned;
     bool usable = false;
     {
@@ -1066,18 +1098,20 @@ void TransferEngine::Impl::CheckPeers() {
   }
 }
 
-BatchStatus TransferEngine::Impl::StatusOf(const Batch& b) const {
-  BatchStatus out;
-  out.pending = b.pending;
+void TransferEngine::Impl::StatusOf(const Batch& b, BatchStatus* out) const {
+  out->pending = b.pending;
+  out->succeeded = 0;
+  out->failed = 0;
+  out->requests.clear();
+  out->requests.reserve(b.status.size());
   for (size_t i = 0; i < b.status.size(); ++i) {
     if (b.slices_left[i] > 0) {
-      out.requests.push_back(absl::UnavailableError("pending"));
+      out->requests.push_back(absl::UnavailableError("pending"));
     } else {
-      out.requests.push_back(b.status[i]);
-      ++(b.status[i].ok() ? out.succeeded : out.failed);
+      out->requests.push_back(b.status[i]);
+      ++(b.status[i].ok() ? out->succeeded : out->failed);
     }
   }
-  return out;
 }
 
 absl::StatusOr<BatchStatus> TransferEngine::Impl::Poll(BatchId id) {
@@ -1089,13 +1123,22 @@ absl::StatusOr<BatchStatus> TransferEngine::Impl::Poll(BatchId id) {
 }
 
 absl::StatusOr<BatchStatus> TransferEngine::Impl::Wait(BatchId id, absl::Duration timeout) {
+  BatchStatus out;
+  RETURN_IF_ERROR(Wait(id, timeout, &out));
+  return out;
+}
+
+absl::Status TransferEngine::Impl::Wait(BatchId id, absl::Duration timeout, BatchStatus* out) {
   const absl::Time deadline = clock_->Now() + timeout;
   for (;;) {
     {
       MutexLock lock(&mu_);
       auto it = batches_.find(id);
       if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
-      if (it->second.pending == 0) return StatusOf(it->second);
+      if (it->second.pending == 0) {
+        StatusOf(it->second, out);
+        return absl::OkStatus();
+      }
       if (clock_->Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "batch ", id, " still has ", it->second.pending, " request(s) pending after ",
@@ -1112,6 +1155,11 @@ absl::Status TransferEngine::Impl::Release(BatchId id) {
   if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   if (it->second.pending != 0) {
     return absl::FailedPreconditionError(absl::StrCat("batch ", id, " is still running"));
+  }
+  // Kept for the next Submit: its vectors' capacity saves allocations.
+  if (spare_batches_.size() < kSpareBatches) {
+    it->second.Reset();
+    spare_batches_.push_back(std::move(it->second));
   }
   batches_.erase(it);
   return absl::OkStatus();
@@ -1459,6 +1507,9 @@ absl::StatusOr<BatchId> TransferEngine::Submit(SegmentId segment,
   return impl_->Submit(segment, requests, peer_engine_id);
 }
 absl::StatusOr<BatchStatus> TransferEngine::Poll(BatchId batch) { return impl_->Poll(batch); }
+absl::Status TransferEngine::Wait(BatchId batch, absl::Duration timeout, BatchStatus* out) {
+  return impl_->Wait(batch, timeout, out);
+}
 absl::StatusOr<BatchStatus> TransferEngine::Wait(BatchId batch, absl::Duration timeout) {
   return impl_->Wait(batch, timeout);
 }

@@ -227,6 +227,10 @@ class TransferEngine {
   // The batch's state now, or after waiting up to `timeout` for it to finish.
   absl::StatusOr<BatchStatus> Poll(BatchId batch);
   absl::StatusOr<BatchStatus> Wait(BatchId batch, absl::Duration timeout);
+  // Wait that fills `out` instead: its vector keeps its capacity, so a
+  // caller reusing one BatchStatus waits without allocating (the engine's
+  // submit -> complete -> release path allocates nothing once warm).
+  absl::Status Wait(BatchId batch, absl::Duration timeout, BatchStatus* out);
   // Forgets a finished batch. kFailedPrecondition while it is running.
   absl::Status Release(BatchId batch);
 

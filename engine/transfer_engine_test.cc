@@ -121,6 +121,46 @@ TEST(TransferEngine, OutOfRegionRequestsAreRefusedBeforeAnythingIsSent) {
   EXPECT_TRUE(a->Wait(*ok, absl::Seconds(5))->ok());
 }
 
+// Wait(batch, timeout, &out) fills a caller's BatchStatus, replacing what
+// an earlier batch left in it; recycled batches start clean.
+TEST(TransferEngine, WaitIntoAReusedStatus) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  std::vector<char> src = Pattern(8192, 3), dst(4096, 'd');
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  BatchStatus status;
+  status.failed = 7;  // stale contents are replaced
+  status.requests.resize(9, absl::InternalError("stale"));
+  std::vector<TransferRequest> three = {{Opcode::kWrite, src.data(), Addr(dst), 1000},
+                                        {Opcode::kWrite, src.data() + 1000, Addr(dst, 1000), 1000},
+                                        {Opcode::kRead, src.data() + 4096, Addr(dst), 100}};
+  auto first = a->Submit(*seg, three);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(a->Wait(*first, absl::Seconds(5), &status).ok());
+  EXPECT_TRUE(status.ok());
+  EXPECT_EQ(status.requests.size(), 3u);
+  EXPECT_EQ(status.succeeded, 3u);
+  EXPECT_EQ(status.failed, 0u);
+  for (const absl::Status& r : status.requests) EXPECT_TRUE(r.ok()) << r;
+  ASSERT_TRUE(a->Release(*first).ok());
+  for (int i = 0; i < 3; ++i) {
+    auto next = a->Submit(*seg, {three.data(), 1});
+    ASSERT_TRUE(next.ok());
+    ASSERT_TRUE(a->Wait(*next, absl::Seconds(5), &status).ok());
+    EXPECT_TRUE(status.ok());
+    EXPECT_EQ(status.requests.size(), 1u);
+    EXPECT_EQ(status.succeeded, 1u);
+    EXPECT_EQ(status.failed, 0u);
+    ASSERT_TRUE(a->Release(*next).ok());
+  }
+  EXPECT_EQ(std::vector<char>(dst.begin(), dst.begin() + 2000),
+            std::vector<char>(src.begin(), src.begin() + 2000));
+  EXPECT_EQ(a->Wait(*first, absl::Seconds(1), &status).code(), absl::StatusCode::kNotFound);
+}
+
 TEST(TransferEngine, RemoteAccessRightsAreCheckedBeforePosting) {
   auto a = MakeEngine();
   auto b = MakeEngine();
