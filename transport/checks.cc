@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/scratch.h"
 
 namespace kvferry {
 namespace transport {
@@ -29,7 +30,8 @@ absl::Status CheckLocal(const WorkRequest& wr, const Region& r, uint64_t max_byt
 absl::Status CheckLinkCapacity(absl::Span<const WorkRequest> batch,
                                const std::function<size_t(LinkId)>& outstanding,
                                uint32_t limit) {
-  std::vector<std::pair<LinkId, size_t>> per_link;  // batches name few links
+  Scratch<std::pair<LinkId, size_t>> per_link_scratch;  // no allocation once warm
+  std::vector<std::pair<LinkId, size_t>>& per_link = *per_link_scratch;  // few links
   for (const WorkRequest& wr : batch) {
     auto it = per_link.begin();
     while (it != per_link.end() && it->first != wr.link) ++it;

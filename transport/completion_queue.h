@@ -5,7 +5,7 @@
 #ifndef KVFERRY_TRANSPORT_COMPLETION_QUEUE_H_
 #define KVFERRY_TRANSPORT_COMPLETION_QUEUE_H_
 
-#include <deque>
+#include <vector>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -15,21 +15,31 @@
 namespace kvferry {
 namespace transport {
 
+// A ring buffer: once it has grown to the most completions ever queued at
+// once, pushing and popping allocate nothing.
 class CompletionQueue {
  public:
   void Push(const WorkRequest& wr, absl::Status status) {
-    entries_.push_back(Entry{Completion{wr.cookie, std::move(status)}, wr.local_region});
+    if (size_ == ring_.size()) Grow();
+    Entry& e = ring_[(head_ + size_) & (ring_.size() - 1)];
+    e.completion = Completion{wr.cookie, std::move(status)};
+    e.region = wr.local_region;
+    ++size_;
   }
-  bool empty() const { return entries_.empty(); }
+  bool empty() const { return size_ == 0; }
+  size_t size() const { return size_; }
   // Moves up to out.size() completions into `out`, calling unpin(region)
   // for each; returns how many.
   template <typename Unpin>
   size_t Pop(absl::Span<Completion> out, Unpin unpin) {
     size_t n = 0;
-    while (n < out.size() && !entries_.empty()) {
-      unpin(entries_.front().region);
-      out[n++] = std::move(entries_.front().completion);
-      entries_.pop_front();
+    while (n < out.size() && size_ > 0) {
+      Entry& e = ring_[head_];
+      unpin(e.region);
+      out[n++] = std::move(e.completion);
+      e.completion.status = absl::OkStatus();  // drop an error's payload now
+      head_ = (head_ + 1) & (ring_.size() - 1);
+      --size_;
     }
     return n;
   }
@@ -37,9 +47,19 @@ class CompletionQueue {
  private:
   struct Entry {
     Completion completion;
-    RegionId region;
+    RegionId region = 0;
   };
-  std::deque<Entry> entries_;
+  void Grow() {
+    std::vector<Entry> bigger(ring_.empty() ? 64 : 2 * ring_.size());
+    for (size_t i = 0; i < size_; ++i) {
+      bigger[i] = std::move(ring_[(head_ + i) & (ring_.size() - 1)]);
+    }
+    ring_ = std::move(bigger);
+    head_ = 0;
+  }
+  std::vector<Entry> ring_;  // size a power of two
+  size_t head_ = 0;
+  size_t size_ = 0;
 };
 
 }  // namespace transport

@@ -8,8 +8,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <deque>
-#include <map>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -24,6 +22,7 @@
 #include "base/status_macros.h"
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
+#include "transport/id_window.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the TCP transport's wire format assumes little-endian hosts");
@@ -220,9 +219,8 @@ class TcpTransport final : public Transport {
     net::Fd fd;
     State state = State::kPending;
     uint64_t token = 0;
-    uint64_t next_id = 0;
-    std::map<uint64_t, WorkRequest> outstanding;
-    std::deque<Job> jobs;
+    IdWindow<WorkRequest> outstanding;  // by request id, handed out in sequence
+    std::vector<Job> jobs;  // the writer takes them all at once
     bool stopping = false;
     bool writer_busy = false;
     bool passive = false;      // made by AcceptLink
@@ -278,7 +276,7 @@ class TcpTransport final : public Transport {
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
   // must be closed after them (a refused request).
-  absl::Status SendJobs(Link& link, std::vector<Job>& jobs, bool* close_after);
+  absl::Status SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after);
   // Responder side: executes a peer's request; returns the answer to send.
   Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
   absl::Status CheckRemote(const DataHeader& h, bool write, char** target)
@@ -584,10 +582,10 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
   StopAndJoin(link);
   MutexLock lock(&mu_);
   WaitLinkIdle(*link);
-  for (const auto& [rid, wr] : link->outstanding) {
+  link->outstanding.ForEach([&](uint64_t, const WorkRequest& wr) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     CompleteLocked(wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
-  }
-  link->outstanding.clear();
+  });
+  link->outstanding.Clear();
   cq_cv_.SignalAll();
   return absl::OkStatus();
 }
@@ -630,8 +628,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
   for (const WorkRequest& wr : batch) {
     Link& link = *links_.at(wr.link);
     regions_.at(wr.local_region)->local_uses.fetch_add(1);
-    const uint64_t rid = link.next_id++;
-    link.outstanding.emplace(rid, wr);
+    const uint64_t rid = link.outstanding.Add(wr);
     if (link.peer_key != 0) {
       direct.push_back(Direct{links_.at(wr.link), rid, wr});
       continue;
@@ -660,7 +657,7 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
     for (Direct& d : direct) {
       // Failed or closed since Post: already completed.
       Link& link = *d.link;
-      d.run = link.state != Link::State::kError && link.outstanding.count(d.rid) != 0;
+      d.run = link.state != Link::State::kError && link.outstanding.Find(d.rid) != nullptr;
       if (d.run) ++link.direct_busy;
     }
   }
@@ -711,7 +708,7 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
     if (!d.status.ok()) {
       // Like a refused request on the wire: the link enters the error state.
       FailLink(link, std::move(d.status), d.rid);
-    } else if (link.outstanding.erase(d.rid) == 1) {
+    } else if (link.outstanding.Erase(d.rid)) {
       CompleteLocked(d.wr, absl::OkStatus());
       completed = true;
     }
@@ -734,38 +731,40 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
   // so no buffer is read after its request has been completed.
   WaitLinkIdle(link);
   const std::string reason(first.message());
-  auto it = link.outstanding.find(first_id);
-  if (it == link.outstanding.end()) it = link.outstanding.begin();
-  if (it != link.outstanding.end()) {
-    CompleteLocked(it->second, std::move(first));
-    link.outstanding.erase(it);
+  if (link.outstanding.Find(first_id) == nullptr && !link.outstanding.empty()) {
+    first_id = link.outstanding.first();
   }
-  for (const auto& [rid, wr] : link.outstanding) {
-    CompleteLocked(wr, absl::AbortedError(absl::StrCat(
-                           "flushed: link ", link.id, " failed earlier: ", reason)));
+  if (const WorkRequest* wr = link.outstanding.Find(first_id)) {
+    CompleteLocked(*wr, std::move(first));
+    link.outstanding.Erase(first_id);
   }
-  link.outstanding.clear();
+  link.outstanding.ForEach([&](uint64_t, const WorkRequest& wr) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    CompleteLocked(wr, absl::AbortedError(absl::StrCat("flushed: link ", link.id,
+                                                       " failed earlier: ", reason)));
+  });
+  link.outstanding.Clear();
   cq_cv_.SignalAll();
 }
 
 void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
-  std::vector<Job> jobs;
-  jobs.reserve(kMaxJobsPerSend);
+  std::vector<Job> jobs;  // swapped with the link's queue: no allocation once warm
   for (;;) {
     jobs.clear();
     {
       MutexLock lock(&mu_);
       while (link->jobs.empty() && !link->stopping) link->cv.Wait(&mu_);
       if (link->stopping) return;
-      // Everything queued (up to a bound) goes out in one sendmsg.
-      while (!link->jobs.empty() && jobs.size() < kMaxJobsPerSend) {
-        jobs.push_back(std::move(link->jobs.front()));
-        link->jobs.pop_front();
-      }
+      jobs.swap(link->jobs);  // everything queued
       link->writer_busy = true;
     }
+    // Up to kMaxJobsPerSend messages per sendmsg.
     bool close_after = false;
-    absl::Status sent = SendJobs(*link, jobs, &close_after);
+    absl::Status sent;
+    for (size_t i = 0; i < jobs.size() && sent.ok() && !close_after; i += kMaxJobsPerSend) {
+      sent = SendJobs(*link,
+                      absl::MakeSpan(jobs).subspan(i, std::min(kMaxJobsPerSend, jobs.size() - i)),
+                      &close_after);
+    }
     {
       MutexLock lock(&mu_);
       link->writer_busy = false;
@@ -779,7 +778,7 @@ void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
   }
 }
 
-absl::Status TcpTransport::SendJobs(Link& link, std::vector<Job>& jobs, bool* close_after) {
+absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after) {
   iovec iov[3 * kMaxJobsPerSend];
   int n = 0;
   // A READ answer sends region bytes: the region may have been unregistered
@@ -872,13 +871,13 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
     }
     MutexLock lock(&mu_);
     for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
-      auto it = link.outstanding.find(id);
-      if (it == link.outstanding.end()) {
+      const WorkRequest* wr = link.outstanding.Find(id);
+      if (wr == nullptr) {
         if (link.stopping) break;  // closed or failed here meanwhile
         return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
       }
-      CompleteLocked(it->second, absl::OkStatus());
-      link.outstanding.erase(it);
+      CompleteLocked(*wr, absl::OkStatus());
+      link.outstanding.Erase(id);
     }
     cq_cv_.SignalAll();
     return absl::OkStatus();
@@ -886,11 +885,11 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   WorkRequest wr;
   {
     MutexLock lock(&mu_);
-    auto it = link.outstanding.find(h.id);
-    if (it == link.outstanding.end()) {
+    const WorkRequest* found = link.outstanding.Find(h.id);
+    if (found == nullptr) {
       return absl::DataLossError(absl::StrCat("answer for unknown request ", h.id));
     }
-    wr = it->second;
+    wr = *found;
   }
   if (h.status != 0) {
     std::string text(std::min(h.text_len, kMaxErrorText), '\0');
@@ -905,7 +904,7 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   // Straight into the caller's buffer, which stays pinned until completion.
   RETURN_IF_ERROR(RecvAll(link.fd.get(), wr.local_addr, h.length));
   MutexLock lock(&mu_);
-  if (link.outstanding.erase(h.id) == 1) {
+  if (link.outstanding.Erase(h.id)) {
     CompleteLocked(wr, absl::OkStatus());
     cq_cv_.SignalAll();
   }
@@ -980,7 +979,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   FailLink(*link,
            absl::UnavailableError(absl::StrCat("connection to peer lost on link ",
                                                link->id, ": ", error.message())),
-           link->outstanding.empty() ? 0 : link->outstanding.begin()->first);
+           link->outstanding.empty() ? 0 : link->outstanding.first());
 }
 
 size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
