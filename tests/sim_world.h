@@ -4,6 +4,7 @@
 #ifndef KVFERRY_TESTS_SIM_WORLD_H_
 #define KVFERRY_TESTS_SIM_WORLD_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +58,7 @@ class SimWorld {
     parts.wait = [this](const std::function<bool()>& ready, absl::Duration timeout) {
       return sched_.RunUntilCondition(ready, sched_.now() + sim::ToSimTime(timeout));
     };
+    parts.near_nics = near_nics_;
     EngineOptions options = engine_options_;
     options.port = port;
     return TransferEngine::CreateWith(options, std::move(parts));
@@ -64,6 +66,12 @@ class SimWorld {
 
   // Options every engine started from now on gets (port aside).
   void set_engine_options(const EngineOptions& o) { engine_options_ = o; }
+  // Which NICs are near a buffer location ("cuda:N", ...) for engines started
+  // from now on (EngineParts::near_nics); unset: the engine's default.
+  void set_near_nics(
+      std::function<absl::StatusOr<std::vector<transport::NicIndex>>(const std::string&)> f) {
+    near_nics_ = std::move(f);
+  }
   sim::NodeId node(int host) const { return fabric_.node_of(hosts_[host].mgmt); }
   sim::Scheduler& sched() { return sched_; }
   // The fabric NIC behind data NIC `index` of `host`.
@@ -80,6 +88,7 @@ class SimWorld {
   sim::Scheduler sched_;
   sim::Fabric fabric_;
   std::vector<Host> hosts_;
+  std::function<absl::StatusOr<std::vector<transport::NicIndex>>(const std::string&)> near_nics_;
   EngineOptions engine_options_ = [] {
     EngineOptions o;
     o.slice_bytes = 16 << 10;
