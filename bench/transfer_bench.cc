@@ -79,6 +79,9 @@ ABSL_FLAG(uint64_t, bytes, 0, "bw mode: bytes to move (0: --iters)");
 ABSL_FLAG(uint64_t, iters, 2000, "requests (bw) or round trips (lat) measured");
 ABSL_FLAG(uint64_t, warmup, 100, "requests or round trips before measuring");
 ABSL_FLAG(std::string, reference, "auto", "auto, memcpy, socket or none (see the file comment)");
+ABSL_FLAG(uint32_t, rounds, 1,
+          "engine and reference measured alternately this many times; the medians and the "
+          "median of the per-round ratios are reported (for noisy machines)");
 ABSL_FLAG(std::string, sweep, "", "block sizes to sweep, e.g. 4096,65536,1048576 ('default': 4 KiB..4 MiB)");
 ABSL_FLAG(std::string, out, "transfer_bench_sweep", "sweep: writes OUT.csv and OUT.png");
 ABSL_FLAG(uint64_t, buffer_mib, 256, "target: MiB of registered memory to serve");
@@ -675,6 +678,11 @@ int ServeTarget() {
 
 std::string OpName(bool write) { return write ? "write" : "read"; }
 
+std::string RoundsNote() {
+  const uint32_t rounds = absl::GetFlag(FLAGS_rounds);
+  return rounds > 1 ? absl::StrCat(" (median of ", rounds, " alternating rounds)") : "";
+}
+
 absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threads,
                                                            uint32_t batch, uint64_t block,
                                                            bool write) {
@@ -721,20 +729,61 @@ absl::StatusOr<LatResult> EngineLatency(Session& s, uint64_t block) {
   return Ping(*s.initiator, s.to_target, send, recv, s.remote, block, failed);
 }
 
-void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const BwResult& r,
-             const std::optional<BwResult>& ref) {
+template <typename T>
+T MedianBy(std::vector<T> v, double (*key)(const T&)) {
+  std::sort(v.begin(), v.end(), [key](const T& a, const T& b) { return key(a) < key(b); });
+  return v[v.size() / 2];
+}
+
+// Engine and reference figures over --rounds alternating rounds.
+struct BwPair {
+  BwResult engine;
+  std::optional<BwResult> ref;
+  double ratio = 0;  // median of the per-round ratios
+};
+
+absl::StatusOr<BwPair> MeasureBw(Session& s, int threads, uint32_t batch, uint64_t block,
+                                 bool write) {
+  const uint32_t rounds = std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds));
+  std::vector<BwResult> engine, ref;
+  std::vector<double> ratios;
+  for (uint32_t i = 0; i < rounds; ++i) {
+    EngineMover m(*s.initiator, s.to_target, s.local.data(), s.remote, threads, batch, block,
+                  write);
+    ASSIGN_OR_RETURN(BwResult e, DriveBandwidth(m, threads, batch, block, "engine"));
+    engine.push_back(e);
+    ASSIGN_OR_RETURN(std::optional<BwResult> r, ReferenceBandwidth(s, threads, batch, block, write));
+    if (r) {
+      ref.push_back(*r);
+      ratios.push_back(e.gb_s() / r->gb_s());
+    }
+  }
+  auto rate = [](const BwResult& r) { return r.gb_s(); };
+  BwPair out;
+  out.engine = MedianBy<BwResult>(engine, rate);
+  if (!ref.empty()) {
+    out.ref = MedianBy<BwResult>(ref, rate);
+    std::sort(ratios.begin(), ratios.end());
+    out.ratio = ratios[ratios.size() / 2];
+  }
+  return out;
+}
+
+void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const BwPair& pair) {
   const std::string transport = s.initiator->detection().transport;
-  const double ratio = ref ? r.gb_s() / ref->gb_s() : 0;
+  const BwResult& r = pair.engine;
+  const std::optional<BwResult>& ref = pair.ref;
+  const double ratio = pair.ratio;
   if (absl::GetFlag(FLAGS_json)) {
     std::printf("{\"mode\": \"bw\", \"op\": \"%s\", \"transport\": \"%s\", \"block\": %llu, "
                 "\"batch\": %u, \"threads\": %d, \"requests\": %.0f, \"seconds\": %.6f, "
                 "\"mib_per_s\": %.3f, \"gb_per_s\": %.6f, \"ops_per_s\": %.1f, "
                 "\"batch_us_p50\": %.2f, \"batch_us_p99\": %.2f, \"batch_us_p999\": %.2f, "
-                "\"reference\": \"%s\", \"reference_gb_per_s\": %.6f, \"ratio\": %.4f}\n",
+                "\"reference\": \"%s\", \"reference_gb_per_s\": %.6f, \"ratio\": %.4f, \"rounds\": %u}\n",
                 OpName(write).c_str(), transport.c_str(), static_cast<unsigned long long>(r.block),
                 batch, threads, r.requests, r.seconds, r.mib_s(), r.gb_s(), r.ops_s(),
                 r.batch_us.p50, r.batch_us.p99, r.batch_us.p999, s.reference.c_str(),
-                ref ? ref->gb_s() : 0.0, ratio);
+                ref ? ref->gb_s() : 0.0, ratio, std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
     return;
   }
   std::printf("%s %llu B x %.0f over %s, %d thread(s): %.2f MiB/s (%.3f GB/s), %.0f ops/s; "
@@ -743,26 +792,61 @@ void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const Bw
               transport.c_str(), threads, r.mib_s(), r.gb_s(), r.ops_s(), batch, r.batch_us.p50,
               r.batch_us.p99, r.batch_us.p999);
   if (ref) {
-    std::printf("  reference %s: %.3f GB/s, %.0f ops/s; ratio engine/%s %.2f\n",
-                s.reference.c_str(), ref->gb_s(), ref->ops_s(), s.reference.c_str(), ratio);
+    std::printf("  reference %s: %.3f GB/s, %.0f ops/s; ratio engine/%s %.2f%s\n",
+                s.reference.c_str(), ref->gb_s(), ref->ops_s(), s.reference.c_str(), ratio,
+                RoundsNote().c_str());
   }
   std::printf("RESULT mode=bw op=%s block=%llu value=%.3f unit=MiB/s%s\n", OpName(write).c_str(),
               static_cast<unsigned long long>(r.block), r.mib_s(),
               ref ? absl::StrFormat(" reference=%s ratio=%.4f", s.reference, ratio).c_str() : "");
 }
 
-void PrintLat(const Session& s, uint64_t block, const LatResult& r,
-              const std::optional<LatResult>& ref) {
+struct LatPair {
+  LatResult engine;
+  std::optional<LatResult> ref;
+  double ratio = 0;  // median of the per-round ratios
+};
+
+absl::StatusOr<std::optional<LatResult>> RefLat(Session& s, uint64_t block);
+
+absl::StatusOr<LatPair> MeasureLat(Session& s, uint64_t block) {
+  const uint32_t rounds = std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds));
+  std::vector<LatResult> engine, ref;
+  std::vector<double> ratios;
+  for (uint32_t i = 0; i < rounds; ++i) {
+    ASSIGN_OR_RETURN(LatResult e, EngineLatency(s, block));
+    engine.push_back(e);
+    ASSIGN_OR_RETURN(std::optional<LatResult> r, RefLat(s, block));
+    if (r) {
+      ref.push_back(*r);
+      ratios.push_back(e.one_way_us.p50 / r->one_way_us.p50);
+    }
+  }
+  auto p50 = [](const LatResult& r) { return r.one_way_us.p50; };
+  LatPair out;
+  out.engine = MedianBy<LatResult>(engine, p50);
+  if (!ref.empty()) {
+    out.ref = MedianBy<LatResult>(ref, p50);
+    std::sort(ratios.begin(), ratios.end());
+    out.ratio = ratios[ratios.size() / 2];
+  }
+  return out;
+}
+
+void PrintLat(const Session& s, uint64_t block, const LatPair& pair) {
   const std::string transport = s.initiator->detection().transport;
-  const double ratio = ref ? r.one_way_us.p50 / ref->one_way_us.p50 : 0;
+  const LatResult& r = pair.engine;
+  const std::optional<LatResult>& ref = pair.ref;
+  const double ratio = pair.ratio;
   if (absl::GetFlag(FLAGS_json)) {
     std::printf("{\"mode\": \"lat\", \"op\": \"write\", \"transport\": \"%s\", \"block\": %llu, "
                 "\"round_trips\": %zu, \"one_way_us_p50\": %.3f, \"one_way_us_p99\": %.3f, "
                 "\"one_way_us_p999\": %.3f, \"reference\": \"%s\", "
-                "\"reference_one_way_us_p50\": %.3f, \"ratio\": %.4f}\n",
+                "\"reference_one_way_us_p50\": %.3f, \"ratio\": %.4f, \"rounds\": %u}\n",
                 transport.c_str(), static_cast<unsigned long long>(block), r.rounds,
                 r.one_way_us.p50, r.one_way_us.p99, r.one_way_us.p999, s.reference.c_str(),
-                ref ? ref->one_way_us.p50 : 0.0, ratio);
+                ref ? ref->one_way_us.p50 : 0.0, ratio,
+                std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
     return;
   }
   std::printf("WRITE %llu B ping-pong x %zu over %s: one-way median %.2f us, p99 %.2f us, "
@@ -770,8 +854,8 @@ void PrintLat(const Session& s, uint64_t block, const LatResult& r,
               static_cast<unsigned long long>(block), r.rounds, transport.c_str(),
               r.one_way_us.p50, r.one_way_us.p99, r.one_way_us.p999);
   if (ref) {
-    std::printf("  reference %s: median %.2f us; ratio engine/%s %.2f\n", s.reference.c_str(),
-                ref->one_way_us.p50, s.reference.c_str(), ratio);
+    std::printf("  reference %s: median %.2f us; ratio engine/%s %.2f%s\n", s.reference.c_str(),
+                ref->one_way_us.p50, s.reference.c_str(), ratio, RoundsNote().c_str());
   }
   std::printf("RESULT mode=lat op=write block=%llu value=%.3f unit=us%s\n",
               static_cast<unsigned long long>(block), r.one_way_us.p50,
@@ -803,25 +887,17 @@ int Sweep(Session& s, const std::vector<uint64_t>& blocks, bool write, uint32_t 
                   "engine_batch_us_p50,engine_lat_us_p50,engine_lat_us_p99,reference_lat_us_p50,"
                   "lat_ratio\n");
   for (uint64_t block : blocks) {
-    auto bw = [&] {
-      EngineMover m(*s.initiator, s.to_target, s.local.data(), s.remote, threads, batch, block, write);
-      return DriveBandwidth(m, threads, batch, block, "engine");
-    }();
+    auto bw = MeasureBw(s, threads, batch, block, write);
     if (!bw.ok()) Die(bw.status());
-    auto rbw = ReferenceBandwidth(s, threads, batch, block, write);
-    if (!rbw.ok()) Die(rbw.status());
-    PrintBw(s, write, batch, threads, *bw, *rbw);
-    auto lat = EngineLatency(s, block);
+    PrintBw(s, write, batch, threads, *bw);
+    auto lat = MeasureLat(s, block);
     if (!lat.ok()) Die(lat.status());
-    auto rlat = RefLat(s, block);
-    if (!rlat.ok()) Die(rlat.status());
-    PrintLat(s, block, *lat, *rlat);
+    PrintLat(s, block, *lat);
     std::fprintf(f, "%llu,%.6f,%.6f,%.4f,%.1f,%.2f,%.3f,%.3f,%.3f,%.4f\n",
-                 static_cast<unsigned long long>(block), bw->gb_s(),
-                 *rbw ? (*rbw)->gb_s() : 0.0, *rbw ? bw->gb_s() / (*rbw)->gb_s() : 0.0,
-                 bw->ops_s(), bw->batch_us.p50, lat->one_way_us.p50, lat->one_way_us.p99,
-                 *rlat ? (*rlat)->one_way_us.p50 : 0.0,
-                 *rlat ? lat->one_way_us.p50 / (*rlat)->one_way_us.p50 : 0.0);
+                 static_cast<unsigned long long>(block), bw->engine.gb_s(),
+                 bw->ref ? bw->ref->gb_s() : 0.0, bw->ratio, bw->engine.ops_s(),
+                 bw->engine.batch_us.p50, lat->engine.one_way_us.p50, lat->engine.one_way_us.p99,
+                 lat->ref ? lat->ref->one_way_us.p50 : 0.0, lat->ratio);
     std::fflush(f);
   }
   std::fclose(f);
@@ -935,19 +1011,13 @@ int Main() {
   if (!sweep.empty()) {
     rc = Sweep(s, blocks, write, batch, threads);
   } else if (mode == "bw") {
-    EngineMover m(*s.initiator, s.to_target, s.local.data(), s.remote, threads, batch, blocks[0],
-                  write);
-    auto r = DriveBandwidth(m, threads, batch, blocks[0], "engine");
+    auto r = MeasureBw(s, threads, batch, blocks[0], write);
     if (!r.ok()) Die(r.status());
-    auto ref = ReferenceBandwidth(s, threads, batch, blocks[0], write);
-    if (!ref.ok()) Die(ref.status());
-    PrintBw(s, write, batch, threads, *r, *ref);
+    PrintBw(s, write, batch, threads, *r);
   } else {
-    auto r = EngineLatency(s, blocks[0]);
+    auto r = MeasureLat(s, blocks[0]);
     if (!r.ok()) Die(r.status());
-    auto ref = RefLat(s, blocks[0]);
-    if (!ref.ok()) Die(ref.status());
-    PrintLat(s, blocks[0], *r, *ref);
+    PrintLat(s, blocks[0], *r);
   }
   if (role == "initiator") (void)s.initiator->Notify(s.to_target, "done");
   return rc;

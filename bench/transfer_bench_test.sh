@@ -25,6 +25,7 @@ check write_bw bw memcpy --mode=bw --block=65536 --batch=16 --iters=256 --warmup
 check read_bw bw memcpy --mode=bw --op=read --block=4096 --batch=8 --iters=64 --warmup=8
 check threads bw memcpy --mode=bw --block=4096 --batch=8 --threads=2 --iters=256 --warmup=8
 check latency lat memcpy --mode=lat --block=8 --iters=50 --warmup=5
+check rounds bw memcpy --mode=bw --block=65536 --batch=8 --iters=64 --warmup=8 --rounds=3
 check socket_ref bw socket --mode=bw --block=65536 --batch=8 --iters=64 --warmup=8 --reference=socket
 check no_ref lat none --mode=lat --block=64 --iters=20 --warmup=2 --reference=none
 # --duration: a progress line per second, then the summary.
