@@ -16,8 +16,13 @@ class Clock {
   virtual void SleepFor(absl::Duration d) = 0;
 };
 
-// The process-wide wall clock (absl::Now, absl::SleepFor). Thread-safe.
+// The process-wide wall clock (FastNow, absl::SleepFor). Thread-safe.
 Clock* RealClock();
+
+// The wall-clock time, as absl::Now() but straight from clock_gettime (the
+// vDSO): about 4x cheaper than this Abseil's absl::Now(), which hot paths
+// (every request's submit and completion) notice.
+absl::Time FastNow();
 
 }  // namespace kvferry
 

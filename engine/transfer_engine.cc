@@ -1,6 +1,7 @@
 #include "engine/transfer_engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <deque>
 #include <map>
@@ -276,24 +277,30 @@ class TransferEngine::Impl {
   absl::Status CheckSlice(const Segment& seg, const Slice& slice) const;
   // Puts the slice on the least loaded link with room and fills `wr`; false
   // when every link is full.
-  bool AssignLink(Segment& seg, Slice& slice, WorkRequest* wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `now`: the time the caller read (a clock read per slice is dear).
+  bool AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A slice's link has one fewer in flight.
-  void Unassign(const Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unassign(const Slice& slice, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A slice failed on its link's NIC.
   void CountNicError(const Slice& slice, absl::StatusCode code) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The local NIC of the link a slice was last posted on, or -1.
   int NicOf(const Slice& slice) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Posts slices (already in slices_) on segment `id`; those that find no
   // room wait in the segment's backlog.
-  absl::Status PostSlices(SegmentId id, const std::vector<uint64_t>& slice_ids);
+  // `now`: the caller's reading of the clock, if it has one.
+  absl::Status PostSlices(SegmentId id, const std::vector<uint64_t>& slice_ids,
+                          absl::Time now = absl::InfinitePast());
   // Posts what waits in backlogs, as far as the links have room.
   void DrainBacklogs();
   // Delivers transport completions into batches; re-posts retryable slices.
   void Pump(absl::Duration timeout);
   // Probes peers whose busy links have been silent for peer_timeout / 2
   // (see EngineOptions::peer_timeout); at most every peer_timeout / 4.
-  void CheckPeers();
-  void FinishSlice(uint64_t slice_id, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckPeers(absl::Time now);
+  // `now`: the caller's reading of the clock, if it has one.
+  void FinishSlice(uint64_t slice_id, absl::Status status,
+                   absl::Time now = absl::InfinitePast()) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StatusOf(const Batch& b, BatchStatus* out) const;
   BatchStatus StatusOf(const Batch& b) const {
     BatchStatus out;
@@ -327,6 +334,12 @@ class TransferEngine::Impl {
   std::vector<NicCounters> nic_counters_ ABSL_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   absl::Time next_peer_check_ ABSL_GUARDED_BY(mu_);
+  // next_peer_check_ in Unix nanoseconds, read without the lock: most
+  // Pumps have nothing to check.
+  std::atomic<int64_t> next_peer_check_ns_{0};
+  // Set when a slice goes to a backlog; DrainBacklogs takes the lock only
+  // then.
+  std::atomic<bool> maybe_backlog_{false};
   absl::flat_hash_map<std::string, SegmentId> segment_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SegmentId, Segment> segments_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchId, Batch> batches_ ABSL_GUARDED_BY(mu_);
@@ -662,7 +675,8 @@ absl::Status TransferEngine::Impl::CheckSlice(const Segment& seg, const Slice& s
   return absl::OkStatus();
 }
 
-bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr) {
+bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr,
+                                      absl::Time now) {
   // The least loaded link with room on a NIC near the buffer; on another
   // NIC only when the near ones are full.
   auto near = near_.find(slice.local_region);
@@ -677,7 +691,7 @@ bool TransferEngine::Impl::AssignLink(Segment& seg, Slice& slice, WorkRequest* w
   }
   if (best == nullptr) best = best_far;
   if (best == nullptr) return false;
-  if (best->inflight++ == 0) best->progress = clock_->Now();
+  if (best->inflight++ == 0) best->progress = now;
   if (best->local_nic < nic_counters_.size()) {
     ++nic_counters_[best->local_nic].slices;
     nic_counters_[best->local_nic].bytes += slice.length;
@@ -712,13 +726,13 @@ void TransferEngine::Impl::CountNicError(const Slice& slice, absl::StatusCode co
   ++nic_counters_[nic].errors_by_code[absl::StatusCodeToString(code)];
 }
 
-void TransferEngine::Impl::Unassign(const Slice& slice) {
+void TransferEngine::Impl::Unassign(const Slice& slice, absl::Time now) {
   auto seg = segments_.find(slice.segment);
   if (seg == segments_.end()) return;
   for (Link& l : seg->second.links) {
     if (l.id == slice.link && l.inflight > 0) {  // links of older generations are gone
       --l.inflight;
-      l.progress = clock_->Now();
+      l.progress = now;
     }
   }
 }
@@ -729,6 +743,7 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
   Scratch<uint64_t> slice_ids_scratch;
   std::vector<uint64_t>& slice_ids = *slice_ids_scratch;
   BatchId batch_id;
+  absl::Time submitted;
   for (int attempt = 0;; ++attempt) {
     bool stale;
     {
@@ -803,7 +818,7 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
           "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
     }
     b.slices_left.assign(requests.size(), 0);
-    b.submitted = clock_->Now();
+    b.submitted = submitted = clock_->Now();
     b.op.reserve(requests.size());
     b.length.reserve(requests.size());
     for (const TransferRequest& r : requests) {
@@ -822,7 +837,7 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
     }
     break;
   }
-  absl::Status posted = PostSlices(id, slice_ids);
+  absl::Status posted = PostSlices(id, slice_ids, submitted);
   if (!posted.ok()) {
     MutexLock lock(&mu_);
     batches_.erase(batch_id);  // nothing of it runs; the caller gets no id
@@ -831,9 +846,12 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
   return batch_id;
 }
 
-absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<uint64_t>& ids) {
+absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<uint64_t>& ids,
+                                             absl::Time now) {
   bool rebuilt = false;
+  if (now == absl::InfinitePast()) now = clock_->Now();
   for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt > 0) now = clock_->Now();
     Scratch<WorkRequest> wrs_scratch;
     std::vector<WorkRequest>& wrs = *wrs_scratch;
     absl::Status planned;
@@ -863,15 +881,16 @@ absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<ui
         planned = CheckSlice(seg, it->second);
         if (!planned.ok()) break;
         WorkRequest wr;
-        if (!AssignLink(seg, it->second, &wr)) {
+        if (!AssignLink(seg, it->second, &wr, now)) {
           seg.backlog.push_back(sid);  // posted when a link has room
+          maybe_backlog_.store(true, std::memory_order_release);
           continue;
         }
         wr.cookie = sid;
         wrs.push_back(wr);
       }
       if (!planned.ok()) {
-        for (const WorkRequest& wr : wrs) Unassign(slices_.at(wr.cookie));
+        for (const WorkRequest& wr : wrs) Unassign(slices_.at(wr.cookie), now);
       }
     }
     if (!usable) {
@@ -895,7 +914,7 @@ absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<ui
     if (posted.ok()) return absl::OkStatus();
     {
       MutexLock lock(&mu_);
-      for (const WorkRequest& wr : wrs) Unassign(slices_.at(wr.cookie));
+      for (const WorkRequest& wr : wrs) Unassign(slices_.at(wr.cookie), clock_->Now());
     }
     // A link that failed since the last use: rebuild the links and retry.
     if (attempt == 0 && posted.code() == absl::StatusCode::kFailedPrecondition) {
@@ -914,6 +933,9 @@ absl::Status TransferEngine::Impl::PostSlices(SegmentId id, const std::vector<ui
 }
 
 void TransferEngine::Impl::DrainBacklogs() {
+  // Cleared before looking, so a slice that goes to a backlog meanwhile
+  // (or is put back below) sets it again for the next drain.
+  if (!maybe_backlog_.exchange(false, std::memory_order_acquire)) return;
   std::vector<std::pair<SegmentId, std::vector<uint64_t>>> work;
   {
     MutexLock lock(&mu_);
@@ -926,7 +948,7 @@ void TransferEngine::Impl::DrainBacklogs() {
   for (auto& [id, ids] : work) (void)PostSlices(id, ids);
 }
 
-void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
+void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status, absl::Time now) {
   auto it = slices_.find(sid);
   if (it == slices_.end()) return;
   const Slice s = it->second;
@@ -941,7 +963,8 @@ void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
     auto seg = segments_.find(batch.segment);
     if (seg != segments_.end()) {
       PeerMetrics& m = seg->second.metrics;
-      m.latency.Record(clock_->Now() - batch.submitted);
+      if (now == absl::InfinitePast()) now = clock_->Now();
+      m.latency.Record(now - batch.submitted);
       const absl::Status& result = batch.status[s.request];
       if (result.ok()) {
         ++m.requests_ok;
@@ -957,6 +980,7 @@ void TransferEngine::Impl::FinishSlice(uint64_t sid, absl::Status status) {
 void TransferEngine::Impl::Pump(absl::Duration timeout) {
   Completion done[64];
   const size_t n = transport_->WaitCompletions(absl::MakeSpan(done), timeout);
+  const absl::Time now = clock_->Now();  // one reading for every completion
   // Slices whose link failed: on the segment's current links (refresh
   // first), or on links a refresh has already replaced (just re-post).
   std::map<SegmentId, std::vector<uint64_t>> refresh, repost;
@@ -967,7 +991,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
       auto it = slices_.find(done[i].cookie);
       if (it == slices_.end()) continue;
       Slice& s = it->second;
-      Unassign(s);
+      Unassign(s, now);
       if (!done[i].status.ok()) CountNicError(s, done[i].status.code());
       if (!done[i].status.ok() && Retryable(done[i].status.code())) {
         Segment& seg = segments_.at(s.segment);
@@ -977,7 +1001,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
           continue;
         }
         if (!seg.dead.ok()) {  // the peer did not answer a probe
-          FinishSlice(done[i].cookie, seg.dead);
+          FinishSlice(done[i].cookie, seg.dead, now);
           continue;
         }
         if (s.retries_left > 0) {
@@ -1004,7 +1028,7 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
           continue;
         }
       }
-      FinishSlice(done[i].cookie, std::move(done[i].status));
+      FinishSlice(done[i].cookie, std::move(done[i].status), now);
     }
   }
   for (auto& [segment, ids] : refresh) {
@@ -1028,17 +1052,18 @@ void TransferEngine::Impl::Pump(absl::Duration timeout) {
   }
   DrainBacklogs();
   // Not while completions are still pouring in: they are signs of life.
-  if (n < sizeof(done) / sizeof(done[0])) CheckPeers();
+  if (n < sizeof(done) / sizeof(done[0])) CheckPeers(now);
 }
 
-void TransferEngine::Impl::CheckPeers() {
-  const absl::Time now = clock_->Now();
+void TransferEngine::Impl::CheckPeers(absl::Time now) {
+  if (absl::ToUnixNanos(now) < next_peer_check_ns_.load(std::memory_order_relaxed)) return;
   const absl::Duration half = options_.peer_timeout / 2;
   std::vector<std::pair<SegmentId, std::string>> silent;
   {
     MutexLock lock(&mu_);
     if (now < next_peer_check_) return;
     next_peer_check_ = now + options_.peer_timeout / 4;
+    next_peer_check_ns_.store(absl::ToUnixNanos(next_peer_check_), std::memory_order_relaxed);
     for (auto& [id, seg] : segments_) {
       if (seg.probing || seg.refreshing) continue;
       for (const Link& l : seg.links) {
@@ -1129,8 +1154,9 @@ absl::StatusOr<BatchStatus> TransferEngine::Impl::Wait(BatchId id, absl::Duratio
 }
 
 absl::Status TransferEngine::Impl::Wait(BatchId id, absl::Duration timeout, BatchStatus* out) {
-  const absl::Time deadline = clock_->Now() + timeout;
+  absl::Time deadline = absl::InfiniteFuture();  // read the clock only when waiting
   for (;;) {
+    absl::Time now;
     {
       MutexLock lock(&mu_);
       auto it = batches_.find(id);
@@ -1139,13 +1165,15 @@ absl::Status TransferEngine::Impl::Wait(BatchId id, absl::Duration timeout, Batc
         StatusOf(it->second, out);
         return absl::OkStatus();
       }
-      if (clock_->Now() >= deadline) {
+      now = clock_->Now();
+      if (deadline == absl::InfiniteFuture()) deadline = now + timeout;
+      if (now >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "batch ", id, " still has ", it->second.pending, " request(s) pending after ",
             absl::FormatDuration(timeout)));
       }
     }
-    Pump(std::min(deadline - clock_->Now(), absl::Milliseconds(50)));
+    Pump(std::min(deadline - now, absl::Milliseconds(50)));
   }
 }
 

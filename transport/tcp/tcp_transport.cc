@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "base/clock.h"
 #include "base/errno_status.h"
 #include "base/logging.h"
 #include "base/mutex.h"
@@ -994,7 +995,7 @@ size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
 size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
   {
     MutexLock lock(&mu_);
-    cq_cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    cq_cv_.AwaitWithDeadline(&mu_, FastNow() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       return !cq_.empty();
     });
   }

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "base/clock.h"
 #include "base/errno_status.h"
 #include "base/logging.h"
 #include "base/mutex.h"
@@ -545,7 +546,7 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
     ibv_send_wr* bad = nullptr;
     ++region.local_uses;
     ++link.outstanding;
-    pending_.emplace(id, Pending{wr.link, wr, absl::Now()});
+    pending_.emplace(id, Pending{wr.link, wr, FastNow()});
     if (int rc = ibv_post_send(link.qp, &swr, &bad); rc != 0) {
       // Validated above, so this is the QP failing: report it per request.
       pending_.erase(id);
@@ -591,7 +592,7 @@ bool VerbsTransport::Drain(ibv_cq* cq) {
 }
 
 void VerbsTransport::ExpireOld() {
-  const absl::Time now = absl::Now();
+  const absl::Time now = FastNow();
   MutexLock lock(&mu_);
   for (auto p = pending_.begin(); p != pending_.end();) {
     auto link = links_.find(p->second.link);
@@ -670,8 +671,8 @@ size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
 size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
   if (size_t n = PollCompletions(out); n > 0 || timeout <= absl::ZeroDuration()) return n;
   // Poll the CQs from this thread for a moment (see busy_poll), then sleep.
-  const absl::Time spin_until = absl::Now() + std::min(timeout, options_.busy_poll);
-  while (absl::Now() < spin_until) {
+  const absl::Time spin_until = FastNow() + std::min(timeout, options_.busy_poll);
+  while (FastNow() < spin_until) {
     bool any = false;
     for (Nic& nic : nics_) any = Drain(nic.cq) || any;
     if (any) return PollCompletions(out);
@@ -684,7 +685,7 @@ size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duratio
   for (Nic& nic : nics_) any = Drain(nic.cq) || any;
   if (!any) {
     MutexLock lock(&mu_);
-    cq_cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    cq_cv_.AwaitWithDeadline(&mu_, FastNow() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       return !cq_.empty();
     });
   }
