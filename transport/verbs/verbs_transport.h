@@ -52,6 +52,10 @@ struct VerbsTransportOptions {
   // sleeps until the poller thread wakes it: a completion that comes soon
   // then costs no thread wake-up (tens of microseconds). Zero: never spin.
   absl::Duration busy_poll = absl::Microseconds(200);
+  // WRITEs up to this many bytes are posted inline (IBV_SEND_INLINE: the
+  // payload travels in the work request, the NIC reads no local buffer),
+  // as far as the device allows; 0: never.
+  uint32_t max_inline_bytes = 128;
 };
 
 // Opens the devices and starts the poller. kUnavailable when a device
