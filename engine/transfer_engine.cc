@@ -744,18 +744,21 @@ absl::StatusOr<BatchId> TransferEngine::Impl::Submit(SegmentId id,
   std::vector<uint64_t>& slice_ids = *slice_ids_scratch;
   BatchId batch_id;
   absl::Time submitted;
+  bool refresh_first = false;
   for (int attempt = 0;; ++attempt) {
-    bool stale;
-    {
-      MutexLock lock(&mu_);
-      auto seg = segments_.find(id);
-      if (seg == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-      stale = seg->second.stale;
+    if (refresh_first) {
+      bool changed;
+      RETURN_IF_ERROR(Refresh(id, &changed));
+      refresh_first = false;
     }
-    bool changed;
-    if (stale) RETURN_IF_ERROR(Refresh(id, &changed));
     MutexLock lock(&mu_);
-    Segment& seg = segments_.at(id);
+    auto found = segments_.find(id);
+    if (found == segments_.end()) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+    Segment& seg = found->second;
+    if (seg.stale) {  // the descriptor needs a refresh first (outside the lock)
+      refresh_first = true;
+      continue;
+    }
     // Cut every request into slices and check them all before posting.
     Scratch<Slice> planned_scratch;
     std::vector<Slice>& planned = *planned_scratch;
