@@ -914,6 +914,7 @@ int Sweep(Session& s, const std::vector<uint64_t>& blocks, bool write, uint32_t 
                "set datafile separator ','\n"
                "set key top left\n"
                "set logscale x 2\n"
+               "set format x '%%.0b %%BB'\n"
                "set grid\n"
                "set xlabel 'block (bytes)'\n"
                "set multiplot layout 1,2 title 'kvferry transfer_bench: %s %s, batch %u, %d "
