@@ -17,7 +17,8 @@ pair() {
   server=""
   while [ "$1" != "--" ]; do server="$server $1"; shift; done
   shift
-  $server >/tmp/server.log 2>&1 &
+  # Both sides bounded: a server whose client failed would wait for ever.
+  timeout 150 $server >/tmp/server.log 2>&1 &
   spid=$!
   sleep 1
   v=$(timeout 120 "$@" 2>&1 | tee /tmp/client.log | awk "$prog")
@@ -27,7 +28,7 @@ pair() {
 }
 engine() {
   name=$1; shift
-  v=$($B --transport=rdma "$@" 2>/tmp/engine.log | sed -n 's/^RESULT .*value=\([0-9.]*\).*/\1/p')
+  v=$(timeout 150 $B --transport=rdma "$@" 2>/tmp/engine.log | sed -n 's/^RESULT .*value=\([0-9.]*\).*/\1/p')
   [ -n "$v" ] || { echo "bench: $name failed:"; tail -5 /tmp/engine.log; }
   echo "BENCH $r $name ${v:-nan}"
 }
