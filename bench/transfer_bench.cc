@@ -735,38 +735,53 @@ T MedianBy(std::vector<T> v, double (*key)(const T&)) {
   return v[v.size() / 2];
 }
 
-// Engine and reference figures over --rounds alternating rounds.
-struct BwPair {
-  BwResult engine;
-  std::optional<BwResult> ref;
-  double ratio = 0;  // median of the per-round ratios
+// Engine and reference figures over --rounds alternating rounds: the
+// medians, and the median of the per-round ratios engine / reference.
+template <typename R>
+struct Paired {
+  R engine;
+  std::optional<R> ref;
+  double ratio = 0;
 };
 
-absl::StatusOr<BwPair> MeasureBw(Session& s, int threads, uint32_t batch, uint64_t block,
-                                 bool write) {
+template <typename R>
+absl::StatusOr<Paired<R>> Alternate(const std::function<absl::StatusOr<R>()>& engine,
+                                    const std::function<absl::StatusOr<std::optional<R>>()>& reference,
+                                    double (*figure)(const R&)) {
   const uint32_t rounds = std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds));
-  std::vector<BwResult> engine, ref;
+  std::vector<R> mine, theirs;
   std::vector<double> ratios;
   for (uint32_t i = 0; i < rounds; ++i) {
-    EngineMover m(*s.initiator, s.to_target, s.local.data(), s.remote, threads, batch, block,
-                  write);
-    ASSIGN_OR_RETURN(BwResult e, DriveBandwidth(m, threads, batch, block, "engine"));
-    engine.push_back(e);
-    ASSIGN_OR_RETURN(std::optional<BwResult> r, ReferenceBandwidth(s, threads, batch, block, write));
+    ASSIGN_OR_RETURN(R e, engine());
+    mine.push_back(e);
+    ASSIGN_OR_RETURN(std::optional<R> r, reference());
     if (r) {
-      ref.push_back(*r);
-      ratios.push_back(e.gb_s() / r->gb_s());
+      theirs.push_back(*r);
+      ratios.push_back(figure(e) / figure(*r));
     }
   }
-  auto rate = [](const BwResult& r) { return r.gb_s(); };
-  BwPair out;
-  out.engine = MedianBy<BwResult>(engine, rate);
-  if (!ref.empty()) {
-    out.ref = MedianBy<BwResult>(ref, rate);
+  Paired<R> out;
+  out.engine = MedianBy<R>(mine, figure);
+  if (!theirs.empty()) {
+    out.ref = MedianBy<R>(theirs, figure);
     std::sort(ratios.begin(), ratios.end());
     out.ratio = ratios[ratios.size() / 2];
   }
   return out;
+}
+
+using BwPair = Paired<BwResult>;
+
+absl::StatusOr<BwPair> MeasureBw(Session& s, int threads, uint32_t batch, uint64_t block,
+                                 bool write) {
+  return Alternate<BwResult>(
+      [&]() -> absl::StatusOr<BwResult> {
+        EngineMover m(*s.initiator, s.to_target, s.local.data(), s.remote, threads, batch, block,
+                      write);
+        return DriveBandwidth(m, threads, batch, block, "engine");
+      },
+      [&] { return ReferenceBandwidth(s, threads, batch, block, write); },
+      [](const BwResult& r) { return r.gb_s(); });
 }
 
 void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const BwPair& pair) {
@@ -801,36 +816,14 @@ void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const Bw
               ref ? absl::StrFormat(" reference=%s ratio=%.4f", s.reference, ratio).c_str() : "");
 }
 
-struct LatPair {
-  LatResult engine;
-  std::optional<LatResult> ref;
-  double ratio = 0;  // median of the per-round ratios
-};
+using LatPair = Paired<LatResult>;
 
 absl::StatusOr<std::optional<LatResult>> RefLat(Session& s, uint64_t block);
 
 absl::StatusOr<LatPair> MeasureLat(Session& s, uint64_t block) {
-  const uint32_t rounds = std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds));
-  std::vector<LatResult> engine, ref;
-  std::vector<double> ratios;
-  for (uint32_t i = 0; i < rounds; ++i) {
-    ASSIGN_OR_RETURN(LatResult e, EngineLatency(s, block));
-    engine.push_back(e);
-    ASSIGN_OR_RETURN(std::optional<LatResult> r, RefLat(s, block));
-    if (r) {
-      ref.push_back(*r);
-      ratios.push_back(e.one_way_us.p50 / r->one_way_us.p50);
-    }
-  }
-  auto p50 = [](const LatResult& r) { return r.one_way_us.p50; };
-  LatPair out;
-  out.engine = MedianBy<LatResult>(engine, p50);
-  if (!ref.empty()) {
-    out.ref = MedianBy<LatResult>(ref, p50);
-    std::sort(ratios.begin(), ratios.end());
-    out.ratio = ratios[ratios.size() / 2];
-  }
-  return out;
+  return Alternate<LatResult>([&] { return EngineLatency(s, block); },
+                              [&] { return RefLat(s, block); },
+                              [](const LatResult& r) { return r.one_way_us.p50; });
 }
 
 void PrintLat(const Session& s, uint64_t block, const LatPair& pair) {
