@@ -279,14 +279,32 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
   if (AllowsRemoteWrite(access)) flags |= IBV_ACCESS_REMOTE_WRITE;
   if (AllowsRemoteRead(access)) flags |= IBV_ACCESS_REMOTE_READ;
   auto state = std::make_unique<RegionState>();
-  for (Nic& nic : nics_) {
-    ibv_mr* mr = ibv_reg_mr(nic.pd, addr, length, flags);
-    if (mr == nullptr) {
-      const int err = errno;
-      for (ibv_mr* m : state->mrs) ibv_dereg_mr(m);
-      return VerbsError(err, absl::StrFormat("ibv_reg_mr %s [%p, +%u)", nic.port.device, addr,
-                                             length));
+  // One registration per NIC. Registering pins and maps every page once per
+  // NIC, which for a large buffer takes long: with several NICs they
+  // register in parallel, one thread each.
+  std::vector<ibv_mr*> mrs(nics_.size(), nullptr);
+  std::vector<int> errors(nics_.size(), 0);
+  auto register_on = [&](size_t i) {
+    mrs[i] = ibv_reg_mr(nics_[i].pd, addr, length, flags);
+    if (mrs[i] == nullptr) errors[i] = errno;
+  };
+  if (nics_.size() > 1 && length >= options_.parallel_registration_bytes) {
+    std::vector<std::thread> threads;
+    for (size_t i = 1; i < nics_.size(); ++i) threads.emplace_back(register_on, i);
+    register_on(0);
+    for (std::thread& t : threads) t.join();
+  } else {
+    for (size_t i = 0; i < nics_.size() && (i == 0 || mrs[i - 1] != nullptr); ++i) register_on(i);
+  }
+  for (size_t i = 0; i < nics_.size(); ++i) {
+    if (mrs[i] != nullptr) continue;
+    for (ibv_mr* m : mrs) {
+      if (m != nullptr) ibv_dereg_mr(m);
     }
+    return VerbsError(errors[i], absl::StrFormat("ibv_reg_mr %s [%p, +%u)", nics_[i].port.device,
+                                                 addr, length));
+  }
+  for (ibv_mr* mr : mrs) {
     state->mrs.push_back(mr);
     state->region.keys.push_back(mr->rkey);
   }

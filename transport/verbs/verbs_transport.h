@@ -56,6 +56,9 @@ struct VerbsTransportOptions {
   // payload travels in the work request, the NIC reads no local buffer),
   // as far as the device allows; 0: never.
   uint32_t max_inline_bytes = 128;
+  // Regions at least this large are registered on every NIC at once (one
+  // thread per NIC) instead of one NIC after the other.
+  uint64_t parallel_registration_bytes = 64 << 20;
 };
 
 // Opens the devices and starts the poller. kUnavailable when a device
