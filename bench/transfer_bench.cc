@@ -577,7 +577,13 @@ absl::Status OpenSession(Session& s, const std::string& role, uint64_t max_block
   const uint64_t arena = std::max(BwSpan(threads, batch, max_block), 3 * max_block);
   ASSIGN_OR_RETURN(s.initiator, TransferEngine::Create(Options(role)));
   s.local.assign(arena, 'x');
+  const absl::Time registering = absl::Now();
   RETURN_IF_ERROR(s.initiator->RegisterMemory(s.local.data(), s.local.size()));
+  if (absl::GetFlag(FLAGS_verbose)) {
+    std::fprintf(stderr, "transfer_bench: registered %.1f MiB on %s in %.2f ms\n",
+                 arena / 1048576.0, s.initiator->detection().devices.c_str(),
+                 absl::ToDoubleMilliseconds(absl::Now() - registering));
+  }
   if (role == "loopback") {
     ASSIGN_OR_RETURN(s.target, TransferEngine::Create(Options(role)));
     s.target_buffer.assign(arena, 0);
