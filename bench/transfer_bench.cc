@@ -67,7 +67,8 @@ ABSL_FLAG(std::string, role, "loopback", "loopback (both engines here), target o
 ABSL_FLAG(std::string, peer, "", "initiator: the target's host:port");
 ABSL_FLAG(std::string, mode, "bw", "bw (throughput) or lat (ping-pong latency)");
 ABSL_FLAG(std::string, op, "write", "bw mode: write or read");
-ABSL_FLAG(std::string, transport, "auto", "auto, tcp or rdma");
+ABSL_FLAG(std::string, transport, "auto",
+          "auto, tcp or rdma (the simulated transport: //bench:scale_benchmark, //tools:simulate)");
 ABSL_FLAG(std::string, devices, "", "RDMA devices to use, comma-separated (empty: all)");
 ABSL_FLAG(std::string, host, "", "address to advertise (empty: detected; loopback: 127.0.0.1)");
 ABSL_FLAG(uint32_t, port, 0, "target: handshake port (0: first free from 15000)");
@@ -979,6 +980,13 @@ int Main() {
   }
   if (op != "write" && op != "read") {
     std::fprintf(stderr, "transfer_bench: --op must be write or read, not \"%s\"\n", op.c_str());
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_transport) == "sim") {
+    std::fprintf(stderr,
+                 "transfer_bench: the simulated transport runs inside the simulator, in simulated "
+                 "time: use //bench:scale_benchmark (striping, memory) or //tools:simulate (one "
+                 "transfer over a modelled link)\n");
     return 2;
   }
   if (role == "target") return ServeTarget();

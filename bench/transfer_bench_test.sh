@@ -106,6 +106,11 @@ for bad in "--mode=fast" "--op=copy" "--role=server" "--sweep=4k" "--reference=p
     echo "ok   $bad rejected: $out"
   fi
 done
+if out="$("$bench" --transport=sim 2>&1)" || ! grep -q "scale_benchmark" <<<"$out"; then
+  echo "FAIL --transport=sim: $out"; fail=1
+else
+  echo "ok   --transport=sim points to the simulator's benchmarks: $out"
+fi
 if out="$("$bench" --role=initiator 2>&1)" || ! grep -q "needs --peer" <<<"$out"; then
   echo "FAIL initiator without --peer: $out"; fail=1
 else
