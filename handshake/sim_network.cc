@@ -66,7 +66,7 @@ absl::StatusOr<std::unique_ptr<Server>> SimNetwork::Serve(const ServeOptions& op
   uint16_t port = options.port;
   if (port == 0) {
     for (uint32_t p = options.first_port; p <= options.last_port && p != 0; ++p) {
-      if (!servers_.count(static_cast<uint16_t>(p)) != 0) {
+      if (servers_.count(static_cast<uint16_t>(p)) == 0) {
         port = static_cast<uint16_t>(p);
         break;
       }
