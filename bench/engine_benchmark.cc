@@ -33,10 +33,10 @@
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/mutex.h"
+#include "bench/raw_sink.h"
 #include "benchmark/benchmark.h"
 #include "engine/transfer_engine.h"
 #include "handshake/tcp_network.h"
-#include "net/socket.h"
 
 // Every heap allocation of this process, counted; and those of the
 // calling thread (the null-transport path runs on the caller's thread
@@ -213,33 +213,14 @@ void RunPeer(int report_fd) {
   auto engine = TransferEngine::Create(o);
   std::vector<char> pool(kPeerBytes);
   if (!engine.ok() || !(*engine)->RegisterMemory(pool.data(), pool.size()).ok()) _exit(1);
-  auto sink = net::Listen("127.0.0.1", 0, {0, 0});
+  // The raw socket reference (bench/raw_sink.h), into the same pool.
+  auto sink = bench::RawSink::Start("127.0.0.1", pool.data(), pool.size());
   if (!sink.ok()) _exit(1);
   const std::string line = absl::StrCat((*engine)->address(), " ",
                                         reinterpret_cast<uintptr_t>(pool.data()), " ",
-                                        sink->address.ToString(), "\n");
+                                        (*sink)->address(), "\n");
   if (::write(report_fd, line.data(), line.size()) != ssize_t(line.size())) _exit(1);
-  // The raw sink: reads batches of blocks into the pool and answers one
-  // byte per batch. An 8-byte header: the block size in the low 32 bits,
-  // the number of blocks in the high ones (0: kDepth).
-  for (;;) {
-    auto fd = net::Accept(sink->fd.get(), absl::Hours(1));
-    if (!fd.ok()) continue;
-    uint64_t header;
-    while (net::ReadFull(fd->get(), &header, 8, absl::InfiniteFuture()).ok()) {
-      const uint64_t block = header & 0xffffffff;
-      const uint64_t count = (header >> 32) == 0 ? kDepth : header >> 32;
-      if (block == 0 || block > kPeerBytes) break;
-      bool ok = true;
-      for (uint64_t i = 0; i < count && ok; ++i) {
-        ok = net::ReadFull(fd->get(), pool.data() + (i * block) % (kPeerBytes - block), block,
-                           absl::InfiniteFuture())
-                 .ok();
-      }
-      char ack = 1;
-      if (!ok || !net::WriteFull(fd->get(), &ack, 1, absl::InfiniteFuture()).ok()) break;
-    }
-  }
+  for (;;) ::pause();  // serves until the parent kills it
 }
 
 Peer* StartPeer() {
@@ -303,20 +284,17 @@ void BM_EngineTcpWrite(benchmark::State& state) {
 
 void BM_RawSocketPump(benchmark::State& state) {
   const uint64_t block = state.range(0);
-  auto hp = net::ParseHostPort(peer->sink);
-  auto fd = net::Connect(*hp, absl::Seconds(5));
+  auto fd = bench::RawConnect(peer->sink);
   if (!fd.ok()) {
     state.SkipWithError("cannot reach the sink");
     return;
   }
-  (void)net::SetNoDelay(fd->get());
   std::vector<char> src(block * kDepth, 'x');
   for (auto _ : state) {
-    bool ok = net::WriteFull(fd->get(), &block, 8, absl::InfiniteFuture()).ok() &&
-              net::WriteFull(fd->get(), src.data(), src.size(), absl::InfiniteFuture()).ok();
-    char ack;
-    ok = ok && net::ReadFull(fd->get(), &ack, 1, absl::InfiniteFuture()).ok();
-    if (!ok) state.SkipWithError("raw pump failed");
+    if (!bench::RawSend(fd->get(), src.data(), kDepth, block).ok() ||
+        !bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok()) {
+      state.SkipWithError("raw pump failed");
+    }
   }
   state.SetBytesProcessed(int64_t(state.iterations()) * block * kDepth);
 }
@@ -363,17 +341,12 @@ BENCHMARK(BM_FirstTransferToNewPeer)->Iterations(200)->UseRealTime();
 
 void BM_RawConnectAndFirst4K(benchmark::State& state) {
   std::vector<char> src(4096, 'f');
-  auto hp = net::ParseHostPort(peer->sink);
   std::vector<double> us;
   for (auto _ : state) {
     const absl::Time t0 = absl::Now();
-    auto fd = net::Connect(*hp, absl::Seconds(5));
-    const uint64_t header = 4096 | (uint64_t{1} << 32);  // one 4 KiB block
-    char ack;
-    bool ok = fd.ok() && net::SetNoDelay(fd->get()).ok() &&
-              net::WriteFull(fd->get(), &header, 8, absl::InfiniteFuture()).ok() &&
-              net::WriteFull(fd->get(), src.data(), src.size(), absl::InfiniteFuture()).ok() &&
-              net::ReadFull(fd->get(), &ack, 1, absl::InfiniteFuture()).ok();
+    auto fd = bench::RawConnect(peer->sink);
+    const bool ok = fd.ok() && bench::RawSend(fd->get(), src.data(), 1, src.size()).ok() &&
+                    bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok();
     us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
     if (!ok) state.SkipWithError("raw connect failed");
   }

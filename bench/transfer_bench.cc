@@ -32,13 +32,11 @@
 //
 // The last text line is "RESULT mode=... value=..." for scripts; --json
 // prints one JSON object per measure instead.
-#include <netinet/in.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -58,8 +56,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
-#include "base/mutex.h"
 #include "base/status_macros.h"
+#include "bench/raw_sink.h"
 #include "engine/transfer_engine.h"
 #include "net/socket.h"
 
@@ -301,14 +299,6 @@ class MemcpyMover : public Mover {
   const uint64_t block_;
 };
 
-// The raw socket sink's protocol: a 16-byte header, then data.
-struct SinkHeader {
-  uint32_t kind = 0;   // kStream or kEcho
-  uint32_t count = 0;  // kStream: blocks that follow
-  uint64_t block = 0;
-};
-enum : uint32_t { kStream = 1, kEcho = 2 };
-
 // The TCP reference: a raw stream of the same bytes to the sink, one
 // connection per thread; the sink answers one byte per batch.
 class SocketMover : public Mover {
@@ -316,25 +306,19 @@ class SocketMover : public Mover {
   static absl::StatusOr<std::unique_ptr<SocketMover>> Connect(const std::string& sink, char* src,
                                                               int threads, uint32_t batch,
                                                               uint64_t block) {
-    ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(sink));
     auto m = std::unique_ptr<SocketMover>(new SocketMover(src, batch, block));
     for (int t = 0; t < threads; ++t) {
-      ASSIGN_OR_RETURN(net::Fd fd, net::Connect(hp, absl::Seconds(5)));
-      RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
+      ASSIGN_OR_RETURN(net::Fd fd, bench::RawConnect(sink));
       m->fds_.push_back(std::move(fd));
     }
     return m;
   }
   absl::Status Start(int tid, int half) override {
-    SinkHeader h{kStream, batch_, block_};
-    const int fd = fds_[tid].get();
-    RETURN_IF_ERROR(net::WriteFull(fd, &h, sizeof h, absl::InfiniteFuture()));
-    return net::WriteFull(fd, src_ + uint64_t(2 * tid + half) * batch_ * block_, batch_ * block_,
-                          absl::InfiniteFuture());
+    return bench::RawSend(fds_[tid].get(), src_ + uint64_t(2 * tid + half) * batch_ * block_,
+                          batch_, block_);
   }
   absl::Status Finish(int tid, int) override {
-    char ack;
-    return net::ReadFull(fds_[tid].get(), &ack, 1, absl::Now() + absl::Seconds(60));
+    return bench::RawAwaitAck(fds_[tid].get(), absl::Now() + absl::Seconds(60));
   }
 
  private:
@@ -343,57 +327,6 @@ class SocketMover : public Mover {
   const uint32_t batch_;
   const uint64_t block_;
   std::vector<net::Fd> fds_;
-};
-
-// Serves the raw socket reference into `buffer` until the process ends
-// (its threads are detached, so it is never destroyed).
-class Sink {
- public:
-  static absl::StatusOr<Sink*> Start(const std::string& host, char* buffer, uint64_t length) {
-    auto s = std::unique_ptr<Sink>(new Sink(buffer, length));
-    ASSIGN_OR_RETURN(s->listener_, net::Listen(host, 0, {0, 0}));
-    Sink* raw = s.release();
-    std::thread([raw] { raw->AcceptLoop(); }).detach();
-    return raw;
-  }
-  std::string address() const { return listener_.address.ToString(); }
-
- private:
-  Sink(char* buffer, uint64_t length) : buffer_(buffer), length_(length) {}
-  void AcceptLoop() {
-    for (;;) {
-      auto fd = net::Accept(listener_.fd.get(), absl::Hours(24));
-      if (!fd.ok()) continue;
-      (void)net::SetNoDelay(fd->get());
-      std::thread([this, fd = std::make_shared<net::Fd>(std::move(*fd))] { Serve(fd->get()); })
-          .detach();
-    }
-  }
-  void Serve(int fd) {
-    SinkHeader h;
-    while (net::ReadFull(fd, &h, sizeof h, absl::InfiniteFuture()).ok()) {
-      if (h.block == 0 || h.block > length_) return;
-      if (h.kind == kStream) {
-        for (uint32_t i = 0; i < h.count; ++i) {
-          const uint64_t off = (uint64_t(i) * h.block) % (length_ - h.block + 1);
-          if (!net::ReadFull(fd, buffer_ + off, h.block, absl::InfiniteFuture()).ok()) return;
-        }
-        char ack = 1;
-        if (!net::WriteFull(fd, &ack, 1, absl::InfiniteFuture()).ok()) return;
-      } else if (h.kind == kEcho) {
-        std::vector<char> data(h.block);
-        if (!net::ReadFull(fd, data.data(), h.block, absl::InfiniteFuture()).ok() ||
-            !net::WriteFull(fd, data.data(), h.block, absl::InfiniteFuture()).ok()) {
-          return;
-        }
-      } else {
-        return;
-      }
-    }
-  }
-  char* buffer_;
-  uint64_t length_;
-  net::ListeningSocket listener_;
 };
 
 // ---------------------------------------------------------------- latency
@@ -510,9 +443,7 @@ absl::StatusOr<LatResult> ReferenceLatency(const std::string& kind, char* a, cha
   const uint64_t warmup = absl::GetFlag(FLAGS_warmup);
   net::Fd fd;
   if (kind == "socket") {
-    ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(sink));
-    ASSIGN_OR_RETURN(fd, net::Connect(hp, absl::Seconds(5)));
-    RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
+    ASSIGN_OR_RETURN(fd, bench::RawConnect(sink));
   }
   std::vector<double> us;
   absl::Time measure_start;
@@ -527,10 +458,7 @@ absl::StatusOr<LatResult> ReferenceLatency(const std::string& kind, char* a, cha
       std::memcpy(b, a, block);
       asm volatile("" : : "g"(b) : "memory");  // the copy is not optimized away
     } else {
-      SinkHeader h{kEcho, 1, block};
-      RETURN_IF_ERROR(net::WriteFull(fd.get(), &h, sizeof h, absl::InfiniteFuture()));
-      RETURN_IF_ERROR(net::WriteFull(fd.get(), a, block, absl::InfiniteFuture()));
-      RETURN_IF_ERROR(net::ReadFull(fd.get(), b, block, absl::Now() + absl::Seconds(30)));
+      RETURN_IF_ERROR(bench::RawEcho(fd.get(), a, b, block));
     }
     const double t = absl::ToDoubleMicroseconds(absl::Now() - t0);
     // memcpy is one way already; a socket echo is a round trip.
@@ -568,7 +496,7 @@ struct Session {
   SegmentId to_initiator = 0;  // loopback only
   uint64_t remote = 0;         // the target's buffer
   uint64_t remote_len = 0;
-  Sink* sink = nullptr;  // loopback socket reference (lives as long as the process)
+  bench::RawSink* sink = nullptr;  // loopback socket reference (lives as long as the process)
   std::string sink_address;
   std::string reference;  // resolved: memcpy, socket or none
 };
@@ -622,7 +550,7 @@ absl::Status OpenSession(Session& s, const std::string& role, uint64_t max_block
         absl::StrCat("--reference must be auto, memcpy, socket or none, not \"", ref, "\""));
   }
   if (ref == "socket" && role == "loopback") {
-    ASSIGN_OR_RETURN(s.sink, Sink::Start("127.0.0.1", s.target_buffer.data(), arena));
+    ASSIGN_OR_RETURN(s.sink, bench::RawSink::Start("127.0.0.1", s.target_buffer.data(), arena));
     s.sink_address = s.sink->address();
   }
   s.reference = ref;
@@ -639,7 +567,7 @@ int ServeTarget() {
   std::vector<char> buffer(len, 0);
   absl::Status st = e.RegisterMemory(buffer.data(), len);
   if (!st.ok()) Die(st);
-  auto sink = Sink::Start(e.detection().bind_host.empty() ? e.detection().host
+  auto sink = bench::RawSink::Start(e.detection().bind_host.empty() ? e.detection().host
                                                           : e.detection().bind_host,
                           buffer.data(), len);
   if (!sink.ok()) Die(sink.status());

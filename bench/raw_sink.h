@@ -1,0 +1,48 @@
+// The raw TCP reference the benchmarks measure the engine against: a sink
+// that reads batches of blocks into a buffer and answers each batch with
+// one byte, or echoes a block back; and the client calls that drive it.
+// No framing beyond a 16-byte header, no threads beyond one per connection:
+// what a program that only moves bytes over a socket would do.
+#ifndef KVFERRY_BENCH_RAW_SINK_H_
+#define KVFERRY_BENCH_RAW_SINK_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "net/socket.h"
+
+namespace kvferry {
+namespace bench {
+
+// Serves connections into [buffer, buffer + length) until the process
+// ends: its threads are detached, so it is never destroyed.
+class RawSink {
+ public:
+  static absl::StatusOr<RawSink*> Start(const std::string& host, char* buffer, uint64_t length);
+  std::string address() const { return listener_.address.ToString(); }
+
+ private:
+  RawSink(char* buffer, uint64_t length) : buffer_(buffer), length_(length) {}
+  void AcceptLoop();
+  void Serve(int fd);
+  char* const buffer_;
+  const uint64_t length_;
+  net::ListeningSocket listener_;
+};
+
+// Connects to a sink (TCP_NODELAY on).
+absl::StatusOr<net::Fd> RawConnect(const std::string& sink);
+// Sends `count` blocks of `block` bytes, contiguous from `src`, as one batch.
+absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block);
+// Waits for the sink's answer to a batch.
+absl::Status RawAwaitAck(int fd, absl::Time deadline);
+// Sends `block` bytes from `src` and reads them back into `dst`.
+absl::Status RawEcho(int fd, const char* src, char* dst, uint64_t block);
+
+}  // namespace bench
+}  // namespace kvferry
+
+#endif  // KVFERRY_BENCH_RAW_SINK_H_
