@@ -24,18 +24,28 @@ absl::StatusOr<RawSink*> RawSink::Start(const std::string& host, char* buffer, u
   auto s = std::unique_ptr<RawSink>(new RawSink(buffer, length));
   ASSIGN_OR_RETURN(s->listener_, net::Listen(host, 0, {0, 0}));
   RawSink* raw = s.release();
-  std::thread([raw] { raw->AcceptLoop(); }).detach();
+  std::thread([raw] { raw->Turn(); }).detach();
   return raw;
 }
 
-void RawSink::AcceptLoop() {
-  for (;;) {
-    auto fd = net::Accept(listener_.fd.get(), absl::Hours(24));
-    if (!fd.ok()) continue;
-    (void)net::SetNoDelay(fd->get());
-    std::thread([this, fd = std::make_shared<net::Fd>(std::move(*fd))] { Serve(fd->get()); })
-        .detach();
+void RawSink::Turn() {
+  {
+    MutexLock lock(&mu_);
+    while (accepting_) turn_free_.Wait(&mu_);
+    accepting_ = true;
   }
+  std::thread([this] { Turn(); }).detach();  // the next standby, before any connection
+  absl::StatusOr<net::Fd> fd;
+  do {
+    fd = net::Accept(listener_.fd.get(), absl::Hours(24));
+  } while (!fd.ok());
+  {
+    MutexLock lock(&mu_);
+    accepting_ = false;
+  }
+  turn_free_.Signal();  // the one standby
+  (void)net::SetNoDelay(fd->get());
+  Serve(fd->get());
 }
 
 void RawSink::Serve(int fd) {

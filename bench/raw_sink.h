@@ -12,13 +12,16 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
 #include "net/socket.h"
 
 namespace kvferry {
 namespace bench {
 
 // Serves connections into [buffer, buffer + length) until the process
-// ends: its threads are detached, so it is never destroyed.
+// ends: its threads are detached, so it is never destroyed. A thread per
+// connection, started ahead: one thread accepts while a standby waits, and
+// a connection costs a hand-over to the standby, not a thread creation.
 class RawSink {
  public:
   static absl::StatusOr<RawSink*> Start(const std::string& host, char* buffer, uint64_t length);
@@ -26,11 +29,16 @@ class RawSink {
 
  private:
   RawSink(char* buffer, uint64_t length) : buffer_(buffer), length_(length) {}
-  void AcceptLoop();
+  // Waits to be the acceptor, starts the next standby, accepts one
+  // connection, hands the acceptor's turn on and serves the connection.
+  void Turn();
   void Serve(int fd);
   char* const buffer_;
   const uint64_t length_;
   net::ListeningSocket listener_;
+  Mutex mu_;
+  CondVar turn_free_;
+  bool accepting_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Connects to a sink (TCP_NODELAY on).
