@@ -20,6 +20,7 @@
 #include "base/errno_status.h"
 #include "base/logging.h"
 #include "base/mutex.h"
+#include "base/scratch.h"
 #include "base/status_macros.h"
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
@@ -609,11 +610,9 @@ absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
 
 absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   // Requests to a peer in this process, copied after the locks are gone.
-  thread_local std::vector<Direct> direct;
-  direct.clear();
-  RETURN_IF_ERROR(PostLocked(batch, direct));
-  if (!direct.empty()) RunDirect(direct);
-  direct.clear();
+  Scratch<Direct> direct;
+  RETURN_IF_ERROR(PostLocked(batch, *direct));
+  if (!direct->empty()) RunDirect(*direct);
   return absl::OkStatus();
 }
 
@@ -913,8 +912,12 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
 
 void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   absl::Status error;
-  Job acked;  // WRITEs executed and not yet acknowledged (remote_addr: how many)
-  uint64_t acked_bytes = 0;
+  // WRITEs executed and not yet acknowledged: one kWriteAck for the run
+  // (header.remote_addr counts them). Requests on a link have consecutive
+  // ids and any other request flushes the run first, so a run is always
+  // consecutive.
+  Job run;
+  uint64_t run_bytes = 0;
   // Hands an answer to the writer; false once the link is stopping.
   auto queue = [&](Job job) {
     MutexLock lock(&mu_);
@@ -922,6 +925,11 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     link->jobs.push_back(std::move(job));
     link->cv.SignalAll();
     return true;
+  };
+  auto flush_run = [&] {
+    if (run.header.remote_addr == 0) return true;
+    run_bytes = 0;
+    return queue(std::exchange(run, Job{}));
   };
   for (;;) {
     DataHeader h;
@@ -934,36 +942,21 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
         error = stream;
         break;
       }
-      const bool landed = h.type == kWriteReq && answer.header.status == 0;
-      if (landed && acked.header.remote_addr > 0 &&
-          h.id != acked.header.id + acked.header.remote_addr) {
-        if (!queue(std::move(acked))) break;  // not consecutive: its own run
-        acked = Job{};
-      }
-      if (landed) {
+      if (h.type == kWriteReq && answer.header.status == 0) {
         // Acknowledged in runs while more requests wait in the socket: one
         // answer (and one wake-up at the requester) for many WRITEs.
-        if (acked.header.remote_addr == 0) {
-          acked.header.type = kWriteAck;
-          acked.header.id = h.id;
+        if (run.header.remote_addr == 0) {
+          run.header.type = kWriteAck;
+          run.header.id = h.id;
         }
-        ++acked.header.remote_addr;
-        acked_bytes += h.length;
-        if (acked.header.remote_addr < kMaxAckRun && acked_bytes < kMaxAckRunBytes &&
-            HeaderWaiting(link->fd.get())) {
-          continue;
-        }
-        acked_bytes = 0;
-        if (!queue(std::move(acked))) break;
-        acked = Job{};
+        ++run.header.remote_addr;
+        run_bytes += h.length;
+        const bool more = run.header.remote_addr < kMaxAckRun && run_bytes < kMaxAckRunBytes &&
+                          HeaderWaiting(link->fd.get());
+        if (!more && !flush_run()) break;
         continue;
       }
-      if (acked.header.remote_addr > 0) {
-        if (!queue(std::move(acked))) break;
-        acked = Job{};
-        acked_bytes = 0;
-      }
-      if (!queue(std::move(answer))) break;
+      if (!flush_run() || !queue(std::move(answer))) break;
     } else if (h.type == kWriteAck || h.type == kReadResp) {
       error = OnAnswer(*link, h);
       if (!error.ok()) break;

@@ -565,8 +565,11 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   swrs.resize(batch.size());
   sges.resize(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) order.push_back(i);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return batch[a].link < batch[b].link; });
+  // In batch order within a link. std::sort, not stable_sort: stable_sort
+  // allocates a buffer on every call.
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return batch[a].link != batch[b].link ? batch[a].link < batch[b].link : a < b;
+  });
   const absl::Time now = FastNow();
   for (size_t k = 0; k < order.size();) {
     Link& link = *links_.at(batch[order[k]].link);
