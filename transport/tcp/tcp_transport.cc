@@ -1,6 +1,5 @@
 #include "transport/tcp/tcp_transport.h"
 
-#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -38,12 +37,14 @@ constexpr size_t kHelloBytes = 16;
 constexpr uint32_t kMaxErrorText = 1024;
 // The writer sends up to this many queued messages with one sendmsg.
 constexpr size_t kMaxJobsPerSend = 64;
-// A responder acknowledges WRITEs in runs while more requests are already
-// waiting in the socket, up to this many requests or bytes per ack.
+// A responder acknowledges WRITEs in runs: up to the last request of each
+// Post on the link (kAckNow), and at most this many requests or bytes.
 constexpr uint64_t kMaxAckRun = 32;
 constexpr uint64_t kMaxAckRunBytes = 1 << 20;
 
 enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp = 4 };
+// DataHeader::flags of a request.
+constexpr uint16_t kAckNow = 1;  // the last of its Post on the link: answer now
 
 // A kWriteAck answers a run of WRITEs: ids `id` .. `id + remote_addr - 1`
 // (consecutive on the link, so no READ among them) all landed. An ack that
@@ -51,7 +52,7 @@ enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp =
 struct DataHeader {
   uint8_t type = 0;
   uint8_t status = 0;  // absl::StatusCode of an answer
-  uint16_t pad = 0;
+  uint16_t flags = 0;  // requests: kAckNow
   uint32_t text_len = 0;  // error text following an answer that failed
   uint64_t id = 0;
   uint64_t remote_addr = 0;
@@ -150,12 +151,6 @@ absl::Status Drain(int fd, uint64_t n) {
     n -= chunk;
   }
   return absl::OkStatus();
-}
-
-// Whether a whole message header is already waiting to be read.
-bool HeaderWaiting(int fd) {
-  int n = 0;
-  return ::ioctl(fd, FIONREAD, &n) == 0 && n >= static_cast<int>(sizeof(DataHeader));
 }
 
 // Link parameters: the pairing token and the transport's in-process key
@@ -644,11 +639,14 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     if (wr.opcode == Opcode::kWrite) job.data = wr.local_addr;
     link.jobs.push_back(std::move(job));
   }
-  // One wake-up per link, not per request.
+  // Per link: its last request of this Post asks for the answer to the
+  // run it ends, and one wake-up for the writer, not one per request.
   for (size_t i = 0; i < batch.size(); ++i) {
     if (i > 0 && batch[i].link == batch[i - 1].link) continue;
     Link& link = *links_.at(batch[i].link);
-    if (!link.jobs.empty()) link.cv.SignalAll();
+    if (link.peer_key != 0) continue;  // copied in Post, no message
+    link.jobs.back().header.flags |= kAckNow;  // held lock: the back is this Post's
+    link.cv.SignalAll();
   }
   return absl::OkStatus();
 }
@@ -943,7 +941,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
         break;
       }
       if (h.type == kWriteReq && answer.header.status == 0) {
-        // Acknowledged in runs while more requests wait in the socket: one
+        // Acknowledged in runs up to the end of the requester's Post: one
         // answer (and one wake-up at the requester) for many WRITEs.
         if (run.header.remote_addr == 0) {
           run.header.type = kWriteAck;
@@ -952,7 +950,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
         ++run.header.remote_addr;
         run_bytes += h.length;
         const bool more = run.header.remote_addr < kMaxAckRun && run_bytes < kMaxAckRunBytes &&
-                          HeaderWaiting(link->fd.get());
+                          (h.flags & kAckNow) == 0;
         if (!more && !flush_run()) break;
         continue;
       }
