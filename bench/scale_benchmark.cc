@@ -29,6 +29,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
+#include "base/status_macros.h"
 #include "engine/transfer_engine.h"
 #include "tests/sim_world.h"
 
@@ -56,6 +57,24 @@ uint64_t Rss() {
   return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+// Ends the run, saying why, when a step of the setup or the transfer fails.
+void Must(const absl::Status& s, const std::string& what) {
+  if (s.ok()) return;
+  std::fprintf(stderr, "scale_benchmark: %s: %s\n", what.c_str(), s.ToString().c_str());
+  std::exit(1);
+}
+template <typename T>
+T Must(absl::StatusOr<T> v, const std::string& what) {
+  Must(v.status(), what);
+  return std::move(*v);
+}
+// A batch that did not succeed, as a status.
+absl::Status BatchResult(const absl::StatusOr<BatchStatus>& st) {
+  if (!st.ok()) return st.status();
+  for (const absl::Status& r : st->requests) RETURN_IF_ERROR(r);
+  return absl::OkStatus();
+}
+
 struct StripeResult {
   double seconds = 0;  // simulated
   uint64_t bytes = 0;
@@ -80,24 +99,18 @@ StripeResult Stripe(const std::vector<int>& sources, uint64_t mib) {
   const std::vector<int32_t> numa(gpus, 0);
   const int a = w.AddMultiNicHost(numa, nic), b = w.AddMultiNicHost(numa, nic);
   w.set_engine_options(EngineOptions{});  // the defaults: 64 KiB slices
-  auto prefill = w.StartEngine(a);
-  auto decode = w.StartEngine(b);
-  if (!prefill.ok() || !decode.ok()) {
-    std::fprintf(stderr, "scale_benchmark: %s\n",
-                 std::string((prefill.ok() ? decode.status() : prefill.status()).message()).c_str());
-    std::exit(1);
-  }
+  std::unique_ptr<TransferEngine> prefill = Must(w.StartEngine(a), "starting the sender");
+  std::unique_ptr<TransferEngine> decode = Must(w.StartEngine(b), "starting the receiver");
   const uint64_t per_gpu = mib << 20;
   std::vector<std::vector<char>> src(sources.size(), std::vector<char>(per_gpu, 's'));
   std::vector<char> dst(per_gpu * sources.size(), 0);
   for (size_t i = 0; i < sources.size(); ++i) {
-    absl::Status st = (*prefill)->RegisterMemory(src[i].data(), per_gpu, transport::Access::kNone,
-                                                 absl::StrCat("cuda:", sources[i]));
-    if (!st.ok()) std::fprintf(stderr, "scale_benchmark: %s\n", st.ToString().c_str()), std::exit(1);
+    Must(prefill->RegisterMemory(src[i].data(), per_gpu, transport::Access::kNone,
+                                 absl::StrCat("cuda:", sources[i])),
+         "registering a GPU buffer");
   }
-  if (!(*decode)->RegisterMemory(dst.data(), dst.size()).ok()) std::exit(1);
-  auto seg = (*prefill)->OpenSegment((*decode)->address());
-  if (!seg.ok()) std::fprintf(stderr, "scale_benchmark: %s\n", seg.status().ToString().c_str()), std::exit(1);
+  Must(decode->RegisterMemory(dst.data(), dst.size()), "registering the receiving buffer");
+  const SegmentId seg = Must(prefill->OpenSegment(decode->address()), "opening the segment");
   // KV-sized requests: 512 KiB blocks.
   const uint64_t block = 512 << 10;
   const sim::SimTime start = w.sched().now();
@@ -108,25 +121,16 @@ StripeResult Stripe(const std::vector<int>& sources, uint64_t mib) {
       reqs.push_back({Opcode::kWrite, src[i].data() + off,
                       reinterpret_cast<uintptr_t>(dst.data()) + i * per_gpu + off, block});
     }
-    auto batch = (*prefill)->Submit(*seg, reqs);
-    if (!batch.ok()) std::fprintf(stderr, "scale_benchmark: %s\n", batch.status().ToString().c_str()), std::exit(1);
-    batches.push_back(*batch);
+    batches.push_back(Must(prefill->Submit(seg, reqs), "submitting"));
   }
-  for (BatchId id : batches) {
-    auto st = (*prefill)->Wait(id, absl::Seconds(10));
-    if (!st.ok() || !st->ok()) {
-      std::fprintf(stderr, "scale_benchmark: a batch failed\n");
-      std::exit(1);
-    }
-  }
+  for (BatchId id : batches) Must(BatchResult(prefill->Wait(id, absl::Seconds(10))), "a batch");
   StripeResult r;
   r.seconds = static_cast<double>(w.sched().now() - start) / 1e9;
   r.bytes = per_gpu * sources.size();
-  for (const NicCounters& c : (*prefill)->GetNicCounters()) r.nic_bytes.push_back(c.bytes);
+  for (const NicCounters& c : prefill->GetNicCounters()) r.nic_bytes.push_back(c.bytes);
   for (size_t i = 0; i < sources.size(); ++i) {
     if (std::memcmp(src[i].data(), dst.data() + i * per_gpu, per_gpu) != 0) {
-      std::fprintf(stderr, "scale_benchmark: bytes differ\n");
-      std::exit(1);
+      Must(absl::DataLossError(absl::StrCat("GPU ", sources[i], "'s bytes differ")), "checking");
     }
   }
   return r;
@@ -151,33 +155,25 @@ void PeersMemory() {
   std::vector<char> local(1 << 20);
   std::vector<std::vector<char>> pools(peers, std::vector<char>(4096));
   const uint64_t empty = HeapInUse();
-  auto engine = w.StartEngine(hub);
-  if (!engine.ok()) std::exit(1);
-  (void)(*engine)->RegisterMemory(local.data(), local.size());
+  std::unique_ptr<TransferEngine> engine = Must(w.StartEngine(hub), "starting the engine");
+  Must(engine->RegisterMemory(local.data(), local.size()), "registering");
   std::vector<std::unique_ptr<TransferEngine>> others;
   others.reserve(peers);
   for (int i = 0; i < peers; ++i) {
-    auto e = w.StartEngine(hosts[i]);
-    if (!e.ok()) std::exit(1);
-    (void)(*e)->RegisterMemory(pools[i].data(), pools[i].size());
-    others.push_back(std::move(*e));
+    others.push_back(Must(w.StartEngine(hosts[i]), "starting a peer"));
+    Must(others.back()->RegisterMemory(pools[i].data(), pools[i].size()), "registering a peer");
   }
   const uint64_t before = HeapInUse();
   const uint64_t rss_before = Rss();
   const double idle_engine = double(before - empty) / (peers + 1);
   for (int i = 0; i < peers; ++i) {
-    auto seg = (*engine)->OpenSegment(others[i]->address());
-    if (!seg.ok()) {
-      std::fprintf(stderr, "scale_benchmark: %s\n", seg.status().ToString().c_str());
-      std::exit(1);
-    }
+    const SegmentId seg = Must(engine->OpenSegment(others[i]->address()), "opening a segment");
     // One 4 KiB write each, so every link has carried a request.
     TransferRequest wr{Opcode::kWrite, local.data(), reinterpret_cast<uintptr_t>(pools[i].data()),
                        4096};
-    auto batch = (*engine)->Submit(*seg, {&wr, 1});
-    auto st = batch.ok() ? (*engine)->Wait(*batch, absl::Seconds(1)) : batch.status();
-    if (!st.ok() || !st->ok()) std::exit(1);
-    (void)(*engine)->Release(*batch);
+    const BatchId batch = Must(engine->Submit(seg, {&wr, 1}), "submitting");
+    Must(BatchResult(engine->Wait(batch, absl::Seconds(1))), "a write to a peer");
+    Must(engine->Release(batch), "releasing");
   }
   const uint64_t after = HeapInUse();
   const double open = double(after - before);
