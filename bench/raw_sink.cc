@@ -29,23 +29,29 @@ absl::StatusOr<RawSink*> RawSink::Start(const std::string& host, char* buffer, u
 }
 
 void RawSink::Turn() {
-  {
-    MutexLock lock(&mu_);
-    while (accepting_) turn_free_.Wait(&mu_);
-    accepting_ = true;
+  for (;;) {
+    bool spawn;
+    {
+      MutexLock lock(&mu_);
+      ++waiting_;
+      while (accepting_) turn_free_.Wait(&mu_);
+      --waiting_;
+      accepting_ = true;
+      spawn = waiting_ == 0;  // nobody left to take the next turn
+    }
+    if (spawn) std::thread([this] { Turn(); }).detach();
+    absl::StatusOr<net::Fd> fd;
+    do {
+      fd = net::Accept(listener_.fd.get(), absl::Hours(24));
+    } while (!fd.ok());
+    {
+      MutexLock lock(&mu_);
+      accepting_ = false;
+    }
+    turn_free_.Signal();  // a waiting thread accepts the next connection
+    (void)net::SetNoDelay(fd->get());
+    Serve(fd->get());
   }
-  std::thread([this] { Turn(); }).detach();  // the next standby, before any connection
-  absl::StatusOr<net::Fd> fd;
-  do {
-    fd = net::Accept(listener_.fd.get(), absl::Hours(24));
-  } while (!fd.ok());
-  {
-    MutexLock lock(&mu_);
-    accepting_ = false;
-  }
-  turn_free_.Signal();  // the one standby
-  (void)net::SetNoDelay(fd->get());
-  Serve(fd->get());
 }
 
 void RawSink::Serve(int fd) {

@@ -20,8 +20,9 @@ namespace bench {
 
 // Serves connections into [buffer, buffer + length) until the process
 // ends: its threads are detached, so it is never destroyed. A thread per
-// connection, started ahead: one thread accepts while a standby waits, and
-// a connection costs a hand-over to the standby, not a thread creation.
+// open connection, started ahead and reused: one thread accepts while the
+// others wait for the turn, and a connection costs a hand-over, not a
+// thread creation.
 class RawSink {
  public:
   static absl::StatusOr<RawSink*> Start(const std::string& host, char* buffer, uint64_t length);
@@ -29,8 +30,9 @@ class RawSink {
 
  private:
   RawSink(char* buffer, uint64_t length) : buffer_(buffer), length_(length) {}
-  // Waits to be the acceptor, starts the next standby, accepts one
-  // connection, hands the acceptor's turn on and serves the connection.
+  // For ever: waits to be the acceptor (starting another thread when no
+  // other is waiting for the turn), accepts one connection, hands the turn
+  // on and serves the connection.
   void Turn();
   void Serve(int fd);
   char* const buffer_;
@@ -39,6 +41,7 @@ class RawSink {
   Mutex mu_;
   CondVar turn_free_;
   bool accepting_ ABSL_GUARDED_BY(mu_) = false;
+  int waiting_ ABSL_GUARDED_BY(mu_) = 0;  // threads waiting for the turn
 };
 
 // Connects to a sink (TCP_NODELAY on).
