@@ -20,6 +20,13 @@
 //   lat: ping-pong like ib_write_lat: the initiator WRITEs `block` bytes, the
 //        target sees them land and WRITEs them back; half the round trip is
 //        the one-way latency (p50/p99/p999).
+//   layers: what a serving engine does when it sends each layer of a
+//        request from its own thread: every round, --threads threads each
+//        submit one batch of --batch scattered `block`-byte pages (every
+//        other page of its own area) at the same moment and wait for it;
+//        the same rounds then run with one thread. Prints both batch times
+//        (p50/p99/max), their p99 ratio and how many batches took 40 ms or
+//        more. --iters rounds (default 2000 is capped to 400 here).
 //   --sweep=B1,B2,...: both modes at every block size, engine and reference
 //        side by side; writes OUT.csv and, with gnuplot, OUT.png.
 //
@@ -63,7 +70,9 @@
 
 ABSL_FLAG(std::string, role, "loopback", "loopback (both engines here), target or initiator");
 ABSL_FLAG(std::string, peer, "", "initiator: the target's host:port");
-ABSL_FLAG(std::string, mode, "bw", "bw (throughput) or lat (ping-pong latency)");
+ABSL_FLAG(std::string, mode, "bw",
+          "bw (throughput), lat (ping-pong latency) or layers (threads sending a layer each "
+          "at once, against one thread)");
 ABSL_FLAG(std::string, op, "write", "bw mode: write or read");
 ABSL_FLAG(std::string, transport, "auto",
           "auto, tcp or rdma (the simulated transport: //bench:scale_benchmark, //tools:simulate)");
@@ -609,6 +618,108 @@ int ServeTarget() {
   }
 }
 
+// ---------------------------------------------------------------- layers
+
+struct LayerResult {
+  Percentiles us;
+  double max_us = 0;
+  uint64_t batches = 0;
+  uint64_t slow = 0;  // batches of 40 ms or more
+};
+
+// `rounds` rounds of `threads` threads that each submit one batch of
+// `batch` pages at once (released together) and wait for it.
+absl::StatusOr<LayerResult> DriveLayers(Session& s, int threads, uint32_t batch, uint64_t block,
+                                        uint64_t rounds) {
+  std::vector<std::vector<TransferRequest>> reqs(threads);
+  for (int t = 0; t < threads; ++t) {
+    for (uint32_t j = 0; j < batch; ++j) {
+      const uint64_t off = (uint64_t(t) * 2 * batch + 2 * j) * block;  // every other page
+      reqs[t].push_back({Opcode::kWrite, s.local.data() + off, s.remote + off, block});
+    }
+  }
+  std::vector<std::vector<double>> lat(threads);
+  std::vector<absl::Status> errors(threads);
+  std::atomic<uint64_t> arrived{0};
+  auto worker = [&](int tid) {
+    BatchStatus status;
+    for (uint64_t r = 0; r < rounds; ++r) {
+      // All threads start a round together, as the layers of one request.
+      arrived.fetch_add(1);
+      while (arrived.load() < (r + 1) * threads) std::this_thread::yield();
+      const absl::Time start = absl::Now();
+      absl::StatusOr<BatchId> b = s.initiator->Submit(s.to_target, reqs[tid]);
+      absl::Status st = b.status();
+      if (st.ok()) st = s.initiator->Wait(*b, absl::Seconds(60), &status);
+      if (st.ok() && !status.ok()) {
+        st = absl::InternalError("a layer's batch failed");
+        for (const absl::Status& q : status.requests) {
+          if (!q.ok()) st = q;
+        }
+      }
+      if (b.ok() && status.done()) (void)s.initiator->Release(*b);
+      if (!st.ok()) {
+        errors[tid] = st;
+        // Keep the barrier going for the others.
+        for (++r; r < rounds; ++r) arrived.fetch_add(1);
+        return;
+      }
+      lat[tid].push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+  worker(0);
+  for (auto& t : pool) t.join();
+  for (const absl::Status& e : errors) RETURN_IF_ERROR(e);
+  std::vector<double> all;
+  for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+  LayerResult out;
+  out.batches = all.size();
+  for (double v : all) {
+    out.max_us = std::max(out.max_us, v);
+    if (v >= 40000) ++out.slow;
+  }
+  out.us = Summarize(std::move(all));
+  return out;
+}
+
+int MeasureLayers(Session& s, int threads, uint32_t batch, uint64_t block) {
+  const uint64_t rounds = std::min<uint64_t>(400, std::max<uint64_t>(1, absl::GetFlag(FLAGS_iters)));
+  const uint64_t warm = std::min<uint64_t>(50, absl::GetFlag(FLAGS_warmup));
+  if (warm > 0 && !DriveLayers(s, threads, batch, block, warm).ok()) {
+    std::fprintf(stderr, "transfer_bench: warm-up failed\n");
+  }
+  absl::StatusOr<LayerResult> many = DriveLayers(s, threads, batch, block, rounds);
+  if (!many.ok()) Die(many.status());
+  absl::StatusOr<LayerResult> one = DriveLayers(s, 1, batch, block, rounds);
+  if (!one.ok()) Die(one.status());
+  const double ratio = one->us.p99 > 0 ? many->us.p99 / one->us.p99 : 0;
+  const std::string transport = s.initiator->detection().transport;
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("{\"mode\": \"layers\", \"transport\": \"%s\", \"block\": %llu, \"batch\": %u, "
+                "\"threads\": %d, \"rounds\": %llu, \"p50_us\": %.1f, \"p99_us\": %.1f, "
+                "\"max_us\": %.1f, \"slow\": %llu, \"one_thread_p50_us\": %.1f, "
+                "\"one_thread_p99_us\": %.1f, \"p99_ratio\": %.3f}\n",
+                transport.c_str(), static_cast<unsigned long long>(block), batch, threads,
+                static_cast<unsigned long long>(rounds), many->us.p50, many->us.p99, many->max_us,
+                static_cast<unsigned long long>(many->slow), one->us.p50, one->us.p99, ratio);
+    return 0;
+  }
+  std::printf("layers over %s: %u pages of %llu B per batch, %llu rounds\n", transport.c_str(),
+              batch, static_cast<unsigned long long>(block), static_cast<unsigned long long>(rounds));
+  std::printf("  %2d threads at once: batch p50 %.1f us  p99 %.1f us  max %.1f us  >= 40 ms: %llu of %llu\n",
+              threads, many->us.p50, many->us.p99, many->max_us,
+              static_cast<unsigned long long>(many->slow), static_cast<unsigned long long>(many->batches));
+  std::printf("   1 thread         : batch p50 %.1f us  p99 %.1f us  max %.1f us  >= 40 ms: %llu of %llu\n",
+              one->us.p50, one->us.p99, one->max_us, static_cast<unsigned long long>(one->slow),
+              static_cast<unsigned long long>(one->batches));
+  std::printf("  p99 ratio (%d threads / 1 thread): %.2f\n", threads, ratio);
+  std::printf("RESULT mode=layers block=%llu value=%.3f unit=p99_ratio\n",
+              static_cast<unsigned long long>(block), ratio);
+  return 0;
+}
+
 // ---------------------------------------------------------------- measures
 
 std::string OpName(bool write) { return write ? "write" : "read"; }
@@ -902,8 +1013,9 @@ int Main() {
                  role.c_str());
     return 2;
   }
-  if (mode != "bw" && mode != "lat") {
-    std::fprintf(stderr, "transfer_bench: --mode must be bw or lat, not \"%s\"\n", mode.c_str());
+  if (mode != "bw" && mode != "lat" && mode != "layers") {
+    std::fprintf(stderr, "transfer_bench: --mode must be bw, lat or layers, not \"%s\"\n",
+                 mode.c_str());
     return 2;
   }
   if (op != "write" && op != "read") {
@@ -946,6 +1058,8 @@ int Main() {
   int rc = 0;
   if (!sweep.empty()) {
     rc = Sweep(s, blocks, write, batch, threads);
+  } else if (mode == "layers") {
+    rc = MeasureLayers(s, threads, batch, blocks[0]);
   } else if (mode == "bw") {
     auto r = MeasureBw(s, threads, batch, blocks[0], write);
     if (!r.ok()) Die(r.status());
@@ -968,6 +1082,7 @@ int main(int argc, char** argv) {
       "reference measured in the same run (memcpy, a raw socket stream).\n"
       "  ./bazelw run -c opt //bench:transfer_bench                     # loopback, bw\n"
       "  ./bazelw run -c opt //bench:transfer_bench -- --mode=lat --block=8\n"
+      "  ./bazelw run -c opt //bench:transfer_bench -- --mode=layers --threads=4 --block=2048\n"
       "  ./bazelw run -c opt //bench:transfer_bench -- --role=target --port=16000\n"
       "  ./bazelw run -c opt //bench:transfer_bench -- --role=initiator --peer=HOST:16000\n"
       "  ./bazelw run -c opt //bench:transfer_bench -- --sweep=default --out=/tmp/sweep");

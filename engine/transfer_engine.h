@@ -22,7 +22,9 @@
 // (`retries` times); the batch reports each request's own status.
 //
 // Thread-safe: any method from any thread. Waiting threads drive the
-// transport's completions themselves; the engine has no polling thread.
+// transport's completions themselves, one at a time; the engine has no
+// polling thread. A thread whose batch another thread completed is woken
+// at once.
 #ifndef KVFERRY_ENGINE_TRANSFER_ENGINE_H_
 #define KVFERRY_ENGINE_TRANSFER_ENGINE_H_
 
@@ -75,6 +77,10 @@ struct EngineOptions {
   // kUnavailable and the next Submit handshakes again. An answer from a new
   // engine id (the peer restarted): they are retried on new links.
   absl::Duration peer_timeout = absl::Seconds(10);
+  // A segment with nothing in flight and no use for this long has its links
+  // closed (connections, queue pairs); its handle stays valid and the next
+  // Submit handshakes again. CloseSegment forgets one at once.
+  absl::Duration idle_segment_timeout = absl::Minutes(10);
   // Pre-shared handshake secret (at least 16 bytes); empty: the environment
   // variable KVFERRY_SECRET, if set. With a secret, every handshake request
   // and reply is authenticated (HMAC-SHA256, see handshake/auth.h): peers
@@ -196,6 +202,10 @@ class TransferEngine {
   // Handshakes with the engine at `peer` ("host:port", "[v6]:port") and
   // returns a handle; the same peer gives the same handle.
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer);
+  // Closes the segment's links and forgets it: the handle becomes unknown,
+  // and OpenSegment of the same peer handshakes anew. kFailedPrecondition
+  // while batches to it are running; kNotFound for an unknown handle.
+  absl::Status CloseSegment(SegmentId segment);
 
   // The regions the peer advertises (as of the last handshake), sorted by
   // address: where a request may write or read.

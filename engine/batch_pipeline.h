@@ -1,0 +1,161 @@
+// The data path: segments (peers) and their links, batches cut into slices,
+// posting slices on links (with a backlog when links are full), delivering
+// completions, retrying slices after link or peer failures, and probing
+// peers that fell silent.
+//
+// Locking: one lock (mu_) guards the segment table, the batch table and
+// the counters; it is held only for bookkeeping, never across a transport
+// wait or a handshake call. Waiting for batches goes through the
+// CompletionPump (its own lock, taken after mu_ when both are held).
+// Registered memory (LocalRegions) is looked up before mu_ is taken.
+//
+// Files: batch_pipeline.cc (segments: open, refresh, close, expiry),
+// submit.cc (planning and posting slices), completions.cc (delivering
+// completions, retries, waiting), liveness.cc (probing silent peers).
+#ifndef KVFERRY_ENGINE_BATCH_PIPELINE_H_
+#define KVFERRY_ENGINE_BATCH_PIPELINE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "base/clock.h"
+#include "base/mutex.h"
+#include "engine/batch_table.h"
+#include "engine/completion_pump.h"
+#include "engine/local_regions.h"
+#include "engine/peer_client.h"
+#include "engine/segment_table.h"
+#include "engine/transfer_engine.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+struct PipelineConfig {
+  uint64_t slice_bytes = 64 << 10;
+  uint32_t retries = 2;
+  uint32_t links_per_peer = 2;
+  absl::Duration peer_timeout = absl::Seconds(10);
+  absl::Duration idle_segment_timeout = absl::Minutes(10);
+};
+
+class BatchPipeline {
+ public:
+  // Every pointer outlives the pipeline.
+  BatchPipeline(PipelineConfig config, uint64_t engine_id, transport::Transport* transport,
+                const LocalRegions* regions, const PeerClient* client, Clock* clock);
+
+  // ---- segments (batch_pipeline.cc)
+  // `peer` in canonical "host:port" form.
+  absl::StatusOr<SegmentId> Open(const std::string& peer);
+  absl::Status Close(SegmentId id);
+  absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> Regions(SegmentId id) const;
+  // The peer's address, its instance and the links' generation.
+  struct PeerView {
+    std::string peer;
+    uint64_t engine_id = 0;
+    uint64_t generation = 0;
+  };
+  absl::StatusOr<PeerView> View(SegmentId id) const;
+  // Handshakes again; see Refresh in batch_pipeline.cc.
+  absl::Status Refresh(SegmentId id, bool* changed, uint64_t seen_generation = UINT64_MAX);
+
+  // ---- batches (submit.cc, completions.cc)
+  absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests,
+                                 uint64_t peer_engine_id);
+  absl::StatusOr<BatchStatus> Poll(BatchId id);
+  absl::Status Wait(BatchId id, absl::Duration timeout, BatchStatus* out);
+  absl::Status Release(BatchId id);
+  // The segment and peer instance a batch goes to.
+  absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id);
+
+  // ---- metrics
+  std::vector<NicCounters> NicCountersNow() const;
+  EngineCounters Counters() const;
+  std::vector<PeerMetrics> Peers() const;
+
+ private:
+  // submit.cc
+  absl::Status PlanSlices(const Segment& seg, SegmentId id,
+                          absl::Span<const TransferRequest> requests,
+                          absl::Span<const LocalUse> local, std::vector<Slice>* planned,
+                          SliceCheck* why) const;
+  absl::StatusOr<BatchId> CreateBatch(SegmentId id, Segment& seg,
+                                      absl::Span<const TransferRequest> requests,
+                                      uint64_t peer_engine_id, std::vector<Slice>& planned,
+                                      std::vector<uint64_t>* slice_ids, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Posts slices of segment `id`; those that find no room wait in its
+  // backlog. `now`: the caller's reading of the clock.
+  absl::Status PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now);
+  // Assigns links to the slices under the lock; false when no link is usable.
+  bool AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
+                 std::vector<transport::WorkRequest>* wrs, absl::Status* bad);
+  bool AssignLink(Segment& seg, Slice& slice, transport::WorkRequest* wr, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unassign(const Slice& slice, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailAll(absl::Span<const uint64_t> ids, const absl::Status& status, bool after_retry);
+  void DrainBacklogs();
+
+  // completions.cc
+  // Waits in the transport up to `timeout` and delivers what completed.
+  void Pump(absl::Duration timeout);
+  // One completion; the slice goes to `refresh` or `repost`, or finishes.
+  void Deliver(transport::Completion& done, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefreshAndRepost();
+  void FinishSlice(uint64_t slice_id, absl::Status status, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountNicError(const Slice& slice, absl::StatusCode code) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // liveness.cc
+  // Probes peers whose busy links have been silent for peer_timeout / 2;
+  // at most every peer_timeout / 4.
+  void CheckPeers(absl::Time now);
+  void ProbeResult(SegmentId id, const std::string& peer, const absl::StatusOr<uint64_t>& answer);
+
+  // batch_pipeline.cc
+  absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer) const;
+  void ExpireIdle(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseLinks(const std::vector<Link>& links) const;
+
+  const PipelineConfig config_;
+  const uint64_t engine_id_;
+  transport::Transport* const transport_;
+  const LocalRegions* const regions_;
+  const PeerClient* const client_;
+  Clock* const clock_;
+  const uint32_t link_capacity_;
+  CompletionPump pump_;
+
+  mutable Mutex mu_;
+  CondVar refreshed_;  // a refresh finished
+  SegmentTable segments_ ABSL_GUARDED_BY(mu_);
+  BatchTable batches_ ABSL_GUARDED_BY(mu_);
+  std::vector<NicCounters> nic_counters_ ABSL_GUARDED_BY(mu_);
+  EngineCounters counters_ ABSL_GUARDED_BY(mu_);
+  // Slices whose link failed, by segment: refreshed first, or just re-posted
+  // (their links were replaced already). Filled by Deliver, emptied by
+  // RefreshAndRepost on the same thread (the pump's driver).
+  struct Retry {
+    SegmentId segment = 0;
+    uint64_t broken_generation = 0;
+    bool refresh = false;
+    std::vector<uint64_t> slices;
+  };
+  std::vector<Retry> retry_ ABSL_GUARDED_BY(mu_);
+  // When CheckPeers looks next, Unix nanoseconds; read without the lock.
+  std::atomic<int64_t> next_peer_check_ns_{0};
+  // Set when a slice goes to a backlog; DrainBacklogs locks only then.
+  std::atomic<bool> maybe_backlog_{false};
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_BATCH_PIPELINE_H_

@@ -1,0 +1,50 @@
+// Who drives the transport's completions. Threads waiting for their batches
+// take turns: one at a time (the driver) waits in the transport and
+// delivers every completion it gets; the others sleep until something they
+// wait for finishes (Wake) or the driver leaves, and one of them takes over.
+// No thread sleeps on a timer while its batch is done.
+#ifndef KVFERRY_ENGINE_COMPLETION_PUMP_H_
+#define KVFERRY_ENGINE_COMPLETION_PUMP_H_
+
+#include <atomic>
+#include <cstdint>
+#include "absl/functional/function_ref.h"
+
+#include "absl/time/time.h"
+#include "base/clock.h"
+#include "base/mutex.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+class CompletionPump {
+ public:
+  explicit CompletionPump(Clock* clock) : clock_(clock) {}
+
+  // Returns true once ready() holds, false at `deadline`. Meanwhile, when
+  // no other thread drives, calls drive(deadline) (which waits in the
+  // transport and delivers completions, calling Wake for what finished);
+  // otherwise sleeps until Wake, the driver leaving, or the deadline.
+  // ready() is never called with the pump's lock held.
+  bool Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
+             absl::FunctionRef<void(absl::Time)> drive);
+  // Runs drive() if no other thread drives; false when one does.
+  bool TryDrive(absl::FunctionRef<void()> drive);
+  // Something finished: sleeping waiters look again. Cheap when none sleeps.
+  void Wake();
+
+ private:
+  bool Claim();
+  void Leave();
+  Clock* const clock_;
+  Mutex mu_;
+  CondVar cv_;
+  bool driving_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by Wake and Leave
+  std::atomic<int> sleepers_{0};
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_COMPLETION_PUMP_H_

@@ -1,0 +1,151 @@
+// TransferEngine::Create: zero-configuration start. Detects the address to
+// advertise and the RDMA ports (or TCP), builds the transport and the
+// handshake network, and assembles the engine with CreateWith. Its own
+// target (//engine:engine): the engine core (//engine:core) links no RDMA
+// library.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "engine/engine_options.h"
+#include "engine/transfer_engine.h"
+#include "handshake/tcp_network.h"
+#include "net/interfaces.h"
+#include "transport/tcp/tcp_transport.h"
+#include "transport/verbs/discovery.h"
+#include "transport/verbs/verbs_transport.h"
+
+namespace kvferry {
+
+using transport::NicIndex;
+
+namespace {
+
+// What Create decided, plus the RDMA ports when it chose RDMA.
+struct Decision {
+  Detection detection;
+  std::vector<transport::verbs::SelectedPort> ports;
+  transport::verbs::Discovery discovery;  // when RDMA was looked for
+};
+
+// The selected ports (NIC indices of the verbs transport) nearest to
+// `location`: every port at the smallest distance.
+absl::StatusOr<std::vector<NicIndex>> NearestNics(const transport::verbs::Discovery& d,
+                                                  const std::string& location) {
+  std::vector<int> distance;
+  ASSIGN_OR_RETURN(std::vector<transport::verbs::SelectedPort> ports,
+                   transport::verbs::NearestPorts(d, location, &distance));
+  std::vector<NicIndex> out;
+  for (size_t i = 0; i < ports.size() && distance[i] == distance[0]; ++i) {
+    for (NicIndex n = 0; n < d.selected.size(); ++n) {
+      if (d.selected[n].device == ports[i].device && d.selected[n].port == ports[i].port) {
+        out.push_back(n);
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<Decision> Detect(const EngineOptions& options) {
+  Decision out;
+  Detection& d = out.detection;
+  if (options.transport != "auto" && options.transport != "tcp" &&
+      options.transport != "rdma" && options.transport != "sim") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown transport '", options.transport, "' (expected auto, tcp, rdma or sim)"));
+  }
+  if (options.transport == "sim") {
+    return absl::InvalidArgumentError(
+        "transport=sim needs a simulated fabric: build the engine with CreateWith");
+  }
+  std::string rdma_netdev;
+  if (options.transport != "tcp") {
+    transport::verbs::DiscoveryOptions discovery;
+    discovery.devices = options.devices;
+    if (options.gid_index >= 0) {
+      discovery.gid_index = options.gid_index;
+      discovery.gid_index_source = "EngineOptions::gid_index";
+    }
+    transport::verbs::ApplyEnvironment(&discovery);
+    absl::StatusOr<transport::verbs::Discovery> found = transport::verbs::Discover(discovery);
+    if (!found.ok()) return found.status();  // e.g. a named device that does not exist
+    for (const std::string& note : found->notes) KVF_LOG(INFO) << "rdma discovery: " << note;
+    out.ports = found->selected;
+    out.discovery = *found;
+    if (!out.ports.empty()) {
+      d.transport = "rdma";
+      std::vector<std::string> names;
+      for (const auto& p : out.ports) names.push_back(absl::StrCat(p.device, ":", p.port));
+      d.devices = absl::StrJoin(names, ",");
+      d.transport_reason = absl::StrCat(options.transport == "rdma" ? "set explicitly; " : "",
+                                        out.ports.size(), " active RDMA port(s); ",
+                                        out.ports[0].device, ":", out.ports[0].port, " ",
+                                        out.ports[0].why);
+      rdma_netdev = out.ports[0].netdev;
+    } else if (options.transport == "rdma") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport=rdma but no usable RDMA port was found (",
+          found->devices.empty() ? "no RDMA devices"
+                                 : absl::StrJoin(found->notes, "; "),
+          "); ./bazelw run //tools:devices explains"));
+    } else {
+      d.transport = "tcp";
+      d.transport_reason = found->devices.empty()
+                               ? "no RDMA devices on this host"
+                               : absl::StrCat("no usable RDMA port (",
+                                              absl::StrJoin(found->notes, "; "), ")");
+    }
+  } else {
+    d.transport = "tcp";
+    d.transport_reason = "set explicitly";
+  }
+  if (d.devices.empty()) d.devices = "none (TCP)";
+  absl::StatusOr<std::vector<net::InterfaceAddress>> addresses = net::ListInterfaceAddresses();
+  const net::HostChoice host = net::ChooseLocalHost(
+      options.local_host, rdma_netdev,
+      addresses.ok() ? *addresses : std::vector<net::InterfaceAddress>{},
+      net::DefaultRouteInterface());
+  d.host = host.host;
+  d.host_reason = host.reason;
+  d.bind_host = options.bind_host.empty() ? host.host : options.bind_host;
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOptions options) {
+  RETURN_IF_ERROR(engine_internal::CheckOptions(options));
+  ASSIGN_OR_RETURN(Decision decision, Detect(options));
+  Detection& d = decision.detection;
+  KVF_LOG(INFO) << "advertising " << d.host << " (" << d.host_reason << ")";
+  KVF_LOG(INFO) << "transport " << d.transport << " (" << d.transport_reason << ")";
+  std::unique_ptr<transport::Transport> data;
+  if (d.transport == "rdma") {
+    transport::VerbsTransportOptions v;
+    v.ports = decision.ports;
+    ASSIGN_OR_RETURN(data, transport::CreateVerbsTransport(v));
+  } else {
+    transport::TcpTransportOptions t;
+    t.bind_host = d.bind_host;
+    t.advertise_host = d.host;
+    t.connect_timeout = options.connect_timeout;
+    ASSIGN_OR_RETURN(data, transport::CreateTcpTransport(t));
+  }
+  EngineParts parts;
+  parts.transport = std::move(data);
+  parts.network = handshake::NewTcpNetwork();
+  parts.detection = std::move(d);
+  if (!decision.ports.empty()) {
+    parts.near_nics = [discovery = std::move(decision.discovery)](const std::string& location) {
+      return NearestNics(discovery, location);
+    };
+  }
+  return CreateWith(std::move(options), std::move(parts));
+}
+
+}  // namespace kvferry

@@ -1,0 +1,51 @@
+// The links of one segment (peer): building them through the handshake, and
+// choosing the link for each slice (near NICs first, then the least loaded
+// link relative to its speed).
+#ifndef KVFERRY_ENGINE_LINK_SET_H_
+#define KVFERRY_ENGINE_LINK_SET_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "engine/local_regions.h"
+#include "engine/peer_client.h"
+#include "handshake/messages.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+struct Link {
+  transport::LinkId id = 0;
+  transport::NicIndex local_nic = 0;
+  transport::NicIndex remote_nic = 0;
+  // Relative speed: the slower NIC's rate in Mb/s, 1 when unknown.
+  uint64_t weight = 1;
+  uint32_t inflight = 0;  // slices posted and not yet completed
+  bool failed = false;    // an error completion came: no new slices
+  // Last sign of life: a completion, or the post that made it busy.
+  absl::Time progress;
+};
+
+// Builds links to the engine at `peer` described by `d`: at least
+// `links_per_peer`, and one per local NIC. A NIC pair that fails is skipped
+// (logged) while others work; an unreachable peer fails the whole set.
+absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
+                                               const PeerClient& client, uint64_t engine_id,
+                                               const std::string& peer,
+                                               const handshake::EngineDescriptor& d,
+                                               uint32_t links_per_peer, absl::Time now);
+
+// The link a slice should go on: among links that are not failed and have
+// fewer than `capacity` slices in flight, the one with the fewest in flight
+// per unit of speed, on a NIC in `near` if any has room (near 0: any NIC).
+// Null when every link is full or failed.
+Link* ChooseLink(std::vector<Link>& links, NicMask near, uint32_t capacity);
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_LINK_SET_H_

@@ -1,0 +1,82 @@
+#include "engine/peer_client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+using handshake::Frame;
+using handshake::MessageType;
+
+absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request,
+                                       MessageType expected, absl::Duration timeout) const {
+  const MessageType sent = request.type;
+  ASSIGN_OR_RETURN(Frame reply, network_->Call(peer, request, timeout));
+  if (reply.type != expected) {
+    return absl::DataLossError(absl::StrCat("peer ", peer, " answered ",
+                                            handshake::MessageTypeName(sent), " with ",
+                                            handshake::MessageTypeName(reply.type)));
+  }
+  return reply;
+}
+
+absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::string& peer) const {
+  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kDescribe, ""},
+                                     MessageType::kDescriptor, timeout_));
+  ASSIGN_OR_RETURN(handshake::EngineDescriptor d, handshake::DecodeDescriptor(reply.payload));
+  std::sort(d.regions.begin(), d.regions.end(),
+            [](const handshake::RegionDescriptor& a, const handshake::RegionDescriptor& b) {
+              return a.addr < b.addr;
+            });
+  return d;
+}
+
+absl::StatusOr<std::string> PeerClient::Connect(const std::string& peer,
+                                                const handshake::ConnectRequest& request) const {
+  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kConnect, handshake::Encode(request)},
+                                     MessageType::kConnectReply, timeout_));
+  ASSIGN_OR_RETURN(handshake::ConnectReply answer, handshake::DecodeConnectReply(reply.payload));
+  return std::move(answer.params);
+}
+
+absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer,
+                                           absl::Duration timeout) const {
+  ASSIGN_OR_RETURN(Frame reply,
+                   Call(peer,
+                        Frame{MessageType::kProbe,
+                              handshake::Encode(handshake::Probe{engine_id_, 0})},
+                        MessageType::kProbeReply, timeout));
+  ASSIGN_OR_RETURN(handshake::Probe answer, handshake::DecodeProbe(reply.payload));
+  return answer.engine_id;
+}
+
+absl::Status PeerClient::Notify(const std::string& peer, const std::string& message,
+                                uint64_t target) const {
+  if (message.size() > handshake::kMaxNotifyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("notification of ", message.size(),
+                                                   " bytes exceeds the limit of ",
+                                                   handshake::kMaxNotifyBytes));
+  }
+  return Call(peer,
+              Frame{MessageType::kNotify,
+                    handshake::Encode(handshake::Notify{engine_id_, message, target})},
+              MessageType::kNotifyAck, timeout_)
+      .status();
+}
+
+absl::StatusOr<handshake::Metadata> PeerClient::GetMetadata(const std::string& peer,
+                                                            const std::string& key) const {
+  absl::StatusOr<Frame> reply =
+      Call(peer,
+           Frame{MessageType::kGetMetadata, handshake::Encode(handshake::MetadataRequest{key})},
+           MessageType::kMetadata, timeout_);
+  if (!reply.ok()) return Annotate(reply.status(), absl::StrCat("metadata '", key, "' of ", peer));
+  return handshake::DecodeMetadata(reply->payload);
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry

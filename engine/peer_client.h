@@ -1,0 +1,52 @@
+// The engine's side of the peer protocol as typed calls: each sends one
+// request over the handshake network and checks the reply's type and
+// payload once, so callers see either a decoded answer or a Status that
+// names the peer.
+#ifndef KVFERRY_ENGINE_PEER_CLIENT_H_
+#define KVFERRY_ENGINE_PEER_CLIENT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "handshake/messages.h"
+#include "handshake/network.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+class PeerClient {
+ public:
+  // `network` outlives the client; `timeout` bounds each call but Probe.
+  PeerClient(handshake::Network* network, uint64_t engine_id, absl::Duration timeout)
+      : network_(network), engine_id_(engine_id), timeout_(timeout) {}
+
+  // The peer's descriptor, regions sorted by address.
+  absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer) const;
+  // Asks the peer to accept a link; returns its link parameters.
+  absl::StatusOr<std::string> Connect(const std::string& peer,
+                                      const handshake::ConnectRequest& request) const;
+  // The engine id that answers at `peer` within `timeout`.
+  absl::StatusOr<uint64_t> Probe(const std::string& peer, absl::Duration timeout) const;
+  // Delivers a notification, refused by any instance but `target` (0: any).
+  absl::Status Notify(const std::string& peer, const std::string& message,
+                      uint64_t target) const;
+  // A value the peer published, and the instance that answered.
+  absl::StatusOr<handshake::Metadata> GetMetadata(const std::string& peer,
+                                                  const std::string& key) const;
+
+ private:
+  // Sends `request` and checks the reply is of type `expected`.
+  absl::StatusOr<handshake::Frame> Call(const std::string& peer, handshake::Frame request,
+                                        handshake::MessageType expected,
+                                        absl::Duration timeout) const;
+  handshake::Network* const network_;
+  const uint64_t engine_id_;
+  const absl::Duration timeout_;
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_PEER_CLIENT_H_

@@ -1,0 +1,84 @@
+#include "engine/peer_service.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+using handshake::ErrorFrame;
+using handshake::Frame;
+using handshake::MessageType;
+
+handshake::EngineDescriptor PeerService::Describe() const {
+  const transport::EndpointDescription endpoint = transport_->LocalEndpoint();
+  handshake::EngineDescriptor d;
+  d.engine_id = engine_id_;
+  d.transport_kind = endpoint.kind;
+  d.nics = endpoint.nics;
+  d.regions = regions_->Advertised();
+  return d;
+}
+
+Frame PeerService::Connect(const Frame& request) {
+  absl::StatusOr<handshake::ConnectRequest> c = handshake::DecodeConnectRequest(request.payload);
+  if (!c.ok()) return ErrorFrame(c.status());
+  absl::StatusOr<transport::LinkOffer> offer =
+      transport_->AcceptLink(c->target_nic, c->requester_nic_info, c->params);
+  if (!offer.ok()) return ErrorFrame(offer.status());
+  return Frame{MessageType::kConnectReply,
+               handshake::Encode(handshake::ConnectReply{offer->params})};
+}
+
+Frame PeerService::Notify(const Frame& request) {
+  absl::StatusOr<handshake::Notify> n = handshake::DecodeNotify(request.payload);
+  if (!n.ok()) return ErrorFrame(n.status());
+  if (n->target_engine_id != 0 && n->target_engine_id != engine_id_) {
+    return ErrorFrame(absl::FailedPreconditionError(absl::StrFormat(
+        "notification meant for engine %#x, but this is engine %#x (the peer restarted; "
+        "what the notification is about went to its predecessor)",
+        n->target_engine_id, engine_id_)));
+  }
+  inbox_->Push(Notification{n->engine_id, std::move(n->payload)});
+  return Frame{MessageType::kNotifyAck, ""};
+}
+
+Frame PeerService::Handle(const Frame& request) {
+  switch (request.type) {
+    case MessageType::kDescribe:
+      return Frame{MessageType::kDescriptor, handshake::Encode(Describe())};
+    case MessageType::kConnect:
+      return Connect(request);
+    case MessageType::kNotify:
+      return Notify(request);
+    case MessageType::kProbe: {
+      absl::StatusOr<handshake::Probe> p = handshake::DecodeProbe(request.payload);
+      if (!p.ok()) return ErrorFrame(p.status());
+      return Frame{MessageType::kProbeReply,
+                   handshake::Encode(handshake::Probe{engine_id_, p->nonce})};
+    }
+    case MessageType::kGetMetadata: {
+      absl::StatusOr<handshake::MetadataRequest> m =
+          handshake::DecodeMetadataRequest(request.payload);
+      if (!m.ok()) return ErrorFrame(m.status());
+      absl::StatusOr<std::string> value = metadata_->Get(m->key);
+      if (!value.ok()) return ErrorFrame(value.status());
+      return Frame{MessageType::kMetadata,
+                   handshake::Encode(handshake::Metadata{m->key, std::move(*value), engine_id_})};
+    }
+    case MessageType::kChallenge:
+    case MessageType::kAuthenticated:
+      // Never downgrade: a peer with a secret must not talk to us without.
+      return ErrorFrame(absl::FailedPreconditionError(
+          "this engine has no handshake secret, and its peers must not use one"));
+    default:
+      return ErrorFrame(absl::InvalidArgumentError(absl::StrCat(
+          "unexpected ", handshake::MessageTypeName(request.type), " request")));
+  }
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry

@@ -1,0 +1,48 @@
+// The engine's side of the peer protocol that answers: describes this
+// engine, accepts links, takes notifications, answers probes and metadata
+// requests. Runs on the handshake server's threads; holds no state of its
+// own, only the units it answers from (which outlive it).
+#ifndef KVFERRY_ENGINE_PEER_SERVICE_H_
+#define KVFERRY_ENGINE_PEER_SERVICE_H_
+
+#include <cstdint>
+
+#include "engine/local_regions.h"
+#include "engine/notifications.h"
+#include "handshake/messages.h"
+#include "handshake/network.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+class PeerService {
+ public:
+  PeerService(uint64_t engine_id, transport::Transport* transport, const LocalRegions* regions,
+              Inbox* inbox, const MetadataStore* metadata)
+      : engine_id_(engine_id),
+        transport_(transport),
+        regions_(regions),
+        inbox_(inbox),
+        metadata_(metadata) {}
+
+  // This engine as peers see it: NICs and the regions they may use.
+  handshake::EngineDescriptor Describe() const;
+  // Answers one request (an error frame for anything malformed).
+  handshake::Frame Handle(const handshake::Frame& request);
+
+ private:
+  handshake::Frame Connect(const handshake::Frame& request);
+  handshake::Frame Notify(const handshake::Frame& request);
+
+  const uint64_t engine_id_;
+  transport::Transport* const transport_;
+  const LocalRegions* const regions_;
+  Inbox* const inbox_;
+  const MetadataStore* const metadata_;
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_PEER_SERVICE_H_

@@ -1,0 +1,76 @@
+#include "engine/segment_table.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "transport/checks.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+const handshake::RegionDescriptor* Segment::FindRemote(uint64_t addr) const {
+  const auto& regions = descriptor.regions;
+  auto it = std::upper_bound(
+      regions.begin(), regions.end(), addr,
+      [](uint64_t a, const handshake::RegionDescriptor& r) { return a < r.addr; });
+  if (it == regions.begin()) return nullptr;
+  --it;
+  return addr - it->addr < it->length ? &*it : nullptr;
+}
+
+SliceCheck CheckRemote(const Segment& seg, uint64_t remote, uint64_t length, bool write,
+                       absl::Status* error) {
+  const handshake::RegionDescriptor* found = seg.FindRemote(remote);
+  if (found == nullptr || !transport::RangeInside(remote, length, found->addr, found->length)) {
+    *error = absl::InvalidArgumentError(absl::StrFormat(
+        "peer %s has no registered region covering [%#x, +%u) (it advertises %u region(s))",
+        seg.peer, remote, length, seg.descriptor.regions.size()));
+    return SliceCheck::kOutsideRegions;
+  }
+  if (write ? !transport::AllowsRemoteWrite(found->access)
+            : !transport::AllowsRemoteRead(found->access)) {
+    *error = absl::PermissionDeniedError(absl::StrFormat("peer %s does not allow remote %s of [%#x, +%u)",
+                                                         seg.peer, write ? "write" : "read",
+                                                         remote, length));
+    return SliceCheck::kForbidden;
+  }
+  if (seg.links.empty()) {
+    *error = absl::UnavailableError(absl::StrCat("no links to ", seg.peer));
+    return SliceCheck::kNoLinks;
+  }
+  return SliceCheck::kOk;
+}
+
+Segment* SegmentTable::Find(SegmentId id) {
+  auto it = segments_.find(id);
+  return it == segments_.end() ? nullptr : &it->second;
+}
+
+const Segment* SegmentTable::Find(SegmentId id) const {
+  auto it = segments_.find(id);
+  return it == segments_.end() ? nullptr : &it->second;
+}
+
+SegmentId SegmentTable::ByPeer(const std::string& peer) const {
+  auto it = by_peer_.find(peer);
+  return it == by_peer_.end() ? 0 : it->second;
+}
+
+SegmentId SegmentTable::Add(Segment segment) {
+  const SegmentId id = ++last_;
+  by_peer_[segment.peer] = id;
+  segments_.emplace(id, std::move(segment));
+  return id;
+}
+
+void SegmentTable::Remove(SegmentId id) {
+  auto it = segments_.find(id);
+  if (it == segments_.end()) return;
+  by_peer_.erase(it->second.peer);
+  segments_.erase(it);
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry

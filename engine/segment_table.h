@@ -1,0 +1,80 @@
+// Peers this engine talks to: one segment per peer "host:port", holding the
+// peer instance's descriptor (regions, NICs), the links to it and the slices
+// waiting for room on them. A plain container: the batch pipeline's lock
+// guards it (see batch_pipeline.h).
+#ifndef KVFERRY_ENGINE_SEGMENT_TABLE_H_
+#define KVFERRY_ENGINE_SEGMENT_TABLE_H_
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "engine/link_set.h"
+#include "engine/metrics.h"
+#include "engine/transfer_engine.h"
+#include "handshake/messages.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+enum class SegmentState {
+  kReady,       // descriptor and links usable
+  kStale,       // must be refreshed (handshake again) before new slices
+  kRefreshing,  // one thread is refreshing; others wait for it
+};
+
+struct Segment {
+  std::string peer;
+  handshake::EngineDescriptor descriptor;  // regions sorted by address
+  std::vector<Link> links;
+  SegmentState state = SegmentState::kReady;
+  uint64_t generation = 0;  // bumped by every refresh
+  bool probing = false;     // a liveness probe is out
+  // Set when the peer did not answer a probe: slices of this generation
+  // fail with it instead of being retried.
+  absl::Status dead;
+  // Slices waiting for room on a link, in submission order.
+  std::deque<uint64_t> backlog;
+  uint64_t slices = 0;  // slices of this segment not yet finished
+  absl::Time last_used;
+  PeerMetrics metrics;
+
+  // The peer region containing `addr`, if any.
+  const handshake::RegionDescriptor* FindRemote(uint64_t addr) const;
+};
+
+// Why a slice cannot go to a segment.
+enum class SliceCheck { kOk, kOutsideRegions, kForbidden, kNoLinks };
+
+// Checks [remote, +length) against the segment's advertised regions for
+// `write` (or read); `error` gets the message when not kOk.
+SliceCheck CheckRemote(const Segment& seg, uint64_t remote, uint64_t length, bool write,
+                       absl::Status* error);
+
+class SegmentTable {
+ public:
+  Segment* Find(SegmentId id);
+  const Segment* Find(SegmentId id) const;
+  // The segment of `peer` ("host:port" as ParseHostPort prints it), or 0.
+  SegmentId ByPeer(const std::string& peer) const;
+  SegmentId Add(Segment segment);
+  void Remove(SegmentId id);
+  template <typename F>
+  void ForEach(F f) {
+    for (auto& [id, seg] : segments_) f(id, seg);
+  }
+
+ private:
+  absl::flat_hash_map<std::string, SegmentId> by_peer_;
+  absl::flat_hash_map<SegmentId, Segment> segments_;
+  SegmentId last_ = 0;
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_SEGMENT_TABLE_H_

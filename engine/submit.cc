@@ -1,0 +1,284 @@
+// BatchPipeline: planning a batch into slices and posting them on links.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/scratch.h"
+#include "base/status_macros.h"
+#include "engine/batch_pipeline.h"
+#include "engine/retry_policy.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+using transport::Opcode;
+using transport::WorkRequest;
+
+// Cuts every request into slices that never cross the end of a peer region
+// and checks them all; `why` says what was wrong.
+absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
+                                       absl::Span<const TransferRequest> requests,
+                                       absl::Span<const LocalUse> local,
+                                       std::vector<Slice>* planned, SliceCheck* why) const {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const TransferRequest& r = requests[i];
+    for (uint64_t off = 0; off < r.length;) {
+      uint64_t len = std::min<uint64_t>(config_.slice_bytes, r.length - off);
+      if (const handshake::RegionDescriptor* reg = seg.FindRemote(r.remote + off)) {
+        len = std::min<uint64_t>(len, reg->addr + reg->length - (r.remote + off));
+      }
+      absl::Status bad;
+      *why = CheckRemote(seg, r.remote + off, len, r.opcode == Opcode::kWrite, &bad);
+      if (*why != SliceCheck::kOk) return Annotate(bad, absl::StrCat("request ", i));
+      Slice s;
+      s.request = i;
+      s.segment = id;
+      s.opcode = r.opcode;
+      s.local = static_cast<char*>(r.local) + off;
+      s.local_use = local[i];
+      s.remote = r.remote + off;
+      s.length = len;
+      s.retries_left = config_.retries;
+      planned->push_back(s);
+      off += len;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BatchId> BatchPipeline::CreateBatch(SegmentId id, Segment& seg,
+                                                   absl::Span<const TransferRequest> requests,
+                                                   uint64_t peer_engine_id,
+                                                   std::vector<Slice>& planned,
+                                                   std::vector<uint64_t>* slice_ids,
+                                                   absl::Time now) {
+  if (peer_engine_id != 0 && peer_engine_id != seg.descriptor.engine_id) {
+    return absl::UnavailableError(absl::StrCat(
+        "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
+  }
+  Batch* b;
+  const BatchId batch_id = batches_.Create(&b);
+  b->segment = id;
+  b->peer_engine_id = seg.descriptor.engine_id;
+  b->bound = peer_engine_id != 0;
+  b->slices_left.assign(requests.size(), 0);
+  b->submitted = now;
+  for (const TransferRequest& r : requests) {
+    b->op.push_back(r.opcode);
+    b->length.push_back(r.length);
+  }
+  b->status.assign(requests.size(), absl::OkStatus());
+  b->pending = requests.size();
+  seg.metrics.requests += requests.size();
+  seg.slices += planned.size();
+  seg.last_used = now;
+  for (Slice& s : planned) {
+    s.batch = batch_id;
+    ++b->slices_left[s.request];
+    slice_ids->push_back(batches_.AddSlice(s));
+  }
+  return batch_id;
+}
+
+absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
+                                              absl::Span<const TransferRequest> requests,
+                                              uint64_t peer_engine_id) {
+  // Local buffers first, under the regions' own lock.
+  Scratch<LocalUse> local_scratch;
+  std::vector<LocalUse>& local = *local_scratch;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    absl::StatusOr<LocalUse> use = regions_->Find(requests[i].local, requests[i].length);
+    if (!use.ok()) return Annotate(use.status(), absl::StrCat("request ", i));
+    local.push_back(*use);
+  }
+  Scratch<uint64_t> ids_scratch;
+  std::vector<uint64_t>& slice_ids = *ids_scratch;
+  Scratch<Slice> planned_scratch;
+  std::vector<Slice>& planned = *planned_scratch;
+  absl::StatusOr<BatchId> batch;
+  absl::Time now;
+  for (int attempt = 0;; ++attempt) {
+    bool refresh = false;
+    {
+      MutexLock lock(&mu_);
+      Segment* seg = segments_.Find(id);
+      if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+      refresh = seg->state != SegmentState::kReady;
+      SliceCheck why = SliceCheck::kOk;
+      planned.clear();
+      absl::Status bad =
+          refresh ? absl::OkStatus() : PlanSlices(*seg, id, requests, local, &planned, &why);
+      // A request outside the cached descriptor: the peer may have
+      // registered more memory since; look once more before refusing.
+      if (why == SliceCheck::kOutsideRegions && attempt == 0) {
+        refresh = true;
+      } else if (!bad.ok()) {
+        return bad;
+      } else if (!refresh) {
+        now = clock_->Now();
+        batch = CreateBatch(id, *seg, requests, peer_engine_id, planned, &slice_ids, now);
+        if (!batch.ok()) return batch.status();
+        break;
+      }
+    }
+    bool changed;
+    RETURN_IF_ERROR(Refresh(id, &changed));
+  }
+  absl::Status posted = PostSlices(id, slice_ids, now);
+  if (!posted.ok()) {
+    MutexLock lock(&mu_);
+    batches_.Recycle(*batch);  // nothing of it runs; the caller gets no id
+    return posted;
+  }
+  return batch;
+}
+
+bool BatchPipeline::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl::Time now) {
+  Link* best = ChooseLink(seg.links, slice.local_use.near, link_capacity_);
+  if (best == nullptr) return false;
+  if (best->inflight++ == 0) best->progress = now;
+  if (best->local_nic < nic_counters_.size()) {
+    ++nic_counters_[best->local_nic].slices;
+    nic_counters_[best->local_nic].bytes += slice.length;
+  }
+  ++seg.metrics.slices;
+  const handshake::RegionDescriptor& r = *seg.FindRemote(slice.remote);
+  slice.generation = seg.generation;
+  slice.link = best->id;
+  slice.nic = best->local_nic;
+  wr->opcode = slice.opcode;
+  wr->link = best->id;
+  wr->local_region = slice.local_use.region;
+  wr->local_addr = slice.local;
+  wr->length = slice.length;
+  wr->remote_addr = slice.remote;
+  wr->remote_key = r.keys[best->remote_nic];
+  return true;
+}
+
+void BatchPipeline::Unassign(const Slice& slice, absl::Time now) {
+  Segment* seg = segments_.Find(slice.segment);
+  if (seg == nullptr) return;
+  for (Link& l : seg->links) {
+    if (l.id == slice.link && l.inflight > 0) {  // links of older generations are gone
+      --l.inflight;
+      l.progress = now;
+    }
+  }
+}
+
+// Under the lock: fails slices bound to a restarted peer, checks the rest
+// against the descriptor and assigns links (or the backlog). False when the
+// segment has no usable link; `bad` gets a check's error.
+bool BatchPipeline::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
+                              std::vector<WorkRequest>* wrs, absl::Status* bad) {
+  MutexLock lock(&mu_);
+  Segment& seg = *segments_.Find(id);  // a segment with slices is never removed
+  bool usable = false;
+  for (const Link& l : seg.links) usable = usable || !l.failed;
+  // With every link failed, slices would wait for room that never comes.
+  if (!usable) return false;
+  for (uint64_t sid : ids) {
+    Slice* s = batches_.FindSlice(sid);
+    if (s == nullptr) continue;
+    Batch* b = batches_.Find(s->batch);
+    if (b != nullptr && b->peer_engine_id != seg.descriptor.engine_id) {
+      if (b->bound || b->landed > 0) {
+        FinishSlice(sid, absl::UnavailableError(absl::StrCat(
+                             "peer ", seg.peer, " restarted during the batch; ",
+                             b->landed > 0 ? "part of it went to the previous instance"
+                                           : "its addresses belong to the previous instance")),
+                    now);
+        continue;
+      }
+      b->peer_engine_id = seg.descriptor.engine_id;  // nothing landed: move it whole
+    }
+    if (CheckRemote(seg, s->remote, s->length, s->opcode == Opcode::kWrite, bad) !=
+        SliceCheck::kOk) {
+      break;
+    }
+    WorkRequest wr;
+    if (!AssignLink(seg, *s, &wr, now)) {
+      seg.backlog.push_back(sid);  // posted when a link has room
+      maybe_backlog_.store(true, std::memory_order_release);
+      continue;
+    }
+    wr.cookie = sid;
+    wrs->push_back(wr);
+  }
+  if (!bad->ok()) {
+    for (const WorkRequest& wr : *wrs) Unassign(*batches_.FindSlice(wr.cookie), now);
+  }
+  return true;
+}
+
+void BatchPipeline::FailAll(absl::Span<const uint64_t> ids, const absl::Status& status,
+                            bool after_retry) {
+  MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  for (uint64_t sid : ids) {
+    Slice* s = batches_.FindSlice(sid);
+    if (s == nullptr) continue;
+    FinishSlice(sid, after_retry ? RetryImpossible(status, s->last_error) : status, now);
+  }
+}
+
+absl::Status BatchPipeline::PostSlices(SegmentId id, absl::Span<const uint64_t> ids,
+                                       absl::Time now) {
+  bool rebuilt = false;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt > 0) now = clock_->Now();
+    Scratch<WorkRequest> wrs_scratch;
+    std::vector<WorkRequest>& wrs = *wrs_scratch;
+    absl::Status bad;
+    if (!AssignAll(id, ids, now, &wrs, &bad)) {
+      // Every link failed: rebuild them once (a dead peer fails the slices).
+      bool changed;
+      absl::Status refreshed =
+          rebuilt ? absl::UnavailableError("every link to the peer failed, also after a rebuild")
+                  : Refresh(id, &changed);
+      rebuilt = true;
+      if (refreshed.ok()) {
+        --attempt;  // rebuilding is not a failed attempt
+        continue;
+      }
+      FailAll(ids, refreshed, /*after_retry=*/true);
+      return refreshed;
+    }
+    absl::Status posted = bad.ok() ? transport_->Post(wrs) : bad;
+    if (posted.ok()) return absl::OkStatus();
+    {
+      MutexLock lock(&mu_);
+      for (const WorkRequest& wr : wrs) Unassign(*batches_.FindSlice(wr.cookie), now);
+    }
+    // A link that failed since the last use: rebuild the links and retry.
+    if (attempt == 0 && posted.code() == absl::StatusCode::kFailedPrecondition) {
+      bool changed;
+      absl::Status refreshed = Refresh(id, &changed);
+      if (refreshed.ok()) continue;
+      posted = refreshed;  // the peer is gone: say so, not "link in error"
+    }
+    FailAll(ids, posted, /*after_retry=*/false);
+    return posted;
+  }
+  return absl::InternalError("unreachable");
+}
+
+void BatchPipeline::DrainBacklogs() {
+  // Cleared before looking, so a slice that goes to a backlog meanwhile
+  // (or is put back below) sets it again for the next drain.
+  if (!maybe_backlog_.exchange(false, std::memory_order_acquire)) return;
+  std::vector<std::pair<SegmentId, std::vector<uint64_t>>> work;
+  {
+    MutexLock lock(&mu_);
+    segments_.ForEach([&](SegmentId id, Segment& seg) {
+      if (seg.backlog.empty()) return;
+      work.emplace_back(id, std::vector<uint64_t>(seg.backlog.begin(), seg.backlog.end()));
+      seg.backlog.clear();
+    });
+  }
+  for (auto& [id, ids] : work) (void)PostSlices(id, ids, clock_->Now());
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry
