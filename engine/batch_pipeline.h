@@ -108,6 +108,9 @@ class BatchPipeline {
   // One completion; the slice goes to `refresh` or `repost`, or finishes.
   void Deliver(transport::Completion& done, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues a failed slice for RefreshAndRepost.
+  void QueueRetry(SegmentId segment, uint64_t generation, bool refresh, uint64_t slice)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshAndRepost();
   void FinishSlice(uint64_t slice_id, absl::Status status, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -58,12 +58,8 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
   }
   Segment& seg = *segments_.Find(s->segment);
   s->last_error = done.status;
-  auto retry = [&](bool refresh) {
-    auto it = std::find_if(retry_.begin(), retry_.end(), [&](const Retry& r) {
-      return r.segment == s->segment && r.refresh == refresh;
-    });
-    if (it == retry_.end()) it = retry_.insert(retry_.end(), Retry{s->segment, seg.generation, refresh, {}});
-    it->slices.push_back(done.cookie);
+  auto retry = [&](bool refresh) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    QueueRetry(s->segment, seg.generation, refresh, done.cookie);
   };
   if (s->generation < seg.generation) return retry(false);  // its links were replaced
   if (!seg.dead.ok()) return FinishSlice(done.cookie, seg.dead, now);  // no probe answer
@@ -86,6 +82,15 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
   }
   seg.state = seg.state == SegmentState::kRefreshing ? seg.state : SegmentState::kStale;
   retry(true);
+}
+
+void BatchPipeline::QueueRetry(SegmentId segment, uint64_t generation, bool refresh,
+                               uint64_t slice) {
+  auto it = std::find_if(retry_.begin(), retry_.end(), [&](const Retry& r) {
+    return r.segment == segment && r.refresh == refresh;
+  });
+  if (it == retry_.end()) it = retry_.insert(retry_.end(), Retry{segment, generation, refresh, {}});
+  it->slices.push_back(slice);
 }
 
 void BatchPipeline::RefreshAndRepost() {
