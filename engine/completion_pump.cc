@@ -53,9 +53,13 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
     bool claimed = false;
     {
       MutexLock lock(&mu_);
-      if (!driving_) {
+      if (epoch_ != seen) {
+        // Something finished (or a driver left) since ready() looked: look
+        // again before driving, or the new driver would wait in the
+        // transport for completions that were already delivered.
+      } else if (!driving_) {
         driving_ = claimed = true;
-      } else if (epoch_ == seen) {
+      } else {
         // Real time: another thread drives, and only real threads sleep.
         cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
           return epoch_ != seen;
