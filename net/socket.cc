@@ -150,7 +150,13 @@ absl::StatusOr<ListeningSocket> ListenOn(SocketAddress addr, int backlog,
   const int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (addr.family() == AF_INET6) {
-    ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+    // "::" means every interface, IPv4 included (dual stack); a specific
+    // IPv6 address takes IPv6 only.
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(&addr.storage)->sin6_addr;
+    const int v6only = IN6_IS_ADDR_UNSPECIFIED(&a) ? 0 : 1;
+    if (::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &v6only, sizeof v6only) != 0) {
+      return LastErrnoError("setsockopt IPV6_V6ONLY");
+    }
   }
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr.storage), addr.length) != 0 ||
       ::listen(fd.get(), backlog) != 0) {

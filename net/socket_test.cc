@@ -40,6 +40,18 @@ TEST(ParseHostPort, RejectsWithAClearMessage) {
   }
 }
 
+// "::" binds every interface, IPv4 included (not IPv6 only).
+TEST(Listen, UnspecifiedIpv6AddressAlsoTakesIpv4) {
+  auto any = Listen("::", 0, {15000, 17000});
+  if (!any.ok()) GTEST_SKIP() << "no IPv6 on this host: " << any.status();
+  const uint16_t port = any->address.port();
+  for (const std::string host : {"127.0.0.1", "::1"}) {
+    auto c = Connect(HostPort{host, port}, absl::Seconds(2));
+    EXPECT_TRUE(c.ok()) << host << ": " << c.status();
+    if (c.ok()) EXPECT_TRUE(Accept(any->fd.get(), absl::Seconds(2)).ok()) << host;
+  }
+}
+
 TEST(Listen, HundredListenersInOneProcessGetDistinctPorts) {
   std::vector<ListeningSocket> sockets;
   std::set<uint16_t> ports;
