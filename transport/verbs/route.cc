@@ -137,6 +137,17 @@ std::string Ipv4OfGid(const std::string& gid) {
   return absl::StrCat(hi >> 8, ".", hi & 0xff, ".", lo >> 8, ".", lo & 0xff);
 }
 
+const absl::StatusOr<uint32_t>* RouteCache::Find(const std::string& ip, absl::Time now) const {
+  auto it = entries_.find(ip);
+  if (it == entries_.end() || now >= it->second.expires) return nullptr;
+  return &it->second.answer;
+}
+
+void RouteCache::Put(const std::string& ip, absl::StatusOr<uint32_t> answer, absl::Time now) {
+  const absl::Time expires = now + (answer.ok() ? kRouteTtl : kRouteFailureTtl);
+  entries_[ip] = Entry{std::move(answer), expires};
+}
+
 }  // namespace verbs
 }  // namespace transport
 }  // namespace kvferry

@@ -9,6 +9,8 @@
 #ifndef KVFERRY_TRANSPORT_VERBS_ROUTE_H_
 #define KVFERRY_TRANSPORT_VERBS_ROUTE_H_
 
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,26 @@ absl::StatusOr<size_t> PortForRoute(const Route& route, const std::vector<Select
 // The IPv4 address inside an IPv4-mapped GID written as 8 groups of 4 hex
 // digits ("0000:...:ffff:0a00:0a01" -> "10.0.10.1"); "" for any other GID.
 std::string Ipv4OfGid(const std::string& gid);
+
+// Route answers per peer IP, so that rdma_cm is asked once per peer, not
+// per link. An answer expires: a route found after kRouteTtl (routes
+// change), a failure after kRouteFailureTtl (rdma_ucm loaded later, an IP
+// added to the netdev, a peer subnet that came up). Not thread-safe.
+class RouteCache {
+ public:
+  static constexpr absl::Duration kRouteTtl = absl::Minutes(10);
+  static constexpr absl::Duration kRouteFailureTtl = absl::Seconds(30);
+  // The answer for `ip` still valid at `now`, or null.
+  const absl::StatusOr<uint32_t>* Find(const std::string& ip, absl::Time now) const;
+  void Put(const std::string& ip, absl::StatusOr<uint32_t> answer, absl::Time now);
+
+ private:
+  struct Entry {
+    absl::StatusOr<uint32_t> answer;
+    absl::Time expires;
+  };
+  std::map<std::string, Entry> entries_;
+};
 
 }  // namespace verbs
 }  // namespace transport

@@ -41,6 +41,25 @@ TEST(Route, PortForRoute) {
   EXPECT_NE(missing.status().message().find("mlx5_3:1"), std::string::npos);
 }
 
+TEST(RouteCache, FailuresExpireSoonerThanRoutes) {
+  RouteCache cache;
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  cache.Put("10.0.0.1", absl::UnavailableError("rdma_cm: no route"), t0);
+  cache.Put("10.0.0.2", uint32_t{1}, t0);
+  ASSERT_NE(cache.Find("10.0.0.1", t0), nullptr);
+  EXPECT_EQ(cache.Find("10.0.0.1", t0)->status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cache.Find("10.0.0.3", t0), nullptr);
+  // The failure is asked again after kRouteFailureTtl; the route stays.
+  const absl::Time later = t0 + RouteCache::kRouteFailureTtl;
+  EXPECT_EQ(cache.Find("10.0.0.1", later), nullptr);
+  ASSERT_NE(cache.Find("10.0.0.2", later), nullptr);
+  EXPECT_EQ(**cache.Find("10.0.0.2", later), 1u);
+  EXPECT_EQ(cache.Find("10.0.0.2", t0 + RouteCache::kRouteTtl), nullptr);
+  // A new answer replaces the expired one.
+  cache.Put("10.0.0.1", uint32_t{0}, later);
+  EXPECT_EQ(**cache.Find("10.0.0.1", later), 0u);
+}
+
 TEST(Route, MalformedAddressIsInvalidArgument) {
   EXPECT_EQ(ResolveRoute("10.0.0.300").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ResolveRoute("host.example").status().code(), absl::StatusCode::kInvalidArgument);

@@ -177,7 +177,7 @@ class VerbsTransport final : public Transport {
   CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
   // RouteTo's answers by peer address (resolving can take a while).
   Mutex route_mu_;
-  absl::flat_hash_map<std::string, absl::StatusOr<NicIndex>> routes_ ABSL_GUARDED_BY(route_mu_);
+  verbs::RouteCache routes_ ABSL_GUARDED_BY(route_mu_);
 };
 
 absl::Status VerbsTransport::OpenNic(Nic& nic) {
@@ -451,8 +451,8 @@ absl::StatusOr<NicIndex> VerbsTransport::RouteTo(const NicInfo& peer_nic) {
         absl::StrCat("peer GID ", gid, " carries no IPv4 address to route to"));
   }
   MutexLock lock(&route_mu_);  // one resolution per peer address at a time
-  auto cached = routes_.find(ip);
-  if (cached != routes_.end()) return cached->second;
+  const absl::Time now = FastNow();
+  if (const absl::StatusOr<uint32_t>* cached = routes_.Find(ip, now)) return *cached;
   absl::StatusOr<NicIndex> answer = [&]() -> absl::StatusOr<NicIndex> {
     ASSIGN_OR_RETURN(verbs::Route route, verbs::ResolveRoute(ip));
     std::vector<verbs::SelectedPort> ports;
@@ -466,7 +466,7 @@ absl::StatusOr<NicIndex> VerbsTransport::RouteTo(const NicInfo& peer_nic) {
     KVF_LOG(INFO) << "verbs: no route-aware pairing for " << ip << " (" << answer.status().message()
                   << "); pairing NICs in order";
   }
-  routes_.emplace(ip, answer);
+  routes_.Put(ip, answer, now);
   return answer;
 }
 
