@@ -145,6 +145,18 @@ TEST(Discovery, GidRankingAndOverrides) {
   EXPECT_NE(bad.status().message().find("rxe0:1"), std::string::npos);
 }
 
+TEST(Discovery, GidOnAnotherNetdevLosesToThePortsOwn) {
+  auto d = Discover(Fixture("foreign_netdev_gid"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_EQ(d->selected.size(), 1u);
+  EXPECT_EQ(d->selected[0].gid_index, 3u) << d->selected[0].why;  // not docker0's index 2
+  EXPECT_EQ(d->selected[0].netdev, "eth0");
+  EXPECT_EQ(d->selected[0].ipv4, "10.2.0.5");
+  const GidInfo& bridge = d->devices[0].ports[0].gids[2];
+  EXPECT_TRUE(bridge.foreign);
+  EXPECT_NE(bridge.why.find("not the port's own eth0"), std::string::npos) << bridge.why;
+}
+
 TEST(Discovery, HostWithoutRdmaFindsNothingAndIsFine) {
   DiscoveryOptions o;
   o.sysfs_root = std::string(std::getenv("TEST_TMPDIR")) + "/empty-sys";

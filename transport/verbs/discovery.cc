@@ -92,6 +92,11 @@ PortInfo ReadPort(const fs::path& dir, uint32_t port) {
   }
   std::sort(p.gids.begin(), p.gids.end(),
             [](const GidInfo& a, const GidInfo& b) { return a.index < b.index; });
+  const std::string own = p.gids.empty() ? "" : p.gids[0].netdev;
+  for (GidInfo& g : p.gids) {
+    g.foreign = !own.empty() && !g.netdev.empty() && g.netdev != own;
+    if (g.foreign) absl::StrAppend(&g.why, " on ", g.netdev, ", not the port's own ", own);
+  }
   return p;
 }
 
@@ -324,7 +329,11 @@ absl::StatusOr<Discovery> Discover(const DiscoveryOptions& options) {
         why = absl::StrCat("GID ", gid->index, " set by ", options.gid_index_source);
       } else {
         for (const GidInfo& g : p.gids) {
-          if (gid == nullptr || g.rank < gid->rank) gid = &g;  // lowest index wins ties
+          // Lower rank, then the port's own netdev, then the lowest index.
+          if (gid == nullptr || g.rank < gid->rank ||
+              (g.rank == gid->rank && gid->foreign && !g.foreign)) {
+            gid = &g;
+          }
         }
         why = absl::StrCat("GID ", gid->index, ": ", gid->why);
       }

@@ -33,6 +33,10 @@ struct GidInfo {
   std::string netdev;   // RoCE: the Ethernet device carrying it
   std::string ipv4;     // for IPv4-mapped GIDs: the address
   int rank = 0;         // lower is better; see RankGid
+  // On a netdev other than the port's own (the netdev of its lowest GID
+  // index, the default GID): a bridge or overlay address (docker0, ...).
+  // Among GIDs of equal rank these lose.
+  bool foreign = false;
   std::string why;      // the rank in words
 };
 
