@@ -51,6 +51,47 @@ absl::StatusOr<std::vector<NicIndex>> NearestNics(const transport::verbs::Discov
   return out;
 }
 
+// Runs RDMA discovery and picks rdma or tcp (options.transport is auto or
+// rdma), filling `out`.
+absl::Status DetectRdma(const EngineOptions& options, Decision* out) {
+  Detection& d = out->detection;
+  transport::verbs::DiscoveryOptions discovery;
+  discovery.devices = options.devices;
+  if (options.gid_index >= 0) {
+    discovery.gid_index = options.gid_index;
+    discovery.gid_index_source = "EngineOptions::gid_index";
+  }
+  transport::verbs::ApplyEnvironment(&discovery);
+  // An error here is e.g. a named device that does not exist.
+  ASSIGN_OR_RETURN(transport::verbs::Discovery found, transport::verbs::Discover(discovery));
+  for (const std::string& note : found.notes) KVF_LOG(INFO) << "rdma discovery: " << note;
+  out->ports = found.selected;
+  out->discovery = found;
+  if (!out->ports.empty()) {
+    const transport::verbs::SelectedPort& first = out->ports[0];
+    d.transport = "rdma";
+    std::vector<std::string> names;
+    for (const auto& p : out->ports) names.push_back(absl::StrCat(p.device, ":", p.port));
+    d.devices = absl::StrJoin(names, ",");
+    d.transport_reason = absl::StrCat(options.transport == "rdma" ? "set explicitly; " : "",
+                                      out->ports.size(), " active RDMA port(s); ", first.device,
+                                      ":", first.port, " ", first.why);
+    return absl::OkStatus();
+  }
+  if (options.transport == "rdma") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "transport=rdma but no usable RDMA port was found (",
+        found.devices.empty() ? "no RDMA devices" : absl::StrJoin(found.notes, "; "),
+        "); ./bazelw run //tools:devices explains"));
+  }
+  d.transport = "tcp";
+  d.transport_reason =
+      found.devices.empty()
+          ? "no RDMA devices on this host"
+          : absl::StrCat("no usable RDMA port (", absl::StrJoin(found.notes, "; "), ")");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Decision> Detect(const EngineOptions& options) {
   Decision out;
   Detection& d = out.detection;
@@ -63,48 +104,14 @@ absl::StatusOr<Decision> Detect(const EngineOptions& options) {
     return absl::InvalidArgumentError(
         "transport=sim needs a simulated fabric: build the engine with CreateWith");
   }
-  std::string rdma_netdev;
   if (options.transport != "tcp") {
-    transport::verbs::DiscoveryOptions discovery;
-    discovery.devices = options.devices;
-    if (options.gid_index >= 0) {
-      discovery.gid_index = options.gid_index;
-      discovery.gid_index_source = "EngineOptions::gid_index";
-    }
-    transport::verbs::ApplyEnvironment(&discovery);
-    absl::StatusOr<transport::verbs::Discovery> found = transport::verbs::Discover(discovery);
-    if (!found.ok()) return found.status();  // e.g. a named device that does not exist
-    for (const std::string& note : found->notes) KVF_LOG(INFO) << "rdma discovery: " << note;
-    out.ports = found->selected;
-    out.discovery = *found;
-    if (!out.ports.empty()) {
-      d.transport = "rdma";
-      std::vector<std::string> names;
-      for (const auto& p : out.ports) names.push_back(absl::StrCat(p.device, ":", p.port));
-      d.devices = absl::StrJoin(names, ",");
-      d.transport_reason = absl::StrCat(options.transport == "rdma" ? "set explicitly; " : "",
-                                        out.ports.size(), " active RDMA port(s); ",
-                                        out.ports[0].device, ":", out.ports[0].port, " ",
-                                        out.ports[0].why);
-      rdma_netdev = out.ports[0].netdev;
-    } else if (options.transport == "rdma") {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "transport=rdma but no usable RDMA port was found (",
-          found->devices.empty() ? "no RDMA devices"
-                                 : absl::StrJoin(found->notes, "; "),
-          "); ./bazelw run //tools:devices explains"));
-    } else {
-      d.transport = "tcp";
-      d.transport_reason = found->devices.empty()
-                               ? "no RDMA devices on this host"
-                               : absl::StrCat("no usable RDMA port (",
-                                              absl::StrJoin(found->notes, "; "), ")");
-    }
+    RETURN_IF_ERROR(DetectRdma(options, &out));
   } else {
     d.transport = "tcp";
     d.transport_reason = "set explicitly";
   }
   if (d.devices.empty()) d.devices = "none (TCP)";
+  const std::string rdma_netdev = out.ports.empty() ? "" : out.ports[0].netdev;
   absl::StatusOr<std::vector<net::InterfaceAddress>> addresses = net::ListInterfaceAddresses();
   const net::HostChoice host = net::ChooseLocalHost(
       options.local_host, rdma_netdev,

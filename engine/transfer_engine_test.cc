@@ -560,6 +560,18 @@ TEST(TransferEngine, MoreSlicesThanLinksCanHoldWaitTheirTurn) {
   EXPECT_EQ(src, dst);
 }
 
+// Writes [off, +4096) of src to the same offset of dst at the peer and
+// waits for it.
+void WriteAndWait(TransferEngine& e, SegmentId seg, std::vector<char>& src,
+                  const std::vector<char>& dst, size_t off) {
+  TransferRequest r{Opcode::kWrite, src.data() + off, Addr(dst, off), 4096};
+  auto batch = e.Submit(seg, {&r, 1});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto status = e.Wait(*batch, absl::Seconds(10));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(status->ok());
+}
+
 TEST(TransferEngine, ClosedSegmentIsForgottenAndReopensAnew) {
   auto a = MakeEngine();
   auto b = MakeEngine();
@@ -569,21 +581,16 @@ TEST(TransferEngine, ClosedSegmentIsForgottenAndReopensAnew) {
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
   auto seg = a->OpenSegment(b->address());
   ASSERT_TRUE(seg.ok());
-  TransferRequest r{Opcode::kWrite, src.data(), Addr(dst), 4096};
-  auto batch = a->Submit(*seg, {&r, 1});
-  ASSERT_TRUE(batch.ok());
-  ASSERT_TRUE(a->Wait(*batch, absl::Seconds(10))->ok());
+  WriteAndWait(*a, *seg, src, dst, 0);
   ASSERT_TRUE(a->CloseSegment(*seg).ok());
+  TransferRequest r{Opcode::kWrite, src.data(), Addr(dst), 4096};
   EXPECT_EQ(a->Submit(*seg, {&r, 1}).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(a->CloseSegment(*seg).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(a->SegmentRegions(*seg).status().code(), absl::StatusCode::kNotFound);
   auto again = a->OpenSegment(b->address());
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_NE(*again, *seg);
-  TransferRequest r2{Opcode::kWrite, src.data() + 4096, Addr(dst, 4096), 4096};
-  batch = a->Submit(*again, {&r2, 1});
-  ASSERT_TRUE(batch.ok()) << batch.status();
-  ASSERT_TRUE(a->Wait(*batch, absl::Seconds(10))->ok());
+  WriteAndWait(*a, *again, src, dst, 4096);
   EXPECT_EQ(src, dst);
 }
 
@@ -599,18 +606,12 @@ TEST(TransferEngine, IdleSegmentLosesItsLinksAndReconnectsOnUse) {
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
   auto seg = a->OpenSegment(b->address());
   ASSERT_TRUE(seg.ok());
-  TransferRequest r{Opcode::kWrite, src.data(), Addr(dst), 4096};
-  auto batch = a->Submit(*seg, {&r, 1});
-  ASSERT_TRUE(batch.ok());
-  ASSERT_TRUE(a->Wait(*batch, absl::Seconds(10))->ok());
+  WriteAndWait(*a, *seg, src, dst, 0);
   EXPECT_EQ(a->GetCounters().reconnects, 0u);
   absl::SleepFor(absl::Milliseconds(50));
   // Opening another segment looks for idle ones: b's links are closed.
   ASSERT_TRUE(a->OpenSegment(c->address()).ok());
-  TransferRequest r2{Opcode::kWrite, src.data() + 4096, Addr(dst, 4096), 4096};
-  batch = a->Submit(*seg, {&r2, 1});  // the same handle handshakes again
-  ASSERT_TRUE(batch.ok()) << batch.status();
-  ASSERT_TRUE(a->Wait(*batch, absl::Seconds(10))->ok());
+  WriteAndWait(*a, *seg, src, dst, 4096);  // the same handle handshakes again
   EXPECT_EQ(a->GetCounters().reconnects, 1u);
   EXPECT_EQ(src, dst);
   o.idle_segment_timeout = absl::ZeroDuration();
