@@ -282,19 +282,31 @@ void BM_EngineTcpWrite(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(state.iterations()) * block * kDepth);
 }
 
+// The same bytes over as many raw connections as the engine has links to
+// the peer (EngineOptions::links_per_peer), each batch split between them.
 void BM_RawSocketPump(benchmark::State& state) {
   const uint64_t block = state.range(0);
-  auto fd = bench::RawConnect(peer->sink);
-  if (!fd.ok()) {
-    state.SkipWithError("cannot reach the sink");
-    return;
+  const uint32_t links = EngineOptions().links_per_peer;
+  std::vector<net::Fd> fds;
+  for (uint32_t i = 0; i < links; ++i) {
+    auto fd = bench::RawConnect(peer->sink);
+    if (!fd.ok()) {
+      state.SkipWithError("cannot reach the sink");
+      return;
+    }
+    fds.push_back(std::move(*fd));
   }
   std::vector<char> src(block * kDepth, 'x');
+  auto part = [&](uint32_t i) { return kDepth / links + (i < kDepth % links ? 1 : 0); };
   for (auto _ : state) {
-    if (!bench::RawSend(fd->get(), src.data(), kDepth, block).ok() ||
-        !bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok()) {
-      state.SkipWithError("raw pump failed");
+    bool ok = true;
+    for (uint32_t i = 0, sent = 0; ok && i < links; sent += part(i), ++i) {
+      ok = part(i) == 0 || bench::RawSend(fds[i].get(), src.data() + sent * block, part(i), block).ok();
     }
+    for (uint32_t i = 0; ok && i < links; ++i) {
+      ok = part(i) == 0 || bench::RawAwaitAck(fds[i].get(), absl::InfiniteFuture()).ok();
+    }
+    if (!ok) state.SkipWithError("raw pump failed");
   }
   state.SetBytesProcessed(int64_t(state.iterations()) * block * kDepth);
 }

@@ -32,7 +32,8 @@
 //
 // References (--reference): `memcpy` of the same bytes (the in-process path:
 // two TCP-transport engines in one process copy without sockets), `socket`
-// (a raw TCP stream to the target's sink, between the same processes), or
+// (a raw TCP stream to the target's sink, between the same processes, over
+// as many connections as the engine has links), or
 // `none`. `auto`: memcpy for loopback over TCP, socket for an initiator
 // over TCP, none over RDMA (tools/softroce/bench.sh runs perftest and UCX
 // beside it on the same device). Ratios are engine / reference.
@@ -82,6 +83,9 @@ ABSL_FLAG(uint32_t, port, 0, "target: handshake port (0: first free from 15000)"
 ABSL_FLAG(uint64_t, block, 64 << 10, "bytes per request");
 ABSL_FLAG(uint32_t, batch, 64, "bw mode: requests per batch (two batches in flight per thread)");
 ABSL_FLAG(uint32_t, threads, 1, "bw mode: submitting threads");
+ABSL_FLAG(uint32_t, links, 2,
+          "links the engine opens to the peer (EngineOptions::links_per_peer); the socket "
+          "reference opens as many connections (or one per thread, if more)");
 ABSL_FLAG(double, duration, 0, "seconds to run each measure (0: --bytes or --iters)");
 ABSL_FLAG(uint64_t, bytes, 0, "bw mode: bytes to move (0: --iters)");
 ABSL_FLAG(uint64_t, iters, 2000, "requests (bw) or round trips (lat) measured");
@@ -308,31 +312,60 @@ class MemcpyMover : public Mover {
   const uint64_t block_;
 };
 
-// The TCP reference: a raw stream of the same bytes to the sink, one
-// connection per thread; the sink answers one byte per batch.
+// The TCP reference: a raw stream of the same bytes to the sink over as
+// many connections as the engine has links (--links), or one per thread if
+// there are more threads. Thread t owns connections t, t + threads, ... and
+// spreads each batch over them in contiguous parts; the sink answers one
+// byte per part.
 class SocketMover : public Mover {
  public:
   static absl::StatusOr<std::unique_ptr<SocketMover>> Connect(const std::string& sink, char* src,
                                                               int threads, uint32_t batch,
-                                                              uint64_t block) {
-    auto m = std::unique_ptr<SocketMover>(new SocketMover(src, batch, block));
-    for (int t = 0; t < threads; ++t) {
+                                                              uint64_t block, int links) {
+    auto m = std::unique_ptr<SocketMover>(new SocketMover(src, threads, batch, block));
+    const int conns = std::max(threads, links);
+    for (int c = 0; c < conns; ++c) {
       ASSIGN_OR_RETURN(net::Fd fd, bench::RawConnect(sink));
       m->fds_.push_back(std::move(fd));
     }
     return m;
   }
   absl::Status Start(int tid, int half) override {
-    return bench::RawSend(fds_[tid].get(), src_ + uint64_t(2 * tid + half) * batch_ * block_,
-                          batch_, block_);
+    const char* base = src_ + uint64_t(2 * tid + half) * batch_ * block_;
+    const std::vector<int> mine = Mine(tid);
+    uint32_t sent = 0;
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const uint32_t count = Part(k, mine.size());
+      if (count == 0) continue;
+      RETURN_IF_ERROR(bench::RawSend(fds_[mine[k]].get(), base + sent * block_, count, block_));
+      sent += count;
+    }
+    return absl::OkStatus();
   }
   absl::Status Finish(int tid, int) override {
-    return bench::RawAwaitAck(fds_[tid].get(), absl::Now() + absl::Seconds(60));
+    const std::vector<int> mine = Mine(tid);
+    for (size_t k = 0; k < mine.size(); ++k) {
+      if (Part(k, mine.size()) == 0) continue;
+      RETURN_IF_ERROR(bench::RawAwaitAck(fds_[mine[k]].get(), absl::Now() + absl::Seconds(60)));
+    }
+    return absl::OkStatus();
   }
+  size_t connections() const { return fds_.size(); }
 
  private:
-  SocketMover(char* src, uint32_t batch, uint64_t block) : src_(src), batch_(batch), block_(block) {}
+  SocketMover(char* src, int threads, uint32_t batch, uint64_t block)
+      : src_(src), threads_(threads), batch_(batch), block_(block) {}
+  std::vector<int> Mine(int tid) const {
+    std::vector<int> out;
+    for (int c = tid; c < static_cast<int>(fds_.size()); c += threads_) out.push_back(c);
+    return out;
+  }
+  // Blocks of a batch that go on the k-th of n connections.
+  uint32_t Part(size_t k, size_t n) const {
+    return static_cast<uint32_t>(batch_ / n + (k < batch_ % n ? 1 : 0));
+  }
   char* src_;
+  const int threads_;
   const uint32_t batch_;
   const uint64_t block_;
   std::vector<net::Fd> fds_;
@@ -491,6 +524,7 @@ EngineOptions Options(const std::string& role) {
   const std::string devices = absl::GetFlag(FLAGS_devices);
   if (!devices.empty()) o.devices = absl::StrSplit(devices, ',', absl::SkipEmpty());
   if (role == "target") o.port = static_cast<uint16_t>(absl::GetFlag(FLAGS_port));
+  o.links_per_peer = absl::GetFlag(FLAGS_links);
   return o;
 }
 
@@ -741,7 +775,8 @@ absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threa
     if (s.target_buffer.empty()) batch = std::max<uint32_t>(1, batch / 2);
     m = std::make_unique<MemcpyMover>(write ? a : b, write ? b : a, batch, block);
   } else {
-    ASSIGN_OR_RETURN(m, SocketMover::Connect(s.sink_address, s.local.data(), threads, batch, block));
+    ASSIGN_OR_RETURN(m, SocketMover::Connect(s.sink_address, s.local.data(), threads, batch, block,
+                                             static_cast<int>(absl::GetFlag(FLAGS_links))));
   }
   ASSIGN_OR_RETURN(BwResult r, DriveBandwidth(*m, threads, batch, block, s.reference));
   return std::optional<BwResult>(r);
