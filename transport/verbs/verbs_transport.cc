@@ -26,19 +26,12 @@
 #include "net/socket.h"
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
+#include "transport/verbs/ibv.h"
 #include "transport/verbs/route.h"
 
 namespace kvferry {
 namespace transport {
 namespace {
-
-// ---- the seam: every ibv_* failure becomes a status with context.
-
-absl::Status VerbsError(int err, absl::string_view what) {
-  // libibverbs returns an errno value, or -1 with errno set.
-  const int code = err > 0 ? err : errno;
-  return absl::UnavailableError(ErrnoError(code, what).message());
-}
 
 int MtuBytes(ibv_mtu mtu) {
   switch (mtu) {
@@ -97,7 +90,7 @@ class VerbsTransport final : public Transport {
 
   EndpointDescription LocalEndpoint() const override;
   Limits GetLimits() const override {
-    return Limits{options_.max_outstanding_per_link, max_request_bytes_, uint64_t{1} << 40};
+    return Limits{options_.max_outstanding_per_link, max_request_bytes_, max_region_bytes_};
   }
   absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length, Access access) override;
   absl::Status UnregisterMemory(RegionId region) override;
@@ -114,28 +107,62 @@ class VerbsTransport final : public Transport {
  private:
   struct Nic {
     verbs::SelectedPort port;
-    ibv_context* context = nullptr;
-    ibv_pd* pd = nullptr;
-    ibv_comp_channel* channel = nullptr;
-    ibv_cq* cq = nullptr;
+    // Owners, released in reverse: the CQ, the channel, the PD, the device.
+    ibv::Context context;
+    ibv::Pd pd;
+    ibv::CompChannel channel;
+    ibv::Cq cq;
+    // CQ depth accounting: every work request outstanding on the NIC's QPs
+    // may come back as a completion (an error flushes even unsignaled
+    // ones), so the CQ holds at least the sum of its QPs' send queues.
+    uint32_t cq_capacity = 0;
+    uint32_t cq_reserved = 0;
+    int max_cqe = 0;
+    uint64_t max_mr_size = 0;  // the device's largest registration
     ibv_port_attr attr{};
     ibv_gid gid{};
     int max_rd_atomic = 1;
   };
   struct RegionState {
     Region region;
-    std::vector<ibv_mr*> mrs;  // per NIC
+    std::vector<ibv::Mr> mrs;  // per NIC
     uint64_t local_uses = 0;
   };
   struct Link {
     enum class State { kInit, kReady, kError };
     LinkId id = 0;
     NicIndex nic = 0;
-    ibv_qp* qp = nullptr;
+    ibv::Qp qp;
     uint32_t psn = 0;
     State state = State::kInit;
     size_t outstanding = 0;
     uint32_t max_inline = 0;  // what the QP accepts inline
+    // Selective signaling: only the last work request of each chain is
+    // signaled. Its completion means every earlier one on the QP completed
+    // (RC completes in order), so the QP's work requests are kept in post
+    // order: `posted` is a ring of their ids, oldest at `head`.
+    std::vector<uint64_t> posted;
+    size_t head = 0;
+    size_t count = 0;
+    // The NIC's CQ entries this link holds (see Nic::cq_reserved).
+    uint32_t* reserved_in = nullptr;
+    uint32_t cq_entries = 0;
+    Link() = default;
+    Link(const Link&) = delete;
+    Link& operator=(const Link&) = delete;
+    ~Link() {
+      qp.reset();  // before giving its CQ entries back
+      if (reserved_in != nullptr) *reserved_in -= cq_entries;
+    }
+    void Push(uint64_t wr_id) {
+      posted[(head + count++) % posted.size()] = wr_id;
+    }
+    uint64_t Pop() {
+      const uint64_t id = posted[head];
+      head = (head + 1) % posted.size();
+      --count;
+      return id;
+    }
   };
   struct Pending {
     LinkId link;
@@ -155,10 +182,16 @@ class VerbsTransport final : public Transport {
   void ExpireOld();
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One work completion: it and the requests posted before it on its QP.
+  void DeliverLocked(const ibv_wc& wc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes room in the NIC's CQ for `entries` more completions (resizing
+  // it up to the device's limit), or kResourceExhausted.
+  absl::Status ReserveCq(Nic& nic, uint32_t entries) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const VerbsTransportOptions options_;
   std::vector<Nic> nics_;
   uint64_t max_request_bytes_ = 0;
+  uint64_t max_region_bytes_ = uint64_t{1} << 40;  // and each NIC's max_mr_size
   std::thread poller_;
   std::atomic<bool> stopping_{false};
   // Threads asleep in WaitCompletions. Completion events are requested only
@@ -181,50 +214,30 @@ class VerbsTransport final : public Transport {
 };
 
 absl::Status VerbsTransport::OpenNic(Nic& nic) {
-  int count = 0;
-  ibv_device** list = ibv_get_device_list(&count);
-  if (list == nullptr) {
-    // ENOSYS: the kernel has no RDMA at all.
-    return absl::UnavailableError(ErrnoError(errno, "ibv_get_device_list").message());
-  }
-  ibv_device* found = nullptr;
-  for (int i = 0; i < count; ++i) {
-    if (nic.port.device == ibv_get_device_name(list[i])) found = list[i];
-  }
-  nic.context = found ? ibv_open_device(found) : nullptr;
-  ibv_free_device_list(list);
+  ASSIGN_OR_RETURN(nic.context, ibv::OpenDevice(nic.port.device));
   const std::string where = absl::StrCat(nic.port.device, ":", nic.port.port);
-  if (found == nullptr) return absl::NotFoundError(absl::StrCat("no RDMA device ", nic.port.device));
-  if (nic.context == nullptr) return VerbsError(errno, absl::StrCat("ibv_open_device ", where));
-  if (int rc = ibv_query_port(nic.context, nic.port.port, &nic.attr); rc != 0) {
-    return VerbsError(rc, absl::StrCat("ibv_query_port ", where));
-  }
+  ibv_context* c = nic.context.get();
+  RETURN_IF_ERROR(ibv::QueryPort(c, nic.port.port, &nic.attr, where));
   if (nic.attr.state != IBV_PORT_ACTIVE) {
     return absl::UnavailableError(absl::StrCat(where, " is not ACTIVE (state ",
                                                ibv_port_state_str(nic.attr.state), ")"));
   }
-  if (int rc = ibv_query_gid(nic.context, nic.port.port, nic.port.gid_index, &nic.gid); rc != 0) {
-    return VerbsError(rc, absl::StrCat("ibv_query_gid ", where, " index ", nic.port.gid_index));
-  }
+  RETURN_IF_ERROR(ibv::QueryGid(c, nic.port.port, nic.port.gid_index, &nic.gid, where));
   ibv_device_attr dev{};
-  if (int rc = ibv_query_device(nic.context, &dev); rc != 0) {
-    return VerbsError(rc, absl::StrCat("ibv_query_device ", nic.port.device));
-  }
+  RETURN_IF_ERROR(ibv::QueryDevice(c, &dev, nic.port.device));
   nic.max_rd_atomic = std::max(1, std::min(16, dev.max_qp_rd_atom));
+  nic.max_cqe = dev.max_cqe;
+  nic.max_mr_size = dev.max_mr_size;
+  if (dev.max_mr_size > 0) max_region_bytes_ = std::min<uint64_t>(max_region_bytes_, dev.max_mr_size);
   max_request_bytes_ = max_request_bytes_ == 0
                            ? std::min<uint64_t>(options_.max_request_bytes, nic.attr.max_msg_sz)
                            : std::min<uint64_t>(max_request_bytes_, nic.attr.max_msg_sz);
-  nic.pd = ibv_alloc_pd(nic.context);
-  if (nic.pd == nullptr) return VerbsError(errno, absl::StrCat("ibv_alloc_pd ", where));
-  nic.channel = ibv_create_comp_channel(nic.context);
-  if (nic.channel == nullptr) {
-    return VerbsError(errno, absl::StrCat("ibv_create_comp_channel ", where));
-  }
-  nic.cq = ibv_create_cq(nic.context, 8192, nullptr, nic.channel, 0);
-  if (nic.cq == nullptr) return VerbsError(errno, absl::StrCat("ibv_create_cq ", where));
-  if (int rc = ibv_req_notify_cq(nic.cq, 0); rc != 0) {
-    return VerbsError(rc, absl::StrCat("ibv_req_notify_cq ", where));
-  }
+  ASSIGN_OR_RETURN(nic.pd, ibv::AllocPd(c, where));
+  ASSIGN_OR_RETURN(nic.channel, ibv::CreateCompChannel(c, where));
+  ASSIGN_OR_RETURN(nic.cq, ibv::CreateCq(c, std::min(8192, std::max(dev.max_cqe, 1)),
+                                         nic.channel.get(), where));
+  nic.cq_capacity = static_cast<uint32_t>(nic.cq->cqe);
+  RETURN_IF_ERROR(ibv::ReqNotifyCq(nic.cq.get(), where));
   KVF_LOG(INFO) << "verbs: " << where << " GID " << nic.port.gid_index << " " << GidText(nic.gid)
                 << ", active MTU " << MtuBytes(nic.attr.active_mtu) << " (" << nic.port.why << ")";
   return absl::OkStatus();
@@ -245,16 +258,10 @@ VerbsTransport::~VerbsTransport() {
   stopping_ = true;
   if (poller_.joinable()) poller_.join();
   MutexLock lock(&mu_);
-  for (auto& [id, link] : links_) ibv_destroy_qp(link->qp);
-  for (auto& [id, r] : regions_) {
-    for (ibv_mr* mr : r->mrs) ibv_dereg_mr(mr);
-  }
-  for (Nic& nic : nics_) {
-    if (nic.cq) ibv_destroy_cq(nic.cq);
-    if (nic.channel) ibv_destroy_comp_channel(nic.channel);
-    if (nic.pd) ibv_dealloc_pd(nic.pd);
-    if (nic.context) ibv_close_device(nic.context);
-  }
+  // QPs and MRs before the NICs' CQs, PDs and devices.
+  links_.clear();
+  regions_.clear();
+  nics_.clear();
 }
 
 EndpointDescription VerbsTransport::LocalEndpoint() const {
@@ -275,6 +282,11 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
                                                       Access access) {
   if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
   if (length == 0) return absl::InvalidArgumentError("RegisterMemory: zero length");
+  if (length > GetLimits().max_region_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "RegisterMemory: %u bytes exceed the largest region %s can register (%u)", length,
+        nics_.empty() ? "the device" : nics_[0].port.device, GetLimits().max_region_bytes));
+  }
   int flags = IBV_ACCESS_LOCAL_WRITE;
   if (AllowsRemoteWrite(access)) flags |= IBV_ACCESS_REMOTE_WRITE;
   if (AllowsRemoteRead(access)) flags |= IBV_ACCESS_REMOTE_READ;
@@ -282,11 +294,10 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
   // One registration per NIC. Registering pins and maps every page once per
   // NIC, which for a large buffer takes long: with several NICs they
   // register in parallel, one thread each.
-  std::vector<ibv_mr*> mrs(nics_.size(), nullptr);
-  std::vector<int> errors(nics_.size(), 0);
+  std::vector<absl::StatusOr<ibv::Mr>> mrs;
+  for (size_t i = 0; i < nics_.size(); ++i) mrs.emplace_back(absl::UnknownError("not registered"));
   auto register_on = [&](size_t i) {
-    mrs[i] = ibv_reg_mr(nics_[i].pd, addr, length, flags);
-    if (mrs[i] == nullptr) errors[i] = errno;
+    mrs[i] = ibv::RegMr(nics_[i].pd.get(), addr, length, flags, nics_[i].port.device);
   };
   if (nics_.size() > 1 && length >= options_.parallel_registration_bytes) {
     std::vector<std::thread> threads;
@@ -294,19 +305,13 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
     register_on(0);
     for (std::thread& t : threads) t.join();
   } else {
-    for (size_t i = 0; i < nics_.size() && (i == 0 || mrs[i - 1] != nullptr); ++i) register_on(i);
+    for (size_t i = 0; i < nics_.size() && (i == 0 || mrs[i - 1].ok()); ++i) register_on(i);
   }
-  for (size_t i = 0; i < nics_.size(); ++i) {
-    if (mrs[i] != nullptr) continue;
-    for (ibv_mr* m : mrs) {
-      if (m != nullptr) ibv_dereg_mr(m);
-    }
-    return VerbsError(errors[i], absl::StrFormat("ibv_reg_mr %s [%p, +%u)", nics_[i].port.device,
-                                                 addr, length));
-  }
-  for (ibv_mr* mr : mrs) {
-    state->mrs.push_back(mr);
-    state->region.keys.push_back(mr->rkey);
+  // Any failure: the others deregister as `mrs` goes.
+  for (absl::StatusOr<ibv::Mr>& mr : mrs) RETURN_IF_ERROR(mr.status());
+  for (absl::StatusOr<ibv::Mr>& mr : mrs) {
+    state->region.keys.push_back((*mr)->rkey);
+    state->mrs.push_back(std::move(*mr));
   }
   MutexLock lock(&mu_);
   Region& r = state->region;
@@ -327,49 +332,60 @@ absl::Status VerbsTransport::UnregisterMemory(RegionId region) {
     return absl::FailedPreconditionError(absl::StrCat(
         "region ", region, " is used by ", it->second->local_uses, " outstanding request(s)"));
   }
-  for (ibv_mr* mr : it->second->mrs) ibv_dereg_mr(mr);
-  regions_.erase(it);
+  regions_.erase(it);  // deregisters
+  return absl::OkStatus();
+}
+
+absl::Status VerbsTransport::ReserveCq(Nic& nic, uint32_t entries) {
+  const uint64_t need = uint64_t{nic.cq_reserved} + entries;
+  if (need > nic.cq_capacity) {
+    const uint64_t want = std::min<uint64_t>(std::max<uint64_t>(need, 2 * nic.cq_capacity),
+                                             static_cast<uint64_t>(std::max(nic.max_cqe, 0)));
+    if (want < need) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s: a new link needs %u more completion queue entries; %u are in use and the device "
+          "allows %d (fewer links, or a smaller max_outstanding_per_link)",
+          nic.port.device, entries, nic.cq_reserved, nic.max_cqe));
+    }
+    // Under the transport's lock, which Drain polls under too.
+    RETURN_IF_ERROR(ibv::ResizeCq(nic.cq.get(), static_cast<int>(want), nic.port.device));
+    nic.cq_capacity = static_cast<uint32_t>(nic.cq->cqe);
+  }
+  nic.cq_reserved += entries;
   return absl::OkStatus();
 }
 
 absl::StatusOr<VerbsTransport::Link*> VerbsTransport::NewLink(NicIndex n) {
   if (n >= nics_.size()) return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", n));
   Nic& nic = nics_[n];
+  RETURN_IF_ERROR(ReserveCq(nic, options_.max_outstanding_per_link));
+  auto link = std::make_unique<Link>();
+  link->nic = n;
+  link->cq_entries = options_.max_outstanding_per_link;
+  link->reserved_in = &nic.cq_reserved;  // released when the link goes
   ibv_qp_init_attr init{};
-  init.send_cq = nic.cq;
-  init.recv_cq = nic.cq;
+  init.send_cq = nic.cq.get();
+  init.recv_cq = nic.cq.get();
   init.cap.max_send_wr = options_.max_outstanding_per_link;
   init.cap.max_recv_wr = 1;
   init.cap.max_send_sge = 1;
   init.cap.max_recv_sge = 1;
   init.cap.max_inline_data = options_.max_inline_bytes;
   init.qp_type = IBV_QPT_RC;
-  init.sq_sig_all = 1;
-  ibv_qp* qp = ibv_create_qp(nic.pd, &init);
-  if (qp == nullptr && init.cap.max_inline_data > 0) {
-    // A device that takes less inline data (or none): without it.
-    init.cap.max_inline_data = 0;
-    qp = ibv_create_qp(nic.pd, &init);
-  }
-  if (qp == nullptr) return VerbsError(errno, absl::StrCat("ibv_create_qp on ", nic.port.device));
+  init.sq_sig_all = 0;  // selective signaling: see Link::posted
+  ASSIGN_OR_RETURN(link->qp, ibv::CreateQp(nic.pd.get(), &init, nic.port.device));
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_INIT;
   attr.pkey_index = 0;
   attr.port_num = nic.port.port;
   attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-  if (int rc = ibv_modify_qp(qp, &attr,
-                             IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
-      rc != 0) {
-    ibv_destroy_qp(qp);
-    return VerbsError(rc, absl::StrFormat("modify QP %#x to INIT (port %u)", qp->qp_num,
-                                          nic.port.port));
-  }
-  auto link = std::make_unique<Link>();
+  RETURN_IF_ERROR(ibv::ModifyQp(
+      link->qp.get(), &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
+      absl::StrFormat("modify QP %#x to INIT (port %u)", link->qp->qp_num, nic.port.port)));
   link->id = ++last_link_;
-  link->nic = n;
-  link->qp = qp;
   link->max_inline = std::min(init.cap.max_inline_data, options_.max_inline_bytes);
   link->psn = static_cast<uint32_t>(net::RandomU64()) & 0xffffff;
+  link->posted.assign(options_.max_outstanding_per_link, 0);
   Link* raw = link.get();
   links_.emplace(raw->id, std::move(link));
   return raw;
@@ -404,16 +420,11 @@ absl::Status VerbsTransport::ToRtr(Link& link, const Params& peer) {
   attr.ah_attr.grh.hop_limit = 64;
   attr.ah_attr.dlid = peer.lid;
   attr.ah_attr.port_num = nic.port.port;
-  if (int rc = ibv_modify_qp(link.qp, &attr,
-                             IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                 IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                                 IBV_QP_MIN_RNR_TIMER);
-      rc != 0) {
-    return VerbsError(rc, absl::StrFormat("modify QP %#x to RTR (peer QP %#x, gid %s, mtu %d)",
-                                          link.qp->qp_num, peer.qpn, GidText(dgid),
-                                          MtuBytes(mtu)));
-  }
-  return absl::OkStatus();
+  return ibv::ModifyQp(link.qp.get(), &attr,
+                       IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                           IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
+                       absl::StrFormat("modify QP %#x to RTR (peer QP %#x, gid %s, mtu %d)",
+                                       link.qp->qp_num, peer.qpn, GidText(dgid), MtuBytes(mtu)));
 }
 
 absl::Status VerbsTransport::ToRts(Link& link) {
@@ -424,12 +435,10 @@ absl::Status VerbsTransport::ToRts(Link& link) {
   attr.rnr_retry = 7;
   attr.sq_psn = link.psn;
   attr.max_rd_atomic = nics_[link.nic].max_rd_atomic;
-  if (int rc = ibv_modify_qp(link.qp, &attr,
-                             IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                 IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
-      rc != 0) {
-    return VerbsError(rc, absl::StrFormat("modify QP %#x to RTS", link.qp->qp_num));
-  }
+  RETURN_IF_ERROR(ibv::ModifyQp(link.qp.get(), &attr,
+                                 IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
+                                 absl::StrFormat("modify QP %#x to RTS", link.qp->qp_num)));
   link.state = Link::State::kReady;
   return absl::OkStatus();
 }
@@ -489,8 +498,7 @@ absl::StatusOr<LinkOffer> VerbsTransport::AcceptLink(NicIndex local_nic, const N
   absl::Status ready = ToRtr(*link, peer);
   if (ready.ok()) ready = ToRts(*link);
   if (!ready.ok()) {
-    ibv_destroy_qp(link->qp);
-    links_.erase(link->id);
+    links_.erase(link->id);  // destroys the QP
     return ready;
   }
   return LinkOffer{link->id, EncodeParams(LocalParams(*link))};
@@ -518,7 +526,7 @@ absl::Status VerbsTransport::CloseLink(LinkId id) {
   if (it == links_.end()) return absl::NotFoundError(absl::StrCat("unknown link ", id));
   // The NIC stops touching request buffers once the QP is destroyed; its
   // requests are reported cancelled now and late completions are ignored.
-  ibv_destroy_qp(it->second->qp);
+  it->second->qp.reset();
   for (auto p = pending_.begin(); p != pending_.end();) {
     if (p->second.link == id) {
       CompleteLocked(p->second.wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
@@ -589,7 +597,7 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
       swr.sg_list = wr.length > 0 ? &sge : nullptr;
       swr.num_sge = wr.length > 0 ? 1 : 0;
       swr.opcode = wr.opcode == Opcode::kWrite ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
-      swr.send_flags = IBV_SEND_SIGNALED;
+      swr.send_flags = 0;  // the chain's last one is signaled below
       // Small WRITEs inline: the payload is copied into the work request
       // now, so the NIC fetches nothing (a DMA read saved per request).
       if (wr.opcode == Opcode::kWrite && wr.length > 0 && wr.length <= link.max_inline) {
@@ -600,10 +608,12 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
       if (end > k) swrs[order[end - 1]].next = &swr;
       ++region.local_uses;
       ++link.outstanding;
+      link.Push(swr.wr_id);
       pending_.emplace(swr.wr_id, Pending{wr.link, wr, now});
     }
+    swrs[order[end - 1]].send_flags |= IBV_SEND_SIGNALED;
     ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(link.qp, &swrs[order[k]], &bad); rc != 0) {
+    if (absl::Status posted = ibv::PostSend(link.qp.get(), &swrs[order[k]], &bad); !posted.ok()) {
       // Validated above, so this is the QP failing: the requests from `bad`
       // on were not posted; report each of them.
       bool failed = false;
@@ -613,8 +623,17 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
         if (!failed) continue;
         pending_.erase(swr.wr_id);
         --link.outstanding;
-        CompleteLocked(batch[order[j]], VerbsError(rc, absl::StrFormat("ibv_post_send on QP %#x",
-                                                                       link.qp->qp_num)));
+        --link.count;  // the ring's newest entries are this chain's tail
+        // The link is put in error below: retryable on a new one.
+        CompleteLocked(batch[order[j]], absl::UnavailableError(posted.message()));
+      }
+      // The chain's posted head is unsignaled and its signaled tail was
+      // refused: put the QP in error so that its requests flush (errors
+      // always complete) instead of waiting for a completion that never
+      // comes.
+      link.state = Link::State::kError;
+      if (absl::Status reset = ibv::ResetToError(link.qp.get()); !reset.ok()) {
+        KVF_LOG(WARNING) << "verbs: " << reset;
       }
     }
     k = end;
@@ -631,27 +650,50 @@ bool VerbsTransport::Drain(ibv_cq* cq) {
   ibv_wc wc[32];
   bool any = false;
   for (;;) {
-    const int n = ibv_poll_cq(cq, 32, wc);
-    if (n <= 0) return any;
-    any = true;
+    // Polled under the lock: ReserveCq may resize the CQ.
     MutexLock lock(&mu_);
-    for (int i = 0; i < n; ++i) {
-      auto it = pending_.find(wc[i].wr_id);
-      if (it == pending_.end()) continue;  // its link was closed
-      const Pending p = it->second;
-      pending_.erase(it);
-      auto link = links_.find(p.link);
-      absl::Status status;
-      if (wc[i].status != IBV_WC_SUCCESS) {
-        status = absl::Status(CodeOf(wc[i].status),
-                              absl::StrFormat("%s (QP %#x, vendor error %#x)",
-                                              ibv_wc_status_str(wc[i].status), wc[i].qp_num,
-                                              wc[i].vendor_err));
-        if (link != links_.end()) link->second->state = Link::State::kError;
-      }
-      if (link != links_.end()) --link->second->outstanding;
-      CompleteLocked(p.wr, std::move(status));
+    absl::StatusOr<int> polled = ibv::PollCq(cq, 32, wc);
+    if (!polled.ok()) {
+      KVF_LOG(WARNING) << "verbs: " << polled.status();
+      return any;
     }
+    const int n = *polled;
+    if (n == 0) return any;
+    any = true;
+    for (int i = 0; i < n; ++i) DeliverLocked(wc[i]);
+  }
+}
+
+void VerbsTransport::DeliverLocked(const ibv_wc& wc) {
+  auto it = pending_.find(wc.wr_id);
+  if (it == pending_.end()) return;  // its link was closed, or it expired
+  auto link = links_.find(it->second.link);
+  if (link == links_.end()) return;  // closed: its requests were cancelled
+  Link& l = *link->second;
+  // The work requests posted before this one on the QP are complete: RC
+  // completes in order, and they were unsignaled (or their own completion
+  // came already). An error completion also vouches for them: they
+  // finished before the one that failed.
+  while (l.count > 0) {
+    const uint64_t id = l.Pop();
+    auto p = pending_.find(id);
+    if (p == pending_.end()) continue;  // expired meanwhile
+    const WorkRequest wr = p->second.wr;
+    pending_.erase(p);
+    --l.outstanding;
+    if (id == wc.wr_id) {
+      absl::Status status;
+      if (wc.status != IBV_WC_SUCCESS) {
+        status = absl::Status(CodeOf(wc.status),
+                              absl::StrFormat("%s (QP %#x, vendor error %#x)",
+                                              ibv_wc_status_str(wc.status), wc.qp_num,
+                                              wc.vendor_err));
+        l.state = Link::State::kError;
+      }
+      CompleteLocked(wr, std::move(status));
+      return;
+    }
+    CompleteLocked(wr, absl::OkStatus());
   }
 }
 
@@ -684,9 +726,9 @@ void VerbsTransport::ExpireOld() {
     l.state = Link::State::kError;
     // In the error state the NIC touches no buffer of this QP any more; the
     // other requests come back as flush errors (kAborted).
-    ibv_qp_attr attr{};
-    attr.qp_state = IBV_QPS_ERR;
-    ibv_modify_qp(l.qp, &attr, IBV_QP_STATE);
+    if (absl::Status reset = ibv::ResetToError(l.qp.get()); !reset.ok()) {
+      KVF_LOG(WARNING) << "verbs: " << reset;
+    }
     --l.outstanding;
     CompleteLocked(p->second.wr,
                    absl::UnavailableError(absl::StrFormat(
@@ -710,13 +752,12 @@ void VerbsTransport::PollerLoop() {
     if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
     for (size_t i = 0; i < nics_.size(); ++i) {
       if ((fds[i].revents & POLLIN) == 0) continue;
-      ibv_cq* cq;
-      void* context;
-      if (ibv_get_cq_event(nics_[i].channel, &cq, &context) != 0) continue;
-      ibv_ack_cq_events(cq, 1);
+      absl::StatusOr<ibv_cq*> event = ibv::GetCqEvent(nics_[i].channel.get());
+      if (!event.ok()) continue;  // poll() said readable; a failed read is skipped
+      ibv_cq* cq = *event;
       // Re-arm first, so nothing is missed, but only for sleepers (see
       // sleepers_); a thread that goes to sleep later arms for itself.
-      if (sleepers_.load() > 0) ibv_req_notify_cq(cq, 0);
+      if (sleepers_.load() > 0) (void)ibv::ReqNotifyCq(cq, nics_[i].port.device);
       Drain(cq);
     }
   }
@@ -724,7 +765,7 @@ void VerbsTransport::PollerLoop() {
 
 size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
   // What the NICs have now, without waiting for the poller thread.
-  for (Nic& nic : nics_) Drain(nic.cq);
+  for (Nic& nic : nics_) Drain(nic.cq.get());
   MutexLock lock(&mu_);
   return cq_.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     auto region = regions_.find(id);
@@ -738,15 +779,15 @@ size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duratio
   const absl::Time spin_until = FastNow() + std::min(timeout, options_.busy_poll);
   while (FastNow() < spin_until) {
     bool any = false;
-    for (Nic& nic : nics_) any = Drain(nic.cq) || any;
+    for (Nic& nic : nics_) any = Drain(nic.cq.get()) || any;
     if (any) return PollCompletions(out);
   }
   // Going to sleep: ask for completion events, then look once more (a
   // completion that came before the request raises no event).
   ++sleepers_;
-  for (Nic& nic : nics_) ibv_req_notify_cq(nic.cq, 0);
+  for (Nic& nic : nics_) (void)ibv::ReqNotifyCq(nic.cq.get(), nic.port.device);
   bool any = false;
-  for (Nic& nic : nics_) any = Drain(nic.cq) || any;
+  for (Nic& nic : nics_) any = Drain(nic.cq.get()) || any;
   if (!any) {
     MutexLock lock(&mu_);
     cq_cv_.AwaitWithDeadline(&mu_, FastNow() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {

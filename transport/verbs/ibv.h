@@ -1,0 +1,83 @@
+// The seam over libibverbs: every ibv_* call the verbs transport makes goes
+// through here. Calls return Status with the call and its context in the
+// message and the errno mapped to the matching code (ENOMEM ->
+// kResourceExhausted, EINVAL -> kInvalidArgument, EPERM/EACCES ->
+// kPermissionDenied, ENODEV -> kNotFound, ETIMEDOUT -> kDeadlineExceeded,
+// ...; base/errno_status.h). Objects are held by RAII owners whose
+// destruction releases them; declare owners so that QPs and MRs go before
+// their CQ, PD and device context.
+#ifndef KVFERRY_TRANSPORT_VERBS_IBV_H_
+#define KVFERRY_TRANSPORT_VERBS_IBV_H_
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvferry {
+namespace transport {
+namespace ibv {
+
+// libibverbs reports failure as an errno value, or -1 (or null) with errno
+// set: `rc` is what the call returned (0 or -1 means "read errno").
+absl::Status Error(int rc, absl::string_view what);
+
+struct Deleter {
+  void operator()(ibv_context* c) const { ibv_close_device(c); }
+  void operator()(ibv_pd* p) const { ibv_dealloc_pd(p); }
+  void operator()(ibv_comp_channel* c) const { ibv_destroy_comp_channel(c); }
+  void operator()(ibv_cq* c) const { ibv_destroy_cq(c); }
+  void operator()(ibv_qp* q) const { ibv_destroy_qp(q); }
+  void operator()(ibv_mr* m) const { ibv_dereg_mr(m); }
+};
+using Context = std::unique_ptr<ibv_context, Deleter>;
+using Pd = std::unique_ptr<ibv_pd, Deleter>;
+using CompChannel = std::unique_ptr<ibv_comp_channel, Deleter>;
+using Cq = std::unique_ptr<ibv_cq, Deleter>;
+using Qp = std::unique_ptr<ibv_qp, Deleter>;
+using Mr = std::unique_ptr<ibv_mr, Deleter>;
+
+// Opens the device named `name` (kNotFound when there is none).
+absl::StatusOr<Context> OpenDevice(const std::string& name);
+absl::Status QueryPort(ibv_context* c, uint8_t port, ibv_port_attr* out, absl::string_view where);
+absl::Status QueryGid(ibv_context* c, uint8_t port, int index, ibv_gid* out,
+                      absl::string_view where);
+absl::Status QueryDevice(ibv_context* c, ibv_device_attr* out, absl::string_view where);
+absl::StatusOr<Pd> AllocPd(ibv_context* c, absl::string_view where);
+absl::StatusOr<CompChannel> CreateCompChannel(ibv_context* c, absl::string_view where);
+absl::StatusOr<Cq> CreateCq(ibv_context* c, int entries, ibv_comp_channel* channel,
+                            absl::string_view where);
+absl::Status ResizeCq(ibv_cq* cq, int entries, absl::string_view where);
+// Requests an event for the next completion on `cq`.
+absl::Status ReqNotifyCq(ibv_cq* cq, absl::string_view where);
+// Creates a QP; when the device refuses the inline size asked for, again
+// without inline data (init->cap.max_inline_data says what it got).
+absl::StatusOr<Qp> CreateQp(ibv_pd* pd, ibv_qp_init_attr* init, absl::string_view where);
+absl::Status ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask, absl::string_view what);
+// Moves the QP to the error state: the NIC touches none of its buffers
+// any more and its outstanding work requests flush.
+absl::Status ResetToError(ibv_qp* qp);
+absl::StatusOr<Mr> RegMr(ibv_pd* pd, void* addr, uint64_t length, int access,
+                         absl::string_view where);
+// Posts the chain; `*bad` is the first work request not posted.
+absl::Status PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
+// Up to `max` completions into `wc`; how many, or the CQ's error.
+inline absl::StatusOr<int> PollCq(ibv_cq* cq, int max, ibv_wc* wc) {
+  const int n = ibv_poll_cq(cq, max, wc);
+  if (n < 0) return Error(-n, "ibv_poll_cq");
+  return n;
+}
+// The CQ whose completion event is waiting on `channel` (its event is
+// acknowledged at once).
+absl::StatusOr<ibv_cq*> GetCqEvent(ibv_comp_channel* channel);
+
+}  // namespace ibv
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_VERBS_IBV_H_
