@@ -1,6 +1,5 @@
 #include "engine/transfer_engine.h"
 
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -560,105 +559,8 @@ TEST(TransferEngine, MoreSlicesThanLinksCanHoldWaitTheirTurn) {
   EXPECT_EQ(src, dst);
 }
 
-// Writes [off, +4096) of src to the same offset of dst at the peer and
-// waits for it.
-void WriteAndWait(TransferEngine& e, SegmentId seg, std::vector<char>& src,
-                  const std::vector<char>& dst, size_t off) {
-  TransferRequest r{Opcode::kWrite, src.data() + off, Addr(dst, off), 4096};
-  auto batch = e.Submit(seg, {&r, 1});
-  ASSERT_TRUE(batch.ok()) << batch.status();
-  auto status = e.Wait(*batch, absl::Seconds(10));
-  ASSERT_TRUE(status.ok()) << status.status();
-  EXPECT_TRUE(status->ok());
-}
-
-TEST(TransferEngine, ClosedSegmentIsForgottenAndReopensAnew) {
-  auto a = MakeEngine();
-  auto b = MakeEngine();
-  ASSERT_TRUE(a && b);
-  std::vector<char> src = Pattern(8192, 8), dst(8192, 0);
-  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
-  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
-  auto seg = a->OpenSegment(b->address());
-  ASSERT_TRUE(seg.ok());
-  WriteAndWait(*a, *seg, src, dst, 0);
-  ASSERT_TRUE(a->CloseSegment(*seg).ok());
-  TransferRequest r{Opcode::kWrite, src.data(), Addr(dst), 4096};
-  EXPECT_EQ(a->Submit(*seg, {&r, 1}).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(a->CloseSegment(*seg).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(a->SegmentRegions(*seg).status().code(), absl::StatusCode::kNotFound);
-  auto again = a->OpenSegment(b->address());
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_NE(*again, *seg);
-  WriteAndWait(*a, *again, src, dst, 4096);
-  EXPECT_EQ(src, dst);
-}
-
-TEST(TransferEngine, IdleSegmentLosesItsLinksAndReconnectsOnUse) {
-  EngineOptions o = Local();
-  o.idle_segment_timeout = absl::Milliseconds(20);
-  auto a = MakeEngine(o);
-  auto b = MakeEngine();
-  auto c = MakeEngine();
-  ASSERT_TRUE(a && b && c);
-  std::vector<char> src = Pattern(8192, 9), dst(8192, 0);
-  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
-  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
-  auto seg = a->OpenSegment(b->address());
-  ASSERT_TRUE(seg.ok());
-  WriteAndWait(*a, *seg, src, dst, 0);
-  EXPECT_EQ(a->GetCounters().reconnects, 0u);
-  absl::SleepFor(absl::Milliseconds(50));
-  // Opening another segment looks for idle ones: b's links are closed.
-  ASSERT_TRUE(a->OpenSegment(c->address()).ok());
-  WriteAndWait(*a, *seg, src, dst, 4096);  // the same handle handshakes again
-  EXPECT_EQ(a->GetCounters().reconnects, 1u);
-  EXPECT_EQ(src, dst);
-  o.idle_segment_timeout = absl::ZeroDuration();
-  EXPECT_EQ(TransferEngine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
-}
-
-// Threads each waiting on their own batch, as a serving engine sends the
-// layers of a request: every batch completes, whichever thread collects
-// its completion (a waiter is woken by the collector, not a timer).
-TEST(TransferEngine, ConcurrentWaitersAllFinish) {
-  auto a = MakeEngine();
-  auto b = MakeEngine();
-  ASSERT_TRUE(a && b);
-  constexpr int kThreads = 4, kRounds = 50, kPages = 16, kPage = 2048;
-  std::vector<char> src = Pattern(kThreads * kPages * 2 * kPage, 10), dst(src.size(), 0);
-  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
-  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
-  auto seg = a->OpenSegment(b->address());
-  ASSERT_TRUE(seg.ok());
-  std::vector<std::thread> threads;
-  std::atomic<int> ok{0};
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      std::vector<TransferRequest> reqs;
-      for (int p = 0; p < kPages; ++p) {
-        const size_t off = (size_t(t) * kPages * 2 + 2 * p) * kPage;  // every other page
-        reqs.push_back({Opcode::kWrite, src.data() + off, Addr(dst, off), kPage});
-      }
-      BatchStatus status;
-      for (int round = 0; round < kRounds; ++round) {
-        auto batch = a->Submit(*seg, reqs);
-        if (!batch.ok() || !a->Wait(*batch, absl::Seconds(30), &status).ok() || !status.ok() ||
-            !a->Release(*batch).ok()) {
-          return;
-        }
-        ++ok;
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(ok.load(), kThreads * kRounds);
-  for (size_t off = 0; off < src.size(); off += kPage) {
-    const bool written = (off / kPage) % 2 == 0;
-    ASSERT_EQ(std::memcmp(dst.data() + off, written ? src.data() + off : std::vector<char>(kPage, 0).data(), kPage), 0)
-        << "page at " << off;
-  }
-}
+// CloseSegment, idle segments and threads waiting on their own batches:
+// engine/testing/engine_conformance.cc, on every transport.
 
 TEST(TransferEngine, BadOptionsAndRegistrations) {
   EngineOptions o = Local();

@@ -1,0 +1,326 @@
+#include "engine/testing/engine_conformance.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "handshake/tcp_network.h"
+#include "transport/tcp/tcp_transport.h"
+#include "transport/verbs/discovery.h"
+#include "transport/verbs/verbs_transport.h"
+
+namespace kvferry {
+namespace testing {
+
+using transport::Opcode;
+
+std::string EngineParamName(const ::testing::TestParamInfo<EngineParam>& info) {
+  return info.param.name;
+}
+
+namespace {
+
+class TcpHarness : public EngineHarness {
+ public:
+  explicit TcpHarness(bool in_process) : in_process_(in_process) {}
+  absl::StatusOr<std::unique_ptr<TransferEngine>> Start(EngineOptions options,
+                                                        uint32_t max_outstanding) override {
+    transport::TcpTransportOptions t;
+    t.bind_host = "127.0.0.1";
+    t.in_process_shortcut = in_process_;
+    t.max_outstanding_per_link = max_outstanding;
+    absl::StatusOr<std::unique_ptr<transport::Transport>> made = transport::CreateTcpTransport(t);
+    if (!made.ok()) return made.status();
+    EngineParts parts;
+    parts.transport = std::move(*made);
+    parts.network = handshake::NewTcpNetwork();
+    parts.detection.host = "127.0.0.1";
+    parts.detection.transport = "tcp";
+    return TransferEngine::CreateWith(options, std::move(parts));
+  }
+  void Sleep(absl::Duration d) override { absl::SleepFor(d); }
+  bool threads() const override { return true; }
+
+ private:
+  const bool in_process_;
+};
+
+class VerbsHarness : public EngineHarness {
+ public:
+  VerbsHarness() {
+    transport::verbs::DiscoveryOptions o;
+    transport::verbs::ApplyEnvironment(&o);
+    absl::StatusOr<transport::verbs::Discovery> d = transport::verbs::Discover(o);
+    if (d.ok()) ports_ = d->selected;
+    if (ports_.empty()) {
+      skip_ = d.ok() ? "no active RDMA port on this host (run inside tools/softroce/vm.sh)"
+                     : std::string(d.status().message());
+    }
+  }
+  absl::StatusOr<std::unique_ptr<TransferEngine>> Start(EngineOptions options,
+                                                        uint32_t max_outstanding) override {
+    transport::VerbsTransportOptions v;
+    v.ports = ports_;
+    v.max_outstanding_per_link = max_outstanding;
+    absl::StatusOr<std::unique_ptr<transport::Transport>> made =
+        transport::CreateVerbsTransport(v);
+    if (!made.ok()) return made.status();
+    EngineParts parts;
+    parts.transport = std::move(*made);
+    parts.network = handshake::NewTcpNetwork();
+    parts.detection.host = "127.0.0.1";
+    parts.detection.transport = "rdma";
+    return TransferEngine::CreateWith(options, std::move(parts));
+  }
+  void Sleep(absl::Duration d) override { absl::SleepFor(d); }
+  bool threads() const override { return true; }
+  std::string SkipReason() override {
+    const char* require = std::getenv("KVFERRY_REQUIRE_RDMA");
+    if (!skip_.empty() && require != nullptr && std::string(require) == "1") {
+      ADD_FAILURE() << "KVFERRY_REQUIRE_RDMA=1 but: " << skip_;
+    }
+    return skip_;
+  }
+
+ private:
+  std::vector<transport::verbs::SelectedPort> ports_;
+  std::string skip_;
+};
+
+std::vector<char> Pattern(size_t n, int seed) {
+  std::vector<char> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>(i * 131 + seed * 7 + (i >> 9));
+  return v;
+}
+
+uint64_t Addr(const std::vector<char>& v, size_t off = 0) {
+  return reinterpret_cast<uintptr_t>(v.data()) + off;
+}
+
+// Submits `reqs` and waits for the batch; every request must succeed.
+void RunBatch(TransferEngine& e, SegmentId seg, const std::vector<TransferRequest>& reqs) {
+  absl::StatusOr<BatchId> batch = e.Submit(seg, reqs);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  absl::StatusOr<BatchStatus> st = e.Wait(*batch, absl::Seconds(20));
+  ASSERT_TRUE(st.ok()) << st.status();
+  for (const absl::Status& r : st->requests) ASSERT_TRUE(r.ok()) << r;
+  ASSERT_TRUE(e.Release(*batch).ok());
+}
+
+}  // namespace
+
+std::unique_ptr<EngineHarness> MakeTcpHarness(bool in_process) {
+  return std::make_unique<TcpHarness>(in_process);
+}
+
+std::unique_ptr<EngineHarness> MakeVerbsHarness() { return std::make_unique<VerbsHarness>(); }
+
+void EngineConformanceTest::SetUp() {
+  harness_ = GetParam().make();
+  ASSERT_NE(harness_, nullptr);
+  const std::string skip = harness_->SkipReason();
+  if (!skip.empty()) GTEST_SKIP() << skip;
+}
+
+std::unique_ptr<TransferEngine> EngineConformanceTest::Start(EngineOptions options,
+                                                             uint32_t max_outstanding) {
+  absl::StatusOr<std::unique_ptr<TransferEngine>> e = harness_->Start(options, max_outstanding);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+TEST_P(EngineConformanceTest, WritesAndReadsWithSlicesAcrossRegions) {
+  EngineOptions o;
+  o.slice_bytes = 16 << 10;
+  auto a = Start(o);
+  auto b = Start(o);
+  ASSERT_TRUE(a && b);
+  std::vector<char> src = Pattern(256 << 10, 1), dst(256 << 10, 0), back(256 << 10, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(a->RegisterMemory(back.data(), back.size()).ok());
+  // Two adjacent regions at the peer: a request may span both.
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), 128 << 10).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data() + (128 << 10), 128 << 10).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(*a->OpenSegment(b->address()), *seg);
+  RunBatch(*a, *seg,
+           {{Opcode::kWrite, src.data(), Addr(dst), 100000},
+            {Opcode::kWrite, src.data() + 100000, Addr(dst, 100000), 100000},  // spans both
+            {Opcode::kWrite, src.data() + 200000, Addr(dst, 200000), src.size() - 200000}});
+  EXPECT_EQ(src, dst);
+  RunBatch(*a, *seg, {{Opcode::kRead, back.data(), Addr(dst), back.size()}});
+  EXPECT_EQ(back, src);
+}
+
+TEST_P(EngineConformanceTest, BadRequestsAreRefusedBeforeAnythingMoves) {
+  auto a = Start();
+  auto b = Start();
+  ASSERT_TRUE(a && b);
+  std::vector<char> src = Pattern(8192, 2), dst(8192, 0), ro(4096, 0), unregistered(4096);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(ro.data(), ro.size(), transport::Access::kRemoteRead).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  const std::vector<char> before = dst;
+  // The second request of each batch is bad: nothing of the batch moves.
+  const std::vector<std::pair<TransferRequest, absl::StatusCode>> bad = {
+      {{Opcode::kWrite, src.data(), Addr(dst, 8000), 4096}, absl::StatusCode::kInvalidArgument},
+      {{Opcode::kWrite, unregistered.data(), Addr(dst), 4096}, absl::StatusCode::kInvalidArgument},
+      {{Opcode::kWrite, src.data(), Addr(ro), 4096}, absl::StatusCode::kPermissionDenied},
+      {{Opcode::kWrite, src.data(), Addr(dst), 0}, absl::StatusCode::kInvalidArgument},
+  };
+  for (const auto& [req, code] : bad) {
+    std::vector<TransferRequest> batch = {{Opcode::kWrite, src.data(), Addr(dst), 4096}, req};
+    absl::StatusOr<BatchId> id = a->Submit(*seg, batch);
+    ASSERT_FALSE(id.ok());
+    EXPECT_EQ(id.status().code(), code) << id.status();
+    EXPECT_NE(id.status().message().find("request 1"), std::string::npos) << id.status();
+  }
+  harness_->Sleep(absl::Milliseconds(20));
+  EXPECT_EQ(dst, before);
+  // The engine stays usable.
+  RunBatch(*a, *seg, {{Opcode::kWrite, src.data(), Addr(dst), 4096}});
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), 4096), 0);
+}
+
+TEST_P(EngineConformanceTest, NotificationFollowsItsDataAndMetadataIsServed) {
+  auto a = Start();
+  auto b = Start();
+  ASSERT_TRUE(a && b);
+  std::vector<char> src = Pattern(64 << 10, 3), dst(64 << 10, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  ASSERT_TRUE(b->PublishMetadata("pool", "64KiB").ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  auto meta = a->FetchMetadata(*seg, "pool");
+  ASSERT_TRUE(meta.ok()) << meta.status();
+  EXPECT_EQ(*meta, "64KiB");
+  EXPECT_EQ(a->FetchMetadata(*seg, "nope").status().code(), absl::StatusCode::kNotFound);
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+  auto batch = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(batch.ok());
+  ASSERT_TRUE(a->NotifyAfter(*batch, "layer 0 done", absl::Seconds(20)).ok());
+  auto note = b->WaitNotification(absl::Seconds(20));
+  ASSERT_TRUE(note.ok()) << note.status();
+  EXPECT_EQ(note->message, "layer 0 done");
+  EXPECT_EQ(note->engine_id, a->engine_id());
+  EXPECT_EQ(src, dst);  // the data was in place before the notification
+}
+
+TEST_P(EngineConformanceTest, ClosedSegmentIsForgottenAndReopensAnew) {
+  auto a = Start();
+  auto b = Start();
+  ASSERT_TRUE(a && b);
+  std::vector<char> src = Pattern(8192, 4), dst(8192, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  RunBatch(*a, *seg, {{Opcode::kWrite, src.data(), Addr(dst), 4096}});
+  ASSERT_TRUE(a->CloseSegment(*seg).ok());
+  TransferRequest w{Opcode::kWrite, src.data() + 4096, Addr(dst, 4096), 4096};
+  EXPECT_EQ(a->Submit(*seg, {&w, 1}).status().code(), absl::StatusCode::kNotFound);
+  auto again = a->OpenSegment(b->address());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_NE(*again, *seg);
+  RunBatch(*a, *again, {w});
+  EXPECT_EQ(src, dst);
+}
+
+TEST_P(EngineConformanceTest, IdleSegmentReconnectsOnUse) {
+  EngineOptions o;
+  o.idle_segment_timeout = absl::Milliseconds(50);
+  auto a = Start(o);
+  auto b = Start();
+  auto c = Start();
+  ASSERT_TRUE(a && b && c);
+  std::vector<char> src = Pattern(8192, 5), dst(8192, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  RunBatch(*a, *seg, {{Opcode::kWrite, src.data(), Addr(dst), 4096}});
+  EXPECT_EQ(a->GetCounters().reconnects, 0u);
+  harness_->Sleep(absl::Milliseconds(100));
+  ASSERT_TRUE(a->OpenSegment(c->address()).ok());  // looks for idle segments
+  RunBatch(*a, *seg, {{Opcode::kWrite, src.data() + 4096, Addr(dst, 4096), 4096}});
+  EXPECT_EQ(a->GetCounters().reconnects, 1u);
+  EXPECT_EQ(src, dst);
+}
+
+TEST_P(EngineConformanceTest, SlicesBeyondTheLinksLimitWaitTheirTurn) {
+  EngineOptions o;
+  o.slice_bytes = 4096;
+  auto a = Start(o, /*max_outstanding_per_link=*/4);
+  auto b = Start(o, 4);
+  ASSERT_TRUE(a && b);
+  std::vector<char> src = Pattern(200 * 4096, 6), dst(src.size(), 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  std::vector<BatchId> batches;
+  for (int i = 0; i < 4; ++i) {
+    TransferRequest r{Opcode::kWrite, src.data() + i * 50 * 4096, Addr(dst, i * 50 * 4096),
+                      50 * 4096};
+    auto batch = a->Submit(*seg, {&r, 1});
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    batches.push_back(*batch);
+  }
+  for (BatchId id : batches) {
+    auto st = a->Wait(id, absl::Seconds(20));
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_TRUE(st->ok()) << st->requests[0];
+  }
+  EXPECT_EQ(src, dst);
+}
+
+TEST_P(EngineConformanceTest, ThreadsWaitingOnTheirOwnBatchesAllFinish) {
+  if (!harness_->threads()) GTEST_SKIP() << "one thread drives this transport";
+  auto a = Start();
+  auto b = Start();
+  ASSERT_TRUE(a && b);
+  constexpr int kThreads = 4, kRounds = 20, kPages = 16, kPage = 2048;
+  std::vector<char> src = Pattern(kThreads * kPages * 2 * kPage, 7), dst(src.size(), 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<TransferRequest> reqs;
+      for (int p = 0; p < kPages; ++p) {
+        const size_t off = (size_t(t) * kPages * 2 + 2 * p) * kPage;  // every other page
+        reqs.push_back({Opcode::kWrite, src.data() + off, Addr(dst, off), kPage});
+      }
+      BatchStatus status;
+      for (int round = 0; round < kRounds; ++round) {
+        auto batch = a->Submit(*seg, reqs);
+        if (!batch.ok() || !a->Wait(*batch, absl::Seconds(30), &status).ok() || !status.ok() ||
+            !a->Release(*batch).ok()) {
+          return;
+        }
+        ++ok;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), kThreads * kRounds);
+  const std::vector<char> zero(kPage, 0);
+  for (size_t off = 0; off < src.size(); off += kPage) {
+    const char* want = (off / kPage) % 2 == 0 ? src.data() + off : zero.data();
+    ASSERT_EQ(std::memcmp(dst.data() + off, want, kPage), 0) << "page at " << off;
+  }
+}
+
+}  // namespace testing
+}  // namespace kvferry
