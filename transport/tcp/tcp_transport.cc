@@ -37,6 +37,9 @@ constexpr size_t kHelloBytes = 16;
 constexpr uint32_t kMaxErrorText = 1024;
 // The writer sends up to this many queued messages with one sendmsg.
 constexpr size_t kMaxJobsPerSend = 64;
+// A Post on an idle link of at most this many bytes is sent by the posting
+// thread itself (no hand-off to the writer thread).
+constexpr uint64_t kInlineSendBytes = 16 << 10;
 // A responder acknowledges WRITEs in runs: up to the last request of each
 // Post on the link (kAckNow), and at most this many requests or bytes.
 constexpr uint64_t kMaxAckRun = 32;
@@ -143,6 +146,40 @@ absl::Status SendAll(int fd, iovec* iov, int count) {
   return absl::OkStatus();
 }
 
+// Drops the first `skip` bytes of the iovec array (already sent).
+void SkipBytes(iovec*& iov, int& count, size_t skip) {
+  while (count > 0 && skip >= iov->iov_len) {
+    skip -= iov->iov_len;
+    ++iov;
+    --count;
+  }
+  if (count > 0 && skip > 0) {
+    iov->iov_base = static_cast<char*>(iov->iov_base) + skip;
+    iov->iov_len -= skip;
+  }
+}
+
+// Sends what the socket takes now, without blocking; *sent gets the bytes
+// sent (all of them when it returns OK with *sent == the total).
+absl::Status SendSome(int fd, iovec* iov, int count, size_t* sent) {
+  *sent = 0;
+  while (count > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(count);
+    const ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      return absl::UnavailableError(ErrnoError(errno, "send").message());
+    }
+    *sent += static_cast<size_t>(w);
+    SkipBytes(iov, count, static_cast<size_t>(w));
+  }
+  AfterSend();
+  return absl::OkStatus();
+}
+
 absl::Status Drain(int fd, uint64_t n) {
   char scratch[16384];
   while (n > 0) {
@@ -218,6 +255,14 @@ class TcpTransport final : public Transport {
     uint64_t token = 0;
     IdWindow<WorkRequest> outstanding;  // by request id, handed out in sequence
     std::vector<Job> jobs;  // the writer takes them all at once
+    uint64_t jobs_from = 0;  // the Post whose jobs started `jobs`
+    // Sent by a posting (or, for acknowledgements, reading) thread while
+    // the writer was idle (writer_busy is set meanwhile). What the socket
+    // did not take at once (inline_rest) the writer sends first, from byte
+    // inline_sent on.
+    std::vector<Job> inline_jobs;
+    size_t inline_sent = 0;
+    bool inline_rest = false;
     bool stopping = false;
     bool writer_busy = false;
     bool passive = false;      // made by AcceptLink
@@ -257,7 +302,14 @@ class TcpTransport final : public Transport {
     bool run = false;  // still outstanding when the copies began
     absl::Status status;
   };
-  absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct);
+  absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct,
+                          std::vector<std::shared_ptr<Link>>& inline_links);
+  // If `link` is idle (writer not busy, nothing queued before `post`),
+  // claims it for the calling thread: its jobs move to inline_jobs.
+  bool ClaimInline(Link& link, uint64_t post) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends a claimed link's inline_jobs without blocking; a rest goes to
+  // the writer. Clears writer_busy.
+  void SendInline(const std::shared_ptr<Link>& link);
   // Copies the bytes of each request and completes it, taking each lock
   // once for the lot. It holds the regions lock of whichever peer the
   // current request goes to, switching as the peer changes: beyond what
@@ -275,7 +327,8 @@ class TcpTransport final : public Transport {
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
   // must be closed after them (a refused request).
-  absl::Status SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after);
+  // `skip`: bytes of them already sent.
+  absl::Status SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after, size_t skip = 0);
   // Responder side: executes a peer's request; returns the answer to send.
   Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
   absl::Status CheckRemote(const DataHeader& h, bool write, char** target)
@@ -312,6 +365,7 @@ class TcpTransport final : public Transport {
   CondVar cq_cv_;
   CondVar accept_cv_;
   LinkId last_link_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_post_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<LinkId, std::shared_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
   struct PendingAccept {
     net::Fd fd;
@@ -606,13 +660,18 @@ absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
 absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   // Requests to a peer in this process, copied after the locks are gone.
   Scratch<Direct> direct;
-  RETURN_IF_ERROR(PostLocked(batch, *direct));
+  // Links idle when this Post came: their requests go from this thread.
+  Scratch<std::shared_ptr<Link>> inline_links;
+  RETURN_IF_ERROR(PostLocked(batch, *direct, *inline_links));
+  for (const std::shared_ptr<Link>& link : *inline_links) SendInline(link);
+  inline_links->clear();  // drop the references now, not at the next Post
   if (!direct->empty()) RunDirect(*direct);
   return absl::OkStatus();
 }
 
 absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
-                                      std::vector<Direct>& direct) {
+                                      std::vector<Direct>& direct,
+                                      std::vector<std::shared_ptr<Link>>& inline_links) {
   MutexLock lock(&mu_);
   ReaderMutexLock regions(&regions_mu_);
   for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr));
@@ -622,6 +681,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
         return links_.at(id)->outstanding.size();
       },
       options_.max_outstanding_per_link));
+  const uint64_t post = ++last_post_;
   for (const WorkRequest& wr : batch) {
     Link& link = *links_.at(wr.link);
     regions_.at(wr.local_region)->local_uses.fetch_add(1);
@@ -637,6 +697,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     job.header.rkey = wr.remote_key;
     job.header.length = wr.length;
     if (wr.opcode == Opcode::kWrite) job.data = wr.local_addr;
+    if (link.jobs.empty()) link.jobs_from = post;
     link.jobs.push_back(std::move(job));
   }
   // Per link: its last request of this Post asks for the answer to the
@@ -646,9 +707,72 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     Link& link = *links_.at(batch[i].link);
     if (link.peer_key != 0) continue;  // copied in Post, no message
     link.jobs.back().header.flags |= kAckNow;  // held lock: the back is this Post's
-    link.cv.SignalAll();
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (i > 0 && batch[i].link == batch[i - 1].link) continue;
+    Link& link = *links_.at(batch[i].link);
+    if (link.peer_key != 0 || link.jobs.empty()) continue;
+    if (ClaimInline(link, post)) {
+      inline_links.push_back(links_.at(batch[i].link));
+    } else {
+      link.cv.SignalAll();
+    }
   }
   return absl::OkStatus();
+}
+
+bool TcpTransport::ClaimInline(Link& link, uint64_t post) {
+  if (link.writer_busy || link.inline_rest || link.stopping || link.jobs_from != post ||
+      link.jobs.size() > kMaxJobsPerSend) {
+    return false;
+  }
+  uint64_t bytes = 0;
+  for (const Job& job : link.jobs) bytes += sizeof job.header + (job.data ? job.header.length : 0);
+  // Small Posts only: a large one is better copied into the socket by the
+  // writer thread while this thread goes on (measured: 64 x 4 KiB per Post
+  // ran at 0.50-0.54 of a raw stream sent from here, 0.63-0.66 handed off).
+  if (bytes > kInlineSendBytes) return false;
+  link.writer_busy = true;
+  link.inline_jobs.swap(link.jobs);  // link.jobs is empty (and keeps its capacity)
+  link.inline_sent = 0;
+  return true;
+}
+
+void TcpTransport::SendInline(const std::shared_ptr<Link>& link) {
+  iovec iov[2 * kMaxJobsPerSend];
+  int n = 0;
+  size_t total = 0;
+  for (Job& job : link->inline_jobs) {  // requests and WRITE acknowledgements only
+    iov[n++] = {&job.header, sizeof job.header};
+    total += sizeof job.header;
+    if (job.data != nullptr && job.header.length > 0) {
+      iov[n++] = {const_cast<void*>(job.data), job.header.length};
+      total += job.header.length;
+    }
+  }
+  std::string copy;
+  iovec flat;
+  iovec* first = iov;
+  if (kCopyBeforeSend) {  // as SendAll does for the sanitizers
+    for (int i = 0; i < n; ++i) copy.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+    flat = {copy.data(), copy.size()};
+    first = &flat;
+    n = 1;
+  }
+  size_t sent = 0;
+  const absl::Status st = SendSome(link->fd.get(), first, n, &sent);
+  MutexLock lock(&mu_);
+  link->writer_busy = false;
+  if (!st.ok()) {
+    link->inline_jobs.clear();
+    ::shutdown(link->fd.get(), SHUT_RDWR);  // the reader sees it and fails the link
+  } else if (sent < total) {
+    link->inline_sent = sent;  // the writer sends the rest first
+    link->inline_rest = true;
+  } else {
+    link->inline_jobs.clear();
+  }
+  link->cv.SignalAll();  // the writer (rest, jobs queued meanwhile) and idle waiters
 }
 
 void TcpTransport::RunDirect(std::vector<Direct>& direct) {
@@ -745,18 +869,30 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
 
 void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
   std::vector<Job> jobs;  // swapped with the link's queue: no allocation once warm
+  std::vector<Job> rest;  // the part of an inline send the socket did not take
   for (;;) {
     jobs.clear();
+    rest.clear();
+    size_t skip = 0;
     {
       MutexLock lock(&mu_);
-      while (link->jobs.empty() && !link->stopping) link->cv.Wait(&mu_);
+      while (((link->jobs.empty() && !link->inline_rest) || link->writer_busy) &&
+             !link->stopping) {
+        link->cv.Wait(&mu_);
+      }
       if (link->stopping) return;
+      if (link->inline_rest) {
+        rest.swap(link->inline_jobs);
+        skip = link->inline_sent;
+        link->inline_rest = false;
+      }
       jobs.swap(link->jobs);  // everything queued
       link->writer_busy = true;
     }
-    // Up to kMaxJobsPerSend messages per sendmsg.
     bool close_after = false;
     absl::Status sent;
+    if (!rest.empty()) sent = SendJobs(*link, absl::MakeSpan(rest), &close_after, skip);
+    // Up to kMaxJobsPerSend messages per sendmsg.
     for (size_t i = 0; i < jobs.size() && sent.ok() && !close_after; i += kMaxJobsPerSend) {
       sent = SendJobs(*link,
                       absl::MakeSpan(jobs).subspan(i, std::min(kMaxJobsPerSend, jobs.size() - i)),
@@ -775,7 +911,8 @@ void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
   }
 }
 
-absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after) {
+absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after,
+                                    size_t skip) {
   iovec iov[3 * kMaxJobsPerSend];
   int n = 0;
   // A READ answer sends region bytes: the region may have been unregistered
@@ -809,7 +946,9 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
         break;  // nothing after a refusal: the connection closes
       }
     }
-    RETURN_IF_ERROR(SendAll(link.fd.get(), iov, n));
+    iovec* first = iov;
+    SkipBytes(first, n, skip);
+    RETURN_IF_ERROR(SendAll(link.fd.get(), first, n));
     return refused_read;
   };
   bool reads = false;
@@ -916,10 +1055,13 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   // consecutive.
   Job run;
   uint64_t run_bytes = 0;
-  // Hands an answer to the writer; false once the link is stopping.
+  // Hands an answer to the writer; false once the link is stopping. (Not
+  // sent from this thread: the reader is the responder's busy thread, and
+  // answering from it measured slower than handing off.)
   auto queue = [&](Job job) {
     MutexLock lock(&mu_);
     if (link->stopping) return false;
+    if (link->jobs.empty()) link->jobs_from = 0;  // not a Post's
     link->jobs.push_back(std::move(job));
     link->cv.SignalAll();
     return true;
