@@ -1,5 +1,7 @@
 #include "engine/completion_pump.h"
 
+#include <thread>
+
 namespace kvferry {
 namespace engine_internal {
 
@@ -13,7 +15,7 @@ bool CompletionPump::Claim() {
 void CompletionPump::Leave() {
   MutexLock lock(&mu_);
   driving_ = false;
-  ++epoch_;
+  epoch_.fetch_add(1);
   cv_.SignalAll();
 }
 
@@ -27,18 +29,14 @@ bool CompletionPump::TryDrive(absl::FunctionRef<void()> drive) {
 void CompletionPump::Wake() {
   if (sleepers_.load(std::memory_order_acquire) == 0) return;
   MutexLock lock(&mu_);
-  ++epoch_;
+  epoch_.fetch_add(1);
   cv_.SignalAll();
 }
 
 bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
                            absl::FunctionRef<void(absl::Time)> drive) {
   for (;;) {
-    uint64_t seen;
-    {
-      MutexLock lock(&mu_);
-      seen = epoch_;
-    }
+    const uint64_t seen = epoch_.load();
     // Counted as a sleeper before looking, so a Wake after the look is not
     // lost: it either sees the count or bumps the epoch checked below.
     sleepers_.fetch_add(1, std::memory_order_acq_rel);
@@ -50,27 +48,41 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
       sleepers_.fetch_sub(1, std::memory_order_acq_rel);
       return false;
     }
-    bool claimed = false;
+    bool claimed = false, another_drives = false;
     {
       MutexLock lock(&mu_);
-      if (epoch_ != seen) {
+      if (epoch_.load() != seen) {
         // Something finished (or a driver left) since ready() looked: look
         // again before driving, or the new driver would wait in the
         // transport for completions that were already delivered.
       } else if (!driving_) {
         driving_ = claimed = true;
       } else {
-        // Real time: another thread drives, and only real threads sleep.
-        cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return epoch_ != seen;
-        });
+        another_drives = true;
       }
     }
-    sleepers_.fetch_sub(1, std::memory_order_acq_rel);
-    if (claimed) {
-      drive(deadline);
-      Leave();
+    if (another_drives) {
+      // Real time: only real threads wait for another. A completion usually
+      // comes within microseconds: look for a while before sleeping (a
+      // sleep and its wake-up cost more than that).
+      const absl::Time spin_until = FastNow() + kSpin;
+      while (epoch_.load() == seen && FastNow() < spin_until) std::this_thread::yield();
+      MutexLock lock(&mu_);
+      cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return epoch_.load() != seen;
+      });
     }
+    sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+    if (!claimed) continue;
+    // Drives until its own wait is over; hands over only then (a hand-over
+    // per transport wait would wake the others for nothing).
+    bool is_ready = false;
+    do {
+      drive(deadline);
+      is_ready = ready();
+    } while (!is_ready && clock_->Now() < deadline);
+    Leave();
+    return is_ready;
   }
 }
 

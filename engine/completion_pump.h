@@ -1,8 +1,9 @@
 // Who drives the transport's completions. Threads waiting for their batches
 // take turns: one at a time (the driver) waits in the transport and
-// delivers every completion it gets; the others sleep until something they
-// wait for finishes (Wake) or the driver leaves, and one of them takes over.
-// No thread sleeps on a timer while its batch is done.
+// delivers every completion it gets, until its own wait is over; the others
+// look for ~20 us, then sleep until something finishes (Wake) or the driver
+// leaves, and one of them takes over. No thread sleeps on a timer while its
+// batch is done.
 #ifndef KVFERRY_ENGINE_COMPLETION_PUMP_H_
 #define KVFERRY_ENGINE_COMPLETION_PUMP_H_
 
@@ -36,11 +37,15 @@ class CompletionPump {
  private:
   bool Claim();
   void Leave();
+  // How long a waiter whose batch another thread drives looks before it
+  // sleeps.
+  static constexpr absl::Duration kSpin = absl::Microseconds(20);
   Clock* const clock_;
   Mutex mu_;
   CondVar cv_;
   bool driving_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by Wake and Leave
+  // Bumped (under mu_) by Wake and Leave; read without it while spinning.
+  std::atomic<uint64_t> epoch_{0};
   std::atomic<int> sleepers_{0};
 };
 
