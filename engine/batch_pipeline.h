@@ -121,6 +121,17 @@ class BatchPipeline {
   // at most every peer_timeout / 4.
   void CheckPeers(absl::Time now);
   void ProbeResult(SegmentId id, const std::string& peer, const absl::StatusOr<uint64_t>& answer);
+  // A failed link whose NIC pair is tried again: every peer_timeout / 4 at
+  // most, once its slices have moved off it.
+  struct Repair {
+    SegmentId segment = 0;
+    uint64_t generation = 0;
+    std::string peer;
+    Link old;
+    transport::NicInfo peer_nic;
+  };
+  void FindRepairs(absl::Time now, std::vector<Repair>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RepairLink(const Repair& r);
 
   // batch_pipeline.cc
   absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer) const;

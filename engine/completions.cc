@@ -71,7 +71,10 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
   // peer's keys may have changed.
   bool healthy = false;
   for (Link& l : seg.links) {
-    if (l.id == s->link) l.failed = true;
+    if (l.id == s->link && !l.failed) {
+      l.failed = true;
+      l.failed_at = now;
+    }
     healthy = healthy || !l.failed;
   }
   ++seg.metrics.retries;

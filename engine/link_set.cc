@@ -21,26 +21,31 @@ uint64_t Weight(const transport::NicInfo& a, const transport::NicInfo& b) {
   return std::max<uint64_t>(1, mbps);
 }
 
-// One link between `local_nic` and the peer's `remote_nic`.
-absl::StatusOr<Link> ConnectOne(transport::Transport* transport, const PeerClient& client,
-                                uint64_t engine_id, const std::string& peer,
-                                const transport::EndpointDescription& local,
-                                const handshake::EngineDescriptor& d, Link link) {
+}  // namespace
+
+absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClient& client,
+                                 uint64_t engine_id, const std::string& peer,
+                                 const transport::NicInfo& local_nic_info,
+                                 const transport::NicInfo& peer_nic_info, Link link) {
   ASSIGN_OR_RETURN(transport::LinkOffer offer,
-                   transport->CreateLink(link.local_nic, d.nics[link.remote_nic]));
-  absl::StatusOr<std::string> params =
-      client.Connect(peer, handshake::ConnectRequest{engine_id, link.local_nic,
-                                                     local.nics[link.local_nic], link.remote_nic,
-                                                     offer.params});
+                   transport->CreateLink(link.local_nic, peer_nic_info));
+  absl::StatusOr<std::string> params = client.Connect(
+      peer, handshake::ConnectRequest{engine_id, link.local_nic, local_nic_info, link.remote_nic,
+                                      offer.params});
   absl::Status done = params.ok() ? transport->CompleteLink(offer.link, *params) : params.status();
   if (!done.ok()) {
     (void)transport->CloseLink(offer.link);
     return done;
   }
   link.id = offer.link;
-  link.weight = Weight(local.nics[link.local_nic], d.nics[link.remote_nic]);
+  link.weight = Weight(local_nic_info, peer_nic_info);
+  link.failed = false;
+  link.repairing = false;
+  link.inflight = 0;
   return link;
 }
+
+namespace {
 
 bool Unreachable(const absl::Status& s) {
   return s.code() == absl::StatusCode::kUnavailable ||
@@ -72,7 +77,9 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
                          ? *routed
                          : static_cast<NicIndex>(k % local.nics.size());
     link.progress = now;
-    absl::StatusOr<Link> made = ConnectOne(transport, client, engine_id, peer, local, d, link);
+    absl::StatusOr<Link> made = ConnectLink(transport, client, engine_id, peer,
+                                            local.nics[link.local_nic], d.nics[link.remote_nic],
+                                            link);
     if (made.ok()) {
       links.push_back(*made);
       continue;

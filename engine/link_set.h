@@ -26,6 +26,8 @@ struct Link {
   uint64_t weight = 1;
   uint32_t inflight = 0;  // slices posted and not yet completed
   bool failed = false;    // an error completion came: no new slices
+  absl::Time failed_at;   // when it failed (its NIC pair is tried again later)
+  bool repairing = false;  // a new link for its NIC pair is being built
   // Last sign of life: a completion, or the post that made it busy.
   absl::Time progress;
 };
@@ -38,6 +40,14 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
                                                const std::string& peer,
                                                const handshake::EngineDescriptor& d,
                                                uint32_t links_per_peer, absl::Time now);
+
+// One link from `link.local_nic` to the peer's `link.remote_nic` (the other
+// fields of `link` are kept); kUnavailable etc. from the handshake or the
+// transport, nothing left open on failure.
+absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClient& client,
+                                 uint64_t engine_id, const std::string& peer,
+                                 const transport::NicInfo& local_nic_info,
+                                 const transport::NicInfo& peer_nic_info, Link link);
 
 // The link a slice should go on: among links that are not failed and have
 // fewer than `capacity` slices in flight, the one with the fewest in flight

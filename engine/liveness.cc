@@ -14,12 +14,14 @@ void BatchPipeline::CheckPeers(absl::Time now) {
   if (absl::ToUnixNanos(now) < next_peer_check_ns_.load(std::memory_order_relaxed)) return;
   const absl::Duration half = config_.peer_timeout / 2;
   std::vector<std::pair<SegmentId, std::string>> silent;
+  std::vector<Repair> repairs;
   {
     MutexLock lock(&mu_);
     if (absl::ToUnixNanos(now) < next_peer_check_ns_.load(std::memory_order_relaxed)) return;
     next_peer_check_ns_.store(absl::ToUnixNanos(now + config_.peer_timeout / 4),
                               std::memory_order_relaxed);
     ExpireIdle(now);
+    FindRepairs(now, &repairs);
     segments_.ForEach([&](SegmentId id, Segment& seg) {
       if (seg.probing || seg.state == SegmentState::kRefreshing) return;
       for (const Link& l : seg.links) {
@@ -33,6 +35,52 @@ void BatchPipeline::CheckPeers(absl::Time now) {
     });
   }
   for (const auto& [id, peer] : silent) ProbeResult(id, peer, client_->Probe(peer, half));
+  for (const Repair& r : repairs) RepairLink(r);
+}
+
+void BatchPipeline::FindRepairs(absl::Time now, std::vector<Repair>* out) {
+  const absl::Duration interval = config_.peer_timeout / 4;
+  segments_.ForEach([&](SegmentId id, Segment& seg) {
+    if (seg.state != SegmentState::kReady || seg.probing) return;
+    for (Link& l : seg.links) {
+      if (!l.failed || l.repairing || l.inflight > 0 || now - l.failed_at < interval ||
+          l.remote_nic >= seg.descriptor.nics.size()) {
+        continue;
+      }
+      l.repairing = true;
+      out->push_back(Repair{id, seg.generation, seg.peer, l, seg.descriptor.nics[l.remote_nic]});
+    }
+  });
+}
+
+void BatchPipeline::RepairLink(const Repair& r) {
+  const transport::NicInfo local = transport_->LocalEndpoint().nics.at(r.old.local_nic);
+  absl::StatusOr<Link> made =
+      ConnectLink(transport_, *client_, engine_id_, r.peer, local, r.peer_nic, r.old);
+  MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  Segment* seg = segments_.Find(r.segment);
+  Link* old = nullptr;
+  if (seg != nullptr && seg->generation == r.generation) {
+    for (Link& l : seg->links) {
+      if (l.id == r.old.id) old = &l;
+    }
+  }
+  if (old == nullptr) {  // the segment was refreshed or closed meanwhile
+    if (made.ok()) (void)transport_->CloseLink(made->id);
+    return;
+  }
+  if (!made.ok()) {
+    old->repairing = false;
+    old->failed_at = now;  // again after another interval
+    return;
+  }
+  KVF_LOG(INFO) << "peer " << r.peer << ": local NIC " << r.old.local_nic << " to peer NIC "
+                << r.old.remote_nic << " rebuilt and back in use";
+  (void)transport_->CloseLink(old->id);  // nothing in flight on it
+  *old = *made;
+  old->progress = now;
+  ++counters_.links_repaired;
 }
 
 void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,

@@ -156,6 +156,7 @@ struct EngineCounters {
   uint64_t handshakes_refused = 0;  // requests without the secret (auth.h)
   uint64_t reconnects = 0;          // segments whose links were rebuilt
   uint64_t link_failovers = 0;      // slices moved off a failed link
+  uint64_t links_repaired = 0;      // failed links rebuilt on their NIC pair later
   uint64_t probes = 0;              // peers probed for silence
   uint64_t probes_failed = 0;       // ... that did not answer
 };

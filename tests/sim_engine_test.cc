@@ -277,5 +277,54 @@ TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
   EXPECT_EQ((*prefill)->GetNicCounters()[1].slices, nic1_before);
 }
 
+TEST(SimEngineStriping, ANicThatComesBackIsUsedAgain) {
+  SimWorld w(23);
+  const int a = w.AddMultiNicHost({0, 0});
+  const int b = w.AddMultiNicHost({0, 0});
+  auto prefill = w.StartEngine(a);
+  auto decode = w.StartEngine(b);
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  const size_t kBlock = 16 << 10, kCount = 128;
+  std::vector<char> src(kCount * kBlock), dst(kCount * kBlock, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 31 + (i >> 11));
+  ASSERT_TRUE((*prefill)->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE((*decode)->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = (*prefill)->OpenSegment((*decode)->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::vector<TransferRequest> reqs;
+  for (size_t i = 0; i < kCount; ++i) {
+    reqs.push_back({Opcode::kWrite, src.data() + i * kBlock,
+                    reinterpret_cast<uintptr_t>(dst.data()) + i * kBlock, kBlock});
+  }
+  auto move_all = [&] {
+    std::fill(dst.begin(), dst.end(), 0);
+    auto batch = (*prefill)->Submit(*seg, reqs);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    auto st = (*prefill)->Wait(*batch, absl::Seconds(1));
+    ASSERT_TRUE(st.ok() && st->ok());
+    EXPECT_EQ(src, dst);
+  };
+  // NIC 1 goes down mid-batch: its slices move to NIC 0.
+  auto batch = (*prefill)->Submit(*seg, reqs);
+  ASSERT_TRUE(batch.ok());
+  w.sched().RunUntil(w.sched().now() + sim::ToSimTime(absl::Microseconds(20)));
+  w.fabric().SetNicUp(w.data_nic(a, 1), false);
+  auto st = (*prefill)->Wait(*batch, absl::Seconds(1));
+  ASSERT_TRUE(st.ok() && st->ok());
+  ASSERT_GT((*prefill)->GetCounters().link_failovers, 0u);
+  move_all();  // NIC 0 alone
+  const uint64_t nic1_down = (*prefill)->GetNicCounters()[1].slices;
+  EXPECT_EQ((*prefill)->GetCounters().links_repaired, 0u);
+  // It comes back; after the repair interval (peer_timeout / 4) a batch
+  // finds the failed link rebuilt on NIC 1 and the next uses it.
+  w.fabric().SetNicUp(w.data_nic(a, 1), true);
+  w.sched().RunUntil(w.sched().now() + sim::ToSimTime(absl::Seconds(3)));
+  move_all();
+  move_all();
+  EXPECT_EQ((*prefill)->GetCounters().links_repaired, 1u);
+  EXPECT_EQ((*prefill)->GetCounters().reconnects, 0u) << "the healthy link was torn down";
+  EXPECT_GT((*prefill)->GetNicCounters()[1].slices, nic1_down);
+}
+
 }  // namespace
 }  // namespace kvferry
