@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "base/status_macros.h"
 #include "transport/checks.h"
+#include "transport/link_params.h"
 
 namespace kvferry {
 namespace transport {
@@ -24,18 +25,22 @@ constexpr absl::string_view kAddressPrefix = "sim-nic:";
 constexpr uint8_t kRequest = 1;
 constexpr uint8_t kResponse = 2;
 
+// As transport/link_params.h encodes them.
+enum : uint8_t { kQpnField = 1, kNicField = 2 };
+
 std::string EncodeParams(uint64_t qpn, sim::NicId nic) {
-  std::string out(12, '\0');
-  std::memcpy(&out[0], &qpn, 8);
-  std::memcpy(&out[8], &nic, 4);
-  return out;
+  return LinkParams("sim").Put(kQpnField, qpn).Put(kNicField, nic).Encode();
 }
 
 bool DecodeParams(absl::string_view in, uint64_t* qpn, sim::NicId* nic) {
-  if (in.size() != 12) return false;
-  std::memcpy(qpn, in.data(), 8);
-  std::memcpy(nic, in.data() + 8, 4);
-  return *qpn != 0;
+  absl::StatusOr<LinkParams> p = LinkParams::Decode(in, "sim");
+  if (!p.ok()) return false;
+  absl::StatusOr<uint64_t> q = p->Get(kQpnField, "QP number");
+  absl::StatusOr<uint64_t> n = p->Get(kNicField, "NIC");
+  if (!q.ok() || !n.ok() || *q == 0 || *n > UINT32_MAX) return false;
+  *qpn = *q;
+  *nic = static_cast<sim::NicId>(*n);
+  return true;
 }
 
 }  // namespace

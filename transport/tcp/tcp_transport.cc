@@ -23,6 +23,7 @@
 #include "base/status_macros.h"
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
+#include "transport/link_params.h"
 #include "transport/id_window.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -190,19 +191,22 @@ absl::Status Drain(int fd, uint64_t n) {
   return absl::OkStatus();
 }
 
-// Link parameters: the pairing token and the transport's in-process key
-// (0: no shortcut).
-constexpr size_t kLinkParamBytes = 16;
-std::string LinkParams(uint64_t token, uint64_t key) {
-  std::string s(kLinkParamBytes, '\0');
-  std::memcpy(&s[0], &token, 8);
-  std::memcpy(&s[8], &key, 8);
-  return s;
+// Link parameters (transport/link_params.h): the pairing token and the
+// transport's in-process key (0: no shortcut).
+enum : uint8_t { kTokenField = 1, kKeyField = 2 };
+std::string EncodeLinkParams(uint64_t token, uint64_t key) {
+  return LinkParams("tcp").Put(kTokenField, token).Put(kKeyField, key).Encode();
 }
-uint64_t ParamWord(absl::string_view params, int i) {
-  uint64_t v;
-  std::memcpy(&v, params.data() + 8 * i, 8);
-  return v;
+struct PeerParams {
+  uint64_t token = 0;
+  uint64_t key = 0;
+};
+absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes) {
+  ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, "tcp"));
+  PeerParams out;
+  ASSIGN_OR_RETURN(out.token, p.Get(kTokenField, "pairing token"));
+  ASSIGN_OR_RETURN(out.key, p.Get(kKeyField, "in-process key"));
+  return out;
 }
 
 class TcpTransport final : public Transport {
@@ -533,7 +537,7 @@ absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
   MutexLock lock(&mu_);
   link->id = ++last_link_;
   links_[link->id] = link;
-  return LinkOffer{link->id, LinkParams(token, key_)};
+  return LinkOffer{link->id, EncodeLinkParams(token, key_)};
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
@@ -543,10 +547,9 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   if (local_nic != 0) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
   }
-  if (peer_params.size() != kLinkParamBytes) {
-    return absl::InvalidArgumentError("AcceptLink: malformed link parameters");
-  }
-  const uint64_t token = ParamWord(peer_params, 0);
+  absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
+  if (!params.ok()) return Annotate(params.status(), "AcceptLink");
+  const uint64_t token = params->token;
   ReapDeadPassiveLinks();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   auto link = std::make_shared<Link>();
@@ -563,14 +566,14 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     link->id = ++last_link_;
     link->state = Link::State::kEstablished;
     link->passive = true;
-    if (key_ != 0) link->peer_key = InProcessKey(ParamWord(peer_params, 1));
+    if (key_ != 0) link->peer_key = InProcessKey(params->key);
     links_[link->id] = link;
   }
   (void)net::SetNoDelay(link->fd.get());
   (void)net::SetKeepAlive(link->fd.get(), options_.dead_peer_timeout);
   link->reader = std::thread([this, link] { ReaderLoop(link); });
   link->writer = std::thread([this, link] { WriterLoop(link); });
-  return LinkOffer{link->id, LinkParams(token, key_)};
+  return LinkOffer{link->id, EncodeLinkParams(token, key_)};
 }
 
 absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
@@ -583,11 +586,13 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     if (link->state != Link::State::kPending) {
       return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
     }
-    if (peer_params.size() != kLinkParamBytes || ParamWord(peer_params, 0) != link->token) {
-      return absl::InvalidArgumentError("CompleteLink: malformed link parameters");
+    absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
+    if (!params.ok()) return Annotate(params.status(), "CompleteLink");
+    if (params->token != link->token) {
+      return absl::InvalidArgumentError("CompleteLink: the peer answered for another link");
     }
     link->state = Link::State::kEstablished;
-    if (key_ != 0) link->peer_key = InProcessKey(ParamWord(peer_params, 1));
+    if (key_ != 0) link->peer_key = InProcessKey(params->key);
   }
   link->reader = std::thread([this, link] { ReaderLoop(link); });
   link->writer = std::thread([this, link] { WriterLoop(link); });

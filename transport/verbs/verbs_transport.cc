@@ -26,6 +26,7 @@
 #include "net/socket.h"
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
+#include "transport/link_params.h"
 #include "transport/verbs/ibv.h"
 #include "transport/verbs/route.h"
 
@@ -70,16 +71,38 @@ struct Params {
   uint32_t mtu = 0;  // enum ibv_mtu
 };
 
+// As transport/link_params.h encodes them.
+enum : uint8_t { kQpnField = 1, kPsnField = 2, kLidField = 3, kGidField = 4, kMtuField = 5 };
+
 std::string EncodeParams(const Params& p) {
-  std::string s(sizeof p, '\0');
-  std::memcpy(&s[0], &p, sizeof p);
-  return s;
+  return LinkParams("verbs")
+      .Put(kQpnField, p.qpn)
+      .Put(kPsnField, p.psn)
+      .Put(kLidField, p.lid)
+      .PutBytes(kGidField, absl::string_view(reinterpret_cast<const char*>(p.gid), 16))
+      .Put(kMtuField, p.mtu)
+      .Encode();
 }
 
-bool DecodeParams(absl::string_view s, Params* p) {
-  if (s.size() != sizeof *p) return false;
-  std::memcpy(p, s.data(), sizeof *p);
-  return p->qpn != 0 && p->mtu >= IBV_MTU_256 && p->mtu <= IBV_MTU_4096;
+absl::StatusOr<Params> DecodeParams(absl::string_view bytes) {
+  ASSIGN_OR_RETURN(LinkParams in, LinkParams::Decode(bytes, "verbs"));
+  Params p;
+  ASSIGN_OR_RETURN(uint64_t qpn, in.Get(kQpnField, "QP number"));
+  ASSIGN_OR_RETURN(uint64_t psn, in.Get(kPsnField, "PSN"));
+  ASSIGN_OR_RETURN(uint64_t lid, in.Get(kLidField, "LID"));
+  ASSIGN_OR_RETURN(std::string gid, in.GetBytes(kGidField, 16, "GID"));
+  ASSIGN_OR_RETURN(uint64_t mtu, in.Get(kMtuField, "MTU"));
+  if (qpn == 0 || qpn > 0xffffff || psn > 0xffffff || lid > 0xffff || mtu < IBV_MTU_256 ||
+      mtu > IBV_MTU_4096) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "link parameters out of range: QP %#x, PSN %#x, LID %u, MTU enum %u", qpn, psn, lid, mtu));
+  }
+  p.qpn = static_cast<uint32_t>(qpn);
+  p.psn = static_cast<uint32_t>(psn);
+  p.lid = static_cast<uint16_t>(lid);
+  std::memcpy(p.gid, gid.data(), 16);
+  p.mtu = static_cast<uint32_t>(mtu);
+  return p;
 }
 
 class VerbsTransport final : public Transport {
@@ -489,10 +512,9 @@ absl::StatusOr<LinkOffer> VerbsTransport::CreateLink(NicIndex local_nic, const N
 absl::StatusOr<LinkOffer> VerbsTransport::AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
                                                      absl::string_view peer_params) {
   RETURN_IF_ERROR(CheckPeerNic(peer_nic));
-  Params peer;
-  if (!DecodeParams(peer_params, &peer)) {
-    return absl::InvalidArgumentError("AcceptLink: malformed link parameters");
-  }
+  absl::StatusOr<Params> decoded = DecodeParams(peer_params);
+  if (!decoded.ok()) return Annotate(decoded.status(), "AcceptLink");
+  const Params& peer = *decoded;
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Link * link, NewLink(local_nic));
   absl::Status ready = ToRtr(*link, peer);
@@ -512,10 +534,9 @@ absl::Status VerbsTransport::CompleteLink(LinkId id, absl::string_view peer_para
   if (link.state != Link::State::kInit) {
     return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
   }
-  Params peer;
-  if (!DecodeParams(peer_params, &peer)) {
-    return absl::InvalidArgumentError("CompleteLink: malformed link parameters");
-  }
+  absl::StatusOr<Params> decoded = DecodeParams(peer_params);
+  if (!decoded.ok()) return Annotate(decoded.status(), "CompleteLink");
+  const Params& peer = *decoded;
   RETURN_IF_ERROR(ToRtr(link, peer));
   return ToRts(link);
 }
