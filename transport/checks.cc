@@ -66,16 +66,15 @@ absl::Status CheckRemoteAccess(const Region& r, Opcode opcode, uint64_t addr,
   return absl::OkStatus();
 }
 
-absl::Status CheckLinkUsable(LinkId link, LinkUse use) {
-  switch (use) {
-    case LinkUse::kUnknown:
-      return absl::InvalidArgumentError(absl::StrCat("unknown link ", link));
-    case LinkUse::kNotEstablished:
+absl::Status CheckLinkUsable(LinkId link, const LinkState* state) {
+  if (state == nullptr) return absl::InvalidArgumentError(absl::StrCat("unknown link ", link));
+  switch (*state) {
+    case LinkState::kPending:
       return absl::FailedPreconditionError(absl::StrCat("link ", link, " is not established"));
-    case LinkUse::kInError:
+    case LinkState::kError:
       return absl::FailedPreconditionError(
           absl::StrCat("link ", link, " is in the error state; open a new one"));
-    case LinkUse::kReady:
+    case LinkState::kReady:
       break;
   }
   return absl::OkStatus();

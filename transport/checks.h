@@ -38,11 +38,14 @@ absl::Status CheckRemoteAccess(const Region& region, Opcode opcode, uint64_t add
 // kPermissionDenied for a key that names no region.
 absl::Status UnknownKeyError(RemoteKey key);
 
-// What a link is, as far as Post cares.
-enum class LinkUse { kUnknown, kNotEstablished, kInError, kReady };
-// Post's check of the link a request names: kInvalidArgument for an
-// unknown link, kFailedPrecondition for one not established or in error.
-absl::Status CheckLinkUsable(LinkId link, LinkUse use);
+// A link's state, the same in every transport: set up but not yet
+// established (CreateLink done, CompleteLink not), established, or in error
+// (RC semantics: no more requests on it; close it).
+enum class LinkState { kPending, kReady, kError };
+// Post's check of the link a request names (`state` null: no such link):
+// kInvalidArgument for an unknown link, kFailedPrecondition for one not
+// established or in error.
+absl::Status CheckLinkUsable(LinkId link, const LinkState* state);
 
 }  // namespace transport
 }  // namespace kvferry

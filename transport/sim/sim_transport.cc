@@ -83,7 +83,7 @@ struct SimTransport::Segment {
 };
 
 struct SimTransport::Link {
-  enum class State { kPending, kEstablished, kError };
+  using State = LinkState;  // transport/checks.h
   LinkId id = 0;
   NicIndex local_nic = 0;
   sim::NicId remote_nic = 0;
@@ -290,7 +290,7 @@ absl::StatusOr<LinkOffer> SimTransport::AcceptLink(
   }
   Link& link = NewLink(local_nic, remote);
   link.remote_qpn = remote_qpn;
-  link.state = Link::State::kEstablished;
+  link.state = Link::State::kReady;
   return LinkOffer{link.id, EncodeParams(link.qpn, options_.nics[local_nic])};
 }
 
@@ -312,7 +312,7 @@ absl::Status SimTransport::CompleteLink(LinkId id,
     return absl::InvalidArgumentError("CompleteLink: malformed link parameters");
   }
   link.remote_qpn = remote_qpn;
-  link.state = Link::State::kEstablished;
+  link.state = Link::State::kReady;
   return absl::OkStatus();
 }
 
@@ -333,11 +333,7 @@ absl::Status SimTransport::CloseLink(LinkId id) {
 
 absl::Status SimTransport::ValidateRequest(const WorkRequest& wr) const {
   auto link = links_.find(wr.link);
-  RETURN_IF_ERROR(CheckLinkUsable(
-      wr.link, link == links_.end()                              ? LinkUse::kUnknown
-               : link->second->state == Link::State::kPending ? LinkUse::kNotEstablished
-               : link->second->state == Link::State::kError   ? LinkUse::kInError
-                                                               : LinkUse::kReady));
+  RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
   auto region = regions_.find(wr.local_region);
   if (region == regions_.end()) {
     return absl::InvalidArgumentError(
@@ -411,7 +407,7 @@ void SimTransport::OnTimer(LinkId id, uint64_t generation) {
   Link& link = *it->second;
   if (link.timer_generation != generation) return;
   link.timer_at = -1;
-  if (link.segments.empty() || link.state != Link::State::kEstablished) return;
+  if (link.segments.empty() || link.state != Link::State::kReady) return;
   const SimTime now = sched_->now();
   if (link.progressed) {
     // Answers are still flowing: nothing is declared lost while the peer
@@ -475,7 +471,7 @@ void SimTransport::OnMessage(NicIndex nic, sim::Message&& msg) {
   auto it = links_by_qpn_.find(h.dst_qpn);
   if (it == links_by_qpn_.end()) return;  // stale QP (e.g. before a restart)
   Link& link = *it->second;
-  if (link.state != Link::State::kEstablished || link.local_nic != nic ||
+  if (link.state != Link::State::kReady || link.local_nic != nic ||
       link.remote_qpn != h.src_qpn || link.remote_nic != msg.from) {
     return;
   }

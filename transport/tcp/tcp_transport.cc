@@ -248,7 +248,7 @@ class TcpTransport final : public Transport {
     bool close_after = false;    // the responder refused: close the connection
   };
   struct Link {
-    enum class State { kPending, kEstablished, kError };
+    using State = LinkState;  // transport/checks.h
     LinkId id = 0;
     // The peer's in-process key when it lives in this process (shortcut).
     uint64_t peer_key = 0;
@@ -564,7 +564,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     link->fd = std::move(node.mapped().fd);
     link->token = token;
     link->id = ++last_link_;
-    link->state = Link::State::kEstablished;
+    link->state = Link::State::kReady;
     link->passive = true;
     if (key_ != 0) link->peer_key = InProcessKey(params->key);
     links_[link->id] = link;
@@ -591,7 +591,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     if (params->token != link->token) {
       return absl::InvalidArgumentError("CompleteLink: the peer answered for another link");
     }
-    link->state = Link::State::kEstablished;
+    link->state = Link::State::kReady;
     if (key_ != 0) link->peer_key = InProcessKey(params->key);
   }
   link->reader = std::thread([this, link] { ReaderLoop(link); });
@@ -650,11 +650,7 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
 
 absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
   auto link = links_.find(wr.link);
-  RETURN_IF_ERROR(CheckLinkUsable(
-      wr.link, link == links_.end()                              ? LinkUse::kUnknown
-               : link->second->state == Link::State::kPending ? LinkUse::kNotEstablished
-               : link->second->state == Link::State::kError   ? LinkUse::kInError
-                                                               : LinkUse::kReady));
+  RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
   auto region = regions_.find(wr.local_region);
   if (region == regions_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));

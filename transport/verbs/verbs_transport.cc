@@ -152,12 +152,12 @@ class VerbsTransport final : public Transport {
     uint64_t local_uses = 0;
   };
   struct Link {
-    enum class State { kInit, kReady, kError };
+    using State = LinkState;  // transport/checks.h
     LinkId id = 0;
     NicIndex nic = 0;
     ibv::Qp qp;
     uint32_t psn = 0;
-    State state = State::kInit;
+    State state = State::kPending;
     size_t outstanding = 0;
     uint32_t max_inline = 0;  // what the QP accepts inline
     // Selective signaling: only the last work request of each chain is
@@ -531,7 +531,7 @@ absl::Status VerbsTransport::CompleteLink(LinkId id, absl::string_view peer_para
   auto it = links_.find(id);
   if (it == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
   Link& link = *it->second;
-  if (link.state != Link::State::kInit) {
+  if (link.state != Link::State::kPending) {
     return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
   }
   absl::StatusOr<Params> decoded = DecodeParams(peer_params);
@@ -564,11 +564,7 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   MutexLock lock(&mu_);
   for (const WorkRequest& wr : batch) {
     auto link = links_.find(wr.link);
-    RETURN_IF_ERROR(CheckLinkUsable(
-        wr.link, link == links_.end()                            ? LinkUse::kUnknown
-                 : link->second->state == Link::State::kInit  ? LinkUse::kNotEstablished
-                 : link->second->state == Link::State::kError ? LinkUse::kInError
-                                                              : LinkUse::kReady));
+    RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
     auto region = regions_.find(wr.local_region);
     if (region == regions_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
