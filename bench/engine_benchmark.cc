@@ -206,7 +206,12 @@ void BM_EngineControlPathThreads(benchmark::State& state) {
     b = NullEngine();
     (void)a->RegisterMemory(&fake_local, kBlock * 64);
     (void)b->RegisterMemory(&fake_remote, kBlock * 64);
-    seg = *a->OpenSegment(b->address());
+    absl::StatusOr<SegmentId> opened = a->OpenSegment(b->address());
+    if (!opened.ok()) {
+      state.SkipWithError("cannot open the segment");
+      return;
+    }
+    seg = *opened;
   }
   // The threads' loops start together, after thread 0's setup above (the
   // engines are kept until the next run sets up: no thread uses them then).

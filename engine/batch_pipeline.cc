@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
 
@@ -12,34 +13,97 @@ namespace kvferry {
 namespace engine_internal {
 
 BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
-                             transport::Transport* transport, const LocalRegions* regions,
-                             const PeerClient* client, Clock* clock)
+                             std::vector<transport::Transport*> transports,
+                             const LocalRegions* regions, const PeerClient* client, Clock* clock)
     : config_(config),
       engine_id_(engine_id),
-      transport_(transport),
       regions_(regions),
       client_(client),
       clock_(clock),
-      link_capacity_(std::max<uint32_t>(1, transport->GetLimits().max_outstanding_per_link)),
       pump_(clock) {
-  for (const transport::NicInfo& nic : transport_->LocalEndpoint().nics) {
-    nic_counters_.push_back(NicCounters{nic.name, 0, 0});
+  for (transport::Transport* t : transports) {
+    const transport::EndpointDescription endpoint = t->LocalEndpoint();
+    Via v;
+    v.transport = t;
+    v.kind = endpoint.kind;
+    v.link_capacity = std::max<uint32_t>(1, t->GetLimits().max_outstanding_per_link);
+    v.nic_offset = nic_counters_.size();
+    for (const transport::NicInfo& nic : endpoint.nics) {
+      nic_counters_.push_back(NicCounters{nic.name, 0, 0});
+    }
+    vias_.push_back(std::move(v));
+  }
+  if (vias_.size() > 1) {
+    for (Via& v : vias_) {
+      v.transport->SetCompletionNotifier([this] {
+        MutexLock lock(&event_mu_);
+        ++events_;
+        event_cv_.SignalAll();
+      });
+    }
   }
 }
 
-absl::StatusOr<handshake::EngineDescriptor> BatchPipeline::Describe(
-    const std::string& peer) const {
-  ASSIGN_OR_RETURN(handshake::EngineDescriptor d, client_->Describe(peer));
-  const std::string mine = transport_->LocalEndpoint().kind;
-  if (d.transport_kind != mine) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "peer ", peer, " uses the ", d.transport_kind, " transport; this engine uses ", mine));
+BatchPipeline::~BatchPipeline() {
+  // The transports outlive the pipeline: no notifier may run after this.
+  if (vias_.size() > 1) {
+    for (Via& v : vias_) v.transport->SetCompletionNotifier(nullptr);
   }
-  return d;
 }
 
-void BatchPipeline::CloseLinks(const std::vector<Link>& links) const {
-  for (const Link& l : links) (void)transport_->CloseLink(l.id);
+void BatchPipeline::CloseLinks(size_t via, const std::vector<Link>& links) const {
+  for (const Link& l : links) (void)vias_[via].transport->CloseLink(l.id);
+}
+
+absl::StatusOr<BatchPipeline::Path> BatchPipeline::Connect(const std::string& peer, size_t via,
+                                                           handshake::EngineDescriptor d) const {
+  Path p;
+  p.via = via;
+  ASSIGN_OR_RETURN(p.links, ConnectLinks(vias_[via].transport, *client_, engine_id_, peer, d,
+                                         config_.links_per_peer, clock_->Now()));
+  p.descriptor = std::move(d);
+  return p;
+}
+
+// The best transport both ends have: this engine's primary if the peer's
+// primary is of the same kind and its links come up; else a transport of
+// this engine that the peer also has (asked for by kind).
+absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string& peer) const {
+  ASSIGN_OR_RETURN(handshake::EngineDescriptor theirs, client_->Describe(peer));
+  const std::string their_kind = theirs.transport_kind;
+  absl::Status primary_failed;
+  if (their_kind == vias_[0].kind) {
+    absl::StatusOr<Path> p = Connect(peer, 0, std::move(theirs));
+    if (p.ok() || vias_.size() == 1) {
+      if (p.ok()) p->why = absl::StrCat("both ends have ", vias_[0].kind);
+      return p;
+    }
+    primary_failed = p.status();
+  }
+  for (size_t via = 0; via < vias_.size(); ++via) {
+    if (!primary_failed.ok() && via == 0) continue;
+    absl::StatusOr<handshake::EngineDescriptor> d =
+        vias_[via].kind == their_kind && primary_failed.ok()
+            ? absl::StatusOr<handshake::EngineDescriptor>(theirs)
+            : client_->Describe(peer, vias_[via].kind);
+    // The peer has no such transport (an older peer answers with its
+    // primary whatever is asked).
+    if (!d.ok() || d->transport_kind != vias_[via].kind) continue;
+    absl::StatusOr<Path> p = Connect(peer, via, std::move(*d));
+    if (!p.ok()) return p.status();
+    p->why = !primary_failed.ok()
+                 ? absl::StrCat(vias_[0].kind, " links to the peer failed (",
+                                primary_failed.message(), "); fell back to ", vias_[via].kind)
+                 : absl::StrCat("the peer's primary transport is ", their_kind, "; both ends have ",
+                                vias_[via].kind);
+    return p;
+  }
+  if (!primary_failed.ok()) return primary_failed;
+  std::vector<std::string> mine;
+  for (const Via& v : vias_) mine.push_back(v.kind);
+  return absl::FailedPreconditionError(absl::StrCat("peer ", peer, " uses the ", their_kind,
+                                                    " transport; this engine has ",
+                                                    absl::StrJoin(mine, " and ")));
 }
 
 absl::StatusOr<SegmentId> BatchPipeline::Open(const std::string& peer) {
@@ -52,30 +116,32 @@ absl::StatusOr<SegmentId> BatchPipeline::Open(const std::string& peer) {
     }
     ExpireIdle(now);
   }
-  ASSIGN_OR_RETURN(handshake::EngineDescriptor d, Describe(peer));
-  ASSIGN_OR_RETURN(std::vector<Link> links, ConnectLinks(transport_, *client_, engine_id_, peer, d,
-                                                         config_.links_per_peer, now));
+  ASSIGN_OR_RETURN(Path path, ChoosePath(peer));
   MutexLock lock(&mu_);
   if (SegmentId id = segments_.ByPeer(peer); id != 0) {  // another thread won the race
-    CloseLinks(links);
+    CloseLinks(path.via, path.links);
     return id;
   }
   Segment seg;
   seg.peer = peer;
   seg.metrics.peer = peer;
-  seg.descriptor = std::move(d);
-  seg.links = std::move(links);
+  seg.metrics.transport = vias_[path.via].kind;
+  seg.metrics.transport_reason = path.why;
+  seg.via = path.via;
+  seg.descriptor = std::move(path.descriptor);
+  seg.links = std::move(path.links);
   seg.last_used = now;
   const SegmentId id = segments_.Add(std::move(seg));
   const Segment& s = *segments_.Find(id);
   KVF_LOG(INFO) << "opened segment " << id << " to " << peer << ": "
                 << s.descriptor.regions.size() << " region(s), " << s.links.size()
-                << " link(s) over " << s.descriptor.transport_kind;
+                << " link(s) over " << s.descriptor.transport_kind << " (" << path.why << ")";
   return id;
 }
 
 absl::Status BatchPipeline::Close(SegmentId id) {
   std::vector<Link> links;
+  size_t via = 0;
   {
     MutexLock lock(&mu_);
     Segment* seg = segments_.Find(id);
@@ -86,10 +152,11 @@ absl::Status BatchPipeline::Close(SegmentId id) {
           " slice(s) in flight); wait for its batches first"));
     }
     links = std::move(seg->links);
+    via = seg->via;
     KVF_LOG(INFO) << "closed segment " << id << " to " << seg->peer;
     segments_.Remove(id);
   }
-  CloseLinks(links);
+  CloseLinks(via, links);
   return absl::OkStatus();
 }
 
@@ -103,7 +170,7 @@ void BatchPipeline::ExpireIdle(absl::Time now) {
     }
     KVF_LOG(INFO) << "segment " << id << " to " << seg.peer << " idle for "
                   << absl::FormatDuration(now - seg.last_used) << ": links closed";
-    CloseLinks(seg.links);  // no slice in flight: nothing completes
+    CloseLinks(seg.via, seg.links);  // no slice in flight: nothing completes
     seg.links.clear();
     seg.state = SegmentState::kStale;
   });
@@ -150,25 +217,28 @@ absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_g
     seg->state = SegmentState::kRefreshing;
     peer = seg->peer;
   }
-  absl::StatusOr<handshake::EngineDescriptor> d = Describe(peer);
-  absl::StatusOr<std::vector<Link>> links =
-      d.ok() ? ConnectLinks(transport_, *client_, engine_id_, peer, *d, config_.links_per_peer,
-                            clock_->Now())
-             : absl::StatusOr<std::vector<Link>>(d.status());
+  absl::StatusOr<Path> path = ChoosePath(peer);
   MutexLock lock(&mu_);
   Segment& seg = *segments_.Find(id);  // not closed: Close refuses while refreshing
   refreshed_.SignalAll();
-  if (!links.ok()) {
+  if (!path.ok()) {
     seg.state = SegmentState::kStale;
-    return links.status();
+    return path.status();
   }
-  *changed = d->engine_id != seg.descriptor.engine_id;
+  *changed = path->descriptor.engine_id != seg.descriptor.engine_id;
   if (*changed) {
     KVF_LOG(INFO) << "peer " << peer << " restarted (new engine id); descriptor refreshed";
   }
-  CloseLinks(seg.links);
-  seg.descriptor = std::move(*d);
-  seg.links = std::move(*links);
+  if (path->via != seg.via) {
+    KVF_LOG(INFO) << "peer " << peer << " now over " << vias_[path->via].kind << " ("
+                  << path->why << ")";
+  }
+  CloseLinks(seg.via, seg.links);
+  seg.via = path->via;
+  seg.metrics.transport = vias_[path->via].kind;
+  seg.metrics.transport_reason = path->why;
+  seg.descriptor = std::move(path->descriptor);
+  seg.links = std::move(path->links);
   seg.state = SegmentState::kReady;
   seg.dead = absl::OkStatus();
   ++seg.generation;

@@ -46,12 +46,19 @@ struct PipelineConfig {
 
 class BatchPipeline {
  public:
-  // Every pointer outlives the pipeline.
-  BatchPipeline(PipelineConfig config, uint64_t engine_id, transport::Transport* transport,
-                const LocalRegions* regions, const PeerClient* client, Clock* clock);
+  // Every pointer outlives the pipeline. `transports`: the primary first,
+  // then the fallback, if any (LocalRegions' order); each peer goes over the
+  // best one both ends have (see Open).
+  BatchPipeline(PipelineConfig config, uint64_t engine_id,
+                std::vector<transport::Transport*> transports, const LocalRegions* regions,
+                const PeerClient* client, Clock* clock);
+  ~BatchPipeline();
 
   // ---- segments (batch_pipeline.cc)
-  // `peer` in canonical "host:port" form.
+  // `peer` in canonical "host:port" form. The segment goes over this
+  // engine's primary transport when the peer has the same kind and links
+  // can be built, else over the fallback (TCP) if both have it; the choice
+  // and its reason are logged and kept in the peer's metrics.
   absl::StatusOr<SegmentId> Open(const std::string& peer);
   absl::Status Close(SegmentId id);
   absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> Regions(SegmentId id) const;
@@ -94,8 +101,9 @@ class BatchPipeline {
   // backlog. `now`: the caller's reading of the clock.
   absl::Status PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now);
   // Assigns links to the slices under the lock; false when no link is usable.
+  // `via`: the transport the work requests are for.
   bool AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                 std::vector<transport::WorkRequest>* wrs, absl::Status* bad);
+                 std::vector<transport::WorkRequest>* wrs, absl::Status* bad, size_t* via);
   bool AssignLink(Segment& seg, Slice& slice, transport::WorkRequest* wr, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unassign(const Slice& slice, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -126,6 +134,7 @@ class BatchPipeline {
   struct Repair {
     SegmentId segment = 0;
     uint64_t generation = 0;
+    size_t via = 0;
     std::string peer;
     Link old;
     transport::NicInfo peer_nic;
@@ -134,18 +143,40 @@ class BatchPipeline {
   void RepairLink(const Repair& r);
 
   // batch_pipeline.cc
-  absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer) const;
+  // A transport of this engine.
+  struct Via {
+    transport::Transport* transport = nullptr;
+    std::string kind;
+    uint32_t link_capacity = 1;
+    size_t nic_offset = 0;  // its NICs' first index in nic_counters_
+  };
+  // Which transport a peer goes over, its descriptor for it, the links.
+  struct Path {
+    size_t via = 0;
+    handshake::EngineDescriptor descriptor;
+    std::vector<Link> links;
+    std::string why;
+  };
+  absl::StatusOr<Path> ChoosePath(const std::string& peer) const;
+  absl::StatusOr<Path> Connect(const std::string& peer, size_t via,
+                               handshake::EngineDescriptor d) const;
   void ExpireIdle(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CloseLinks(const std::vector<Link>& links) const;
+  void CloseLinks(size_t via, const std::vector<Link>& links) const;
+  // Waits up to `timeout` for completions on every transport.
+  size_t WaitAll(absl::Span<transport::Completion> out, absl::Duration timeout);
 
   const PipelineConfig config_;
   const uint64_t engine_id_;
-  transport::Transport* const transport_;
+  std::vector<Via> vias_;
   const LocalRegions* const regions_;
   const PeerClient* const client_;
   Clock* const clock_;
-  const uint32_t link_capacity_;
   CompletionPump pump_;
+  // With several transports: their notifiers count completions here, and
+  // the pump's driver waits on it instead of inside one transport.
+  Mutex event_mu_;
+  CondVar event_cv_;
+  uint64_t events_ ABSL_GUARDED_BY(event_mu_) = 0;
 
   mutable Mutex mu_;
   CondVar refreshed_;  // a refresh finished

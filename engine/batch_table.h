@@ -30,7 +30,7 @@ struct Slice {
   uint32_t retries_left = 0;
   uint64_t generation = 0;    // of the segment's links it was last posted on
   transport::LinkId link = 0;  // the link it was last posted on (0: none)
-  transport::NicIndex nic = 0;  // that link's local NIC
+  size_t nic = 0;  // that link's local NIC, as an index of the engine's NIC counters
   absl::Status last_error;
 };
 

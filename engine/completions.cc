@@ -130,6 +130,29 @@ void BatchPipeline::RefreshAndRepost() {
   }
 }
 
+size_t BatchPipeline::WaitAll(absl::Span<Completion> out, absl::Duration timeout) {
+  if (vias_.size() == 1) return vias_[0].transport->WaitCompletions(out, timeout);
+  uint64_t seen;
+  {
+    MutexLock lock(&event_mu_);
+    seen = events_;
+  }
+  auto poll = [&] {
+    size_t n = 0;
+    for (const Via& v : vias_) n += v.transport->PollCompletions(out.subspan(n));
+    return n;
+  };
+  size_t n = poll();
+  if (n > 0 || timeout <= absl::ZeroDuration()) return n;
+  {
+    // The transports' notifiers bump events_ after queueing completions.
+    MutexLock lock(&event_mu_);
+    event_cv_.AwaitWithDeadline(&event_mu_, FastNow() + timeout,
+                                [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return events_ != seen; });
+  }
+  return poll();
+}
+
 void BatchPipeline::Pump(absl::Duration timeout) {
   // A per-thread buffer: 64 completions built and destroyed on every call
   // were a sixth of the cost of a one-request batch. Only the pump's driver
@@ -137,7 +160,7 @@ void BatchPipeline::Pump(absl::Duration timeout) {
   constexpr size_t kDone = 64;
   thread_local std::unique_ptr<Completion[]> buffer(new Completion[kDone]);
   Completion* done = buffer.get();
-  const size_t n = transport_->WaitCompletions(absl::MakeSpan(done, kDone), timeout);
+  const size_t n = WaitAll(absl::MakeSpan(done, kDone), timeout);
   const absl::Time now = clock_->Now();  // one reading for every completion
   bool retries;
   {

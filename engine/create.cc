@@ -131,20 +131,27 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOpt
   Detection& d = decision.detection;
   KVF_LOG(INFO) << "advertising " << d.host << " (" << d.host_reason << ")";
   KVF_LOG(INFO) << "transport " << d.transport << " (" << d.transport_reason << ")";
-  std::unique_ptr<transport::Transport> data;
-  if (d.transport == "rdma") {
-    transport::VerbsTransportOptions v;
-    v.ports = decision.ports;
-    ASSIGN_OR_RETURN(data, transport::CreateVerbsTransport(v));
-  } else {
+  auto tcp = [&]() {
     transport::TcpTransportOptions t;
     t.bind_host = d.bind_host;
     t.advertise_host = d.host;
     t.connect_timeout = options.connect_timeout;
-    ASSIGN_OR_RETURN(data, transport::CreateTcpTransport(t));
-  }
+    return transport::CreateTcpTransport(t);
+  };
   EngineParts parts;
-  parts.transport = std::move(data);
+  if (d.transport == "rdma") {
+    transport::VerbsTransportOptions v;
+    v.ports = decision.ports;
+    ASSIGN_OR_RETURN(parts.transport, transport::CreateVerbsTransport(v));
+    if (options.transport == "auto") {
+      // Peers without RDMA, or whose RDMA path cannot be set up, over TCP.
+      ASSIGN_OR_RETURN(parts.fallback, tcp());
+      absl::StrAppend(&d.transport_reason, "; TCP beside it for peers RDMA cannot reach");
+      KVF_LOG(INFO) << "tcp beside rdma, for peers without RDMA or whose RDMA path fails";
+    }
+  } else {
+    ASSIGN_OR_RETURN(parts.transport, tcp());
+  }
   parts.network = handshake::NewTcpNetwork();
   parts.detection = std::move(d);
   if (!decision.ports.empty()) {

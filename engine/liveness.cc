@@ -48,26 +48,27 @@ void BatchPipeline::FindRepairs(absl::Time now, std::vector<Repair>* out) {
         continue;
       }
       l.repairing = true;
-      out->push_back(Repair{id, seg.generation, seg.peer, l, seg.descriptor.nics[l.remote_nic]});
+      out->push_back(
+          Repair{id, seg.generation, seg.via, seg.peer, l, seg.descriptor.nics[l.remote_nic]});
     }
   });
 }
 
 void BatchPipeline::RepairLink(const Repair& r) {
-  const transport::NicInfo local = transport_->LocalEndpoint().nics.at(r.old.local_nic);
-  absl::StatusOr<Link> made =
-      ConnectLink(transport_, *client_, engine_id_, r.peer, local, r.peer_nic, r.old);
+  transport::Transport* t = vias_[r.via].transport;
+  const transport::NicInfo local = t->LocalEndpoint().nics.at(r.old.local_nic);
+  absl::StatusOr<Link> made = ConnectLink(t, *client_, engine_id_, r.peer, local, r.peer_nic, r.old);
   MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   Segment* seg = segments_.Find(r.segment);
   Link* old = nullptr;
-  if (seg != nullptr && seg->generation == r.generation) {
+  if (seg != nullptr && seg->generation == r.generation && seg->via == r.via) {
     for (Link& l : seg->links) {
       if (l.id == r.old.id) old = &l;
     }
   }
   if (old == nullptr) {  // the segment was refreshed or closed meanwhile
-    if (made.ok()) (void)transport_->CloseLink(made->id);
+    if (made.ok()) (void)t->CloseLink(made->id);
     return;
   }
   if (!made.ok()) {
@@ -77,7 +78,7 @@ void BatchPipeline::RepairLink(const Repair& r) {
   }
   KVF_LOG(INFO) << "peer " << r.peer << ": local NIC " << r.old.local_nic << " to peer NIC "
                 << r.old.remote_nic << " rebuilt and back in use";
-  (void)transport_->CloseLink(old->id);  // nothing in flight on it
+  (void)t->CloseLink(old->id);  // nothing in flight on it
   *old = *made;
   old->progress = now;
   ++counters_.links_repaired;
@@ -86,6 +87,7 @@ void BatchPipeline::RepairLink(const Repair& r) {
 void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
                                 const absl::StatusOr<uint64_t>& answer) {
   std::vector<transport::LinkId> close;
+  size_t via = 0;
   {
     MutexLock lock(&mu_);
     ++counters_.probes;
@@ -112,6 +114,7 @@ void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
     // slices (kCancelled), which then fail with `dead` or are retried on
     // the restarted peer. Waiting slices of the backlog fail likewise.
     if (seg.state != SegmentState::kRefreshing) seg.state = SegmentState::kStale;
+    via = seg.via;
     for (Link& l : seg.links) {
       l.failed = true;
       close.push_back(l.id);
@@ -123,7 +126,7 @@ void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
       for (uint64_t sid : backlog) FinishSlice(sid, seg.dead, now);
     }
   }
-  for (transport::LinkId l : close) (void)transport_->CloseLink(l);
+  for (transport::LinkId l : close) (void)vias_[via].transport->CloseLink(l);
 }
 
 }  // namespace engine_internal

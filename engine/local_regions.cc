@@ -18,46 +18,66 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
     MutexLock lock(&mu_);
     auto next = by_addr_.lower_bound(base);
     const bool overlaps_next = next != by_addr_.end() && next->first - base < length;
-    const bool overlaps_prev = next != by_addr_.begin() &&
-                               std::prev(next)->first + std::prev(next)->second.region.length > base;
+    const bool overlaps_prev =
+        next != by_addr_.begin() && std::prev(next)->first + std::prev(next)->second.length > base;
     if (overlaps_next || overlaps_prev) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "RegisterMemory: [%#x, +%u) overlaps a registered region", base, length));
     }
-    // Reserved (id 0) so that a concurrent overlapping Register fails.
+    // Reserved (no regions yet) so that a concurrent overlapping Register fails.
     Entry& e = by_addr_[base];
-    e.region.addr = base;
-    e.region.length = length;
+    e.length = length;
+    e.access = access;
   }
-  absl::StatusOr<transport::Region> region = transport_->RegisterMemory(addr, length, access);
+  std::vector<transport::Region> regions;
+  absl::Status failed;
+  for (transport::Transport* t : transports_) {
+    absl::StatusOr<transport::Region> r = t->RegisterMemory(addr, length, access);
+    if (!r.ok()) {
+      failed = r.status();
+      break;
+    }
+    regions.push_back(std::move(*r));
+  }
+  if (!failed.ok()) {
+    for (size_t i = 0; i < regions.size(); ++i) (void)transports_[i]->UnregisterMemory(regions[i].id);
+  }
   MutexLock lock(&mu_);
-  if (!region.ok()) {
+  if (!failed.ok()) {
     by_addr_.erase(base);
-    return region.status();
+    return failed;
   }
   Entry& e = by_addr_[base];
-  e.region = std::move(*region);
+  e.regions = std::move(regions);
   e.near = near;
   return absl::OkStatus();
 }
 
 absl::Status LocalRegions::Unregister(void* addr) {
   const uint64_t base = reinterpret_cast<uintptr_t>(addr);
-  transport::RegionId id;
+  std::vector<transport::RegionId> ids;
   {
     MutexLock lock(&mu_);
     auto it = by_addr_.find(base);
-    if (it == by_addr_.end() || it->second.region.id == 0) {
+    if (it == by_addr_.end() || it->second.regions.empty()) {
       return absl::NotFoundError(absl::StrFormat("no registered region starts at %p", addr));
     }
-    id = it->second.region.id;
+    for (const transport::Region& r : it->second.regions) ids.push_back(r.id);
   }
-  // Outside the lock: the transport may wait for peer writes in progress.
-  absl::Status st = transport_->UnregisterMemory(id);
-  if (!st.ok()) return st;
+  // Outside the lock: a transport may wait for peer writes in progress.
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] == 0) continue;  // gone there already (an earlier call)
+    absl::Status st = transports_[i]->UnregisterMemory(ids[i]);
+    if (!st.ok()) return st;
+    MutexLock lock(&mu_);
+    auto it = by_addr_.find(base);
+    if (it != by_addr_.end() && it->second.regions[i].id == ids[i]) it->second.regions[i].id = 0;
+  }
   MutexLock lock(&mu_);
   auto it = by_addr_.find(base);
-  if (it != by_addr_.end() && it->second.region.id == id) by_addr_.erase(it);
+  if (it != by_addr_.end() && !it->second.regions.empty() && it->second.regions[0].id == 0) {
+    by_addr_.erase(it);
+  }
   return absl::OkStatus();
 }
 
@@ -68,9 +88,13 @@ absl::StatusOr<LocalUse> LocalRegions::Find(const void* addr, uint64_t length) c
   if (it != by_addr_.begin()) {
     --it;
     const Entry& e = it->second;
-    if (e.region.id != 0 && length > 0 &&
-        transport::RangeInside(a, length, e.region.addr, e.region.length)) {
-      return LocalUse{e.region.id, e.near};
+    if (e.usable() && length > 0 && transport::RangeInside(a, length, it->first, e.length)) {
+      LocalUse use;
+      for (size_t i = 0; i < e.regions.size() && i < kMaxTransports; ++i) {
+        use.region[i] = e.regions[i].id;
+      }
+      use.near = e.near;
+      return use;
     }
   }
   return absl::InvalidArgumentError(absl::StrFormat(
@@ -78,12 +102,13 @@ absl::StatusOr<LocalUse> LocalRegions::Find(const void* addr, uint64_t length) c
       length == 0 ? "empty" : "not inside memory registered on this engine"));
 }
 
-std::vector<handshake::RegionDescriptor> LocalRegions::Advertised() const {
+std::vector<handshake::RegionDescriptor> LocalRegions::Advertised(size_t index) const {
   std::vector<handshake::RegionDescriptor> out;
   MutexLock lock(&mu_);
   for (const auto& [addr, e] : by_addr_) {
-    const transport::Region& r = e.region;
-    if (r.id == 0 || r.access == transport::Access::kNone) continue;  // private: never advertised
+    if (!e.usable() || index >= e.regions.size()) continue;
+    const transport::Region& r = e.regions[index];
+    if (r.access == transport::Access::kNone) continue;  // private: never advertised
     out.push_back(handshake::RegionDescriptor{r.addr, r.length, r.access, r.keys});
   }
   return out;

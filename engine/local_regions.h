@@ -1,9 +1,12 @@
 // The engine's registered memory: which local ranges requests may use, their
-// transport regions, and which local NICs are near each of them. Owns its
-// state and its lock; the transport registers outside the lock.
+// regions on each of the engine's transports (the primary one and a TCP
+// fallback, see EngineParts::fallback), and which local NICs of the primary
+// transport are near each of them. Owns its state and its lock; the
+// transports register outside the lock.
 #ifndef KVFERRY_ENGINE_LOCAL_REGIONS_H_
 #define KVFERRY_ENGINE_LOCAL_REGIONS_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <vector>
@@ -21,34 +24,51 @@ namespace engine_internal {
 // the 64th are never preferred).
 using NicMask = uint64_t;
 
+// Transports an engine holds at most: the primary and a fallback.
+constexpr size_t kMaxTransports = 2;
+
 // A local buffer as a request uses it.
 struct LocalUse {
-  transport::RegionId region = 0;
-  NicMask near = 0;
+  std::array<transport::RegionId, kMaxTransports> region{};  // per transport
+  NicMask near = 0;  // NICs of the primary transport
 };
 
 class LocalRegions {
  public:
-  explicit LocalRegions(transport::Transport* transport) : transport_(transport) {}
+  // `transports`: the primary first; they outlive this.
+  explicit LocalRegions(std::vector<transport::Transport*> transports)
+      : transports_(std::move(transports)) {}
 
-  // Registers [addr, +length) with the transport. kInvalidArgument for a
-  // null or empty range or one that overlaps a region (even one still being
-  // registered by another thread).
+  // Registers [addr, +length) with every transport (all or none).
+  // kInvalidArgument for a null or empty range or one that overlaps a
+  // region (even one still being registered by another thread).
   absl::Status Register(void* addr, uint64_t length, transport::Access access, NicMask near);
-  // kNotFound when no region starts at `addr`; the transport's error (e.g.
-  // kFailedPrecondition while requests use it) leaves it registered.
+  // kNotFound when no region starts at `addr`; a transport's error (e.g.
+  // kFailedPrecondition while requests use it) leaves it registered there,
+  // unusable for new requests, and a later call finishes the job.
   absl::Status Unregister(void* addr);
   // The region holding [addr, +length), or kInvalidArgument.
   absl::StatusOr<LocalUse> Find(const void* addr, uint64_t length) const;
-  // The regions peers may use, for the descriptor.
-  std::vector<handshake::RegionDescriptor> Advertised() const;
+  // The regions peers may use through transport `index`, for its descriptor.
+  std::vector<handshake::RegionDescriptor> Advertised(size_t index) const;
 
  private:
   struct Entry {
-    transport::Region region;  // id 0 while the transport registers it
+    uint64_t length = 0;
+    transport::Access access = transport::Access::kNone;
+    // Per transport; empty while they register it, an id 0 once one
+    // unregistered it.
+    std::vector<transport::Region> regions;
     NicMask near = 0;
+    bool usable() const {
+      if (regions.empty()) return false;
+      for (const transport::Region& r : regions) {
+        if (r.id == 0) return false;
+      }
+      return true;
+    }
   };
-  transport::Transport* const transport_;
+  const std::vector<transport::Transport*> transports_;
   mutable Mutex mu_;
   std::map<uint64_t, Entry> by_addr_ ABSL_GUARDED_BY(mu_);
 };

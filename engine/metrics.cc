@@ -93,6 +93,12 @@ std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
     w.Family(c.name, "counter", c.help);
     for (const PeerMetrics& p : m.peers) w.Sample(c.name, Label("peer", p.peer), p.*c.field);
   }
+  w.Family("kvferry_peer_transport", "gauge",
+           "1 for the transport each peer's data goes over (why: the engine's log).");
+  for (const PeerMetrics& p : m.peers) {
+    w.Sample("kvferry_peer_transport", Label("peer", p.peer) + "," + Label("transport", p.transport),
+             1);
+  }
   w.Family("kvferry_bytes_total", "counter", "Bytes moved by successful requests.");
   for (const PeerMetrics& p : m.peers) {
     w.Sample("kvferry_bytes_total", Label("peer", p.peer) + ",op=\"write\"", p.bytes_written);

@@ -38,6 +38,8 @@ class LatencyHistogram {
 
 struct PeerMetrics {
   std::string peer;                  // "host:port"
+  std::string transport;             // the kind its data goes over ("verbs", "tcp", ...)
+  std::string transport_reason;      // why that one
   uint64_t requests = 0;             // submitted
   uint64_t requests_ok = 0;          // ... that succeeded
   uint64_t bytes_written = 0;        // by successful WRITE requests

@@ -101,6 +101,7 @@ TEST(Metrics, EndpointServesCountersThatMoveWithTraffic) {
     ASSERT_TRUE((*a)->Wait(*batch, absl::Seconds(10))->ok());
     const std::string text = Get((*a)->metrics_address(), "/metrics");
     EXPECT_EQ(Sample(text, "kvferry_requests_total" + peer + "}"), round * kCount);
+    EXPECT_EQ(Sample(text, "kvferry_peer_transport" + peer + ",transport=\"tcp\"}"), 1);
     EXPECT_EQ(Sample(text, "kvferry_requests_ok_total" + peer + "}"), round * kCount);
     EXPECT_EQ(Sample(text, "kvferry_bytes_total" + peer + ",op=\"write\"}"),
               round * kCount * kBlock);

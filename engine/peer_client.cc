@@ -24,8 +24,9 @@ absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request,
   return reply;
 }
 
-absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::string& peer) const {
-  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kDescribe, ""},
+absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::string& peer,
+                                                                 const std::string& kind) const {
+  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kDescribe, kind},
                                      MessageType::kDescriptor, timeout_));
   ASSIGN_OR_RETURN(handshake::EngineDescriptor d, handshake::DecodeDescriptor(reply.payload));
   std::sort(d.regions.begin(), d.regions.end(),

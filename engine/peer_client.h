@@ -22,8 +22,10 @@ class PeerClient {
   PeerClient(handshake::Network* network, uint64_t engine_id, absl::Duration timeout)
       : network_(network), engine_id_(engine_id), timeout_(timeout) {}
 
-  // The peer's descriptor, regions sorted by address.
-  absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer) const;
+  // The peer's descriptor for its transport of `kind` (empty: its primary),
+  // regions sorted by address.
+  absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer,
+                                                       const std::string& kind = "") const;
   // Asks the peer to accept a link; returns its link parameters.
   absl::StatusOr<std::string> Connect(const std::string& peer,
                                       const handshake::ConnectRequest& request) const;

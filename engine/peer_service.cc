@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "transport/link_params.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -13,24 +14,37 @@ using handshake::ErrorFrame;
 using handshake::Frame;
 using handshake::MessageType;
 
-handshake::EngineDescriptor PeerService::Describe() const {
-  const transport::EndpointDescription endpoint = transport_->LocalEndpoint();
-  handshake::EngineDescriptor d;
-  d.engine_id = engine_id_;
-  d.transport_kind = endpoint.kind;
-  d.nics = endpoint.nics;
-  d.regions = regions_->Advertised();
-  return d;
+absl::StatusOr<handshake::EngineDescriptor> PeerService::Describe(absl::string_view kind) const {
+  for (size_t i = 0; i < transports_.size(); ++i) {
+    transport::EndpointDescription endpoint = transports_[i]->LocalEndpoint();
+    if (!kind.empty() && endpoint.kind != kind) continue;
+    handshake::EngineDescriptor d;
+    d.engine_id = engine_id_;
+    d.transport_kind = endpoint.kind;
+    d.nics = std::move(endpoint.nics);
+    d.regions = regions_->Advertised(i);
+    return d;
+  }
+  return absl::NotFoundError(absl::StrCat("this engine has no ", kind, " transport"));
 }
 
 Frame PeerService::Connect(const Frame& request) {
   absl::StatusOr<handshake::ConnectRequest> c = handshake::DecodeConnectRequest(request.payload);
   if (!c.ok()) return ErrorFrame(c.status());
-  absl::StatusOr<transport::LinkOffer> offer =
-      transport_->AcceptLink(c->target_nic, c->requester_nic_info, c->params);
-  if (!offer.ok()) return ErrorFrame(offer.status());
-  return Frame{MessageType::kConnectReply,
-               handshake::Encode(handshake::ConnectReply{offer->params})};
+  // With several transports, the link parameters say which one made them
+  // (transport/link_params.h); with one, it is that one whatever its format.
+  absl::StatusOr<std::string> kind = transport::LinkParams::KindOf(c->params);
+  if (transports_.size() > 1 && !kind.ok()) return ErrorFrame(kind.status());
+  for (transport::Transport* t : transports_) {
+    if (transports_.size() > 1 && t->LocalEndpoint().kind != *kind) continue;
+    absl::StatusOr<transport::LinkOffer> offer =
+        t->AcceptLink(c->target_nic, c->requester_nic_info, c->params);
+    if (!offer.ok()) return ErrorFrame(offer.status());
+    return Frame{MessageType::kConnectReply,
+                 handshake::Encode(handshake::ConnectReply{offer->params})};
+  }
+  return ErrorFrame(absl::FailedPreconditionError(
+      absl::StrCat("this engine has no ", *kind, " transport to accept the link")));
 }
 
 Frame PeerService::Notify(const Frame& request) {
@@ -48,8 +62,15 @@ Frame PeerService::Notify(const Frame& request) {
 
 Frame PeerService::Handle(const Frame& request) {
   switch (request.type) {
-    case MessageType::kDescribe:
-      return Frame{MessageType::kDescriptor, handshake::Encode(Describe())};
+    case MessageType::kDescribe: {
+      // The payload names the transport asked for (empty: the primary).
+      if (request.payload.size() > 16) {
+        return ErrorFrame(absl::InvalidArgumentError("describe: transport name too long"));
+      }
+      absl::StatusOr<handshake::EngineDescriptor> d = Describe(request.payload);
+      if (!d.ok()) return ErrorFrame(d.status());
+      return Frame{MessageType::kDescriptor, handshake::Encode(*d)};
+    }
     case MessageType::kConnect:
       return Connect(request);
     case MessageType::kNotify:

@@ -6,6 +6,7 @@
 #define KVFERRY_ENGINE_PEER_SERVICE_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "engine/local_regions.h"
 #include "engine/notifications.h"
@@ -18,16 +19,19 @@ namespace engine_internal {
 
 class PeerService {
  public:
-  PeerService(uint64_t engine_id, transport::Transport* transport, const LocalRegions* regions,
-              Inbox* inbox, const MetadataStore* metadata)
+  // `transports`: the primary first (LocalRegions' order).
+  PeerService(uint64_t engine_id, std::vector<transport::Transport*> transports,
+              const LocalRegions* regions, Inbox* inbox, const MetadataStore* metadata)
       : engine_id_(engine_id),
-        transport_(transport),
+        transports_(std::move(transports)),
         regions_(regions),
         inbox_(inbox),
         metadata_(metadata) {}
 
-  // This engine as peers see it: NICs and the regions they may use.
-  handshake::EngineDescriptor Describe() const;
+  // This engine as peers see it through the transport of `kind` (empty:
+  // the primary): NICs and the regions they may use. kNotFound when this
+  // engine has no such transport.
+  absl::StatusOr<handshake::EngineDescriptor> Describe(absl::string_view kind) const;
   // Answers one request (an error frame for anything malformed).
   handshake::Frame Handle(const handshake::Frame& request);
 
@@ -36,7 +40,7 @@ class PeerService {
   handshake::Frame Notify(const handshake::Frame& request);
 
   const uint64_t engine_id_;
-  transport::Transport* const transport_;
+  const std::vector<transport::Transport*> transports_;
   const LocalRegions* const regions_;
   Inbox* const inbox_;
   const MetadataStore* const metadata_;

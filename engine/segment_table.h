@@ -31,6 +31,7 @@ struct Segment {
   std::string peer;
   handshake::EngineDescriptor descriptor;  // regions sorted by address
   std::vector<Link> links;
+  size_t via = 0;           // the engine's transport it goes over (BatchPipeline::Via)
   SegmentState state = SegmentState::kReady;
   uint64_t generation = 0;  // bumped by every refresh
   bool probing = false;     // a liveness probe is out

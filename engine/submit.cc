@@ -134,21 +134,24 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
 }
 
 bool BatchPipeline::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl::Time now) {
-  Link* best = ChooseLink(seg.links, slice.local_use.near, link_capacity_);
+  const Via& via = vias_[seg.via];
+  // Near NICs are the primary transport's.
+  Link* best = ChooseLink(seg.links, seg.via == 0 ? slice.local_use.near : 0, via.link_capacity);
   if (best == nullptr) return false;
   if (best->inflight++ == 0) best->progress = now;
-  if (best->local_nic < nic_counters_.size()) {
-    ++nic_counters_[best->local_nic].slices;
-    nic_counters_[best->local_nic].bytes += slice.length;
+  const size_t nic = via.nic_offset + best->local_nic;
+  if (nic < nic_counters_.size()) {
+    ++nic_counters_[nic].slices;
+    nic_counters_[nic].bytes += slice.length;
   }
   ++seg.metrics.slices;
   const handshake::RegionDescriptor& r = *seg.FindRemote(slice.remote);
   slice.generation = seg.generation;
   slice.link = best->id;
-  slice.nic = best->local_nic;
+  slice.nic = static_cast<transport::NicIndex>(nic);
   wr->opcode = slice.opcode;
   wr->link = best->id;
-  wr->local_region = slice.local_use.region;
+  wr->local_region = slice.local_use.region[seg.via];
   wr->local_addr = slice.local;
   wr->length = slice.length;
   wr->remote_addr = slice.remote;
@@ -171,9 +174,10 @@ void BatchPipeline::Unassign(const Slice& slice, absl::Time now) {
 // against the descriptor and assigns links (or the backlog). False when the
 // segment has no usable link; `bad` gets a check's error.
 bool BatchPipeline::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                              std::vector<WorkRequest>* wrs, absl::Status* bad) {
+                              std::vector<WorkRequest>* wrs, absl::Status* bad, size_t* via) {
   MutexLock lock(&mu_);
   Segment& seg = *segments_.Find(id);  // a segment with slices is never removed
+  *via = seg.via;
   bool usable = false;
   for (const Link& l : seg.links) usable = usable || !l.failed;
   // With every link failed, slices would wait for room that never comes.
@@ -231,7 +235,8 @@ absl::Status BatchPipeline::PostSlices(SegmentId id, absl::Span<const uint64_t> 
     Scratch<WorkRequest> wrs_scratch;
     std::vector<WorkRequest>& wrs = *wrs_scratch;
     absl::Status bad;
-    if (!AssignAll(id, ids, now, &wrs, &bad)) {
+    size_t via = 0;
+    if (!AssignAll(id, ids, now, &wrs, &bad, &via)) {
       // Every link failed: rebuild them once (a dead peer fails the slices).
       bool changed;
       absl::Status refreshed =
@@ -245,7 +250,7 @@ absl::Status BatchPipeline::PostSlices(SegmentId id, absl::Span<const uint64_t> 
       FailAll(ids, refreshed, /*after_retry=*/true);
       return refreshed;
     }
-    absl::Status posted = bad.ok() ? transport_->Post(wrs) : bad;
+    absl::Status posted = bad.ok() ? vias_[via].transport->Post(wrs) : bad;
     if (posted.ok()) return absl::OkStatus();
     {
       MutexLock lock(&mu_);

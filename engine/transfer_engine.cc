@@ -79,16 +79,17 @@ class TransferEngine::Impl {
   Impl(EngineOptions options, EngineParts parts)
       : options_(std::move(options)),
         transport_(std::move(parts.transport)),
+        fallback_(std::move(parts.fallback)),
         network_(std::move(parts.network)),
         detection_(std::move(parts.detection)),
         clock_(parts.clock != nullptr ? parts.clock : RealClock()),
         engine_id_(parts.engine_id != 0 ? parts.engine_id : net::RandomU64()),
         near_nics_(std::move(parts.near_nics)),
-        regions_(transport_.get()),
+        regions_(Transports()),
         inbox_(std::move(parts.wait)),
         client_(network_.get(), engine_id_, options_.handshake_timeout),
-        service_(engine_id_, transport_.get(), &regions_, &inbox_, &metadata_),
-        pipeline_(ConfigOf(options_), engine_id_, transport_.get(), &regions_, &client_, clock_) {
+        service_(engine_id_, Transports(), &regions_, &inbox_, &metadata_),
+        pipeline_(ConfigOf(options_), engine_id_, Transports(), &regions_, &client_, clock_) {
     if (!near_nics_) {
       near_nics_ = [t = transport_.get()](const std::string& location) {
         return absl::StatusOr<std::vector<NicIndex>>(SameNumaNode(*t, location));
@@ -161,13 +162,25 @@ class TransferEngine::Impl {
     c.handshakes_refused = auth_ == nullptr ? 0 : auth_->rejected();
     return c;
   }
-  std::vector<transport::NicInfo> LocalNics() const { return transport_->LocalEndpoint().nics; }
+  std::vector<transport::Transport*> Transports() const {
+    std::vector<transport::Transport*> out = {transport_.get()};
+    if (fallback_ != nullptr) out.push_back(fallback_.get());
+    return out;
+  }
+  std::vector<transport::NicInfo> LocalNics() const {
+    std::vector<transport::NicInfo> out;
+    for (transport::Transport* t : Transports()) {
+      for (transport::NicInfo& nic : t->LocalEndpoint().nics) out.push_back(std::move(nic));
+    }
+    return out;
+  }
   std::string metrics_address() const {
     return metrics_server_ == nullptr ? "" : metrics_server_->address();
   }
 
   const EngineOptions options_;
   const std::unique_ptr<transport::Transport> transport_;
+  const std::unique_ptr<transport::Transport> fallback_;  // may be null
   const std::unique_ptr<handshake::Network> network_;
   Detection detection_;
   Clock* const clock_;

@@ -132,6 +132,11 @@ struct Notification {
 // Parts an engine is assembled from; Create builds the real ones.
 struct EngineParts {
   std::unique_ptr<transport::Transport> transport;
+  // A second transport for peers the first cannot reach (Create makes a
+  // TCP one beside RDMA); null: none. Each peer goes over the best one both
+  // ends have: `transport` if the peer's primary is of its kind and links
+  // come up, else this one (the choice and why: log and GetMetrics()).
+  std::unique_ptr<transport::Transport> fallback;
   std::unique_ptr<handshake::Network> network;
   Detection detection;
   // The engine's id in descriptors and notifications; 0: a random one.
@@ -261,7 +266,8 @@ class TransferEngine {
   absl::StatusOr<std::string> FetchMetadata(SegmentId segment, const std::string& key);
 
   // Notifications received so far (and removes them), or waits for one.
-  // Per local NIC, in the transport's order.
+  // Per local NIC: the primary transport's in its order, then the
+  // fallback's (EngineParts::fallback).
   std::vector<NicCounters> GetNicCounters() const;
   EngineCounters GetCounters() const;
   // Counters per peer and per NIC, latency histograms (metrics.h).

@@ -1,5 +1,6 @@
 #include "engine/transfer_engine.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -561,6 +562,54 @@ TEST(TransferEngine, MoreSlicesThanLinksCanHoldWaitTheirTurn) {
 
 // CloseSegment, idle segments and threads waiting on their own batches:
 // engine/testing/engine_conformance.cc, on every transport.
+
+// Inside the Soft-RoCE VM: an engine with RDMA (and TCP beside it) and an
+// engine limited to TCP move data both ways over TCP, while two RDMA engines
+// use RDMA; each says which transport it chose and why. Skipped on hosts
+// without an RDMA port.
+TEST(TransferEngine, EachPeerGoesOverTheBestTransportBothEndsHave) {
+  auto rdma = MakeEngine();
+  ASSERT_TRUE(rdma);
+  if (rdma->detection().transport != "rdma") GTEST_SKIP() << "no RDMA port on this host";
+  EngineOptions tcp_only = Local();
+  tcp_only.transport = "tcp";
+  auto tcp = MakeEngine(tcp_only);
+  auto rdma2 = MakeEngine();
+  ASSERT_TRUE(tcp && rdma2);
+  std::vector<char> a = Pattern(1 << 20, 11), b = Pattern(1 << 20, 12), c(1 << 20, 0);
+  ASSERT_TRUE(rdma->RegisterMemory(a.data(), a.size()).ok());
+  ASSERT_TRUE(tcp->RegisterMemory(b.data(), b.size()).ok());
+  ASSERT_TRUE(rdma2->RegisterMemory(c.data(), c.size()).ok());
+  auto move = [](TransferEngine& from, TransferEngine& to, std::vector<char>& src,
+                 std::vector<char>& dst, size_t off) {
+    auto seg = from.OpenSegment(to.address());
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    TransferRequest w{Opcode::kWrite, src.data() + off, Addr(dst, off), 256 << 10};
+    auto batch = from.Submit(*seg, {&w, 1});
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    auto st = from.Wait(*batch, absl::Seconds(30));
+    ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+    ASSERT_EQ(std::memcmp(src.data() + off, dst.data() + off, 256 << 10), 0);
+  };
+  auto transport_to = [](TransferEngine& e, const std::string& peer) {
+    for (const PeerMetrics& p : e.GetMetrics().peers) {
+      if (p.peer == peer) return p.transport + " (" + p.transport_reason + ")";
+    }
+    return std::string("none");
+  };
+  move(*rdma, *tcp, a, b, 0);   // RDMA engine -> TCP-only engine
+  move(*tcp, *rdma, b, a, 256 << 10);  // and back
+  move(*rdma, *rdma2, a, c, 512 << 10);
+  const std::string r_to_t = transport_to(*rdma, tcp->address());
+  const std::string t_to_r = transport_to(*tcp, rdma->address());
+  const std::string r_to_r = transport_to(*rdma, rdma2->address());
+  EXPECT_EQ(r_to_t.rfind("tcp (", 0), 0u) << r_to_t;
+  EXPECT_NE(r_to_t.find("primary transport is tcp"), std::string::npos) << r_to_t;
+  EXPECT_EQ(t_to_r.rfind("tcp (", 0), 0u) << t_to_r;
+  EXPECT_EQ(r_to_r.rfind("verbs (both ends have verbs)", 0), 0u) << r_to_r;
+  std::printf("rdma -> tcp-only: %s\ntcp-only -> rdma: %s\nrdma -> rdma: %s\n", r_to_t.c_str(),
+              t_to_r.c_str(), r_to_r.c_str());
+}
 
 TEST(TransferEngine, BadOptionsAndRegistrations) {
   EngineOptions o = Local();

@@ -30,6 +30,14 @@ std::string LinkParams::Encode() const {
   return out;
 }
 
+absl::StatusOr<std::string> LinkParams::KindOf(absl::string_view bytes) {
+  if (bytes.size() < 2 || static_cast<uint8_t>(bytes[0]) != kVersion ||
+      bytes.size() < 2 + static_cast<uint8_t>(bytes[1])) {
+    return absl::InvalidArgumentError("link parameters: no transport kind (malformed or another version)");
+  }
+  return std::string(bytes.substr(2, static_cast<uint8_t>(bytes[1])));
+}
+
 absl::StatusOr<LinkParams> LinkParams::Decode(absl::string_view bytes, absl::string_view kind) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat("link parameters: ", why));

@@ -29,6 +29,8 @@ class LinkParams {
 
   // An empty set of fields for transport `kind` ("verbs", "tcp", "sim").
   explicit LinkParams(std::string kind) : kind_(std::move(kind)) {}
+  // The transport kind `bytes` were written by (to route them to it).
+  static absl::StatusOr<std::string> KindOf(absl::string_view bytes);
   // Parses `bytes` written for `kind`.
   static absl::StatusOr<LinkParams> Decode(absl::string_view bytes, absl::string_view kind);
 

@@ -49,6 +49,12 @@ TEST(LinkParams, RefusesWhatItCannotRead) {
   EXPECT_FALSE(p->GetBytes(1, 16, "gid").ok());
 }
 
+TEST(LinkParams, KindOfRoutesToTheTransport) {
+  EXPECT_EQ(*LinkParams::KindOf(LinkParams("verbs").Put(1, 2).Encode()), "verbs");
+  EXPECT_FALSE(LinkParams::KindOf("").ok());
+  EXPECT_FALSE(LinkParams::KindOf(std::string("\x01\x09tc", 4)).ok());
+}
+
 TEST(LinkParams, UnknownFieldsAreSkipped) {
   const std::string bytes = LinkParams("sim").Put(9, 7).Put(1, 5).PutBytes(200, "later").Encode();
   auto p = LinkParams::Decode(bytes, "sim");

@@ -86,6 +86,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -225,6 +226,15 @@ class Transport {
   // (wall time on real transports, simulated time on sim).
   virtual size_t WaitCompletions(absl::Span<Completion> out,
                                  absl::Duration timeout) = 0;
+  // For a caller that waits on several transports at once: `notify` is
+  // called after completions are queued (from the transport's threads,
+  // possibly with its locks held: it must only signal, never call back
+  // into the transport). Real transports support it and return true; the
+  // simulated one runs in simulated time and returns false.
+  virtual bool SetCompletionNotifier(std::function<void()> notify) {
+    (void)notify;
+    return false;
+  }
 
  protected:
   Transport() = default;

@@ -233,6 +233,11 @@ class TcpTransport final : public Transport {
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  bool SetCompletionNotifier(std::function<void()> notify) override {
+    MutexLock lock(&mu_);
+    notify_ = std::move(notify);
+    return true;
+  }
 
  private:
   struct RegionEntry {
@@ -346,7 +351,10 @@ class TcpTransport final : public Transport {
   // outstanding: the peer that made them is gone or reconnected, and
   // nobody here holds their id (the engine never posts on them).
   void ReapDeadPassiveLinks();
-  // Queues a completion; the caller wakes waiters (cq_cv_) once.
+  // Wakes threads in WaitCompletions and calls the notifier, once per run
+  // of completions.
+  void WakeWaiters() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues a completion; the caller wakes waiters (WakeWaiters) once.
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateLocked(const WorkRequest& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
@@ -377,6 +385,7 @@ class TcpTransport final : public Transport {
   };
   absl::flat_hash_map<uint64_t, PendingAccept> pending_ ABSL_GUARDED_BY(mu_);
   CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> notify_ ABSL_GUARDED_BY(mu_);  // SetCompletionNotifier
 };
 
 absl::Status TcpTransport::Start() {
@@ -644,7 +653,7 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
     CompleteLocked(wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
   });
   link->outstanding.Clear();
-  cq_cv_.SignalAll();
+  WakeWaiters();
   return absl::OkStatus();
 }
 
@@ -835,11 +844,16 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
       completed = true;
     }
   }
-  if (completed) cq_cv_.SignalAll();
+  if (completed) WakeWaiters();
 }
 
 void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
   cq_.Push(wr, std::move(status));
+}
+
+void TcpTransport::WakeWaiters() {
+  cq_cv_.SignalAll();
+  if (notify_) notify_();
 }
 
 void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
@@ -865,7 +879,7 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
                                                        " failed earlier: ", reason)));
   });
   link.outstanding.Clear();
-  cq_cv_.SignalAll();
+  WakeWaiters();
 }
 
 void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
@@ -1016,7 +1030,7 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
       CompleteLocked(*wr, absl::OkStatus());
       link.outstanding.Erase(id);
     }
-    cq_cv_.SignalAll();
+    WakeWaiters();
     return absl::OkStatus();
   }
   WorkRequest wr;
@@ -1043,7 +1057,7 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   MutexLock lock(&mu_);
   if (link.outstanding.Erase(h.id)) {
     CompleteLocked(wr, absl::OkStatus());
-    cq_cv_.SignalAll();
+    WakeWaiters();
   }
   return absl::OkStatus();
 }

@@ -126,6 +126,20 @@ class VerbsTransport final : public Transport {
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  bool SetCompletionNotifier(std::function<void()> notify) override {
+    MutexLock lock(&mu_);
+    const bool had = static_cast<bool>(notify_);
+    notify_ = std::move(notify);
+    // A caller that waits on its own event needs the poller to drain the
+    // CQs: completion events stay requested for good (see sleepers_).
+    if (!had && notify_) {
+      ++sleepers_;
+      for (Nic& nic : nics_) (void)ibv::ReqNotifyCq(nic.cq.get(), nic.port.device);
+    } else if (had && !notify_) {
+      --sleepers_;
+    }
+    return true;
+  }
 
  private:
   struct Nic {
@@ -231,6 +245,7 @@ class VerbsTransport final : public Transport {
   uint64_t last_wr_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
   CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> notify_ ABSL_GUARDED_BY(mu_);  // SetCompletionNotifier
   // RouteTo's answers by peer address (resolving can take a while).
   Mutex route_mu_;
   verbs::RouteCache routes_ ABSL_GUARDED_BY(route_mu_);
@@ -661,6 +676,7 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
 void VerbsTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
   cq_.Push(wr, std::move(status));
   cq_cv_.SignalAll();
+  if (notify_) notify_();
 }
 
 bool VerbsTransport::Drain(ibv_cq* cq) {
