@@ -611,6 +611,60 @@ TEST(TransferEngine, EachPeerGoesOverTheBestTransportBothEndsHave) {
               t_to_r.c_str(), r_to_r.c_str());
 }
 
+// An engine holding two transports waits on both (their completion
+// notifiers): here both are TCP, so every peer goes over the first, and
+// batches from several threads finish as with one. (Which transport a peer
+// gets when kinds differ: the test above, inside the Soft-RoCE VM.)
+TEST(TransferEngine, AnEngineWithTwoTransportsWaitsOnBoth) {
+  auto make = [](bool two) {
+    EngineParts parts;
+    transport::TcpTransportOptions t;
+    t.bind_host = "127.0.0.1";
+    t.in_process_shortcut = false;  // real sockets: completions from other threads
+    parts.transport = *transport::CreateTcpTransport(t);
+    if (two) parts.fallback = *transport::CreateTcpTransport(t);
+    parts.network = handshake::NewTcpNetwork();
+    parts.detection.host = "127.0.0.1";
+    // The driver's liveness wake-ups 150 s apart: a completion the
+    // notifiers failed to report would run the 20 s waits out.
+    EngineOptions o = Local();
+    o.peer_timeout = absl::Minutes(10);
+    return std::move(*TransferEngine::CreateWith(o, std::move(parts)));
+  };
+  auto a = make(true);
+  auto b = make(false);
+  EXPECT_EQ(a->GetNicCounters().size(), 2u);  // the first transport's NIC, then the second's
+  std::vector<char> src = Pattern(1 << 20, 13), dst(1 << 20, 0), back(1 << 20, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(a->RegisterMemory(back.data(), back.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto to_b = a->OpenSegment(b->address());
+  auto to_a = b->OpenSegment(a->address());
+  ASSERT_TRUE(to_b.ok() && to_a.ok());
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(4);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      const size_t off = t * (256 << 10);
+      TransferRequest w{Opcode::kWrite, src.data() + off, Addr(dst, off), 256 << 10};
+      auto batch = a->Submit(*to_b, {&w, 1});
+      absl::StatusOr<BatchStatus> st = batch.ok() ? a->Wait(*batch, absl::Seconds(20))
+                                                  : absl::StatusOr<BatchStatus>(batch.status());
+      results[t] = !st.ok() ? st.status() : st->ok() ? absl::OkStatus() : st->requests[0];
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& r : results) EXPECT_TRUE(r.ok()) << r;
+  EXPECT_EQ(src, dst);
+  // b writes into a's second region: a's descriptor for b is its first transport's.
+  TransferRequest w{Opcode::kWrite, dst.data(), Addr(back), back.size()};
+  auto batch = b->Submit(*to_a, {&w, 1});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  ASSERT_TRUE(b->Wait(*batch, absl::Seconds(20))->ok());
+  EXPECT_EQ(back, src);
+  EXPECT_EQ(a->GetMetrics().peers[0].transport, "tcp");
+}
+
 TEST(TransferEngine, BadOptionsAndRegistrations) {
   EngineOptions o = Local();
   o.transport = "carrier-pigeon";
