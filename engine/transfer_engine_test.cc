@@ -522,46 +522,9 @@ TEST(TransferEngine, MetadataIsPublishedAndFetchedByPeers) {
   EXPECT_EQ(b->PublishMetadata("", "x").code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(TransferEngine, MoreSlicesThanLinksCanHoldWaitTheirTurn) {
-  // A transport that takes only 4 outstanding requests per link: 400 slices
-  // in a few batches must all go through, none refused.
-  auto make = [] {
-    transport::TcpTransportOptions t;
-    t.bind_host = "127.0.0.1";
-    t.max_outstanding_per_link = 4;
-    EngineParts parts;
-    parts.transport = *transport::CreateTcpTransport(t);
-    parts.network = handshake::NewTcpNetwork();
-    parts.detection.host = "127.0.0.1";
-    EngineOptions o;
-    o.slice_bytes = 4096;
-    return std::move(*TransferEngine::CreateWith(o, std::move(parts)));
-  };
-  auto a = make();
-  auto b = make();
-  std::vector<char> src = Pattern(400 * 4096, 6), dst(src.size(), 0);
-  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
-  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
-  auto seg = a->OpenSegment(b->address());
-  ASSERT_TRUE(seg.ok());
-  std::vector<BatchId> batches;
-  for (int i = 0; i < 4; ++i) {
-    TransferRequest r{Opcode::kWrite, src.data() + i * 100 * 4096, Addr(dst, i * 100 * 4096),
-                      100 * 4096};
-    auto batch = a->Submit(*seg, {&r, 1});
-    ASSERT_TRUE(batch.ok()) << batch.status();
-    batches.push_back(*batch);
-  }
-  for (BatchId id : batches) {
-    auto st = a->Wait(id, absl::Seconds(10));
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_TRUE(st->ok()) << st->requests[0];
-  }
-  EXPECT_EQ(src, dst);
-}
-
-// CloseSegment, idle segments and threads waiting on their own batches:
-// engine/testing/engine_conformance.cc, on every transport.
+// CloseSegment, idle segments, slices beyond the links' limit and threads
+// waiting on their own batches: engine/testing/engine_conformance.cc, on
+// every transport.
 
 // Inside the Soft-RoCE VM: an engine with RDMA (and TCP beside it) and an
 // engine limited to TCP move data both ways over TCP, while two RDMA engines

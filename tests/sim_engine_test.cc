@@ -226,25 +226,49 @@ TEST(SimEngineStriping, BadLocationsAreRefused) {
 
 // A NIC goes down in the middle of a batch: its slices move to the other
 // NICs' links and every request still succeeds, bytes intact.
-TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
-  SimWorld w(19);
-  const int a = w.AddMultiNicHost({0, 0, 1, 1});
-  const int b = w.AddMultiNicHost({0, 0, 1, 1});
-  auto prefill = w.StartEngine(a);
-  auto decode = w.StartEngine(b);
-  ASSERT_TRUE(prefill.ok() && decode.ok());
-  const size_t kBlock = 16 << 10, kCount = 256;
-  std::vector<char> src(kCount * kBlock), dst(kCount * kBlock, 0);
-  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 29 + (i >> 10));
-  ASSERT_TRUE((*prefill)->RegisterMemory(src.data(), src.size()).ok());
-  ASSERT_TRUE((*decode)->RegisterMemory(dst.data(), dst.size()).ok());
-  auto seg = (*prefill)->OpenSegment((*decode)->address());
-  ASSERT_TRUE(seg.ok()) << seg.status();
-  std::vector<TransferRequest> reqs;
-  for (size_t i = 0; i < kCount; ++i) {
-    reqs.push_back({Opcode::kWrite, src.data() + i * kBlock,
-                    reinterpret_cast<uintptr_t>(dst.data()) + i * kBlock, kBlock});
+// Two hosts with a data NIC per entry of `numa`, a prefill and a decode
+// engine, a segment between them, and `count` 16 KiB WRITEs from src to dst.
+struct NicPair {
+  NicPair(uint64_t seed, const std::vector<int32_t>& numa, size_t count)
+      : w(seed), a(w.AddMultiNicHost(numa)), b(w.AddMultiNicHost(numa)) {
+    auto p = w.StartEngine(a);
+    auto d = w.StartEngine(b);
+    EXPECT_TRUE(p.ok() && d.ok());
+    if (!p.ok() || !d.ok()) return;
+    prefill = std::move(*p);
+    decode = std::move(*d);
+    const size_t kBlock = 16 << 10;
+    src.resize(count * kBlock);
+    dst.assign(count * kBlock, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 29 + (i >> 10));
+    EXPECT_TRUE(prefill->RegisterMemory(src.data(), src.size()).ok());
+    EXPECT_TRUE(decode->RegisterMemory(dst.data(), dst.size()).ok());
+    auto s = prefill->OpenSegment(decode->address());
+    EXPECT_TRUE(s.ok()) << s.status();
+    seg = s.ok() ? *s : 0;
+    for (size_t i = 0; i < count; ++i) {
+      reqs.push_back({Opcode::kWrite, src.data() + i * kBlock,
+                      reinterpret_cast<uintptr_t>(dst.data()) + i * kBlock, kBlock});
+    }
   }
+  SimWorld w;
+  const int a, b;
+  std::unique_ptr<TransferEngine> prefill, decode;
+  std::vector<char> src, dst;
+  SegmentId seg = 0;
+  std::vector<TransferRequest> reqs;
+};
+
+TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
+  NicPair p(19, {0, 0, 1, 1}, 256);
+  ASSERT_TRUE(p.prefill && p.seg != 0);
+  SimWorld& w = p.w;
+  const int a = p.a;
+  auto* prefill = &p.prefill;
+  std::vector<char>& src = p.src;
+  std::vector<char>& dst = p.dst;
+  const std::vector<TransferRequest>& reqs = p.reqs;
+  const SegmentId* seg = &p.seg;
   auto batch = (*prefill)->Submit(*seg, reqs);
   ASSERT_TRUE(batch.ok()) << batch.status();
   // Let part of it go, then take the sender's NIC 1 down for good.
@@ -278,24 +302,15 @@ TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
 }
 
 TEST(SimEngineStriping, ANicThatComesBackIsUsedAgain) {
-  SimWorld w(23);
-  const int a = w.AddMultiNicHost({0, 0});
-  const int b = w.AddMultiNicHost({0, 0});
-  auto prefill = w.StartEngine(a);
-  auto decode = w.StartEngine(b);
-  ASSERT_TRUE(prefill.ok() && decode.ok());
-  const size_t kBlock = 16 << 10, kCount = 128;
-  std::vector<char> src(kCount * kBlock), dst(kCount * kBlock, 0);
-  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 31 + (i >> 11));
-  ASSERT_TRUE((*prefill)->RegisterMemory(src.data(), src.size()).ok());
-  ASSERT_TRUE((*decode)->RegisterMemory(dst.data(), dst.size()).ok());
-  auto seg = (*prefill)->OpenSegment((*decode)->address());
-  ASSERT_TRUE(seg.ok()) << seg.status();
-  std::vector<TransferRequest> reqs;
-  for (size_t i = 0; i < kCount; ++i) {
-    reqs.push_back({Opcode::kWrite, src.data() + i * kBlock,
-                    reinterpret_cast<uintptr_t>(dst.data()) + i * kBlock, kBlock});
-  }
+  NicPair p(23, {0, 0}, 128);
+  ASSERT_TRUE(p.prefill && p.seg != 0);
+  SimWorld& w = p.w;
+  const int a = p.a;
+  auto* prefill = &p.prefill;
+  std::vector<char>& src = p.src;
+  std::vector<char>& dst = p.dst;
+  const std::vector<TransferRequest>& reqs = p.reqs;
+  const SegmentId* seg = &p.seg;
   auto move_all = [&] {
     std::fill(dst.begin(), dst.end(), 0);
     auto batch = (*prefill)->Submit(*seg, reqs);
