@@ -340,7 +340,8 @@ void BM_RawSocketPump(benchmark::State& state) {
   for (auto _ : state) {
     bool ok = true;
     for (uint32_t i = 0, sent = 0; ok && i < links; sent += part(i), ++i) {
-      ok = part(i) == 0 || bench::RawSend(fds[i].get(), src.data() + sent * block, part(i), block).ok();
+      ok = part(i) == 0 ||
+           bench::RawSend(fds[i].get(), src.data() + sent * block, part(i), block, sent * block).ok();
     }
     for (uint32_t i = 0; ok && i < links; ++i) {
       ok = part(i) == 0 || bench::RawAwaitAck(fds[i].get(), absl::InfiniteFuture()).ok();

@@ -14,8 +14,9 @@ struct Header {
   uint32_t kind = 0;   // kStream or kEcho
   uint32_t count = 0;  // kStream: blocks that follow
   uint64_t block = 0;
+  uint64_t offset = 0;  // kStream: where in the sink's buffer the first block goes
 };
-static_assert(sizeof(Header) == 16, "wire header size");
+static_assert(sizeof(Header) == 24, "wire header size");
 enum : uint32_t { kStream = 1, kEcho = 2 };
 
 }  // namespace
@@ -61,7 +62,7 @@ void RawSink::Serve(int fd) {
     if (h.block == 0 || h.block > length_) return;
     if (h.kind == kStream) {
       for (uint32_t i = 0; i < h.count; ++i) {
-        const uint64_t off = (uint64_t(i) * h.block) % (length_ - h.block + 1);
+        const uint64_t off = (h.offset + uint64_t(i) * h.block) % (length_ - h.block + 1);
         if (!net::ReadFull(fd, buffer_ + off, h.block, absl::InfiniteFuture()).ok()) return;
       }
       const char ack = 1;
@@ -85,8 +86,8 @@ absl::StatusOr<net::Fd> RawConnect(const std::string& sink) {
   return fd;
 }
 
-absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block) {
-  const Header h{kStream, count, block};
+absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block, uint64_t offset) {
+  const Header h{kStream, count, block, offset};
   RETURN_IF_ERROR(net::WriteFull(fd, &h, sizeof h, absl::InfiniteFuture()));
   return net::WriteFull(fd, src, count * block, absl::InfiniteFuture());
 }
@@ -97,7 +98,7 @@ absl::Status RawAwaitAck(int fd, absl::Time deadline) {
 }
 
 absl::Status RawEcho(int fd, const char* src, char* dst, uint64_t block) {
-  const Header h{kEcho, 1, block};
+  const Header h{kEcho, 1, block, 0};
   RETURN_IF_ERROR(net::WriteFull(fd, &h, sizeof h, absl::InfiniteFuture()));
   RETURN_IF_ERROR(net::WriteFull(fd, src, block, absl::InfiniteFuture()));
   return net::ReadFull(fd, dst, block, absl::Now() + absl::Seconds(30));

@@ -46,8 +46,11 @@ class RawSink {
 
 // Connects to a sink (TCP_NODELAY on).
 absl::StatusOr<net::Fd> RawConnect(const std::string& sink);
-// Sends `count` blocks of `block` bytes, contiguous from `src`, as one batch.
-absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block);
+// Sends `count` blocks of `block` bytes, contiguous from `src`, as one batch
+// that the sink writes at `offset` of its buffer (modulo its size): senders
+// on several connections at once give each its own range.
+absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block,
+                     uint64_t offset = 0);
 // Waits for the sink's answer to a batch.
 absl::Status RawAwaitAck(int fd, absl::Time deadline);
 // Sends `block` bytes from `src` and reads them back into `dst`.

@@ -337,7 +337,10 @@ class SocketMover : public Mover {
     for (size_t k = 0; k < mine.size(); ++k) {
       const uint32_t count = Part(k, mine.size());
       if (count == 0) continue;
-      RETURN_IF_ERROR(bench::RawSend(fds_[mine[k]].get(), base + sent * block_, count, block_));
+      // The same range of the sink as of the source: connections never
+      // write the same bytes at once.
+      RETURN_IF_ERROR(bench::RawSend(fds_[mine[k]].get(), base + sent * block_, count, block_,
+                                     static_cast<uint64_t>(base + sent * block_ - src_)));
       sent += count;
     }
     return absl::OkStatus();
