@@ -71,9 +71,9 @@ std::string Label(const char* key, const std::string& value) {
 
 }  // namespace
 
-std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
-  std::string out;
-  Writer w(&out, engine);
+namespace {
+
+void WritePeerCounters(Writer& w, const std::vector<PeerMetrics>& peers) {
   struct PeerCounter {
     const char* name;
     const char* help;
@@ -91,29 +91,32 @@ std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
   };
   for (const PeerCounter& c : counters) {
     w.Family(c.name, "counter", c.help);
-    for (const PeerMetrics& p : m.peers) w.Sample(c.name, Label("peer", p.peer), p.*c.field);
+    for (const PeerMetrics& p : peers) w.Sample(c.name, Label("peer", p.peer), p.*c.field);
   }
   w.Family("kvferry_peer_transport", "gauge",
            "1 for the transport each peer's data goes over (why: the engine's log).");
-  for (const PeerMetrics& p : m.peers) {
+  for (const PeerMetrics& p : peers) {
     w.Sample("kvferry_peer_transport", Label("peer", p.peer) + "," + Label("transport", p.transport),
              1);
   }
   w.Family("kvferry_bytes_total", "counter", "Bytes moved by successful requests.");
-  for (const PeerMetrics& p : m.peers) {
+  for (const PeerMetrics& p : peers) {
     w.Sample("kvferry_bytes_total", Label("peer", p.peer) + ",op=\"write\"", p.bytes_written);
     w.Sample("kvferry_bytes_total", Label("peer", p.peer) + ",op=\"read\"", p.bytes_read);
   }
   w.Family("kvferry_request_errors_total", "counter", "Failed requests, by status code.");
-  for (const PeerMetrics& p : m.peers) {
+  for (const PeerMetrics& p : peers) {
     for (const auto& [code, n] : p.errors) {
       w.Sample("kvferry_request_errors_total", Label("peer", p.peer) + "," + Label("code", code),
                n);
     }
   }
+}
+
+void WritePeerLatency(Writer& w, const std::vector<PeerMetrics>& peers) {
   w.Family("kvferry_request_latency_seconds", "histogram",
            "Time from Submit to the request's completion.");
-  for (const PeerMetrics& p : m.peers) {
+  for (const PeerMetrics& p : peers) {
     const std::vector<uint64_t> c = p.latency.Cumulative();
     const std::vector<double>& bounds = LatencyHistogram::Bounds();
     for (size_t i = 0; i < c.size(); ++i) {
@@ -125,18 +128,24 @@ std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
     w.Sample("kvferry_request_latency_seconds_sum", Label("peer", p.peer), p.latency.sum_seconds());
     w.Sample("kvferry_request_latency_seconds_count", Label("peer", p.peer), p.latency.count());
   }
+}
+
+void WriteNics(Writer& w, const std::vector<NicMetrics>& nics) {
   w.Family("kvferry_nic_slices_total", "counter", "Slices posted on the NIC.");
-  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_slices_total", Label("nic", n.name), n.slices);
+  for (const NicMetrics& n : nics) w.Sample("kvferry_nic_slices_total", Label("nic", n.name), n.slices);
   w.Family("kvferry_nic_bytes_total", "counter", "Bytes posted on the NIC.");
-  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_bytes_total", Label("nic", n.name), n.bytes);
+  for (const NicMetrics& n : nics) w.Sample("kvferry_nic_bytes_total", Label("nic", n.name), n.bytes);
   w.Family("kvferry_nic_errors_total", "counter", "Slices that failed on the NIC, by status code.");
-  for (const NicMetrics& n : m.nics) {
+  for (const NicMetrics& n : nics) {
     for (const auto& [code, count] : n.errors_by_code) {
       w.Sample("kvferry_nic_errors_total", Label("nic", n.name) + "," + Label("code", code), count);
     }
   }
   w.Family("kvferry_nic_retries_total", "counter", "Failed slices of the NIC that were re-posted.");
-  for (const NicMetrics& n : m.nics) w.Sample("kvferry_nic_retries_total", Label("nic", n.name), n.retries);
+  for (const NicMetrics& n : nics) w.Sample("kvferry_nic_retries_total", Label("nic", n.name), n.retries);
+}
+
+void WriteEngineCounters(Writer& w, const EngineMetrics& m) {
   const std::pair<const char*, uint64_t> engine_counters[] = {
       {"kvferry_handshakes_refused_total", m.handshakes_refused},
       {"kvferry_link_failovers_total", m.link_failovers},
@@ -150,6 +159,17 @@ std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
     w.Family(engine_counters[i].first, "counter", helps[i]);
     w.Sample(engine_counters[i].first, "", engine_counters[i].second);
   }
+}
+
+}  // namespace
+
+std::string PrometheusText(const EngineMetrics& m, const std::string& engine) {
+  std::string out;
+  Writer w(&out, engine);
+  WritePeerCounters(w, m.peers);
+  WritePeerLatency(w, m.peers);
+  WriteNics(w, m.nics);
+  WriteEngineCounters(w, m);
   return out;
 }
 
