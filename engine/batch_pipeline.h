@@ -106,6 +106,9 @@ class BatchPipeline {
                  std::vector<transport::WorkRequest>* wrs, absl::Status* bad, size_t* via);
   bool AssignLink(Segment& seg, Slice& slice, transport::WorkRequest* wr, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A slice's link has one in flight less (`seg`: the slice's segment).
+  void Unassign(Segment& seg, const Slice& slice, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unassign(const Slice& slice, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAll(absl::Span<const uint64_t> ids, const absl::Status& status, bool after_retry);
   void DrainBacklogs();
@@ -120,7 +123,9 @@ class BatchPipeline {
   void QueueRetry(SegmentId segment, uint64_t generation, bool refresh, uint64_t slice)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshAndRepost();
-  void FinishSlice(uint64_t slice_id, absl::Status status, absl::Time now)
+  // `seg`: the slice's segment when the caller has it (saves a lookup).
+  void FinishSlice(uint64_t slice_id, absl::Status status, absl::Time now,
+                   Segment* seg = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CountNicError(const Slice& slice, absl::StatusCode code) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

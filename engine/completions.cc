@@ -15,12 +15,13 @@ namespace engine_internal {
 using transport::Completion;
 using transport::Opcode;
 
-void BatchPipeline::FinishSlice(uint64_t sid, absl::Status status, absl::Time now) {
+void BatchPipeline::FinishSlice(uint64_t sid, absl::Status status, absl::Time now,
+                                Segment* seg) {
   Slice* found = batches_.FindSlice(sid);
   if (found == nullptr) return;
   const Slice s = *found;
   batches_.EraseSlice(sid);
-  Segment* seg = segments_.Find(s.segment);
+  if (seg == nullptr) seg = segments_.Find(s.segment);
   if (seg != nullptr) --seg->slices;
   Batch* batch = batches_.Find(s.batch);
   if (batch == nullptr) return;
@@ -50,20 +51,20 @@ void BatchPipeline::CountNicError(const Slice& slice, absl::StatusCode code) {
 void BatchPipeline::Deliver(Completion& done, absl::Time now) {
   Slice* s = batches_.FindSlice(done.cookie);
   if (s == nullptr) return;
-  Unassign(*s, now);
+  Segment& seg = *segments_.Find(s->segment);  // a segment with slices is never removed
+  Unassign(seg, *s, now);
   if (!done.status.ok()) CountNicError(*s, done.status.code());
   if (done.status.ok() || !Retryable(done.status.code())) {
-    FinishSlice(done.cookie, std::move(done.status), now);
+    FinishSlice(done.cookie, std::move(done.status), now, &seg);
     return;
   }
-  Segment& seg = *segments_.Find(s->segment);
   s->last_error = done.status;
   auto retry = [&](bool refresh) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     QueueRetry(s->segment, seg.generation, refresh, done.cookie);
   };
   if (s->generation < seg.generation) return retry(false);  // its links were replaced
-  if (!seg.dead.ok()) return FinishSlice(done.cookie, seg.dead, now);  // no probe answer
-  if (s->retries_left == 0) return FinishSlice(done.cookie, std::move(done.status), now);
+  if (!seg.dead.ok()) return FinishSlice(done.cookie, seg.dead, now, &seg);  // no probe answer
+  if (s->retries_left == 0) return FinishSlice(done.cookie, std::move(done.status), now, &seg);
   --s->retries_left;
   // The link is in error (RC semantics): no new slices on it. Move the
   // slice to a healthy link of the segment if there is one (another NIC

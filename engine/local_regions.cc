@@ -81,25 +81,35 @@ absl::Status LocalRegions::Unregister(void* addr) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<LocalUse> LocalRegions::Find(const void* addr, uint64_t length) const {
-  const uint64_t a = reinterpret_cast<uintptr_t>(addr);
+const LocalRegions::Entry* LocalRegions::Lookup(uint64_t addr, uint64_t length) const {
+  auto it = by_addr_.upper_bound(addr);
+  if (it == by_addr_.begin()) return nullptr;
+  --it;
+  const Entry& e = it->second;
+  return e.usable() && length > 0 && transport::RangeInside(addr, length, it->first, e.length)
+             ? &e
+             : nullptr;
+}
+
+absl::Status LocalRegions::FindAll(absl::Span<const TransferRequest> requests,
+                                   std::vector<LocalUse>* out) const {
   MutexLock lock(&mu_);
-  auto it = by_addr_.upper_bound(a);
-  if (it != by_addr_.begin()) {
-    --it;
-    const Entry& e = it->second;
-    if (e.usable() && length > 0 && transport::RangeInside(a, length, it->first, e.length)) {
-      LocalUse use;
-      for (size_t i = 0; i < e.regions.size() && i < kMaxTransports; ++i) {
-        use.region[i] = e.regions[i].id;
-      }
-      use.near = e.near;
-      return use;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const TransferRequest& r = requests[i];
+    const Entry* e = Lookup(reinterpret_cast<uintptr_t>(r.local), r.length);
+    if (e == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "request %u: local buffer [%p, +%u) is %s", i, r.local, r.length,
+          r.length == 0 ? "empty" : "not inside memory registered on this engine"));
     }
+    LocalUse use;
+    for (size_t t = 0; t < e->regions.size() && t < kMaxTransports; ++t) {
+      use.region[t] = e->regions[t].id;
+    }
+    use.near = e->near;
+    out->push_back(use);
   }
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "local buffer [%p, +%u) is %s", addr, length,
-      length == 0 ? "empty" : "not inside memory registered on this engine"));
+  return absl::OkStatus();
 }
 
 std::vector<handshake::RegionDescriptor> LocalRegions::Advertised(size_t index) const {

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "base/mutex.h"
+#include "engine/transfer_engine.h"
 #include "handshake/messages.h"
 #include "transport/transport.h"
 
@@ -47,8 +48,11 @@ class LocalRegions {
   // kFailedPrecondition while requests use it) leaves it registered there,
   // unusable for new requests, and a later call finishes the job.
   absl::Status Unregister(void* addr);
-  // The region holding [addr, +length), or kInvalidArgument.
-  absl::StatusOr<LocalUse> Find(const void* addr, uint64_t length) const;
+  // The regions holding each request's local buffer, in order, looked up
+  // under one lock; kInvalidArgument naming the first request whose buffer
+  // is empty or outside registered memory.
+  absl::Status FindAll(absl::Span<const TransferRequest> requests,
+                       std::vector<LocalUse>* out) const;
   // The regions peers may use through transport `index`, for its descriptor.
   std::vector<handshake::RegionDescriptor> Advertised(size_t index) const;
 
@@ -68,6 +72,8 @@ class LocalRegions {
       return true;
     }
   };
+  // The entry holding [addr, +length) that requests may use, or null.
+  const Entry* Lookup(uint64_t addr, uint64_t length) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const std::vector<transport::Transport*> transports_;
   mutable Mutex mu_;
   std::map<uint64_t, Entry> by_addr_ ABSL_GUARDED_BY(mu_);

@@ -86,11 +86,7 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
   // Local buffers first, under the regions' own lock.
   Scratch<LocalUse> local_scratch;
   std::vector<LocalUse>& local = *local_scratch;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    absl::StatusOr<LocalUse> use = regions_->Find(requests[i].local, requests[i].length);
-    if (!use.ok()) return Annotate(use.status(), absl::StrCat("request ", i));
-    local.push_back(*use);
-  }
+  RETURN_IF_ERROR(regions_->FindAll(requests, &local));
   Scratch<uint64_t> ids_scratch;
   std::vector<uint64_t>& slice_ids = *ids_scratch;
   Scratch<Slice> planned_scratch;
@@ -160,9 +156,11 @@ bool BatchPipeline::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl
 }
 
 void BatchPipeline::Unassign(const Slice& slice, absl::Time now) {
-  Segment* seg = segments_.Find(slice.segment);
-  if (seg == nullptr) return;
-  for (Link& l : seg->links) {
+  if (Segment* seg = segments_.Find(slice.segment)) Unassign(*seg, slice, now);
+}
+
+void BatchPipeline::Unassign(Segment& seg, const Slice& slice, absl::Time now) {
+  for (Link& l : seg.links) {
     if (l.id == slice.link && l.inflight > 0) {  // links of older generations are gone
       --l.inflight;
       l.progress = now;
