@@ -70,28 +70,25 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::Connect(const std::string& pe
 // this engine that the peer also has (asked for by kind).
 absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string& peer) const {
   ASSIGN_OR_RETURN(handshake::EngineDescriptor theirs, client_->Describe(peer));
-  const std::string their_kind = theirs.transport_kind;
+  const std::string& their_kind = theirs.transport_kind;
+  const bool same_primary = their_kind == vias_[0].kind;
   absl::Status primary_failed;
-  if (their_kind == vias_[0].kind) {
-    absl::StatusOr<Path> p = Connect(peer, 0, std::move(theirs));
-    if (p.ok() || vias_.size() == 1) {
-      if (p.ok()) p->why = absl::StrCat("both ends have ", vias_[0].kind);
-      return p;
-    }
+  if (same_primary) {
+    absl::StatusOr<Path> p = Connect(peer, 0, theirs);
+    if (p.ok()) p->why = absl::StrCat("both ends have ", vias_[0].kind);
+    if (p.ok() || vias_.size() == 1) return p;
     primary_failed = p.status();
   }
-  for (size_t via = 0; via < vias_.size(); ++via) {
-    if (!primary_failed.ok() && via == 0) continue;
+  for (size_t via = same_primary ? 1 : 0; via < vias_.size(); ++via) {
     absl::StatusOr<handshake::EngineDescriptor> d =
-        vias_[via].kind == their_kind && primary_failed.ok()
-            ? absl::StatusOr<handshake::EngineDescriptor>(theirs)
-            : client_->Describe(peer, vias_[via].kind);
+        vias_[via].kind == their_kind ? absl::StatusOr<handshake::EngineDescriptor>(theirs)
+                                      : client_->Describe(peer, vias_[via].kind);
     // The peer has no such transport (an older peer answers with its
     // primary whatever is asked).
     if (!d.ok() || d->transport_kind != vias_[via].kind) continue;
     absl::StatusOr<Path> p = Connect(peer, via, std::move(*d));
     if (!p.ok()) return p.status();
-    p->why = !primary_failed.ok()
+    p->why = same_primary
                  ? absl::StrCat(vias_[0].kind, " links to the peer failed (",
                                 primary_failed.message(), "); fell back to ", vias_[via].kind)
                  : absl::StrCat("the peer's primary transport is ", their_kind, "; both ends have ",
