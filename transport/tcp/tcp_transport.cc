@@ -112,41 +112,6 @@ absl::Status RecvAll(int fd, void* data, size_t n) {
   return absl::OkStatus();
 }
 
-absl::Status SendAll(int fd, iovec* iov, int count) {
-  std::string copy;
-  iovec flat;
-  if (kCopyBeforeSend) {
-    for (int i = 0; i < count; ++i) {
-      copy.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
-    }
-    flat = {copy.data(), copy.size()};
-    iov = &flat;
-    count = 1;
-  }
-  while (count > 0) {
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<size_t>(count);
-    const ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return absl::UnavailableError(ErrnoError(errno, "send").message());
-    }
-    size_t left = static_cast<size_t>(w);
-    while (count > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --count;
-    }
-    if (count > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
-  }
-  AfterSend();
-  return absl::OkStatus();
-}
-
 // Drops the first `skip` bytes of the iovec array (already sent).
 void SkipBytes(iovec*& iov, int& count, size_t skip) {
   while (count > 0 && skip >= iov->iov_len) {
@@ -160,18 +125,30 @@ void SkipBytes(iovec*& iov, int& count, size_t skip) {
   }
 }
 
-// Sends what the socket takes now, without blocking; *sent gets the bytes
-// sent (all of them when it returns OK with *sent == the total).
-absl::Status SendSome(int fd, iovec* iov, int count, size_t* sent) {
+// Sends the iovecs; `wait` false: only what the socket takes now (*sent
+// says how much). Under the sanitizers the bytes are copied first, so the
+// reads of request buffers happen here, where the race detector sees them.
+absl::Status SendIov(int fd, iovec* iov, int count, bool wait, size_t* sent) {
+  std::string copy;
+  iovec flat;
+  if (kCopyBeforeSend) {
+    for (int i = 0; i < count; ++i) {
+      copy.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+    }
+    flat = {copy.data(), copy.size()};
+    iov = &flat;
+    count = 1;
+  }
   *sent = 0;
+  const int flags = MSG_NOSIGNAL | (wait ? 0 : MSG_DONTWAIT);
   while (count > 0) {
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = static_cast<size_t>(count);
-    const ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t w = ::sendmsg(fd, &msg, flags);
     if (w < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      if (!wait && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
       return absl::UnavailableError(ErrnoError(errno, "send").message());
     }
     *sent += static_cast<size_t>(w);
@@ -179,6 +156,11 @@ absl::Status SendSome(int fd, iovec* iov, int count, size_t* sent) {
   }
   AfterSend();
   return absl::OkStatus();
+}
+
+absl::Status SendAll(int fd, iovec* iov, int count) {
+  size_t sent;
+  return SendIov(fd, iov, count, /*wait=*/true, &sent);
 }
 
 absl::Status Drain(int fd, uint64_t n) {
@@ -265,8 +247,8 @@ class TcpTransport final : public Transport {
     IdWindow<WorkRequest> outstanding;  // by request id, handed out in sequence
     std::vector<Job> jobs;  // the writer takes them all at once
     uint64_t jobs_from = 0;  // the Post whose jobs started `jobs`
-    // Sent by a posting (or, for acknowledgements, reading) thread while
-    // the writer was idle (writer_busy is set meanwhile). What the socket
+    // Sent by the posting thread while the writer was idle (writer_busy is
+    // set meanwhile). What the socket
     // did not take at once (inline_rest) the writer sends first, from byte
     // inline_sent on.
     std::vector<Job> inline_jobs;
@@ -752,7 +734,7 @@ void TcpTransport::SendInline(const std::shared_ptr<Link>& link) {
   iovec iov[2 * kMaxJobsPerSend];
   int n = 0;
   size_t total = 0;
-  for (Job& job : link->inline_jobs) {  // requests and WRITE acknowledgements only
+  for (Job& job : link->inline_jobs) {  // requests only: no READ answers, no text
     iov[n++] = {&job.header, sizeof job.header};
     total += sizeof job.header;
     if (job.data != nullptr && job.header.length > 0) {
@@ -760,17 +742,8 @@ void TcpTransport::SendInline(const std::shared_ptr<Link>& link) {
       total += job.header.length;
     }
   }
-  std::string copy;
-  iovec flat;
-  iovec* first = iov;
-  if (kCopyBeforeSend) {  // as SendAll does for the sanitizers
-    for (int i = 0; i < n; ++i) copy.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
-    flat = {copy.data(), copy.size()};
-    first = &flat;
-    n = 1;
-  }
   size_t sent = 0;
-  const absl::Status st = SendSome(link->fd.get(), first, n, &sent);
+  const absl::Status st = SendIov(link->fd.get(), iov, n, /*wait=*/false, &sent);
   MutexLock lock(&mu_);
   link->writer_busy = false;
   if (!st.ok()) {
