@@ -262,83 +262,69 @@ struct NicPair {
 TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
   NicPair p(19, {0, 0, 1, 1}, 256);
   ASSERT_TRUE(p.prefill && p.seg != 0);
-  SimWorld& w = p.w;
-  const int a = p.a;
-  auto* prefill = &p.prefill;
-  std::vector<char>& src = p.src;
-  std::vector<char>& dst = p.dst;
-  const std::vector<TransferRequest>& reqs = p.reqs;
-  const SegmentId* seg = &p.seg;
-  auto batch = (*prefill)->Submit(*seg, reqs);
+  auto batch = p.prefill->Submit(p.seg, p.reqs);
   ASSERT_TRUE(batch.ok()) << batch.status();
   // Let part of it go, then take the sender's NIC 1 down for good.
-  w.sched().RunUntil(w.sched().now() + sim::ToSimTime(absl::Microseconds(50)));
-  auto early = (*prefill)->Poll(*batch);
+  p.w.sched().RunUntil(p.w.sched().now() + sim::ToSimTime(absl::Microseconds(50)));
+  auto early = p.prefill->Poll(*batch);
   ASSERT_TRUE(early.ok());
   EXPECT_GT(early->pending, 0u) << "the batch finished before the NIC went down";
-  w.fabric().SetNicUp(w.data_nic(a, 1), false);
-  auto st = (*prefill)->Wait(*batch, absl::Seconds(1));
+  p.w.fabric().SetNicUp(p.w.data_nic(p.a, 1), false);
+  auto st = p.prefill->Wait(*batch, absl::Seconds(1));
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_TRUE(st->ok()) << st->requests[0];
-  EXPECT_EQ(src, dst);
-  const EngineCounters c = (*prefill)->GetCounters();
+  EXPECT_EQ(p.src, p.dst);
+  const EngineCounters c = p.prefill->GetCounters();
   EXPECT_GT(c.link_failovers, 0u);
   EXPECT_EQ(c.reconnects, 0u) << "healthy links were torn down";
   // The metrics put the failures and the re-posts on NIC 1.
-  const NicMetrics nic1 = (*prefill)->GetMetrics().nics[1];
+  const NicMetrics nic1 = p.prefill->GetMetrics().nics[1];
   EXPECT_GT(nic1.errors, 0u);
   EXPECT_GT(nic1.retries, 0u);
   EXPECT_FALSE(nic1.errors_by_code.empty());
-  EXPECT_EQ((*prefill)->GetMetrics().nics[0].errors, 0u);
+  EXPECT_EQ(p.prefill->GetMetrics().nics[0].errors, 0u);
   // New batches keep flowing over the three NICs left, none over NIC 1.
-  const uint64_t nic1_before = (*prefill)->GetNicCounters()[1].slices;
-  std::fill(dst.begin(), dst.end(), 0);
-  auto again = (*prefill)->Submit(*seg, reqs);
+  const uint64_t nic1_before = p.prefill->GetNicCounters()[1].slices;
+  std::fill(p.dst.begin(), p.dst.end(), 0);
+  auto again = p.prefill->Submit(p.seg, p.reqs);
   ASSERT_TRUE(again.ok()) << again.status();
-  auto st2 = (*prefill)->Wait(*again, absl::Seconds(1));
+  auto st2 = p.prefill->Wait(*again, absl::Seconds(1));
   ASSERT_TRUE(st2.ok() && st2->ok());
-  EXPECT_EQ(src, dst);
-  EXPECT_EQ((*prefill)->GetNicCounters()[1].slices, nic1_before);
+  EXPECT_EQ(p.src, p.dst);
+  EXPECT_EQ(p.prefill->GetNicCounters()[1].slices, nic1_before);
 }
 
 TEST(SimEngineStriping, ANicThatComesBackIsUsedAgain) {
   NicPair p(23, {0, 0}, 128);
   ASSERT_TRUE(p.prefill && p.seg != 0);
-  SimWorld& w = p.w;
-  const int a = p.a;
-  auto* prefill = &p.prefill;
-  std::vector<char>& src = p.src;
-  std::vector<char>& dst = p.dst;
-  const std::vector<TransferRequest>& reqs = p.reqs;
-  const SegmentId* seg = &p.seg;
   auto move_all = [&] {
-    std::fill(dst.begin(), dst.end(), 0);
-    auto batch = (*prefill)->Submit(*seg, reqs);
+    std::fill(p.dst.begin(), p.dst.end(), 0);
+    auto batch = p.prefill->Submit(p.seg, p.reqs);
     ASSERT_TRUE(batch.ok()) << batch.status();
-    auto st = (*prefill)->Wait(*batch, absl::Seconds(1));
+    auto st = p.prefill->Wait(*batch, absl::Seconds(1));
     ASSERT_TRUE(st.ok() && st->ok());
-    EXPECT_EQ(src, dst);
+    EXPECT_EQ(p.src, p.dst);
   };
   // NIC 1 goes down mid-batch: its slices move to NIC 0.
-  auto batch = (*prefill)->Submit(*seg, reqs);
+  auto batch = p.prefill->Submit(p.seg, p.reqs);
   ASSERT_TRUE(batch.ok());
-  w.sched().RunUntil(w.sched().now() + sim::ToSimTime(absl::Microseconds(20)));
-  w.fabric().SetNicUp(w.data_nic(a, 1), false);
-  auto st = (*prefill)->Wait(*batch, absl::Seconds(1));
+  p.w.sched().RunUntil(p.w.sched().now() + sim::ToSimTime(absl::Microseconds(20)));
+  p.w.fabric().SetNicUp(p.w.data_nic(p.a, 1), false);
+  auto st = p.prefill->Wait(*batch, absl::Seconds(1));
   ASSERT_TRUE(st.ok() && st->ok());
-  ASSERT_GT((*prefill)->GetCounters().link_failovers, 0u);
+  ASSERT_GT(p.prefill->GetCounters().link_failovers, 0u);
   move_all();  // NIC 0 alone
-  const uint64_t nic1_down = (*prefill)->GetNicCounters()[1].slices;
-  EXPECT_EQ((*prefill)->GetCounters().links_repaired, 0u);
+  const uint64_t nic1_down = p.prefill->GetNicCounters()[1].slices;
+  EXPECT_EQ(p.prefill->GetCounters().links_repaired, 0u);
   // It comes back; after the repair interval (peer_timeout / 4) a batch
   // finds the failed link rebuilt on NIC 1 and the next uses it.
-  w.fabric().SetNicUp(w.data_nic(a, 1), true);
-  w.sched().RunUntil(w.sched().now() + sim::ToSimTime(absl::Seconds(3)));
+  p.w.fabric().SetNicUp(p.w.data_nic(p.a, 1), true);
+  p.w.sched().RunUntil(p.w.sched().now() + sim::ToSimTime(absl::Seconds(3)));
   move_all();
   move_all();
-  EXPECT_EQ((*prefill)->GetCounters().links_repaired, 1u);
-  EXPECT_EQ((*prefill)->GetCounters().reconnects, 0u) << "the healthy link was torn down";
-  EXPECT_GT((*prefill)->GetNicCounters()[1].slices, nic1_down);
+  EXPECT_EQ(p.prefill->GetCounters().links_repaired, 1u);
+  EXPECT_EQ(p.prefill->GetCounters().reconnects, 0u) << "the healthy link was torn down";
+  EXPECT_GT(p.prefill->GetNicCounters()[1].slices, nic1_down);
 }
 
 }  // namespace

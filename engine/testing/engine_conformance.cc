@@ -1,7 +1,6 @@
 #include "engine/testing/engine_conformance.h"
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -10,7 +9,7 @@
 #include "absl/time/clock.h"
 #include "handshake/tcp_network.h"
 #include "transport/tcp/tcp_transport.h"
-#include "transport/verbs/discovery.h"
+#include "transport/verbs/test_ports.h"
 #include "transport/verbs/verbs_transport.h"
 
 namespace kvferry {
@@ -24,6 +23,19 @@ std::string EngineParamName(const ::testing::TestParamInfo<EngineParam>& info) {
 
 namespace {
 
+// An engine on `made` (a new transport of `kind`), its handshake on 127.0.0.1.
+absl::StatusOr<std::unique_ptr<TransferEngine>> OnLoopback(
+    absl::StatusOr<std::unique_ptr<transport::Transport>> made, const char* kind,
+    const EngineOptions& options) {
+  if (!made.ok()) return made.status();
+  EngineParts parts;
+  parts.transport = std::move(*made);
+  parts.network = handshake::NewTcpNetwork();
+  parts.detection.host = "127.0.0.1";
+  parts.detection.transport = kind;
+  return TransferEngine::CreateWith(options, std::move(parts));
+}
+
 class TcpHarness : public EngineHarness {
  public:
   explicit TcpHarness(bool in_process) : in_process_(in_process) {}
@@ -33,14 +45,7 @@ class TcpHarness : public EngineHarness {
     t.bind_host = "127.0.0.1";
     t.in_process_shortcut = in_process_;
     t.max_outstanding_per_link = max_outstanding;
-    absl::StatusOr<std::unique_ptr<transport::Transport>> made = transport::CreateTcpTransport(t);
-    if (!made.ok()) return made.status();
-    EngineParts parts;
-    parts.transport = std::move(*made);
-    parts.network = handshake::NewTcpNetwork();
-    parts.detection.host = "127.0.0.1";
-    parts.detection.transport = "tcp";
-    return TransferEngine::CreateWith(options, std::move(parts));
+    return OnLoopback(transport::CreateTcpTransport(t), "tcp", options);
   }
   void Sleep(absl::Duration d) override { absl::SleepFor(d); }
   bool threads() const override { return true; }
@@ -51,44 +56,19 @@ class TcpHarness : public EngineHarness {
 
 class VerbsHarness : public EngineHarness {
  public:
-  VerbsHarness() {
-    transport::verbs::DiscoveryOptions o;
-    transport::verbs::ApplyEnvironment(&o);
-    absl::StatusOr<transport::verbs::Discovery> d = transport::verbs::Discover(o);
-    if (d.ok()) ports_ = d->selected;
-    if (ports_.empty()) {
-      skip_ = d.ok() ? "no active RDMA port on this host (run inside tools/softroce/vm.sh)"
-                     : std::string(d.status().message());
-    }
-  }
   absl::StatusOr<std::unique_ptr<TransferEngine>> Start(EngineOptions options,
                                                         uint32_t max_outstanding) override {
     transport::VerbsTransportOptions v;
-    v.ports = ports_;
+    v.ports = ports_.ports();
     v.max_outstanding_per_link = max_outstanding;
-    absl::StatusOr<std::unique_ptr<transport::Transport>> made =
-        transport::CreateVerbsTransport(v);
-    if (!made.ok()) return made.status();
-    EngineParts parts;
-    parts.transport = std::move(*made);
-    parts.network = handshake::NewTcpNetwork();
-    parts.detection.host = "127.0.0.1";
-    parts.detection.transport = "rdma";
-    return TransferEngine::CreateWith(options, std::move(parts));
+    return OnLoopback(transport::CreateVerbsTransport(v), "rdma", options);
   }
   void Sleep(absl::Duration d) override { absl::SleepFor(d); }
   bool threads() const override { return true; }
-  std::string SkipReason() override {
-    const char* require = std::getenv("KVFERRY_REQUIRE_RDMA");
-    if (!skip_.empty() && require != nullptr && std::string(require) == "1") {
-      ADD_FAILURE() << "KVFERRY_REQUIRE_RDMA=1 but: " << skip_;
-    }
-    return skip_;
-  }
+  std::string SkipReason() override { return ports_.SkipReason(); }
 
  private:
-  std::vector<transport::verbs::SelectedPort> ports_;
-  std::string skip_;
+  transport::verbs::TestPorts ports_;
 };
 
 std::vector<char> Pattern(size_t n, int seed) {

@@ -8,7 +8,7 @@
 
 #include "base/clock.h"
 #include "transport/testing/conformance.h"
-#include "transport/verbs/discovery.h"
+#include "transport/verbs/test_ports.h"
 #include "transport/verbs/verbs_transport.h"
 
 namespace kvferry {
@@ -19,35 +19,18 @@ using testing::TransportConformanceTest;
 
 class VerbsHarness : public testing::TransportHarness {
  public:
-  VerbsHarness() {
-    verbs::DiscoveryOptions o;
-    verbs::ApplyEnvironment(&o);
-    auto d = verbs::Discover(o);
-    if (d.ok()) ports_ = d->selected;
-    if (ports_.empty()) {
-      skip_ = d.ok() ? "no active RDMA port on this host (run inside tools/softroce/vm.sh)"
-                     : std::string(d.status().message());
-    }
-  }
   absl::StatusOr<std::unique_ptr<Transport>> NewTransport() override {
     VerbsTransportOptions o;
-    o.ports = {ports_[0]};
+    o.ports = {ports_.ports()[0]};
     o.request_timeout = absl::Seconds(3);
     return CreateVerbsTransport(o);
   }
   Clock* clock() override { return RealClock(); }
   absl::Duration PeerLossBound() override { return absl::Seconds(5); }
-  std::string SkipReason() override {
-    const char* require = std::getenv("KVFERRY_REQUIRE_RDMA");
-    if (!skip_.empty() && require != nullptr && std::string(require) == "1") {
-      ADD_FAILURE() << "KVFERRY_REQUIRE_RDMA=1 but: " << skip_;
-    }
-    return skip_;
-  }
+  std::string SkipReason() override { return ports_.SkipReason(); }
 
  private:
-  std::vector<verbs::SelectedPort> ports_;
-  std::string skip_;
+  verbs::TestPorts ports_;
 };
 
 // Verbs-only cases, on the same harness.
