@@ -34,41 +34,30 @@ void Batch::StatusTo(BatchStatus* out) const {
   }
 }
 
-BatchId BatchTable::Create(Batch** out) {
-  const BatchId id = ++last_batch_;
-  Batch& b = batches_[id];
-  if (!spare_.empty()) {
-    b = std::move(spare_.back());  // vectors with capacity, emptied
-    spare_.pop_back();
+template <typename T>
+uint64_t BatchTable::Slab<T>::Take(T** out) {
+  uint32_t index;
+  if (!free_.empty()) {
+    index = free_.back();
+    free_.pop_back();
+  } else {
+    index = static_cast<uint32_t>(slots_.size());
+    slots_.emplace_back();
   }
-  *out = &b;
-  return id;
+  Slot& s = slots_[index];
+  s.live = true;
+  if (++s.generation == 0) s.generation = 1;  // never id 0
+  *out = &s.value;
+  return (uint64_t{s.generation} << 32) | (uint64_t{index} + 1);
 }
 
-Batch* BatchTable::Find(BatchId id) {
-  auto it = batches_.find(id);
-  return it == batches_.end() ? nullptr : &it->second;
-}
-
-void BatchTable::Recycle(BatchId id) {
-  auto it = batches_.find(id);
-  if (it == batches_.end()) return;
-  if (spare_.size() < kSpareBatches) {
-    it->second.Reset();
-    spare_.push_back(std::move(it->second));
-  }
-  batches_.erase(it);
-}
+BatchId BatchTable::Create(Batch** out) { return batches_.Take(out); }
 
 uint64_t BatchTable::AddSlice(const Slice& s) {
-  const uint64_t id = ++last_slice_;
-  slices_.emplace(id, s);
+  Slice* slot;
+  const uint64_t id = slices_.Take(&slot);
+  *slot = s;
   return id;
-}
-
-Slice* BatchTable::FindSlice(uint64_t id) {
-  auto it = slices_.find(id);
-  return it == slices_.end() ? nullptr : &it->second;
 }
 
 }  // namespace engine_internal

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "engine/local_regions.h"
@@ -28,6 +27,10 @@ struct Slice {
   uint64_t remote = 0;
   uint64_t length = 0;
   uint32_t retries_left = 0;
+  // The peer region it lies in, an index of the segment's descriptor, valid
+  // while the segment's generation + 1 is `checked` (0: not checked).
+  uint64_t checked = 0;
+  uint32_t region = 0;
   uint64_t generation = 0;    // of the segment's links it was last posted on
   transport::LinkId link = 0;  // the link it was last posted on (0: none)
   size_t nic = 0;  // that link's local NIC, as an index of the engine's NIC counters
@@ -54,25 +57,57 @@ struct Batch {
   void StatusTo(BatchStatus* out) const;
 };
 
+// Batches and slices live in slabs: an id is a slot index and the slot's
+// generation, so a lookup is an index and a compare (no hashing), a released
+// id is never confused with its slot's next user, and a recycled batch keeps
+// its vectors' capacity. Pointers stay valid until the next Create or
+// AddSlice.
 class BatchTable {
  public:
   // A new, empty batch (reusing a released one's vectors when it can).
   BatchId Create(Batch** out);
-  Batch* Find(BatchId id);
-  // Drops a batch; kept for reuse by Create.
-  void Recycle(BatchId id);
+  Batch* Find(BatchId id) { return batches_.Find(id); }
+  // Drops a batch; its slot is reused by Create.
+  void Recycle(BatchId id) {
+    if (Batch* b = batches_.Find(id)) {
+      b->Reset();
+      batches_.Free(id);
+    }
+  }
 
   uint64_t AddSlice(const Slice& s);
-  Slice* FindSlice(uint64_t id);
-  void EraseSlice(uint64_t id) { slices_.erase(id); }
+  Slice* FindSlice(uint64_t id) { return slices_.Find(id); }
+  void EraseSlice(uint64_t id) { slices_.Free(id); }
 
  private:
-  static constexpr size_t kSpareBatches = 64;
-  absl::flat_hash_map<BatchId, Batch> batches_;
-  std::vector<Batch> spare_;
-  absl::flat_hash_map<uint64_t, Slice> slices_;
-  BatchId last_batch_ = 0;
-  uint64_t last_slice_ = 0;
+  template <typename T>
+  class Slab {
+   public:
+    // A free slot (its value as its last user left it) and its id.
+    uint64_t Take(T** out);
+    T* Find(uint64_t id) {
+      const uint64_t index = (id & 0xffffffffu) - 1;
+      if (index >= slots_.size()) return nullptr;
+      Slot& s = slots_[index];
+      return s.live && s.generation == (id >> 32) ? &s.value : nullptr;
+    }
+    void Free(uint64_t id) {
+      if (Find(id) == nullptr) return;
+      slots_[(id & 0xffffffffu) - 1].live = false;
+      free_.push_back(static_cast<uint32_t>((id & 0xffffffffu) - 1));
+    }
+
+   private:
+    struct Slot {
+      T value;
+      uint32_t generation = 0;
+      bool live = false;
+    };
+    std::vector<Slot> slots_;
+    std::vector<uint32_t> free_;
+  };
+  Slab<Batch> batches_;
+  Slab<Slice> slices_;
 };
 
 }  // namespace engine_internal

@@ -21,8 +21,14 @@ const handshake::RegionDescriptor* Segment::FindRemote(uint64_t addr) const {
 }
 
 SliceCheck CheckRemote(const Segment& seg, uint64_t remote, uint64_t length, bool write,
-                       absl::Status* error) {
-  const handshake::RegionDescriptor* found = seg.FindRemote(remote);
+                       absl::Status* error, const handshake::RegionDescriptor** region) {
+  return CheckRegion(seg, seg.FindRemote(remote), remote, length, write, error, region);
+}
+
+SliceCheck CheckRegion(const Segment& seg, const handshake::RegionDescriptor* found,
+                       uint64_t remote, uint64_t length, bool write, absl::Status* error,
+                       const handshake::RegionDescriptor** region) {
+  if (region != nullptr) *region = found;
   if (found == nullptr || !transport::RangeInside(remote, length, found->addr, found->length)) {
     *error = absl::InvalidArgumentError(absl::StrFormat(
         "peer %s has no registered region covering [%#x, +%u) (it advertises %u region(s))",
@@ -44,8 +50,12 @@ SliceCheck CheckRemote(const Segment& seg, uint64_t remote, uint64_t length, boo
 }
 
 Segment* SegmentTable::Find(SegmentId id) {
+  if (id == last_found_id_) return last_found_;
   auto it = segments_.find(id);
-  return it == segments_.end() ? nullptr : &it->second;
+  if (it == segments_.end()) return nullptr;
+  last_found_id_ = id;
+  last_found_ = &it->second;
+  return last_found_;
 }
 
 const Segment* SegmentTable::Find(SegmentId id) const {
@@ -70,6 +80,8 @@ void SegmentTable::Remove(SegmentId id) {
   if (it == segments_.end()) return;
   by_peer_.erase(it->second.peer);
   segments_.erase(it);
+  last_found_id_ = 0;
+  last_found_ = nullptr;
 }
 
 }  // namespace engine_internal

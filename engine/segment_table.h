@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "engine/link_set.h"
@@ -52,9 +53,16 @@ struct Segment {
 enum class SliceCheck { kOk, kOutsideRegions, kForbidden, kNoLinks };
 
 // Checks [remote, +length) against the segment's advertised regions for
-// `write` (or read); `error` gets the message when not kOk.
+// `write` (or read); `error` gets the message when not kOk, `region` (if
+// given) the peer region containing `remote`.
 SliceCheck CheckRemote(const Segment& seg, uint64_t remote, uint64_t length, bool write,
-                       absl::Status* error);
+                       absl::Status* error,
+                       const handshake::RegionDescriptor** region = nullptr);
+// The same with the region containing `remote` already looked up (`found`,
+// null when none).
+SliceCheck CheckRegion(const Segment& seg, const handshake::RegionDescriptor* found,
+                       uint64_t remote, uint64_t length, bool write, absl::Status* error,
+                       const handshake::RegionDescriptor** region = nullptr);
 
 class SegmentTable {
  public:
@@ -71,8 +79,12 @@ class SegmentTable {
 
  private:
   absl::flat_hash_map<std::string, SegmentId> by_peer_;
-  absl::flat_hash_map<SegmentId, Segment> segments_;
+  // Node-based: a Segment stays where it is until removed.
+  absl::node_hash_map<SegmentId, Segment> segments_;
   SegmentId last_ = 0;
+  // The last segment found: completions and slices come in runs of one peer.
+  SegmentId last_found_id_ = 0;
+  Segment* last_found_ = nullptr;
 };
 
 }  // namespace engine_internal

@@ -20,15 +20,19 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
                                        absl::Span<const TransferRequest> requests,
                                        absl::Span<const LocalUse> local,
                                        std::vector<Slice>* planned, SliceCheck* why) const {
+  const auto& regions = seg.descriptor.regions;
   for (size_t i = 0; i < requests.size(); ++i) {
     const TransferRequest& r = requests[i];
+    const bool write = r.opcode == Opcode::kWrite;
+    const handshake::RegionDescriptor* reg = nullptr;
     for (uint64_t off = 0; off < r.length;) {
+      const uint64_t remote = r.remote + off;
+      // The region of the previous slice goes on until its end.
+      if (reg == nullptr || remote - reg->addr >= reg->length) reg = seg.FindRemote(remote);
       uint64_t len = std::min<uint64_t>(config_.slice_bytes, r.length - off);
-      if (const handshake::RegionDescriptor* reg = seg.FindRemote(r.remote + off)) {
-        len = std::min<uint64_t>(len, reg->addr + reg->length - (r.remote + off));
-      }
+      if (reg != nullptr) len = std::min<uint64_t>(len, reg->addr + reg->length - remote);
       absl::Status bad;
-      *why = CheckRemote(seg, r.remote + off, len, r.opcode == Opcode::kWrite, &bad);
+      *why = CheckRegion(seg, reg, remote, len, write, &bad);
       if (*why != SliceCheck::kOk) return Annotate(bad, absl::StrCat("request ", i));
       Slice s;
       s.request = i;
@@ -36,9 +40,11 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
       s.opcode = r.opcode;
       s.local = static_cast<char*>(r.local) + off;
       s.local_use = local[i];
-      s.remote = r.remote + off;
+      s.remote = remote;
       s.length = len;
       s.retries_left = config_.retries;
+      s.checked = seg.generation + 1;
+      s.region = static_cast<uint32_t>(reg - regions.data());
       planned->push_back(s);
       off += len;
     }
@@ -141,7 +147,7 @@ bool BatchPipeline::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl
     nic_counters_[nic].bytes += slice.length;
   }
   ++seg.metrics.slices;
-  const handshake::RegionDescriptor& r = *seg.FindRemote(slice.remote);
+  const handshake::RegionDescriptor& r = seg.descriptor.regions[slice.region];
   slice.generation = seg.generation;
   slice.link = best->id;
   slice.nic = static_cast<transport::NicIndex>(nic);
@@ -195,9 +201,15 @@ bool BatchPipeline::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl
       }
       b->peer_engine_id = seg.descriptor.engine_id;  // nothing landed: move it whole
     }
-    if (CheckRemote(seg, s->remote, s->length, s->opcode == Opcode::kWrite, bad) !=
-        SliceCheck::kOk) {
-      break;
+    // Checked against this descriptor when planned; again after a refresh.
+    if (s->checked != seg.generation + 1) {
+      const handshake::RegionDescriptor* reg;
+      if (CheckRemote(seg, s->remote, s->length, s->opcode == Opcode::kWrite, bad, &reg) !=
+          SliceCheck::kOk) {
+        break;
+      }
+      s->checked = seg.generation + 1;
+      s->region = static_cast<uint32_t>(reg - seg.descriptor.regions.data());
     }
     WorkRequest wr;
     if (!AssignLink(seg, *s, &wr, now)) {
