@@ -1,3 +1,7 @@
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "engine/transfer_engine.h"
 
 #include <cstdio>
@@ -40,12 +44,27 @@ std::vector<char> Pattern(size_t n, int seed) {
 
 // An engine on a port of its own choosing, which `fixed` then names, so
 // MakeEngine(*fixed) restarts it on the same port (with new keys).
+// A free port from the kernel's ephemeral range, which lies outside the
+// engines' [first_port, last_port]: no engine of another test process
+// (tests run in parallel) takes it once this test lets it go. 0 on error.
+uint16_t EphemeralPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(sa);
+  const bool picked = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
+                      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
+  if (fd >= 0) ::close(fd);
+  EXPECT_TRUE(picked);
+  return picked ? ntohs(sa.sin_port) : 0;
+}
+
+// An engine that can be restarted on the same port (see EphemeralPort).
 std::unique_ptr<TransferEngine> MakeRestartable(EngineOptions* fixed) {
-  auto e = MakeEngine(*fixed);
-  if (e == nullptr) return nullptr;
-  const std::string address = e->address();
-  fixed->port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
-  return e;
+  fixed->port = EphemeralPort();
+  if (fixed->port == 0) return nullptr;
+  return MakeEngine(*fixed);
 }
 
 uint64_t Addr(const std::vector<char>& v, size_t off = 0) {
@@ -178,12 +197,8 @@ TEST(TransferEngine, RemoteAccessRightsAreCheckedBeforePosting) {
 }
 
 TEST(TransferEngine, PeerNotListeningIsUnavailableInBoundedTime) {
-  uint16_t port;
-  {
-    auto s = net::Listen("127.0.0.1", 0, {16000, 16999});
-    ASSERT_TRUE(s.ok());
-    port = s->address.port();
-  }
+  const uint16_t port = EphemeralPort();  // nobody listens there
+  ASSERT_NE(port, 0);
   auto a = MakeEngine();
   const absl::Time start = absl::Now();
   auto seg = a->OpenSegment("127.0.0.1:" + std::to_string(port));
@@ -427,7 +442,8 @@ TEST(TransferEngine, NotificationIsNeverObservedBeforeItsData) {
 
 TEST(TransferEngine, FailedBatchSendsNoNotification) {
   auto a = MakeEngine();
-  auto b = MakeEngine();
+  EngineOptions fixed = Local();
+  auto b = MakeRestartable(&fixed);  // its port stays free once it is gone
   std::vector<char> src(4096), dst(4096);
   ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
