@@ -1,0 +1,264 @@
+#include "cuda/driver.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvferry {
+namespace cuda {
+
+namespace {
+
+std::once_flag load_once;
+Driver* loaded = nullptr;
+absl::Status* load_error = nullptr;
+
+}  // namespace
+
+const Driver* Driver::Get() {
+  std::call_once(load_once, [] {
+    load_error = new absl::Status();
+    loaded = Load(load_error);
+  });
+  return loaded;
+}
+
+absl::Status Driver::LoadError() {
+  Get();
+  return *load_error;
+}
+
+Driver* Driver::Load(absl::Status* error) {
+  const char* named = std::getenv("KVFERRY_CUDA_LIBRARY");
+  const std::string library = named != nullptr && *named != '\0' ? named : "libcuda.so.1";
+  void* handle = ::dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* why = ::dlerror();
+    *error = absl::UnavailableError(absl::StrCat("no CUDA driver: cannot load ", library, " (",
+                                                 why != nullptr ? why : "unknown", ")"));
+    return nullptr;
+  }
+  auto* d = new Driver();
+  d->handle_ = handle;
+  d->library_ = library;
+  std::string missing;
+  auto bind = [&](auto& slot, const char* name) {
+    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(::dlsym(handle, name));
+    if (slot == nullptr) absl::StrAppend(&missing, missing.empty() ? "" : ", ", name);
+  };
+  Entry& f = d->fn_;
+  bind(f.cuInit, "cuInit");
+  bind(f.cuDriverGetVersion, "cuDriverGetVersion");
+  bind(f.cuDeviceGetCount, "cuDeviceGetCount");
+  bind(f.cuDeviceGet, "cuDeviceGet");
+  bind(f.cuDeviceGetAttribute, "cuDeviceGetAttribute");
+  bind(f.cuDeviceGetPCIBusId, "cuDeviceGetPCIBusId");
+  bind(f.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+  bind(f.cuCtxSetCurrent, "cuCtxSetCurrent");
+  bind(f.cuCtxGetCurrent, "cuCtxGetCurrent");
+  bind(f.cuPointerGetAttribute, "cuPointerGetAttribute");
+  bind(f.cuMemGetAddressRange_v2, "cuMemGetAddressRange_v2");
+  bind(f.cuMemAlloc_v2, "cuMemAlloc_v2");
+  bind(f.cuMemFree_v2, "cuMemFree_v2");
+  bind(f.cuMemHostAlloc, "cuMemHostAlloc");
+  bind(f.cuMemFreeHost, "cuMemFreeHost");
+  bind(f.cuMemcpy, "cuMemcpy");
+  bind(f.cuGetErrorName, "cuGetErrorName");
+  if (!missing.empty()) {
+    *error = absl::UnavailableError(
+        absl::StrCat("no CUDA driver: ", library, " lacks ", missing, " (a driver too old?)"));
+    ::dlclose(handle);
+    delete d;
+    return nullptr;
+  }
+  api::CUresult r = f.cuInit(0);
+  if (r == api::kSuccess) r = f.cuDriverGetVersion(&d->version_);
+  if (r == api::kSuccess) r = f.cuDeviceGetCount(&d->device_count_);
+  if (r != api::kSuccess) {
+    *error = absl::UnavailableError(absl::StrCat(
+        "no CUDA driver: ", library, " does not start: ",
+        r == api::kErrorStubLibrary ? "it is the toolkit's stub library, not a driver"
+        : r == api::kErrorNoDevice  ? "no CUDA device"
+                                    : d->Error("cuInit", r).message()));
+    ::dlclose(handle);
+    delete d;
+    return nullptr;
+  }
+  MutexLock lock(&d->mu_);
+  d->contexts_.assign(d->device_count_, nullptr);
+  return d;
+}
+
+absl::Status Driver::Error(const char* call, api::CUresult r) const {
+  const char* name = nullptr;
+  if (fn_.cuGetErrorName == nullptr || fn_.cuGetErrorName(r, &name) != api::kSuccess ||
+      name == nullptr) {
+    name = "CUDA error";
+  }
+  const std::string text = absl::StrFormat("%s: %s (%d)", call, name, r);
+  switch (r) {
+    case api::kErrorOutOfMemory:
+      return absl::ResourceExhaustedError(text);
+    case api::kErrorInvalidValue:
+    case api::kErrorInvalidDevice:
+    case api::kErrorNotFound:
+    case api::kErrorIllegalAddress:
+      return absl::InvalidArgumentError(text);
+    case api::kErrorNotSupported:
+      return absl::UnimplementedError(text);
+    default:
+      return absl::InternalError(text);
+  }
+}
+
+absl::StatusOr<api::CUcontext> Driver::Context(int ordinal) const {
+  if (ordinal < 0 || ordinal >= device_count_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no CUDA device ", ordinal, " (this host has ", device_count_, ")"));
+  }
+  MutexLock lock(&mu_);
+  api::CUcontext& ctx = contexts_[ordinal];
+  if (ctx == nullptr) {
+    api::CUdevice dev;
+    api::CUresult r = fn_.cuDeviceGet(&dev, ordinal);
+    if (r == api::kSuccess) r = fn_.cuDevicePrimaryCtxRetain(&ctx, dev);
+    if (r != api::kSuccess) {
+      ctx = nullptr;
+      return Error("cuDevicePrimaryCtxRetain", r);
+    }
+  }
+  return ctx;
+}
+
+Driver::Bound::Bound(const Driver* d, int ordinal) : d_(d) {
+  absl::StatusOr<api::CUcontext> ctx = d->Context(ordinal);
+  if (!ctx.ok()) {
+    status_ = ctx.status();
+    return;
+  }
+  if (d->fn_.cuCtxGetCurrent(&previous_) != api::kSuccess) previous_ = nullptr;
+  if (previous_ == *ctx) return;
+  const api::CUresult r = d->fn_.cuCtxSetCurrent(*ctx);
+  if (r != api::kSuccess) {
+    status_ = d->Error("cuCtxSetCurrent", r);
+    return;
+  }
+  restore_ = true;
+}
+
+Driver::Bound::~Bound() {
+  if (restore_) (void)d_->fn_.cuCtxSetCurrent(previous_);
+}
+
+absl::StatusOr<std::string> Driver::PciBusId(int ordinal) const {
+  api::CUdevice dev;
+  api::CUresult r = fn_.cuDeviceGet(&dev, ordinal);
+  if (r != api::kSuccess) return Error("cuDeviceGet", r);
+  char id[32] = {};
+  r = fn_.cuDeviceGetPCIBusId(id, sizeof id, dev);
+  if (r != api::kSuccess) return Error("cuDeviceGetPCIBusId", r);
+  std::string out(id);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  return out;
+}
+
+int Driver::Attribute(int ordinal, int attribute) const {
+  api::CUdevice dev;
+  int value = 0;
+  if (fn_.cuDeviceGet(&dev, ordinal) != api::kSuccess ||
+      fn_.cuDeviceGetAttribute(&value, attribute, dev) != api::kSuccess) {
+    return 0;
+  }
+  return value;
+}
+
+absl::StatusOr<MemoryInfo> Driver::Classify(const void* addr, uint64_t length) const {
+  const auto at = reinterpret_cast<api::CUdeviceptr>(addr);
+  unsigned type = 0;
+  api::CUresult r = fn_.cuPointerGetAttribute(&type, api::kPointerAttributeMemoryType, at);
+  // Memory CUDA never saw (malloc, the stack) is INVALID_VALUE: host.
+  if (r == api::kErrorInvalidValue || (r == api::kSuccess && type != api::kMemoryTypeDevice)) {
+    return MemoryInfo{};
+  }
+  if (r != api::kSuccess) return Error("cuPointerGetAttribute", r);
+  MemoryInfo info;
+  info.device = true;
+  r = fn_.cuPointerGetAttribute(&info.ordinal, api::kPointerAttributeDeviceOrdinal, at);
+  if (r != api::kSuccess) return Error("cuPointerGetAttribute(DEVICE_ORDINAL)", r);
+  Bound bound(this, info.ordinal);
+  if (!bound.status().ok()) return bound.status();
+  // Allocation by allocation (VMM memory is mapped in chunks, one range each).
+  const api::CUdeviceptr end = at + length;
+  for (api::CUdeviceptr p = at; p < end;) {
+    api::CUdeviceptr base = 0;
+    size_t size = 0;
+    int ordinal = -1;
+    unsigned kind = 0;
+    if (fn_.cuPointerGetAttribute(&kind, api::kPointerAttributeMemoryType, p) != api::kSuccess ||
+        kind != api::kMemoryTypeDevice ||
+        fn_.cuPointerGetAttribute(&ordinal, api::kPointerAttributeDeviceOrdinal, p) !=
+            api::kSuccess ||
+        ordinal != info.ordinal ||
+        fn_.cuMemGetAddressRange_v2(&base, &size, p) != api::kSuccess || base + size <= p) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "[%#x, +%u) is not all memory of CUDA device %d: byte %#x (offset %u) is %s", at, length,
+          info.ordinal, p, p - at,
+          ordinal >= 0 && ordinal != info.ordinal
+              ? absl::StrCat("on device ", ordinal)
+              : std::string("not in a live device allocation")));
+    }
+    p = base + size;
+  }
+  return info;
+}
+
+absl::Status Driver::Copy(void* dst, const void* src, uint64_t length, int ordinal) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const api::CUresult r = fn_.cuMemcpy(reinterpret_cast<api::CUdeviceptr>(dst),
+                                       reinterpret_cast<api::CUdeviceptr>(src), length);
+  return r == api::kSuccess ? absl::OkStatus() : Error("cuMemcpy", r);
+}
+
+absl::StatusOr<void*> Driver::AllocPinned(size_t length) const {
+  // Pinned memory belongs to a context: the first device's primary one,
+  // made portable so every context can use it.
+  Bound bound(this, 0);
+  if (!bound.status().ok()) return bound.status();
+  void* p = nullptr;
+  const api::CUresult r = fn_.cuMemHostAlloc(&p, length, api::kMemHostAllocPortable);
+  if (r != api::kSuccess) return Error("cuMemHostAlloc", r);
+  return p;
+}
+
+void Driver::FreePinned(void* p) const {
+  if (p == nullptr) return;
+  Bound bound(this, 0);
+  (void)fn_.cuMemFreeHost(p);
+}
+
+absl::StatusOr<void*> Driver::AllocDevice(int ordinal, size_t length) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  api::CUdeviceptr p = 0;
+  const api::CUresult r = fn_.cuMemAlloc_v2(&p, length);
+  if (r != api::kSuccess) return Error("cuMemAlloc", r);
+  return reinterpret_cast<void*>(p);
+}
+
+absl::Status Driver::FreeDevice(void* p, int ordinal) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const api::CUresult r = fn_.cuMemFree_v2(reinterpret_cast<api::CUdeviceptr>(p));
+  return r == api::kSuccess ? absl::OkStatus() : Error("cuMemFree", r);
+}
+
+}  // namespace cuda
+}  // namespace kvferry

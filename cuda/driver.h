@@ -1,0 +1,116 @@
+// The CUDA driver, opened at run time: dlopen("libcuda.so.1"), or the
+// library KVFERRY_CUDA_LIBRARY names (tests point it at a fake). Nothing of
+// CUDA is needed to build or link kvferry; a host without the library has
+// no GPU support and everything else works as before.
+//
+// All calls are thread-safe. Calls that act on device memory first make
+// the device's primary context (the one the CUDA runtime and PyTorch use)
+// current on the calling thread.
+#ifndef KVFERRY_CUDA_DRIVER_H_
+#define KVFERRY_CUDA_DRIVER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/mutex.h"
+#include "cuda/driver_api.h"
+
+namespace kvferry {
+namespace cuda {
+
+// Where a range of memory lives.
+struct MemoryInfo {
+  bool device = false;  // false: host memory (pageable, pinned or registered)
+  int ordinal = -1;     // the CUDA device ordinal, for device memory
+};
+
+class Driver {
+ public:
+  // The process's driver, loaded on first use; null when there is none
+  // (LoadError says why).
+  static const Driver* Get();
+  static absl::Status LoadError();
+
+  // The library it was loaded from, and the driver's version (12060 = 12.6).
+  const std::string& library() const { return library_; }
+  int version() const { return version_; }
+  int device_count() const { return device_count_; }
+  // The PCI address of a device, lower case: "0000:1b:00.0".
+  absl::StatusOr<std::string> PciBusId(int ordinal) const;
+  // A device attribute (CUdevice_attribute value); 0 when the driver does
+  // not know it.
+  int Attribute(int ordinal, int attribute) const;
+
+  // Host or device memory. For device memory, [addr, +length) must lie in
+  // mapped allocations of one device (else kInvalidArgument, naming the
+  // first byte that does not).
+  absl::StatusOr<MemoryInfo> Classify(const void* addr, uint64_t length) const;
+  // Copies `length` bytes in any direction (the driver tells host and device
+  // pointers apart); `ordinal`: the device of the device side.
+  absl::Status Copy(void* dst, const void* src, uint64_t length, int ordinal) const;
+  // Pinned host memory, for staging buffers.
+  absl::StatusOr<void*> AllocPinned(size_t length) const;
+  void FreePinned(void* p) const;
+  // Device memory (tests and tools).
+  absl::StatusOr<void*> AllocDevice(int ordinal, size_t length) const;
+  absl::Status FreeDevice(void* p, int ordinal) const;
+
+  // A failed call's status: "cuMemcpy: CUDA_ERROR_INVALID_VALUE (1)".
+  absl::Status Error(const char* call, api::CUresult r) const;
+
+ private:
+  Driver() = default;
+  static Driver* Load(absl::Status* error);
+  // Makes the primary context of `ordinal` current on this thread until it
+  // goes out of scope; then the thread's own context is current again (a
+  // caller's thread may be working on another device).
+  class Bound {
+   public:
+    Bound(const Driver* d, int ordinal);
+    ~Bound();
+    const absl::Status& status() const { return status_; }
+
+   private:
+    const Driver* d_;
+    api::CUcontext previous_ = nullptr;
+    bool restore_ = false;
+    absl::Status status_;
+  };
+  absl::StatusOr<api::CUcontext> Context(int ordinal) const;
+
+  void* handle_ = nullptr;
+  std::string library_;
+  int version_ = 0;
+  int device_count_ = 0;
+  struct Entry {
+    api::cuInit_t cuInit;
+    api::cuDriverGetVersion_t cuDriverGetVersion;
+    api::cuDeviceGetCount_t cuDeviceGetCount;
+    api::cuDeviceGet_t cuDeviceGet;
+    api::cuDeviceGetAttribute_t cuDeviceGetAttribute;
+    api::cuDeviceGetPCIBusId_t cuDeviceGetPCIBusId;
+    api::cuDevicePrimaryCtxRetain_t cuDevicePrimaryCtxRetain;
+    api::cuCtxSetCurrent_t cuCtxSetCurrent;
+    api::cuCtxGetCurrent_t cuCtxGetCurrent;
+    api::cuPointerGetAttribute_t cuPointerGetAttribute;
+    api::cuMemGetAddressRange_v2_t cuMemGetAddressRange_v2;
+    api::cuMemAlloc_v2_t cuMemAlloc_v2;
+    api::cuMemFree_v2_t cuMemFree_v2;
+    api::cuMemHostAlloc_t cuMemHostAlloc;
+    api::cuMemFreeHost_t cuMemFreeHost;
+    api::cuMemcpy_t cuMemcpy;
+    api::cuGetErrorName_t cuGetErrorName;
+  } fn_{};
+  mutable Mutex mu_;
+  // Primary contexts retained so far, by ordinal (kept for the process).
+  mutable std::vector<api::CUcontext> contexts_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace cuda
+}  // namespace kvferry
+
+#endif  // KVFERRY_CUDA_DRIVER_H_

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Checks cuda/driver_api.h against NVIDIA's own cuda.h and the entry points
+# cuda/driver.cc looks up against the toolkit's stub libcuda, where a CUDA
+# toolkit is installed (nvcc on PATH or /usr/local/cuda*). Hosts without one
+# skip: the project never needs it.
+set -euo pipefail
+nvcc="$(command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1 || true)"
+if [[ -z "$nvcc" ]]; then
+  echo "SKIPPED: no CUDA toolkit on this host"
+  exit 0
+fi
+toolkit="$(dirname "$(dirname "$(readlink -f "$nvcc")")")"
+src="${TEST_SRCDIR}/${TEST_WORKSPACE}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+cat >"$tmp/check.cc" <<'CC'
+#include <cuda.h>
+#include "cuda/driver_api.h"
+namespace api = kvferry::cuda::api;
+static_assert(api::kSuccess == CUDA_SUCCESS, "");
+static_assert(api::kErrorInvalidValue == CUDA_ERROR_INVALID_VALUE, "");
+static_assert(api::kErrorOutOfMemory == CUDA_ERROR_OUT_OF_MEMORY, "");
+static_assert(api::kErrorNotInitialized == CUDA_ERROR_NOT_INITIALIZED, "");
+static_assert(api::kErrorStubLibrary == CUDA_ERROR_STUB_LIBRARY, "");
+static_assert(api::kErrorNoDevice == CUDA_ERROR_NO_DEVICE, "");
+static_assert(api::kErrorInvalidDevice == CUDA_ERROR_INVALID_DEVICE, "");
+static_assert(api::kErrorInvalidContext == CUDA_ERROR_INVALID_CONTEXT, "");
+static_assert(api::kErrorNotFound == CUDA_ERROR_NOT_FOUND, "");
+static_assert(api::kErrorIllegalAddress == CUDA_ERROR_ILLEGAL_ADDRESS, "");
+static_assert(api::kErrorNotSupported == CUDA_ERROR_NOT_SUPPORTED, "");
+static_assert(api::kPointerAttributeMemoryType == CU_POINTER_ATTRIBUTE_MEMORY_TYPE, "");
+static_assert(api::kPointerAttributeDeviceOrdinal == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, "");
+static_assert(api::kPointerAttributeRangeStartAddr == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, "");
+static_assert(api::kPointerAttributeRangeSize == CU_POINTER_ATTRIBUTE_RANGE_SIZE, "");
+static_assert(api::kMemoryTypeHost == CU_MEMORYTYPE_HOST, "");
+static_assert(api::kMemoryTypeDevice == CU_MEMORYTYPE_DEVICE, "");
+static_assert(api::kMemoryTypeArray == CU_MEMORYTYPE_ARRAY, "");
+static_assert(api::kMemoryTypeUnified == CU_MEMORYTYPE_UNIFIED, "");
+static_assert(api::kDeviceAttributeGpuDirectRdmaSupported ==
+              CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, "");
+static_assert(api::kDeviceAttributeDmaBufSupported == CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, "");
+static_assert(api::kMemRangeHandleTypeDmaBufFd == CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, "");
+static_assert(api::kMemHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE, "");
+static_assert(sizeof(api::CUdeviceptr) == sizeof(CUdeviceptr), "");
+static_assert(sizeof(api::CUdevice) == sizeof(CUdevice), "");
+static_assert(sizeof(api::CUresult) == sizeof(CUresult), "");
+int main() {}
+CC
+g++ -std=c++17 -fsyntax-only -I"$toolkit/include" -I"$src" "$tmp/check.cc"
+echo "driver_api.h agrees with $toolkit/include/cuda.h"
+# Every name driver.cc looks up is exported by the driver (the stub has
+# the real driver's symbol table).
+stub="$toolkit/lib/stubs/libcuda.so"
+[[ -f "$stub" ]] || stub="$toolkit/lib64/stubs/libcuda.so"
+exports="$(nm -D --defined-only "$stub" | awk '{print $3}')"
+missing=0
+names="$(grep -o 'bind(f\.[A-Za-z0-9_]*, "[A-Za-z0-9_]*")' "$src/cuda/driver.cc" |
+         sed 's/.*"\(.*\)")/\1/')"
+if [[ "$(wc -w <<<"$names")" -lt 10 ]]; then
+  echo "found only $(wc -w <<<"$names") lookups in driver.cc: this check is out of date"
+  exit 1
+fi
+for name in $names; do
+  if ! grep -qx "$name" <<<"$exports"; then
+    echo "driver.cc looks up $name, which $stub does not export"
+    missing=1
+  fi
+done
+[[ "$missing" == 0 ]] && echo "all $(wc -w <<<"$names") entry points driver.cc looks up are exported by $stub"
+exit "$missing"
