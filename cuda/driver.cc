@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cctype>
 #include <cstdlib>
 #include <mutex>
@@ -14,6 +15,30 @@ namespace kvferry {
 namespace cuda {
 
 namespace {
+
+// Whether every byte of [addr, +length) is in a mapping the CPU may read
+// (from /proc/self/maps): memory CUDA does not know must be host memory.
+absl::Status CheckHostReadable(uintptr_t addr, uint64_t length) {
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (f == nullptr) return absl::OkStatus();  // cannot tell: trust the caller
+  uintptr_t covered = addr;
+  const uintptr_t end = addr + length;
+  char line[512];
+  while (covered < end && std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long lo, hi;  // NOLINT(runtime/int): sscanf's type
+    char perms[8] = {};
+    if (std::sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3) continue;
+    if (hi <= covered || lo > covered) continue;  // the lines are sorted by address
+    if (perms[0] != 'r') break;
+    covered = hi;
+  }
+  std::fclose(f);
+  if (covered >= end) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "[%#x, +%u) is neither CUDA device memory nor host memory the CPU can read (byte %#x): "
+      "a freed device pointer?",
+      addr, length, covered));
+}
 
 std::once_flag load_once;
 Driver* loaded = nullptr;
@@ -183,8 +208,18 @@ absl::StatusOr<MemoryInfo> Driver::Classify(const void* addr, uint64_t length) c
   const auto at = reinterpret_cast<api::CUdeviceptr>(addr);
   unsigned type = 0;
   api::CUresult r = fn_.cuPointerGetAttribute(&type, api::kPointerAttributeMemoryType, at);
-  // Memory CUDA never saw (malloc, the stack) is INVALID_VALUE: host.
+  // Memory CUDA never saw (malloc, the stack) is INVALID_VALUE: host, if
+  // the CPU can read it (a freed device pointer is INVALID_VALUE too).
   if (r == api::kErrorInvalidValue || (r == api::kSuccess && type != api::kMemoryTypeDevice)) {
+    if (length == 0) return MemoryInfo{};
+    unsigned last = 0;
+    if (fn_.cuPointerGetAttribute(&last, api::kPointerAttributeMemoryType, at + length - 1) ==
+            api::kSuccess &&
+        last == api::kMemoryTypeDevice) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "[%#x, +%u) starts in host memory and ends in CUDA device memory", at, length));
+    }
+    if (absl::Status readable = CheckHostReadable(at, length); !readable.ok()) return readable;
     return MemoryInfo{};
   }
   if (r != api::kSuccess) return Error("cuPointerGetAttribute", r);

@@ -46,8 +46,9 @@ class Driver {
   int Attribute(int ordinal, int attribute) const;
 
   // Host or device memory. For device memory, [addr, +length) must lie in
-  // mapped allocations of one device (else kInvalidArgument, naming the
-  // first byte that does not).
+  // mapped allocations of one device; host memory must be mapped readable
+  // (a freed device pointer is not). Else kInvalidArgument, naming the
+  // first byte that is wrong.
   absl::StatusOr<MemoryInfo> Classify(const void* addr, uint64_t length) const;
   // Copies `length` bytes in any direction (the driver tells host and device
   // pointers apart); `ordinal`: the device of the device side.

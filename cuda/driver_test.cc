@@ -76,6 +76,11 @@ TEST_F(FakeDriverTest, ClassifiesHostAndDeviceMemory) {
   EXPECT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(over.status().message().find("offset 1048576"), std::string::npos) << over.status();
   ASSERT_TRUE(d_->FreeDevice(*dev, 1).ok());
+  // Freed: the driver no longer knows it, and the CPU cannot read it.
+  auto freed = d_->Classify(*dev, 4096);
+  EXPECT_EQ(freed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(freed.status().message().find("freed device pointer"), std::string::npos)
+      << freed.status();
 }
 
 TEST_F(FakeDriverTest, CopiesInEveryDirectionAndTheCpuCannotTouchDeviceMemory) {
