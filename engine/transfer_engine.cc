@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "cuda/driver.h"
 #include "engine/batch_pipeline.h"
 #include "engine/engine_options.h"
 #include "engine/local_regions.h"
@@ -58,6 +59,36 @@ std::vector<NicIndex> SameNumaNode(const transport::Transport& t, const std::str
     }
   }
   return out;
+}
+
+// Where [addr, +length) lives, as near_nics takes it. With a CUDA driver
+// the memory itself says: device memory is "pci:<the GPU's PCI address>"
+// (the CUDA ordinal mapped by the driver, right under CUDA_VISIBLE_DEVICES),
+// and a `location` that contradicts the memory is an error. Without one,
+// `location` as given. *derived: the location came from the memory.
+absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length,
+                                           const std::string& location, bool* derived) {
+  const cuda::Driver* driver = cuda::Driver::Get();
+  if (driver == nullptr || addr == nullptr || length == 0) return location;
+  absl::StatusOr<cuda::MemoryInfo> info = driver->Classify(addr, length);
+  if (!info.ok()) return Annotate(info.status(), "RegisterMemory");
+  const bool says_cuda = absl::StartsWith(location, "cuda:");
+  if (!info->device) {
+    if (says_cuda) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterMemory: location '", location, "' but the buffer is host memory"));
+    }
+    return location;
+  }
+  const std::string mine = absl::StrCat("cuda:", info->ordinal);
+  if (!location.empty() && location != mine) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterMemory: location '", location,
+                                                   "' but the buffer is memory of ", mine));
+  }
+  *derived = location.empty();
+  absl::StatusOr<std::string> bus = driver->PciBusId(info->ordinal);
+  if (!bus.ok()) return mine;
+  return absl::StrCat("pci:", *bus);
 }
 
 absl::Status CheckLocation(const std::string& location) {
@@ -125,9 +156,17 @@ class TransferEngine::Impl {
   absl::Status RegisterMemory(void* addr, uint64_t length, Access access,
                               const std::string& location) {
     NicMask near = 0;
-    if (!location.empty()) {
-      RETURN_IF_ERROR(CheckLocation(location));
-      absl::StatusOr<std::vector<NicIndex>> nics = near_nics_(location);
+    if (!location.empty()) RETURN_IF_ERROR(CheckLocation(location));
+    bool derived = false;
+    ASSIGN_OR_RETURN(const std::string where, MemoryLocation(addr, length, location, &derived));
+    if (!where.empty()) {
+      absl::StatusOr<std::vector<NicIndex>> nics = near_nics_(where);
+      // A GPU the RDMA discovery does not list: no preference.
+      if (!nics.ok() && derived && nics.status().code() == absl::StatusCode::kNotFound) {
+        KVF_LOG(WARNING) << "RegisterMemory: " << nics.status().message()
+                         << "; no NIC preference for this buffer";
+        nics = std::vector<NicIndex>{};
+      }
       if (!nics.ok()) return Annotate(nics.status(), "RegisterMemory");
       for (NicIndex i : *nics) {
         if (i < 64) near |= NicMask{1} << i;

@@ -371,6 +371,19 @@ absl::StatusOr<std::vector<SelectedPort>> NearestPorts(const Discovery& d,
     for (const SelectedPort& p : d.selected) {
       scored.emplace_back(PciDistance(gpu->pci_path, p.pci_path), p);
     }
+  } else if (absl::StartsWith(location, "pci:")) {
+    // A GPU by its PCI address (what the CUDA driver reports for a device
+    // ordinal: right under CUDA_VISIBLE_DEVICES and in containers).
+    const std::string want = absl::AsciiStrToLower(location.substr(4));
+    auto gpu = std::find_if(d.gpus.begin(), d.gpus.end(), [&](const GpuInfo& g) {
+      return absl::AsciiStrToLower(g.pci_address) == want;
+    });
+    if (gpu == d.gpus.end()) {
+      return absl::NotFoundError(absl::StrCat("no GPU at PCI address ", want, " in sysfs"));
+    }
+    for (const SelectedPort& p : d.selected) {
+      scored.emplace_back(PciDistance(gpu->pci_path, p.pci_path), p);
+    }
   } else if (absl::StartsWith(location, "cpu:")) {
     int node;
     if (!absl::SimpleAtoi(location.substr(4), &node)) {

@@ -118,7 +118,8 @@ int RankGid(const std::string& link_layer, GidInfo* gid);
 int PciDistance(const std::string& a, const std::string& b);
 
 // Selected ports ordered nearest first for a buffer on `location`
-// ("cuda:N", "cpu:N" or "" for no preference): by PCIe distance to the GPU,
+// ("cuda:N": the Nth GPU in PCI order; "pci:DDDD:BB:DD.F": the GPU at that
+// PCI address; "cpu:N"; or "" for no preference): by PCIe distance to the GPU,
 // or same NUMA node first for a CPU buffer. Every port appears; callers use
 // the first ones and fall back to the rest. `distances`, if given, receives
 // each returned port's distance (equal distances: equally near).

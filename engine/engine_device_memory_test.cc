@@ -1,0 +1,128 @@
+// TransferEngine with CUDA device memory, through the fake driver
+// (//cuda/testing: device memory PROT_NONE to the CPU), over TCP sockets
+// and the in-process shortcut.
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cuda/driver.h"
+#include "cuda/testing/fake_driver.h"
+#include "engine/testing/engine_conformance.h"
+#include "engine/transfer_engine.h"
+#include "gtest/gtest.h"
+
+namespace kvferry {
+namespace {
+
+using transport::Opcode;
+
+class EngineDeviceMemoryTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    d_ = cuda::UseFakeDriver();
+    ASSERT_NE(d_, nullptr);
+    harness_ = testing::MakeTcpHarness(/*in_process=*/GetParam());
+    auto a = harness_->Start(EngineOptions{});
+    auto b = harness_->Start(EngineOptions{});
+    ASSERT_TRUE(a.ok() && b.ok());
+    prefill_ = std::move(*a);
+    decode_ = std::move(*b);
+  }
+  void* Device(int ordinal, size_t n) {
+    auto p = d_->AllocDevice(ordinal, n);
+    EXPECT_TRUE(p.ok()) << p.status();
+    allocated_.push_back({p.value_or(nullptr), ordinal});
+    return p.value_or(nullptr);
+  }
+  void TearDown() override {
+    prefill_.reset();
+    decode_.reset();
+    for (auto [p, ordinal] : allocated_) {
+      if (p != nullptr) EXPECT_TRUE(d_->FreeDevice(p, ordinal).ok());
+    }
+  }
+  std::vector<char> Get(const void* p, size_t n, int ordinal) {
+    std::vector<char> v(n);
+    EXPECT_TRUE(d_->Copy(v.data(), p, n, ordinal).ok());
+    return v;
+  }
+  const cuda::Driver* d_ = nullptr;
+  std::unique_ptr<testing::EngineHarness> harness_;
+  std::unique_ptr<TransferEngine> prefill_, decode_;
+  std::vector<std::pair<void*, int>> allocated_;
+};
+
+TEST_P(EngineDeviceMemoryTest, KvPagesMoveBetweenGpusWithoutTheCpuTouchingThem) {
+  constexpr size_t kBytes = (2 << 20) + 3 * 4096;  // many slices, a short last one
+  void* src = Device(0, kBytes);
+  void* dst = Device(1, kBytes);
+  std::vector<char> pattern(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) pattern[i] = static_cast<char>(i * 31 + (i >> 13));
+  ASSERT_TRUE(d_->Copy(src, pattern.data(), kBytes, 0).ok());
+  // No location: the memory says where it is.
+  ASSERT_TRUE(prefill_->RegisterMemory(src, kBytes).ok());
+  ASSERT_TRUE(decode_->RegisterMemory(dst, kBytes, transport::Access::kRemoteReadWrite,
+                                      "cuda:1").ok());
+  auto seg = prefill_->OpenSegment(decode_->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  // Scattered pages, as a KV layer sends them.
+  std::vector<TransferRequest> pages;
+  for (size_t off = 0; off + 12288 <= kBytes; off += 3 * 12288) {
+    pages.push_back({Opcode::kWrite, static_cast<char*>(src) + off,
+                     reinterpret_cast<uintptr_t>(dst) + off, 12288});
+  }
+  auto batch = prefill_->Submit(*seg, pages);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto st = prefill_->Wait(*batch, absl::Seconds(20));
+  ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+  const std::vector<char> got = Get(dst, kBytes, 1);
+  for (const TransferRequest& p : pages) {
+    const size_t off = static_cast<char*>(p.local) - static_cast<char*>(src);
+    ASSERT_EQ(std::memcmp(got.data() + off, pattern.data() + off, p.length), 0) << off;
+  }
+  // And a READ of the whole range back into fresh device memory.
+  void* back = Device(0, kBytes);
+  ASSERT_TRUE(prefill_->RegisterMemory(back, kBytes, transport::Access::kNone).ok());
+  TransferRequest r{Opcode::kRead, back, reinterpret_cast<uintptr_t>(dst), kBytes};
+  auto read = prefill_->Submit(*seg, {&r, 1});
+  ASSERT_TRUE(read.ok());
+  auto rs = prefill_->Wait(*read, absl::Seconds(20));
+  ASSERT_TRUE(rs.ok() && rs->ok());
+  EXPECT_TRUE(Get(back, kBytes, 0) == got);
+}
+
+TEST_P(EngineDeviceMemoryTest, ALocationThatContradictsTheMemoryIsRefused) {
+  void* dev = Device(1, 1 << 16);
+  std::vector<char> host(1 << 16);
+  auto code = [](const absl::Status& s) { return s.code(); };
+  EXPECT_EQ(code(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite,
+                                          "cuda:0")),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite,
+                                          "cpu:0")),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(prefill_->RegisterMemory(host.data(), host.size(),
+                                          transport::Access::kRemoteReadWrite, "cuda:1")),
+            absl::StatusCode::kInvalidArgument);
+  // Past the allocation's end.
+  EXPECT_EQ(code(prefill_->RegisterMemory(dev, (1 << 16) + 1)),
+            absl::StatusCode::kInvalidArgument);
+  // A freed device pointer.
+  void* freed = Device(0, 4096);
+  ASSERT_TRUE(d_->FreeDevice(freed, 0).ok());
+  allocated_.back().first = nullptr;
+  absl::Status gone = prefill_->RegisterMemory(freed, 4096);
+  EXPECT_EQ(gone.code(), absl::StatusCode::kInvalidArgument) << gone;
+  // The engine is still usable: the right location works.
+  EXPECT_TRUE(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite,
+                                       "cuda:1").ok());
+  EXPECT_TRUE(prefill_->RegisterMemory(host.data(), host.size()).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Tcp, EngineDeviceMemoryTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return std::string(info.param ? "tcp_in_process" : "tcp");
+                         });
+
+}  // namespace
+}  // namespace kvferry
