@@ -1,6 +1,7 @@
 // RDMA discovery against fixture sysfs trees (tests/fixtures/sysfs).
 #include "transport/verbs/discovery.h"
 
+#include <cctype>
 #include <cstdlib>
 #include <string>
 
@@ -54,6 +55,15 @@ TEST(Discovery, EightGpuServerSelectsEveryNicWithItsRoutableV2Gid) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ((*cpu1)[i].numa_node, 1);
   EXPECT_EQ(NearestPorts(*d, "cuda:9").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(NearestPorts(*d, "tpu:0").status().code(), absl::StatusCode::kInvalidArgument);
+  // By PCI address, as the CUDA driver names a device (upper case there):
+  // the same GPU, whatever CUDA_VISIBLE_DEVICES makes its ordinal.
+  std::string upper = d->gpus[3].pci_address;
+  for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  auto by_pci = NearestPorts(*d, "pci:" + upper);
+  ASSERT_TRUE(by_pci.ok()) << by_pci.status();
+  EXPECT_EQ((*by_pci)[0].device, "mlx5_2");
+  EXPECT_EQ((*by_pci)[1].device, "mlx5_3");
+  EXPECT_EQ(NearestPorts(*d, "pci:0000:ff:1f.7").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(Discovery, CloudVmUsesItsOnlyGidIndexZero) {
