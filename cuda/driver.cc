@@ -1,6 +1,7 @@
 #include "cuda/driver.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -95,6 +96,8 @@ Driver* Driver::Load(absl::Status* error) {
   bind(f.cuMemFreeHost, "cuMemFreeHost");
   bind(f.cuMemcpy, "cuMemcpy");
   bind(f.cuGetErrorName, "cuGetErrorName");
+  f.cuMemGetHandleForAddressRange = reinterpret_cast<api::cuMemGetHandleForAddressRange_t>(
+      ::dlsym(handle, "cuMemGetHandleForAddressRange"));
   if (!missing.empty()) {
     *error = absl::UnavailableError(
         absl::StrCat("no CUDA driver: ", library, " lacks ", missing, " (a driver too old?)"));
@@ -260,6 +263,30 @@ absl::Status Driver::Copy(void* dst, const void* src, uint64_t length, int ordin
   const api::CUresult r = fn_.cuMemcpy(reinterpret_cast<api::CUdeviceptr>(dst),
                                        reinterpret_cast<api::CUdeviceptr>(src), length);
   return r == api::kSuccess ? absl::OkStatus() : Error("cuMemcpy", r);
+}
+
+absl::StatusOr<Driver::DmaBuf> Driver::ExportDmaBuf(const void* addr, uint64_t length,
+                                                      int ordinal) const {
+  if (fn_.cuMemGetHandleForAddressRange == nullptr || version_ < 11070) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA driver (version ", version_,
+                                                 ") has no dma-buf export (needs 11.7)"));
+  }
+  if (Attribute(ordinal, api::kDeviceAttributeDmaBufSupported) != 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "CUDA device ", ordinal, " does not support dma-buf (an older GPU, kernel or driver)"));
+  }
+  // The range must be whole host pages.
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const auto at = reinterpret_cast<uintptr_t>(addr);
+  const uintptr_t start = at & ~(page - 1);
+  const uint64_t size = (at + length - start + page - 1) / page * page;
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  int fd = -1;
+  const api::CUresult r = fn_.cuMemGetHandleForAddressRange(
+      &fd, start, size, api::kMemRangeHandleTypeDmaBufFd, 0);
+  if (r != api::kSuccess) return Error("cuMemGetHandleForAddressRange", r);
+  return DmaBuf{fd, at - start};
 }
 
 absl::StatusOr<void*> Driver::AllocPinned(size_t length) const {

@@ -60,6 +60,16 @@ class Driver {
   absl::StatusOr<void*> AllocDevice(int ordinal, size_t length) const;
   absl::Status FreeDevice(void* p, int ordinal) const;
 
+  // A dma-buf of the pages holding device memory [addr, +length) of device
+  // `ordinal`, for ibv_reg_dmabuf_mr: the caller closes `fd`. The buffer
+  // starts at `offset` within it. kUnimplemented where the device or the
+  // driver has no dma-buf export.
+  struct DmaBuf {
+    int fd = -1;
+    uint64_t offset = 0;
+  };
+  absl::StatusOr<DmaBuf> ExportDmaBuf(const void* addr, uint64_t length, int ordinal) const;
+
   // A failed call's status: "cuMemcpy: CUDA_ERROR_INVALID_VALUE (1)".
   absl::Status Error(const char* call, api::CUresult r) const;
 
@@ -105,6 +115,8 @@ class Driver {
     api::cuMemFreeHost_t cuMemFreeHost;
     api::cuMemcpy_t cuMemcpy;
     api::cuGetErrorName_t cuGetErrorName;
+    // Optional (CUDA 11.7 and later): null when the driver lacks it.
+    api::cuMemGetHandleForAddressRange_t cuMemGetHandleForAddressRange;
   } fn_{};
   mutable Mutex mu_;
   // Primary contexts retained so far, by ordinal (kept for the process).

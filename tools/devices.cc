@@ -1,5 +1,7 @@
 // kvferry devices: what RDMA hardware this host has and what kvferry's
-// auto-discovery would use, with the reasons.
+// auto-discovery would use, with the reasons; and the GPUs by CUDA ordinal
+// (as the CUDA driver numbers them, honouring CUDA_VISIBLE_DEVICES) with
+// whether dma-buf and nvidia-peermem can register their memory for RDMA.
 //
 //   ./bazelw run //tools:devices
 //   ./bazelw run //tools:devices -- --json
@@ -15,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "cuda/driver.h"
 #include "transport/verbs/discovery.h"
 
 ABSL_FLAG(std::string, sysfs_root, "/sys", "sysfs to read (a captured tree works too)");
@@ -41,7 +44,91 @@ std::string Quote(const std::string& s) {
   return out + "\"";
 }
 
-void PrintJson(const Discovery& d) {
+// A GPU as the CUDA driver sees it.
+struct CudaGpu {
+  int ordinal = 0;
+  std::string pci;       // lower case
+  bool dma_buf = false;  // CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
+  bool gpudirect = false;
+  std::string nearest;   // the nearest selected RDMA port's device
+};
+
+struct CudaView {
+  std::string error;  // why there is no driver
+  std::string library;
+  int version = 0;
+  bool peermem = false;  // the nvidia-peermem module is loaded
+  std::vector<CudaGpu> gpus;
+};
+
+CudaView ReadCuda(const Discovery& d, const std::string& sysfs_root) {
+  CudaView v;
+  for (const char* module : {"nvidia_peermem", "nv_peer_mem"}) {
+    FILE* f = std::fopen(absl::StrCat(sysfs_root, "/module/", module, "/initstate").c_str(), "r");
+    if (f != nullptr) {
+      v.peermem = true;
+      std::fclose(f);
+    }
+  }
+  const cuda::Driver* driver = cuda::Driver::Get();
+  if (driver == nullptr) {
+    v.error = std::string(cuda::Driver::LoadError().message());
+    return v;
+  }
+  v.library = driver->library();
+  v.version = driver->version();
+  for (int i = 0; i < driver->device_count(); ++i) {
+    CudaGpu g;
+    g.ordinal = i;
+    g.pci = driver->PciBusId(i).value_or("?");
+    g.dma_buf = driver->Attribute(i, cuda::api::kDeviceAttributeDmaBufSupported) == 1;
+    g.gpudirect = driver->Attribute(i, cuda::api::kDeviceAttributeGpuDirectRdmaSupported) == 1;
+    auto near = transport::verbs::NearestPorts(d, "pci:" + g.pci);
+    if (near.ok() && !near->empty()) g.nearest = (*near)[0].device;
+    v.gpus.push_back(g);
+  }
+  return v;
+}
+
+std::string CudaJson(const CudaView& v) {
+  std::vector<std::string> gpus;
+  for (const CudaGpu& g : v.gpus) {
+    gpus.push_back(absl::StrCat("{\"ordinal\":", g.ordinal, ",\"pci\":", Quote(g.pci),
+                                ",\"dma_buf\":", g.dma_buf ? "true" : "false",
+                                ",\"gpudirect_rdma\":", g.gpudirect ? "true" : "false",
+                                ",\"nearest\":", Quote(g.nearest), "}"));
+  }
+  return absl::StrCat("{\"library\":", Quote(v.library), ",\"version\":", v.version,
+                      ",\"error\":", Quote(v.error), ",\"peermem\":",
+                      v.peermem ? "true" : "false", ",\"gpus\":[", absl::StrJoin(gpus, ","),
+                      "]}");
+}
+
+void PrintCudaText(const CudaView& v) {
+  if (!v.error.empty()) {
+    std::printf("\nCUDA: none (%s): GPU memory cannot be registered on this host.\n",
+                v.error.c_str());
+    return;
+  }
+  std::printf("\nCUDA driver %d.%d (%s), nvidia-peermem %s:\n", v.version / 1000,
+              v.version % 1000 / 10, v.library.c_str(), v.peermem ? "loaded" : "not loaded");
+  for (const CudaGpu& g : v.gpus) {
+    std::printf("  cuda:%d  PCI %s  dma-buf %s  GPUDirect RDMA %s  nearest NIC %s\n", g.ordinal,
+                g.pci.c_str(), g.dma_buf ? "yes" : "no", g.gpudirect ? "yes" : "no",
+                g.nearest.empty() ? "(none)" : g.nearest.c_str());
+    const char* path = g.dma_buf   ? "dma-buf"
+                       : v.peermem ? "ibv_reg_mr through nvidia-peermem"
+                                   : nullptr;
+    if (path != nullptr) {
+      std::printf("    RDMA registers its memory by %s\n", path);
+    } else {
+      std::printf("    RDMA cannot register its memory (no dma-buf, no nvidia-peermem): "
+                  "TCP stages it through host memory\n");
+    }
+  }
+}
+
+void PrintJson(const Discovery& d, const CudaView& cuda) {
   std::vector<std::string> devices;
   for (const auto& dev : d.devices) {
     std::vector<std::string> ports;
@@ -73,15 +160,18 @@ void PrintJson(const Discovery& d) {
                                 ",\"numa_node\":", g.numa_node, "}"));
   }
   for (const auto& n : d.notes) notes.push_back(Quote(n));
-  std::printf("{\"devices\":[%s],\"gpus\":[%s],\"selected\":[%s],\"notes\":[%s]}\n",
-              absl::StrJoin(devices, ",").c_str(), absl::StrJoin(gpus, ",").c_str(),
-              absl::StrJoin(selected, ",").c_str(), absl::StrJoin(notes, ",").c_str());
+  std::printf(
+      "{\"devices\":[%s],\"gpus\":[%s],\"selected\":[%s],\"notes\":[%s],\"cuda\":%s}\n",
+      absl::StrJoin(devices, ",").c_str(), absl::StrJoin(gpus, ",").c_str(),
+      absl::StrJoin(selected, ",").c_str(), absl::StrJoin(notes, ",").c_str(),
+      CudaJson(cuda).c_str());
 }
 
-void PrintText(const Discovery& d, const std::string& root) {
+void PrintText(const Discovery& d, const std::string& root, const CudaView& cuda) {
   if (d.devices.empty()) {
     std::printf("No RDMA devices under %s/class/infiniband: kvferry will use TCP.\n",
                 root.c_str());
+    PrintCudaText(cuda);
     return;
   }
   for (const auto& dev : d.devices) {
@@ -107,13 +197,16 @@ void PrintText(const Discovery& d, const std::string& root) {
       std::printf("  nearest to %s: %s\n", g.name.c_str(), (*near)[0].device.c_str());
     }
   }
+  PrintCudaText(cuda);
 }
 
 }  // namespace
 }  // namespace kvferry
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("lists RDMA devices and what kvferry's auto-discovery selects.");
+  absl::SetProgramUsageMessage(
+      "lists RDMA devices and what kvferry's auto-discovery selects, and the GPUs by CUDA "
+      "ordinal (KVFERRY_CUDA_LIBRARY names another CUDA driver library).");
   absl::ParseCommandLine(argc, argv);
   kvferry::transport::verbs::DiscoveryOptions o;
   o.sysfs_root = absl::GetFlag(FLAGS_sysfs_root);
@@ -128,10 +221,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "devices: %s\n", d.status().ToString().c_str());
     return 1;
   }
+  const kvferry::CudaView cuda = kvferry::ReadCuda(*d, o.sysfs_root);
   if (absl::GetFlag(FLAGS_json)) {
-    kvferry::PrintJson(*d);
+    kvferry::PrintJson(*d, cuda);
   } else {
-    kvferry::PrintText(*d, o.sysfs_root);
+    kvferry::PrintText(*d, o.sysfs_root, cuda);
   }
   return 0;
 }

@@ -35,4 +35,22 @@ if "$devices" --sysfs_root="$root/sys" --dev_root="$root/dev" --devices=mlx5_9 2
   echo "a missing device was accepted"; exit 1
 fi
 grep -q "mlx5_9' does not exist; available: mlx5_0" err.txt
+# Without a CUDA driver: said so. With the fake one: the GPUs by CUDA
+# ordinal and PCI address, and how RDMA would register their memory.
+grep -q "CUDA: none" <<<"$(KVFERRY_CUDA_LIBRARY=/nonexistent/libcuda.so.1 "$devices" --sysfs_root="$TEST_TMPDIR/nothing")"
+fake="$TEST_SRCDIR/$TEST_WORKSPACE/cuda/testing/libfakecuda.so"
+gpus="$(KVFERRY_CUDA_LIBRARY="$fake" KVFERRY_FAKE_CUDA_PCI=0000:65:00.0,0000:1B:00.0 \
+        "$devices" --sysfs_root="$root/sys" --dev_root="$root/dev")"
+echo "$gpus"
+grep -q "cuda:0  PCI 0000:65:00.0  dma-buf no" <<<"$gpus"
+grep -q "cuda:1  PCI 0000:1b:00.0" <<<"$gpus"
+grep -q "RDMA cannot register its memory (no dma-buf, no nvidia-peermem)" <<<"$gpus"
+cuda_json="$(KVFERRY_CUDA_LIBRARY="$fake" "$devices" --sysfs_root="$root/sys" --dev_root="$root/dev" --json)"
+python3 - "$cuda_json" <<'PY'
+import json, sys
+c = json.loads(sys.argv[1])["cuda"]
+assert [g["ordinal"] for g in c["gpus"]] == [0, 1], c
+assert c["gpus"][0]["pci"] == "0000:1b:00.0" and c["gpus"][0]["dma_buf"] is False, c
+assert c["error"] == "" and c["peermem"] is False, c
+PY
 echo "devices_test: ok"

@@ -128,6 +128,16 @@ absl::StatusOr<Mr> RegMr(ibv_pd* pd, void* addr, uint64_t length, int access,
   return mr;
 }
 
+absl::StatusOr<Mr> RegDmaBufMr(ibv_pd* pd, uint64_t offset, uint64_t length, uint64_t iova,
+                               int fd, int access, absl::string_view where) {
+  errno = 0;
+  Mr mr(ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access));
+  if (mr == nullptr) {
+    return Error(0, absl::StrFormat("ibv_reg_dmabuf_mr %s [%#x, +%u)", where, iova, length));
+  }
+  return mr;
+}
+
 absl::Status PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (int rc = ibv_post_send(qp, wr, bad); rc != 0) {
     return Error(rc, absl::StrFormat("ibv_post_send on QP %#x", qp->qp_num));

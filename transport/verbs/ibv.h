@@ -64,6 +64,10 @@ absl::Status ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask, absl::string_view
 absl::Status ResetToError(ibv_qp* qp);
 absl::StatusOr<Mr> RegMr(ibv_pd* pd, void* addr, uint64_t length, int access,
                          absl::string_view where);
+// Registers `length` bytes at `offset` of a dma-buf, addressed by peers from
+// `iova` on (device memory without nvidia-peermem).
+absl::StatusOr<Mr> RegDmaBufMr(ibv_pd* pd, uint64_t offset, uint64_t length, uint64_t iova,
+                               int fd, int access, absl::string_view where);
 // Posts the chain; `*bad` is the first work request not posted.
 absl::Status PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 // Up to `max` completions into `wc`; how many, or the CQ's error.

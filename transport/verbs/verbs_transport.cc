@@ -2,6 +2,7 @@
 
 #include <infiniband/verbs.h>
 #include <poll.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -23,6 +25,7 @@
 #include "base/mutex.h"
 #include "base/scratch.h"
 #include "base/status_macros.h"
+#include "cuda/driver.h"
 #include "net/socket.h"
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
@@ -329,13 +332,42 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
   if (AllowsRemoteWrite(access)) flags |= IBV_ACCESS_REMOTE_WRITE;
   if (AllowsRemoteRead(access)) flags |= IBV_ACCESS_REMOTE_READ;
   auto state = std::make_unique<RegionState>();
+  // CUDA device memory: through a dma-buf of its pages first, then plain
+  // ibv_reg_mr (which works on device memory where nvidia-peermem is loaded).
+  int device = -1;
+  std::optional<absl::StatusOr<cuda::Driver::DmaBuf>> dmabuf;
+  if (const cuda::Driver* driver = cuda::Driver::Get()) {
+    ASSIGN_OR_RETURN(cuda::MemoryInfo where, driver->Classify(addr, length));
+    if (where.device) {
+      device = where.ordinal;
+      dmabuf = driver->ExportDmaBuf(addr, length, device);
+    }
+  }
   // One registration per NIC. Registering pins and maps every page once per
   // NIC, which for a large buffer takes long: with several NICs they
   // register in parallel, one thread each.
   std::vector<absl::StatusOr<ibv::Mr>> mrs;
   for (size_t i = 0; i < nics_.size(); ++i) mrs.emplace_back(absl::UnknownError("not registered"));
   auto register_on = [&](size_t i) {
-    mrs[i] = ibv::RegMr(nics_[i].pd.get(), addr, length, flags, nics_[i].port.device);
+    const std::string& name = nics_[i].port.device;
+    if (device < 0) {
+      mrs[i] = ibv::RegMr(nics_[i].pd.get(), addr, length, flags, name);
+      return;
+    }
+    absl::Status by_dmabuf = dmabuf->status();
+    if (dmabuf->ok()) {
+      mrs[i] = ibv::RegDmaBufMr(nics_[i].pd.get(), (*dmabuf)->offset, length,
+                                reinterpret_cast<uintptr_t>(addr), (*dmabuf)->fd, flags, name);
+      if (mrs[i].ok()) return;
+      by_dmabuf = mrs[i].status();
+    }
+    mrs[i] = ibv::RegMr(nics_[i].pd.get(), addr, length, flags, name);
+    if (mrs[i].ok()) return;
+    mrs[i] = absl::FailedPreconditionError(absl::StrCat(
+        "cannot register memory of CUDA device ", device, " on ", name, ": by dma-buf: ",
+        by_dmabuf.message(), "; by ibv_reg_mr: ", mrs[i].status().message(),
+        ". Enable one: dma-buf (CUDA driver 11.7+, Linux 5.12+, rdma-core 34+, a GPU and NIC "
+        "that support it) or the nvidia-peermem kernel module"));
   };
   if (nics_.size() > 1 && length >= options_.parallel_registration_bytes) {
     std::vector<std::thread> threads;
@@ -345,6 +377,8 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
   } else {
     for (size_t i = 0; i < nics_.size() && (i == 0 || mrs[i - 1].ok()); ++i) register_on(i);
   }
+  // The MRs hold their own reference to the dma-buf.
+  if (dmabuf.has_value() && dmabuf->ok()) ::close((*dmabuf)->fd);
   // Any failure: the others deregister as `mrs` goes.
   for (absl::StatusOr<ibv::Mr>& mr : mrs) RETURN_IF_ERROR(mr.status());
   for (absl::StatusOr<ibv::Mr>& mr : mrs) {
