@@ -7,6 +7,7 @@
 
 #include "cuda/driver.h"
 #include "cuda/testing/fake_driver.h"
+#include "engine/kv_cache.h"
 #include "engine/testing/engine_conformance.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
@@ -117,6 +118,42 @@ TEST_P(EngineDeviceMemoryTest, ALocationThatContradictsTheMemoryIsRefused) {
   EXPECT_TRUE(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite,
                                        "cuda:1").ok());
   EXPECT_TRUE(prefill_->RegisterMemory(host.data(), host.size()).ok());
+}
+
+// The KV layer with both pools on GPUs (per-layer K and V buffers, as a
+// serving framework's tensors are), a whole request of scattered pages.
+TEST_P(EngineDeviceMemoryTest, KvPagesOnDevicePoolsArriveWhole) {
+  const KvLayout l{4, false, 16, 256, 32};  // 4 KiB pages
+  std::vector<void*> src_buffers, dst_buffers;
+  for (uint32_t b = 0; b < l.buffer_count(); ++b) {
+    src_buffers.push_back(Device(0, l.buffer_bytes()));
+    dst_buffers.push_back(Device(1, l.buffer_bytes()));
+    std::vector<char> fill(l.buffer_bytes());
+    for (size_t i = 0; i < fill.size(); ++i) fill[i] = static_cast<char>(b * 37 + i * 13);
+    ASSERT_TRUE(d_->Copy(src_buffers.back(), fill.data(), fill.size(), 0).ok());
+  }
+  auto src = KvPool::Wrap(l, src_buffers);
+  auto dst = KvPool::Wrap(l, dst_buffers);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  auto sender = KvSender::Create(prefill_.get(), *src);
+  auto receiver = KvReceiver::Create(decode_.get(), *dst);
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  const std::vector<uint32_t> s = {3, 4, 5, 20, 9}, d = {0, 1, 2, 31, 17};
+  ASSERT_TRUE((*sender)->Send("gpu-req", decode_->address(), s, d, "aux").ok());
+  auto st = (*receiver)->Wait("gpu-req", absl::Seconds(20));
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_EQ(st->state, KvReceiver::State::kComplete);
+  for (uint32_t b = 0; b < l.buffer_count(); ++b) {
+    const std::vector<char> from = Get(src_buffers[b], l.buffer_bytes(), 0);
+    const std::vector<char> to = Get(dst_buffers[b], l.buffer_bytes(), 1);
+    for (size_t i = 0; i < s.size(); ++i) {
+      ASSERT_EQ(std::memcmp(to.data() + d[i] * l.page_bytes(), from.data() + s[i] * l.page_bytes(),
+                            l.page_bytes()),
+                0)
+          << "buffer " << b << " page " << s[i];
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Tcp, EngineDeviceMemoryTest, ::testing::Values(false, true),
