@@ -136,9 +136,13 @@ class MooncakeCompatEngine {
     return absl::SimpleAtoi(a.substr(a.rfind(':') + 1), &port) ? static_cast<int>(port) : -1;
   }
 
-  int register_memory(uintptr_t addr, uint64_t length) {
+  // `location`: Mooncake's "cpu:N", "cuda:N" or "*" (anywhere). Device
+  // memory (a torch tensor's data_ptr()) needs none: the driver says.
+  int register_memory(uintptr_t addr, uint64_t length, const std::string& location) {
     if (!Ready()) return -1;
-    return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length));
+    return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length,
+                                          transport::Access::kRemoteReadWrite,
+                                          location == "*" ? "" : location));
   }
   int unregister_memory(uintptr_t addr) {
     if (!Ready()) return -1;
@@ -151,7 +155,7 @@ class MooncakeCompatEngine {
       return Fail(absl::InvalidArgumentError("addresses and lengths differ in count"));
     }
     for (size_t i = 0; i < addrs.size(); ++i) {
-      if (register_memory(addrs[i], lengths[i]) != 0) return -1;
+      if (register_memory(addrs[i], lengths[i], "") != 0) return -1;
     }
     return 0;
   }
@@ -237,8 +241,9 @@ class Engine {
   TransferEngine* get() { return engine_.get(); }
   std::string address() const { return engine_->address(); }
   std::string transport() const { return engine_->detection().transport; }
-  void register_memory(uintptr_t addr, uint64_t length) {
-    Check(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length));
+  void register_memory(uintptr_t addr, uint64_t length, const std::string& location) {
+    Check(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length,
+                                  transport::Access::kRemoteReadWrite, location));
   }
   void unregister_memory(uintptr_t addr) {
     Check(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
@@ -330,7 +335,7 @@ PYBIND11_MODULE(kvferry, m) {
            py::arg("metadata_server"), py::arg("protocol"), py::arg("device_name"))
       .def("get_rpc_port", &MooncakeCompatEngine::get_rpc_port)
       .def("register_memory", &MooncakeCompatEngine::register_memory, py::arg("buffer_addr"),
-           py::arg("capacity"))
+           py::arg("capacity"), py::arg("location") = "*")
       .def("unregister_memory", &MooncakeCompatEngine::unregister_memory, py::arg("buffer_addr"))
       .def("batch_register_memory", &MooncakeCompatEngine::batch_register_memory,
            py::arg("buffer_addresses"), py::arg("capacities"))
@@ -359,7 +364,11 @@ PYBIND11_MODULE(kvferry, m) {
       .def_property_readonly("address", &Engine::address)
       .def_property_readonly("transport", &Engine::transport)
       .def_property_readonly("metrics_address", &Engine::metrics_address)
-      .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("length"))
+      .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("length"),
+           py::arg("location") = "",
+           "Registers [addr, +length): host memory or GPU memory (a torch tensor's "
+           "data_ptr(); told apart through the CUDA driver). location: \"cpu:N\" or "
+           "\"cuda:N\", checked against the memory when the CUDA driver is present.")
       .def("unregister_memory", &Engine::unregister_memory, py::arg("addr"))
       .def("transfer", &Engine::transfer, py::arg("peer"), py::arg("requests"),
            py::arg("timeout") = 30.0)
