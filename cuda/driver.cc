@@ -96,8 +96,13 @@ Driver* Driver::Load(absl::Status* error) {
   bind(f.cuMemFreeHost, "cuMemFreeHost");
   bind(f.cuMemcpy, "cuMemcpy");
   bind(f.cuGetErrorName, "cuGetErrorName");
-  f.cuMemGetHandleForAddressRange = reinterpret_cast<api::cuMemGetHandleForAddressRange_t>(
-      ::dlsym(handle, "cuMemGetHandleForAddressRange"));
+  auto optional = [&](auto& slot, const char* name) {
+    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(::dlsym(handle, name));
+  };
+  optional(f.cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
+  optional(f.cuIpcGetMemHandle, "cuIpcGetMemHandle");
+  optional(f.cuIpcOpenMemHandle_v2, "cuIpcOpenMemHandle_v2");
+  optional(f.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
   if (!missing.empty()) {
     *error = absl::UnavailableError(
         absl::StrCat("no CUDA driver: ", library, " lacks ", missing, " (a driver too old?)"));
@@ -287,6 +292,42 @@ absl::StatusOr<Driver::DmaBuf> Driver::ExportDmaBuf(const void* addr, uint64_t l
       &fd, start, size, api::kMemRangeHandleTypeDmaBufFd, 0);
   if (r != api::kSuccess) return Error("cuMemGetHandleForAddressRange", r);
   return DmaBuf{fd, at - start};
+}
+
+absl::StatusOr<Driver::IpcExport> Driver::IpcExportOf(const void* addr, int ordinal) const {
+  if (fn_.cuIpcGetMemHandle == nullptr || fn_.cuIpcOpenMemHandle_v2 == nullptr) {
+    return absl::UnimplementedError("the CUDA driver has no IPC memory handles");
+  }
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  api::CUdeviceptr base = 0;
+  api::CUresult r =
+      fn_.cuMemGetAddressRange_v2(&base, nullptr, reinterpret_cast<api::CUdeviceptr>(addr));
+  if (r != api::kSuccess) return Error("cuMemGetAddressRange", r);
+  IpcExport out{};
+  r = fn_.cuIpcGetMemHandle(&out.handle, base);
+  if (r != api::kSuccess) return Error("cuIpcGetMemHandle", r);
+  out.offset = reinterpret_cast<uintptr_t>(addr) - base;
+  return out;
+}
+
+absl::StatusOr<void*> Driver::IpcOpen(const api::CUipcMemHandle& handle, int ordinal) const {
+  if (fn_.cuIpcOpenMemHandle_v2 == nullptr) {
+    return absl::UnimplementedError("the CUDA driver has no IPC memory handles");
+  }
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  api::CUdeviceptr p = 0;
+  const api::CUresult r =
+      fn_.cuIpcOpenMemHandle_v2(&p, handle, api::kIpcMemLazyEnablePeerAccess);
+  if (r != api::kSuccess) return Error("cuIpcOpenMemHandle", r);
+  return reinterpret_cast<void*>(p);
+}
+
+void Driver::IpcClose(void* mapped, int ordinal) const {
+  if (fn_.cuIpcCloseMemHandle == nullptr || mapped == nullptr) return;
+  Bound bound(this, ordinal);
+  (void)fn_.cuIpcCloseMemHandle(reinterpret_cast<api::CUdeviceptr>(mapped));
 }
 
 absl::StatusOr<void*> Driver::AllocPinned(size_t length) const {

@@ -70,6 +70,18 @@ class Driver {
   };
   absl::StatusOr<DmaBuf> ExportDmaBuf(const void* addr, uint64_t length, int ordinal) const;
 
+  // CUDA IPC (cudaMalloc memory; VMM memory has no IPC memory handle). The
+  // handle of the allocation holding `addr`, and `addr`'s offset in it.
+  struct IpcExport {
+    api::CUipcMemHandle handle;
+    uint64_t offset = 0;
+  };
+  absl::StatusOr<IpcExport> IpcExportOf(const void* addr, int ordinal) const;
+  // Maps another process's allocation into this one (through the context of
+  // `ordinal`); IpcClose unmaps it.
+  absl::StatusOr<void*> IpcOpen(const api::CUipcMemHandle& handle, int ordinal) const;
+  void IpcClose(void* mapped, int ordinal) const;
+
   // A failed call's status: "cuMemcpy: CUDA_ERROR_INVALID_VALUE (1)".
   absl::Status Error(const char* call, api::CUresult r) const;
 
@@ -115,8 +127,11 @@ class Driver {
     api::cuMemFreeHost_t cuMemFreeHost;
     api::cuMemcpy_t cuMemcpy;
     api::cuGetErrorName_t cuGetErrorName;
-    // Optional (CUDA 11.7 and later): null when the driver lacks it.
+    // Optional: null when the driver lacks them (dma-buf export: 11.7).
     api::cuMemGetHandleForAddressRange_t cuMemGetHandleForAddressRange;
+    api::cuIpcGetMemHandle_t cuIpcGetMemHandle;
+    api::cuIpcOpenMemHandle_v2_t cuIpcOpenMemHandle_v2;
+    api::cuIpcCloseMemHandle_t cuIpcCloseMemHandle;
   } fn_{};
   mutable Mutex mu_;
   // Primary contexts retained so far, by ordinal (kept for the process).

@@ -25,6 +25,13 @@ using CUcontext = CUctx_st*;
 struct CUstream_st;
 using CUstream = CUstream_st*;
 
+// cuIpcGetMemHandle's handle: 64 opaque bytes, passed by value to
+// cuIpcOpenMemHandle_v2.
+struct CUipcMemHandle {
+  char reserved[64];
+};
+constexpr unsigned kIpcMemLazyEnablePeerAccess = 0x1;
+
 // CUresult
 constexpr CUresult kSuccess = 0;
 constexpr CUresult kErrorInvalidValue = 1;
@@ -87,6 +94,10 @@ using cuStreamCreate_t = CUresult (*)(CUstream* stream, unsigned flags);
 using cuStreamSynchronize_t = CUresult (*)(CUstream stream);
 using cuStreamDestroy_v2_t = CUresult (*)(CUstream stream);
 using cuGetErrorName_t = CUresult (*)(CUresult error, const char** name);
+using cuIpcGetMemHandle_t = CUresult (*)(CUipcMemHandle* handle, CUdeviceptr ptr);
+using cuIpcOpenMemHandle_v2_t = CUresult (*)(CUdeviceptr* ptr, CUipcMemHandle handle,
+                                             unsigned flags);
+using cuIpcCloseMemHandle_t = CUresult (*)(CUdeviceptr ptr);
 
 }  // namespace api
 }  // namespace cuda

@@ -44,6 +44,8 @@ static_assert(api::kMemHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE, "");
 static_assert(sizeof(api::CUdeviceptr) == sizeof(CUdeviceptr), "");
 static_assert(sizeof(api::CUdevice) == sizeof(CUdevice), "");
 static_assert(sizeof(api::CUresult) == sizeof(CUresult), "");
+static_assert(sizeof(api::CUipcMemHandle) == sizeof(CUipcMemHandle), "");
+static_assert(api::kIpcMemLazyEnablePeerAccess == CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, "");
 int main() {}
 CC
 g++ -std=c++17 -fsyntax-only -I"$toolkit/include" -I"$src" "$tmp/check.cc"
@@ -54,7 +56,7 @@ stub="$toolkit/lib/stubs/libcuda.so"
 [[ -f "$stub" ]] || stub="$toolkit/lib64/stubs/libcuda.so"
 exports="$(nm -D --defined-only "$stub" | awk '{print $3}')"
 missing=0
-names="$(grep -o 'bind(f\.[A-Za-z0-9_]*, "[A-Za-z0-9_]*")' "$src/cuda/driver.cc" |
+names="$(grep -oE '(bind|optional)\(f\.[A-Za-z0-9_]*, "[A-Za-z0-9_]*"\)' "$src/cuda/driver.cc" |
          sed 's/.*"\(.*\)")/\1/')"
 if [[ "$(wc -w <<<"$names")" -lt 10 ]]; then
   echo "found only $(wc -w <<<"$names") lookups in driver.cc: this check is out of date"

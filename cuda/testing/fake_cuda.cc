@@ -9,14 +9,20 @@
 //   * calls that need a context fail with CUDA_ERROR_INVALID_CONTEXT (201)
 //     on a thread with no current context, and every call before cuInit
 //     with CUDA_ERROR_NOT_INITIALIZED (3), as the real driver does;
-//   * the old 32-bit entry points (cuMemAlloc, cuMemcpyDtoH, ...) abort.
+//   * the old 32-bit entry points (cuMemAlloc, cuMemcpyDtoH, ...) abort;
+//   * CUDA IPC between processes: the arena is a memfd; a handle names the
+//     exporting process, the fd and the allocation, and another process
+//     maps the same pages (through /proc/PID/fd) PROT_NONE plus a private
+//     alias, as for its own device memory.
 // Environment: KVFERRY_FAKE_CUDA_DEVICES (default 2),
 // KVFERRY_FAKE_CUDA_PCI ("0000:1B:00.0,..."), KVFERRY_FAKE_CUDA_MIB (arena
 // size, default 256).
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <iterator>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -55,7 +61,27 @@ struct State {
   };
   std::map<size_t, Allocation> allocations;  // by offset in the arena
   std::set<void*> pinned;
+  int fd = -1;  // the arena's memfd, kept for other processes' IPC imports
+  struct Import {
+    size_t size;
+    char* alias;
+    int device;
+  };
+  std::map<uintptr_t, Import> imports;  // another process's allocation, by address
+  uint64_t ipc_opens = 0;               // successful cuIpcOpenMemHandle calls
 };
+
+struct IpcHandle {  // the 64 bytes of a CUipcMemHandle
+  uint64_t magic;
+  uint64_t pid;
+  uint64_t fd;
+  uint64_t offset;
+  uint64_t size;
+  uint64_t device;
+  uint64_t unused[2];
+};
+static_assert(sizeof(IpcHandle) == 64, "CUipcMemHandle is 64 bytes");
+constexpr uint64_t kIpcMagic = 0x6b76666572727931ull;
 
 State& S() {
   static State* s = new State();
@@ -81,8 +107,18 @@ const State::Allocation* Find(const State& s, uintptr_t p, size_t* base_off) {
 }
 
 // Where the copy functions read or write [p, +n): the alias for device
-// memory (which must lie in one live allocation), p itself for host memory.
+// memory (which must lie in one live allocation or import), p itself for
+// host memory.
 CUresult Translate(const State& s, uintptr_t p, size_t n, char** out) {
+  auto imp = s.imports.upper_bound(p);
+  if (imp != s.imports.begin()) {
+    --imp;
+    if (p - imp->first < imp->second.size) {
+      if (p - imp->first + n > imp->second.size) return kIllegalAddress;
+      *out = imp->second.alias + (p - imp->first);
+      return kSuccess;
+    }
+  }
   if (!InArena(s, p)) {
     *out = reinterpret_cast<char*>(p);
     return kSuccess;
@@ -122,7 +158,7 @@ CUresult cuInit(unsigned flags) {
   if (fd < 0 || ftruncate(fd, s.arena_bytes) != 0) return kOutOfMemory;
   void* arena = mmap(nullptr, s.arena_bytes, PROT_NONE, MAP_SHARED, fd, 0);
   void* alias = mmap(nullptr, s.arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
+  s.fd = fd;
   if (arena == MAP_FAILED || alias == MAP_FAILED) return kOutOfMemory;
   s.arena = static_cast<char*>(arena);
   s.alias = static_cast<char*>(alias);
@@ -201,6 +237,12 @@ CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
   size_t base;
   const State::Allocation* a = InArena(s, p) ? Find(s, p, &base) : nullptr;
   const bool pinned = !InArena(s, p) && s.pinned.count(reinterpret_cast<void*>(p)) > 0;
+  State::Allocation imported{0, 0};
+  auto imp = s.imports.upper_bound(p);
+  if (a == nullptr && imp != s.imports.begin() && p - std::prev(imp)->first < std::prev(imp)->second.size) {
+    imported.device = std::prev(imp)->second.device;
+    a = &imported;
+  }
   if (a == nullptr && !pinned) return kInvalidValue;  // memory CUDA never saw
   switch (attribute) {
     case 2:  // MEMORY_TYPE
@@ -289,6 +331,50 @@ CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
   return kSuccess;
 }
 
+CUresult cuIpcGetMemHandle(IpcHandle* h, CUdeviceptr ptr) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  if (!InArena(s, ptr)) return kInvalidValue;
+  auto it = s.allocations.find(ptr - reinterpret_cast<uintptr_t>(s.arena));
+  if (it == s.allocations.end()) return kInvalidValue;  // not an allocation's base
+  *h = IpcHandle{kIpcMagic, static_cast<uint64_t>(getpid()), static_cast<uint64_t>(s.fd),
+                 it->first, it->second.size, static_cast<uint64_t>(it->second.device), {}};
+  return kSuccess;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, IpcHandle h, unsigned flags) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  if (h.magic != kIpcMagic || flags != 1) return kInvalidValue;
+  if (h.pid == static_cast<uint64_t>(getpid())) return kInvalidContext;  // as the driver: not in-process
+  const std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return kInvalidValue;
+  const size_t size = (h.size + 4095) / 4096 * 4096;
+  void* va = mmap(nullptr, size, PROT_NONE, MAP_SHARED, fd, static_cast<off_t>(h.offset));
+  void* alias = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                     static_cast<off_t>(h.offset));
+  close(fd);
+  if (va == MAP_FAILED || alias == MAP_FAILED) return kOutOfMemory;
+  s.imports[reinterpret_cast<uintptr_t>(va)] =
+      State::Import{h.size, static_cast<char*>(alias), static_cast<int>(h.device)};
+  ++s.ipc_opens;
+  *out = reinterpret_cast<uintptr_t>(va);
+  return kSuccess;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  auto it = s.imports.find(ptr);
+  if (it == s.imports.end()) return kInvalidValue;
+  const size_t size = (it->second.size + 4095) / 4096 * 4096;
+  munmap(reinterpret_cast<void*>(it->first), size);
+  munmap(it->second.alias, size);
+  s.imports.erase(it);
+  return kSuccess;
+}
+
 CUresult cuGetErrorName(CUresult error, const char** name) {
   static const std::map<int, const char*> names = {
       {0, "CUDA_SUCCESS"},
@@ -310,6 +396,14 @@ CUresult cuGetErrorName(CUresult error, const char** name) {
   }
   *name = it->second;
   return kSuccess;
+}
+
+// For tests (not a driver entry point): how many IPC handles this process
+// opened.
+uint64_t kvferry_fake_cuda_ipc_opens() {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.ipc_opens;
 }
 
 // The legacy 32-bit ABI: using one is a bug in the caller.

@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -51,6 +53,12 @@ constexpr uint64_t kMaxAckRunBytes = 1 << 20;
 enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp = 4 };
 // DataHeader::flags of a request.
 constexpr uint16_t kAckNow = 1;  // the last of its Post on the link: answer now
+// Requests: no data follows but an IpcRef, the requester's device memory
+// for the responder to copy from (WRITE) or into (READ) through CUDA IPC.
+// Answers: a READ done that way (no data follows), or an IPC request the
+// responder could not serve (status set: the requester sends it again the
+// ordinary way).
+constexpr uint16_t kViaIpc = 2;
 
 // A kWriteAck answers a run of WRITEs: ids `id` .. `id + remote_addr - 1`
 // (consecutive on the link, so no READ among them) all landed. An ack that
@@ -66,6 +74,30 @@ struct DataHeader {
   uint64_t length = 0;  // data bytes following (WRITE request, READ answer)
 };
 static_assert(sizeof(DataHeader) == 40, "wire header size");
+
+// The requester's device memory of a kViaIpc request: its allocation's IPC
+// handle and the offset of the request's bytes in it.
+struct IpcRef {
+  cuda::api::CUipcMemHandle handle;
+  uint64_t offset = 0;
+};
+static_assert(sizeof(IpcRef) == 72, "wire IPC reference size");
+
+// This host's identity (its kernel's boot id, which the containers on a
+// host share): links between two transports on one host may use CUDA IPC.
+uint64_t HostId() {
+  static const uint64_t id = [] {
+    FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f == nullptr) return uint64_t{0};
+    char buf[64] = {};
+    const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(buf[i])) * 1099511628211ull;
+    return n > 0 ? h : 0;
+  }();
+  return id;
+}
 
 // The sanitizers' sendmsg interceptor checks the sent bytes after the call
 // returns, when a peer in the same process may already have completed the
@@ -228,19 +260,23 @@ absl::Status Drain(int fd, uint64_t n) {
 
 // Link parameters (transport/link_params.h): the pairing token and the
 // transport's in-process key (0: no shortcut).
-enum : uint8_t { kTokenField = 1, kKeyField = 2 };
-std::string EncodeLinkParams(uint64_t token, uint64_t key) {
-  return LinkParams("tcp").Put(kTokenField, token).Put(kKeyField, key).Encode();
+// and the host's identity (HostId: 0 when CUDA IPC is off).
+enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3 };
+std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host) {
+  return LinkParams("tcp").Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host)
+      .Encode();
 }
 struct PeerParams {
   uint64_t token = 0;
   uint64_t key = 0;
+  uint64_t host = 0;
 };
 absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes) {
   ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, "tcp"));
   PeerParams out;
   ASSIGN_OR_RETURN(out.token, p.Get(kTokenField, "pairing token"));
   ASSIGN_OR_RETURN(out.key, p.Get(kKeyField, "in-process key"));
+  ASSIGN_OR_RETURN(out.host, p.Get(kHostField, "host identity"));
   return out;
 }
 
@@ -279,6 +315,11 @@ class TcpTransport final : public Transport {
     Region region;
     std::atomic<uint64_t> local_uses{0};
     int device = -1;  // the CUDA device it lies on; -1: host memory
+    // Device memory with a CUDA IPC handle (cudaMalloc memory): a peer on
+    // this host copies it through IPC. `ipc.offset`: the region's start in
+    // its allocation.
+    bool has_ipc = false;
+    cuda::Driver::IpcExport ipc{};
   };
   // Something for a link's writer to send.
   struct Job {
@@ -288,6 +329,8 @@ class TcpTransport final : public Transport {
     bool read_answer = false;    // send region bytes, re-checked under the lock
     bool close_after = false;    // the responder refused: close the connection
     int device = -1;  // data lies on this CUDA device: sent through a staging buffer
+    bool ipc = false;  // header.flags has kViaIpc: ipc_ref follows the header
+    IpcRef ipc_ref;
   };
   struct Link {
     using State = LinkState;  // transport/checks.h
@@ -321,6 +364,13 @@ class TcpTransport final : public Transport {
     // thread only.
     Staging send_stage;
     Staging recv_stage;
+    // Both ends on this host with a CUDA driver: device memory may go
+    // through CUDA IPC (until the peer says it cannot open a handle).
+    bool same_host = false;
+    bool ipc_ok = true;
+    // The requesters' allocations this end opened (reader thread only), by
+    // handle bytes; closed when the reader ends.
+    std::map<std::string, std::pair<void*, int>> ipc_imports;  // mapped, opened on
   };
 
   // The process's TCP transports by in-process key. Held shared while a
@@ -383,6 +433,17 @@ class TcpTransport final : public Transport {
   absl::Status SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after, size_t skip = 0);
   // Responder side: executes a peer's request; returns the answer to send.
   Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
+  // The host identity links advertise for CUDA IPC; 0: IPC off (no CUDA
+  // driver, or TcpTransportOptions::cuda_ipc false).
+  uint64_t IpcHost() const {
+    return options_.cuda_ipc && cuda::Driver::Get() != nullptr ? HostId() : 0;
+  }
+  // The requester's allocation `ref` names, opened on first use (reader).
+  absl::StatusOr<void*> ImportIpc(Link& link, const IpcRef& ref, int device);
+  // The peer could not serve request `id` through IPC: send it again with
+  // its bytes, and no more IPC on this link.
+  absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckRemote(const DataHeader& h, bool write, char** target, int* device = nullptr)
       ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
   // Requester side: an answer to one of our requests.
@@ -536,13 +597,23 @@ absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
   // Device memory is never touched by the CPU: its bytes go through pinned
   // staging buffers (see Staging).
   int device = -1;
+  absl::StatusOr<cuda::Driver::IpcExport> ipc = absl::UnavailableError("host memory");
   if (const cuda::Driver* driver = cuda::Driver::Get()) {
     ASSIGN_OR_RETURN(cuda::MemoryInfo where, driver->Classify(addr, length));
-    if (where.device) device = where.ordinal;
+    if (where.device) {
+      device = where.ordinal;
+      if (IpcHost() != 0) ipc = driver->IpcExportOf(addr, device);
+      if (IpcHost() != 0 && !ipc.ok()) {
+        KVF_LOG(INFO) << "tcp: device memory at " << addr << " has no CUDA IPC handle ("
+                      << ipc.status().message() << "): peers on this host get it staged";
+      }
+    }
   }
   WriterMutexLock lock(&regions_mu_);
   auto entry = std::make_unique<RegionEntry>();
   entry->device = device;
+  entry->has_ipc = ipc.ok();
+  if (ipc.ok()) entry->ipc = *ipc;
   Region& r = entry->region;
   r.id = ++last_region_;
   r.addr = base;
@@ -597,7 +668,7 @@ absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
   MutexLock lock(&mu_);
   link->id = ++last_link_;
   links_[link->id] = link;
-  return LinkOffer{link->id, EncodeLinkParams(token, key_)};
+  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost())};
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
@@ -627,13 +698,14 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     link->state = Link::State::kReady;
     link->passive = true;
     if (key_ != 0) link->peer_key = InProcessKey(params->key);
+    link->same_host = IpcHost() != 0 && params->host == IpcHost();
     links_[link->id] = link;
   }
   (void)net::SetNoDelay(link->fd.get());
   (void)net::SetKeepAlive(link->fd.get(), options_.dead_peer_timeout);
   link->reader = std::thread([this, link] { ReaderLoop(link); });
   link->writer = std::thread([this, link] { WriterLoop(link); });
-  return LinkOffer{link->id, EncodeLinkParams(token, key_)};
+  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost())};
 }
 
 absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
@@ -653,6 +725,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     }
     link->state = Link::State::kReady;
     if (key_ != 0) link->peer_key = InProcessKey(params->key);
+    link->same_host = IpcHost() != 0 && params->host == IpcHost();
   }
   link->reader = std::thread([this, link] { ReaderLoop(link); });
   link->writer = std::thread([this, link] { WriterLoop(link); });
@@ -758,7 +831,14 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     job.header.remote_addr = wr.remote_addr;
     job.header.rkey = wr.remote_key;
     job.header.length = wr.length;
-    if (wr.opcode == Opcode::kWrite) {
+    if (link.same_host && link.ipc_ok && local.has_ipc && wr.length > 0) {
+      // Device to device on this host: the peer copies through CUDA IPC.
+      job.ipc = true;
+      job.header.flags |= kViaIpc;
+      job.ipc_ref.handle = local.ipc.handle;
+      job.ipc_ref.offset =
+          local.ipc.offset + (reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr);
+    } else if (wr.opcode == Opcode::kWrite) {
       job.data = wr.local_addr;
       job.device = local.device;
     }
@@ -793,7 +873,7 @@ bool TcpTransport::ClaimInline(Link& link, uint64_t post) {
   }
   uint64_t bytes = 0;
   for (const Job& job : link.jobs) {
-    if (job.device >= 0) return false;  // staged by the writer
+    if (job.device >= 0 || job.ipc) return false;  // staged, or with an IpcRef: the writer
     bytes += sizeof job.header + (job.data ? job.header.length : 0);
   }
   // Small Posts only: a large one is better copied into the socket by the
@@ -1012,6 +1092,7 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
       job.header.text_len = static_cast<uint32_t>(job.text.size());
       iov[n++] = {&job.header, sizeof job.header};
       if (!job.text.empty()) iov[n++] = {job.text.data(), job.text.size()};
+      if (job.ipc) iov[n++] = {&job.ipc_ref, sizeof job.ipc_ref};
       if (job.data != nullptr && job.header.length > 0 && job.device >= 0) {
         // Device memory: what is gathered goes first, then the bytes
         // through the staging buffer. (Never in an inline rest: skip
@@ -1060,32 +1141,66 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   Job answer;
   answer.header.type = write ? kWriteAck : kReadResp;
   answer.header.id = h.id;
+  IpcRef ipc;
+  const bool via_ipc = (h.flags & kViaIpc) != 0;
+  if (via_ipc) {
+    *stream_error = RecvAll(link.fd.get(), &ipc, sizeof ipc);
+    if (!stream_error->ok()) return answer;
+  }
   absl::Status refused;
   if (h.length > 0) {
     ReaderMutexLock lock(&regions_mu_);
     char* target = nullptr;
     int device = -1;
     refused = CheckRemote(h, write, &target, &device);
-    if (refused.ok() && write) {
+    if (refused.ok() && via_ipc) {
+      absl::StatusOr<void*> peer = ImportIpc(link, ipc, device);
+      if (!peer.ok()) {
+        // Not served here: the requester sends it again, staged.
+        answer.header.flags = kViaIpc;
+        answer.header.status = static_cast<uint8_t>(absl::StatusCode::kUnimplemented);
+        answer.text = std::string(peer.status().message().substr(0, kMaxErrorText));
+        return answer;
+      }
+      char* theirs = static_cast<char*>(*peer) + ipc.offset;
+      // Device to device on the GPUs (NVLink or PCIe); the CPU copies nothing.
+      refused = cuda::Driver::Get()->Copy(write ? target : theirs, write ? theirs : target,
+                                          h.length, device >= 0 ? device : 0);
+    } else if (refused.ok() && write) {
       // Straight into a host region: no intermediate buffer.
       *stream_error = device >= 0 ? link.recv_stage.Recv(link.fd.get(), target, h.length, device)
                                   : RecvAll(link.fd.get(), target, h.length);
     }
   }
   if (!refused.ok()) {
-    if (write) *stream_error = Drain(link.fd.get(), h.length);
+    if (write && !via_ipc) *stream_error = Drain(link.fd.get(), h.length);
     answer.header.status = static_cast<uint8_t>(refused.code());
     answer.text = std::string(refused.message().substr(0, kMaxErrorText));
     answer.close_after = true;  // like an RC responder entering the error state
     return answer;
   }
-  if (!write) {
+  if (!write && via_ipc) {
+    answer.header.flags = kViaIpc;  // copied already: no bytes follow
+    answer.header.length = h.length;
+  } else if (!write) {
     answer.read_answer = true;
     answer.header.remote_addr = h.remote_addr;
     answer.header.rkey = h.rkey;
     answer.header.length = h.length;
   }
   return answer;
+}
+
+absl::StatusOr<void*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, int device) {
+  const std::string key(ref.handle.reserved, sizeof ref.handle.reserved);
+  auto it = link.ipc_imports.find(key);
+  if (it != link.ipc_imports.end()) return it->second.first;
+  // Opened through this end's device when the target is device memory,
+  // else through device 0 (any context maps it).
+  const int ordinal = device >= 0 ? device : 0;
+  ASSIGN_OR_RETURN(void* mapped, cuda::Driver::Get()->IpcOpen(ref.handle, ordinal));
+  link.ipc_imports.emplace(key, std::make_pair(mapped, ordinal));
+  return mapped;
 }
 
 absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
@@ -1120,11 +1235,20 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
     std::string text(std::min(h.text_len, kMaxErrorText), '\0');
     RETURN_IF_ERROR(RecvAll(link.fd.get(), text.data(), text.size()));
     MutexLock lock(&mu_);
+    if ((h.flags & kViaIpc) != 0) return ResendStaged(link, wr, h.id, text);
     FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
     return absl::OkStatus();
   }
   if (h.length != wr.length) {
     return absl::DataLossError("READ answer of the wrong length");
+  }
+  if ((h.flags & kViaIpc) != 0) {  // the peer copied into our device memory
+    MutexLock lock(&mu_);
+    if (link.outstanding.Erase(h.id)) {
+      CompleteLocked(wr, absl::OkStatus());
+      WakeWaiters();
+    }
+    return absl::OkStatus();
   }
   // Straight into the caller's buffer, which stays registered until
   // completion; device memory through the staging buffer.
@@ -1141,6 +1265,33 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
     CompleteLocked(wr, absl::OkStatus());
     WakeWaiters();
   }
+  return absl::OkStatus();
+}
+
+absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint64_t id,
+                                        const std::string& why) {
+  if (link.ipc_ok) {
+    KVF_LOG(WARNING) << "tcp: link " << link.id << ": the peer cannot open this process's CUDA "
+                     << "IPC handles (" << why << "); device memory goes staged over the socket";
+  }
+  link.ipc_ok = false;
+  if (link.stopping) return absl::OkStatus();
+  Job job;
+  job.header.type = wr.opcode == Opcode::kWrite ? kWriteReq : kReadReq;
+  job.header.flags = kAckNow;
+  job.header.id = id;
+  job.header.remote_addr = wr.remote_addr;
+  job.header.rkey = wr.remote_key;
+  job.header.length = wr.length;
+  if (wr.opcode == Opcode::kWrite) {
+    job.data = wr.local_addr;
+    ReaderMutexLock regions(&regions_mu_);
+    auto it = regions_.find(wr.local_region);
+    job.device = it == regions_.end() ? -1 : it->second->device;
+  }
+  if (link.jobs.empty()) link.jobs_from = 0;
+  link.jobs.push_back(std::move(job));
+  link.cv.SignalAll();
   return absl::OkStatus();
 }
 
@@ -1202,6 +1353,10 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
       break;
     }
   }
+  for (const auto& [handle, mapped] : link->ipc_imports) {
+    cuda::Driver::Get()->IpcClose(mapped.first, mapped.second);
+  }
+  link->ipc_imports.clear();
   MutexLock lock(&mu_);
   link->reader_done = true;
   // Closed here (CloseLink, destruction) or already failed: nothing to do.

@@ -58,6 +58,13 @@ struct TcpTransportOptions {
   // (with the same key, bounds and access checks) and completes at once.
   // The connection stays, to notice the peer closing the link.
   bool in_process_shortcut = true;
+  // When both ends of a link are on this host and have a CUDA driver, a
+  // request from device memory with a CUDA IPC handle (cudaMalloc memory)
+  // carries the handle instead of its bytes: the responder maps it and the
+  // GPUs copy (NVLink or PCIe), nothing crosses the socket. A responder that
+  // cannot open the handle says so; the link then stages device memory
+  // over the socket, and the reason is logged.
+  bool cuda_ipc = true;
 };
 
 // Creates a TCP transport and starts its listener. kInvalidArgument for a
