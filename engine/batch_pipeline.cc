@@ -4,10 +4,14 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "cuda/driver.h"
+#include "net/interfaces.h"
+#include "net/socket.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -68,7 +72,39 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::Connect(const std::string& pe
 // The best transport both ends have: this engine's primary if the peer's
 // primary is of the same kind and its links come up; else a transport of
 // this engine that the peer also has (asked for by kind).
+namespace {
+
+// Whether `peer` ("host:port") is an address of this host: a numeric
+// address of one of its interfaces, or loopback.
+bool OnThisHost(const std::string& peer) {
+  absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
+  if (!hp.ok()) return false;
+  absl::StatusOr<std::vector<net::InterfaceAddress>> mine = net::ListInterfaceAddresses();
+  if (!mine.ok()) return false;
+  for (const net::InterfaceAddress& a : *mine) {
+    if (a.ip == hp->host) return true;
+  }
+  return hp->host == "localhost" || absl::StartsWith(hp->host, "127.");
+}
+
+}  // namespace
+
 absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string& peer) const {
+  // A peer on this host of a GPU host: TCP, whose links copy device memory
+  // GPU to GPU through CUDA IPC, not through the NIC (host memory goes over
+  // loopback TCP then).
+  if (vias_.size() > 1 && vias_[0].kind != "tcp" && cuda::Driver::Get() != nullptr &&
+      OnThisHost(peer)) {
+    for (size_t via = 1; via < vias_.size(); ++via) {
+      if (vias_[via].kind != "tcp") continue;
+      absl::StatusOr<handshake::EngineDescriptor> d = client_->Describe(peer, "tcp");
+      if (!d.ok() || d->transport_kind != "tcp") break;
+      absl::StatusOr<Path> p = Connect(peer, via, std::move(*d));
+      if (!p.ok()) break;  // the usual choice below
+      p->why = "the peer is on this host: tcp, with CUDA IPC for device memory";
+      return p;
+    }
+  }
   ASSIGN_OR_RETURN(handshake::EngineDescriptor theirs, client_->Describe(peer));
   const std::string& their_kind = theirs.transport_kind;
   const bool same_primary = their_kind == vias_[0].kind;

@@ -1,0 +1,52 @@
+// On a host with RDMA and a CUDA driver (the fake one, //cuda/testing), an
+// engine reaches a peer on the same host over TCP, whose links move device
+// memory GPU to GPU through CUDA IPC (tests/cuda_ipc_test.cc), rather than
+// through the NIC; and says why in its metrics. Runs where there is an RDMA port (inside
+// tools/softroce/vm.sh), skipped elsewhere.
+#include <cstring>
+#include <vector>
+
+#include "cuda/driver.h"
+#include "cuda/testing/fake_driver.h"
+#include "engine/transfer_engine.h"
+#include "gtest/gtest.h"
+#include "transport/verbs/test_ports.h"
+
+namespace kvferry {
+namespace {
+
+TEST(SameHostTest, APeerOnThisHostGoesOverTcpWithCudaIpc) {
+  transport::verbs::TestPorts ports;
+  if (!ports.SkipReason().empty()) GTEST_SKIP() << ports.SkipReason();
+  const cuda::Driver* d = cuda::UseFakeDriver();
+  ASSERT_NE(d, nullptr);
+  EngineOptions o;
+  o.local_host = "127.0.0.1";  // transport "auto": RDMA, and TCP beside it
+  auto a = TransferEngine::Create(o);
+  auto b = TransferEngine::Create(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ((*a)->detection().transport, "rdma");
+  std::vector<char> src(1 << 20), dst(1 << 20, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 7 + 1);
+  ASSERT_TRUE((*a)->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE((*b)->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = (*a)->OpenSegment((*b)->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  const EngineMetrics m = (*a)->GetMetrics();
+  ASSERT_EQ(m.peers.size(), 1u);
+  EXPECT_EQ(m.peers[0].transport, "tcp");
+  EXPECT_NE(m.peers[0].transport_reason.find("on this host"), std::string::npos)
+      << m.peers[0].transport_reason;
+  // And the segment works.
+  TransferRequest w{transport::Opcode::kWrite, src.data(),
+                    reinterpret_cast<uintptr_t>(dst.data()), src.size()};
+  auto batch = (*a)->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto st = (*a)->Wait(*batch, absl::Seconds(20));
+  ASSERT_TRUE(st.ok() && st->ok());
+  EXPECT_TRUE(src == dst);
+}
+
+}  // namespace
+}  // namespace kvferry
