@@ -1,0 +1,337 @@
+// The check on a real GPU (tools/gpu/check.sh runs it from the bundle
+// tools/gpu/bundle.sh makes): device memory moved between two processes of
+// this host, over TCP staging and over CUDA IPC, verified by hashes of the
+// bytes read back through the driver; throughput beside a device-to-device
+// cuMemcpy and a host-to-host TCP stream of the same bytes, measured in the
+// same run. Ends with "N passed, N failed".
+//
+//   gpu_check [--mib=256] [--rounds=3] [--src_device=0] [--dst_device=N]
+//
+// KVFERRY_CUDA_LIBRARY names another driver library (CI runs it against the
+// fake one).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/clock.h"
+#include "cuda/driver.h"
+#include "engine/transfer_engine.h"
+#include "handshake/tcp_network.h"
+#include "transport/tcp/tcp_transport.h"
+
+ABSL_FLAG(int, mib, 256, "bytes moved per transfer, MiB");
+ABSL_FLAG(int, rounds, 3, "transfers per path (the best rate is reported)");
+ABSL_FLAG(int, src_device, 0, "CUDA ordinal of the sending process's buffer");
+ABSL_FLAG(int, dst_device, -1, "CUDA ordinal of the receiving buffer (-1: the last device)");
+
+namespace kvferry {
+namespace {
+
+int passed = 0, failed = 0;
+
+void Check(bool ok, const std::string& what) {
+  std::printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
+  ++(ok ? passed : failed);
+}
+
+uint64_t Fnv(const std::vector<char>& v) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : v) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+// The hash of device memory, read back through the driver.
+uint64_t DeviceHash(const cuda::Driver* d, const void* p, size_t n, int device) {
+  std::vector<char> host(n);
+  return d->Copy(host.data(), p, n, device).ok() ? Fnv(host) : 0;
+}
+
+std::unique_ptr<TransferEngine> Engine(bool cuda_ipc) {
+  transport::TcpTransportOptions t;
+  t.bind_host = "127.0.0.1";
+  t.cuda_ipc = cuda_ipc;
+  t.in_process_shortcut = false;
+  auto tcp = transport::CreateTcpTransport(t);
+  if (!tcp.ok()) return nullptr;
+  EngineParts parts;
+  parts.transport = std::move(*tcp);
+  parts.network = handshake::NewTcpNetwork();
+  parts.detection.host = "127.0.0.1";
+  parts.detection.transport = "tcp";
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  o.slice_bytes = 4 << 20;
+  o.links_per_peer = 1;  // as many connections as the host TCP reference
+  auto e = TransferEngine::CreateWith(o, std::move(parts));
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+std::string ReadLine(int fd) {
+  std::string line;
+  char c;
+  while (read(fd, &c, 1) == 1 && c != '\n') line += c;
+  return line;
+}
+
+void WriteLine(int fd, const std::string& s) {
+  const std::string line = s + "\n";
+  if (write(fd, line.data(), line.size()) < 0) std::perror("write");
+}
+
+// The receiving process: a device buffer registered with an engine (IPC on
+// or off), and a TCP sink for the host-to-host reference. Answers "h" with
+// the hash of its buffer; ends at EOF.
+[[noreturn]] void Receiver(int in, int out, bool cuda_ipc, size_t bytes, int device) {
+  const cuda::Driver* d = cuda::Driver::Get();
+  auto engine = d != nullptr ? Engine(cuda_ipc) : nullptr;
+  void* dst = engine != nullptr ? d->AllocDevice(device, bytes).value_or(nullptr) : nullptr;
+  if (dst == nullptr || !engine->RegisterMemory(dst, bytes).ok()) {
+    WriteLine(out, "error");
+    _exit(2);
+  }
+  const int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  if (bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || listen(lfd, 1) != 0 ||
+      getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    _exit(3);
+  }
+  WriteLine(out, engine->address() + " " + std::to_string(reinterpret_cast<uintptr_t>(dst)) + " " +
+                     std::to_string(ntohs(sa.sin_port)));
+  std::vector<char> sink(1 << 20);
+  for (;;) {
+    const std::string cmd = ReadLine(in);
+    if (cmd == "h") {
+      WriteLine(out, std::to_string(DeviceHash(d, dst, bytes, device)));
+    } else if (cmd == "s") {  // the reference stream: take `bytes`, then say so
+      const int c = accept(lfd, nullptr, nullptr);
+      size_t got = 0;
+      while (got < bytes) {
+        const ssize_t r = recv(c, sink.data(), sink.size(), 0);
+        if (r <= 0) break;
+        got += static_cast<size_t>(r);
+      }
+      close(c);
+      WriteLine(out, std::to_string(got));
+    } else {
+      _exit(0);
+    }
+  }
+}
+
+struct PathResult {
+  double best_gbps = 0;
+  bool ok = false;
+};
+
+// One path: WRITEs of the whole buffer, each verified; the best rate.
+// Runs in a process that has not used CUDA yet (a child of Main): forks the
+// receiver first, as CUDA allows no use across fork().
+PathResult RunPath(bool cuda_ipc, size_t bytes, int rounds, int src_dev, int dst_dev,
+                   double* host_tcp_gbps) {
+  int to[2], from[2];
+  if (pipe(to) != 0 || pipe(from) != 0) return {};
+  std::fflush(stdout);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(to[1]);
+    close(from[0]);
+    alarm(240);
+    Receiver(to[0], from[1], cuda_ipc, bytes, dst_dev);
+  }
+  close(to[0]);
+  close(from[1]);
+  PathResult result;
+  const cuda::Driver* d = cuda::Driver::Get();
+  if (d == nullptr) return result;
+  const std::string hello = ReadLine(from[0]);
+  char peer[256];
+  unsigned long long remote = 0;  // NOLINT(runtime/int): sscanf's type
+  int sink_port = 0;
+  auto engine = Engine(cuda_ipc);
+  void* src = d->AllocDevice(src_dev, bytes).value_or(nullptr);
+  std::vector<char> pattern(bytes);
+  if (std::sscanf(hello.c_str(), "%255s %llu %d", peer, &remote, &sink_port) == 3 &&
+      engine != nullptr && src != nullptr) {
+    result.ok = true;
+    for (int r = 0; r < rounds && result.ok; ++r) {
+      for (size_t i = 0; i < bytes; i += 8) pattern[i] = static_cast<char>(i / 8 + r * 31 + cuda_ipc);
+      result.ok = d->Copy(src, pattern.data(), bytes, src_dev).ok() &&
+                  (r > 0 || engine->RegisterMemory(src, bytes).ok());
+      auto seg = engine->OpenSegment(peer);
+      if (!result.ok || !seg.ok()) {
+        result.ok = false;
+        break;
+      }
+      TransferRequest w{transport::Opcode::kWrite, src, remote, bytes};
+      const absl::Time t0 = absl::Now();
+      auto batch = engine->Submit(*seg, {&w, 1});
+      auto st = batch.ok() ? engine->Wait(*batch, absl::Seconds(120)) : batch.status();
+      const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+      result.ok = st.ok() && st->ok();
+      if (batch.ok()) (void)engine->Release(*batch);
+      WriteLine(to[1], "h");
+      result.ok = result.ok && std::stoull(ReadLine(from[0])) == Fnv(pattern);
+      if (result.ok) result.best_gbps = std::max(result.best_gbps, bytes / s / 1e9);
+    }
+    // The host-to-host reference: the same bytes over one TCP connection
+    // between the same two processes.
+    if (host_tcp_gbps != nullptr && result.ok) {
+      for (int r = 0; r < rounds; ++r) {
+        WriteLine(to[1], "s");
+        const int c = socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in sa{};
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        sa.sin_port = htons(static_cast<uint16_t>(sink_port));
+        const absl::Time t0 = absl::Now();
+        size_t sent = 0;
+        if (connect(c, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) {
+          while (sent < bytes) {
+            const ssize_t w = send(c, pattern.data() + sent, bytes - sent, 0);
+            if (w <= 0) break;
+            sent += static_cast<size_t>(w);
+          }
+        }
+        close(c);
+        const bool whole = std::stoull(ReadLine(from[0])) == bytes;
+        const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+        if (whole) *host_tcp_gbps = std::max(*host_tcp_gbps, bytes / s / 1e9);
+      }
+    }
+  }
+  engine.reset();
+  if (src != nullptr) (void)d->FreeDevice(src, src_dev);
+  close(to[1]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  close(from[0]);
+  result.ok = result.ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  return result;
+}
+
+// Runs fn in a child process (CUDA is never used in this one, so every
+// child starts it afresh) and returns the numbers it reported; empty when
+// it failed.
+template <typename Fn>
+std::vector<double> InChild(Fn fn) {
+  int p[2];
+  if (pipe(p) != 0) return {};
+  std::fflush(stdout);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(p[0]);
+    alarm(280);
+    std::vector<double> values;
+    const bool ok = fn(&values);
+    std::string line = ok ? "ok" : "failed";
+    for (double v : values) line += " " + std::to_string(v);
+    WriteLine(p[1], line);
+    std::fflush(stdout);
+    _exit(ok ? 0 : 1);
+  }
+  close(p[1]);
+  const std::string line = ReadLine(p[0]);
+  close(p[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  if (line.rfind("ok", 0) != 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) return {};
+  std::vector<double> out;
+  for (size_t at = line.find(' '); at != std::string::npos; at = line.find(' ', at + 1)) {
+    out.push_back(std::strtod(line.c_str() + at + 1, nullptr));
+  }
+  out.insert(out.begin(), 1.0);  // non-empty: it succeeded
+  return out;
+}
+
+int Main() {
+  const size_t bytes = size_t(absl::GetFlag(FLAGS_mib)) << 20;
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
+  const int src_dev = absl::GetFlag(FLAGS_src_device);
+  int dst_dev = absl::GetFlag(FLAGS_dst_device);
+  // The driver, the devices and the device-to-device reference.
+  const std::vector<double> info = InChild([&](std::vector<double>* out) {
+    const cuda::Driver* d = cuda::Driver::Get();
+    if (d == nullptr) {
+      std::printf("no CUDA driver: %s\n", std::string(cuda::Driver::LoadError().message()).c_str());
+      return false;
+    }
+    const int dst = dst_dev >= 0 ? dst_dev : d->device_count() - 1;
+    std::printf("driver %d (%s), %d device(s); %zu MiB from cuda:%d to cuda:%d, %d round(s)\n",
+                d->version(), d->library().c_str(), d->device_count(), bytes >> 20, src_dev, dst,
+                rounds);
+    for (int i = 0; i < d->device_count(); ++i) {
+      std::printf("cuda:%d  PCI %s\n", i, d->PciBusId(i).value_or("?").c_str());
+    }
+    void* a = d->AllocDevice(src_dev, bytes).value_or(nullptr);
+    void* b = d->AllocDevice(dst, bytes).value_or(nullptr);
+    bool ok = a != nullptr && b != nullptr;
+    double best = 0;
+    for (int r = 0; r < rounds && ok; ++r) {
+      const absl::Time t0 = absl::Now();
+      ok = d->Copy(b, a, bytes, dst).ok();
+      best = std::max(best, bytes / absl::ToDoubleSeconds(absl::Now() - t0) / 1e9);
+    }
+    out->push_back(dst);
+    out->push_back(best);
+    return ok;
+  });
+  Check(!info.empty(), "the CUDA driver loads; device-to-device cuMemcpy");
+  if (info.empty()) {
+    std::printf("%d passed, %d failed\n", passed, failed);
+    return 1;
+  }
+  dst_dev = static_cast<int>(info[1]);
+  const double d2d = info[2];
+  const std::vector<double> staged = InChild([&](std::vector<double>* out) {
+    double host_tcp = 0;
+    const PathResult r = RunPath(/*cuda_ipc=*/false, bytes, rounds, src_dev, dst_dev, &host_tcp);
+    out->push_back(r.best_gbps);
+    out->push_back(host_tcp);
+    return r.ok;
+  });
+  Check(!staged.empty(), "device memory between two processes over TCP staging, verified");
+  const std::vector<double> ipc = InChild([&](std::vector<double>* out) {
+    const PathResult r = RunPath(/*cuda_ipc=*/true, bytes, rounds, src_dev, dst_dev, nullptr);
+    out->push_back(r.best_gbps);
+    return r.ok;
+  });
+  Check(!ipc.empty(), "device memory between two processes over CUDA IPC, verified");
+  const double staged_rate = staged.empty() ? 0 : staged[1];
+  const double host_tcp = staged.empty() ? 0 : staged[2];
+  const double ipc_rate = ipc.empty() ? 0 : ipc[1];
+  std::printf("rates (best of %d): TCP staging %.2f GB/s, CUDA IPC %.2f GB/s; references in "
+              "this run: host-to-host TCP stream %.2f GB/s, device-to-device cuMemcpy %.2f GB/s\n",
+              rounds, staged_rate, ipc_rate, host_tcp, d2d);
+  if (host_tcp > 0) std::printf("TCP staging / host TCP stream: %.2f\n", staged_rate / host_tcp);
+  if (d2d > 0) std::printf("CUDA IPC / device-to-device cuMemcpy: %.2f\n", ipc_rate / d2d);
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "moves GPU memory between two processes over TCP staging and CUDA IPC; see "
+      "docs/gpu.md.");
+  absl::ParseCommandLine(argc, argv);
+  return kvferry::Main();
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# tools/gpu/check.sh and gpu_check against the fake CUDA driver: both
+# paths pass and the summary line is there; without a driver it fails
+# clearly.
+set -euo pipefail
+runfiles="$TEST_SRCDIR/$TEST_WORKSPACE"
+dir="$TEST_TMPDIR/bundle"
+mkdir -p "$dir/lib"
+cp "$runfiles/tools/gpu/check.sh" "$runfiles/tools/gpu/gpu_check" "$dir/"
+export KVFERRY_CUDA_LIBRARY="$runfiles/cuda/testing/libfakecuda.so"
+out="$("$dir/check.sh" --mib=8 --rounds=2 2>/dev/null)"
+echo "$out"
+grep -q "PASS device memory between two processes over TCP staging, verified" <<<"$out"
+grep -q "PASS device memory between two processes over CUDA IPC, verified" <<<"$out"
+grep -q "TCP staging / host TCP stream: " <<<"$out"
+grep -qx "3 passed, 0 failed" <<<"$out"
+if KVFERRY_CUDA_LIBRARY=/nonexistent/libcuda.so.1 "$dir/check.sh" --mib=1 >"$TEST_TMPDIR/none.txt" 2>&1; then
+  echo "passed without a driver"; exit 1
+fi
+grep -q "no CUDA driver" "$TEST_TMPDIR/none.txt"
+grep -qx "0 passed, 1 failed" "$TEST_TMPDIR/none.txt"
+echo "gpu_check_test: ok"
