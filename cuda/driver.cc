@@ -95,6 +95,10 @@ Driver* Driver::Load(absl::Status* error) {
   bind(f.cuMemHostAlloc, "cuMemHostAlloc");
   bind(f.cuMemFreeHost, "cuMemFreeHost");
   bind(f.cuMemcpy, "cuMemcpy");
+  bind(f.cuMemcpyAsync, "cuMemcpyAsync");
+  bind(f.cuStreamCreate, "cuStreamCreate");
+  bind(f.cuStreamSynchronize, "cuStreamSynchronize");
+  bind(f.cuStreamDestroy_v2, "cuStreamDestroy_v2");
   bind(f.cuGetErrorName, "cuGetErrorName");
   auto optional = [&](auto& slot, const char* name) {
     slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(::dlsym(handle, name));
@@ -328,6 +332,38 @@ void Driver::IpcClose(void* mapped, int ordinal) const {
   if (fn_.cuIpcCloseMemHandle == nullptr || mapped == nullptr) return;
   Bound bound(this, ordinal);
   (void)fn_.cuIpcCloseMemHandle(reinterpret_cast<api::CUdeviceptr>(mapped));
+}
+
+absl::StatusOr<void*> Driver::CreateStream(int ordinal) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  api::CUstream stream = nullptr;
+  const api::CUresult r = fn_.cuStreamCreate(&stream, /*CU_STREAM_NON_BLOCKING*/ 1);
+  if (r != api::kSuccess) return Error("cuStreamCreate", r);
+  return static_cast<void*>(stream);
+}
+
+void Driver::DestroyStream(void* stream, int ordinal) const {
+  if (stream == nullptr) return;
+  Bound bound(this, ordinal);
+  (void)fn_.cuStreamDestroy_v2(static_cast<api::CUstream>(stream));
+}
+
+absl::Status Driver::CopyAsync(void* dst, const void* src, uint64_t length, void* stream,
+                               int ordinal) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const api::CUresult r = fn_.cuMemcpyAsync(reinterpret_cast<api::CUdeviceptr>(dst),
+                                            reinterpret_cast<api::CUdeviceptr>(src), length,
+                                            static_cast<api::CUstream>(stream));
+  return r == api::kSuccess ? absl::OkStatus() : Error("cuMemcpyAsync", r);
+}
+
+absl::Status Driver::Synchronize(void* stream, int ordinal) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const api::CUresult r = fn_.cuStreamSynchronize(static_cast<api::CUstream>(stream));
+  return r == api::kSuccess ? absl::OkStatus() : Error("cuStreamSynchronize", r);
 }
 
 absl::StatusOr<void*> Driver::AllocPinned(size_t length) const {

@@ -53,6 +53,13 @@ class Driver {
   // Copies `length` bytes in any direction (the driver tells host and device
   // pointers apart); `ordinal`: the device of the device side.
   absl::Status Copy(void* dst, const void* src, uint64_t length, int ordinal) const;
+  // Copies queued on a stream of device `ordinal` (a CUstream), to overlap
+  // them with other work; Synchronize waits for the stream's copies.
+  absl::StatusOr<void*> CreateStream(int ordinal) const;
+  void DestroyStream(void* stream, int ordinal) const;
+  absl::Status CopyAsync(void* dst, const void* src, uint64_t length, void* stream,
+                         int ordinal) const;
+  absl::Status Synchronize(void* stream, int ordinal) const;
   // Pinned host memory, for staging buffers.
   absl::StatusOr<void*> AllocPinned(size_t length) const;
   void FreePinned(void* p) const;
@@ -126,6 +133,10 @@ class Driver {
     api::cuMemHostAlloc_t cuMemHostAlloc;
     api::cuMemFreeHost_t cuMemFreeHost;
     api::cuMemcpy_t cuMemcpy;
+    api::cuMemcpyAsync_t cuMemcpyAsync;
+    api::cuStreamCreate_t cuStreamCreate;
+    api::cuStreamSynchronize_t cuStreamSynchronize;
+    api::cuStreamDestroy_v2_t cuStreamDestroy_v2;
     api::cuGetErrorName_t cuGetErrorName;
     // Optional: null when the driver lacks them (dma-buf export: 11.7).
     api::cuMemGetHandleForAddressRange_t cuMemGetHandleForAddressRange;

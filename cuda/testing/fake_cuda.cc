@@ -375,6 +375,38 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
   return kSuccess;
 }
 
+// Streams: the fake copies at once, so a stream is a token and waiting on
+// it returns at once; the context rules are the driver's.
+struct Stream {
+  int device;
+};
+
+CUresult cuStreamCreate(Stream** out, unsigned flags) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  if (flags > 1) return kInvalidValue;
+  *out = new Stream{current->device};
+  return kSuccess;
+}
+
+CUresult cuStreamSynchronize(Stream* stream) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  return stream == nullptr || stream->device >= 0 ? kSuccess : kInvalidValue;
+}
+
+CUresult cuStreamDestroy_v2(Stream* stream) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  delete stream;
+  return kSuccess;
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, Stream* stream) {
+  (void)stream;
+  return cuMemcpy(dst, src, bytes);
+}
+
 CUresult cuGetErrorName(CUresult error, const char** name) {
   static const std::map<int, const char*> names = {
       {0, "CUDA_SUCCESS"},
