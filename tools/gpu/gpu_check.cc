@@ -130,6 +130,7 @@ void WriteLine(int fd, const std::string& s) {
       close(c);
       WriteLine(out, std::to_string(got));
     } else {
+      engine.reset();  // its threads end before the process does
       _exit(0);
     }
   }
