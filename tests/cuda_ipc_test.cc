@@ -18,8 +18,7 @@
 #include "cuda/testing/fake_driver.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
-#include "handshake/tcp_network.h"
-#include "transport/tcp/tcp_transport.h"
+#include "tools/gpu/two_process.h"
 
 namespace kvferry {
 namespace {
@@ -28,28 +27,10 @@ using transport::Opcode;
 
 constexpr size_t kBytes = (4 << 20) + 12288;
 
-std::unique_ptr<TransferEngine> Engine(bool cuda_ipc) {
-  transport::TcpTransportOptions t;
-  t.bind_host = "127.0.0.1";
-  t.cuda_ipc = cuda_ipc;
-  auto tcp = transport::CreateTcpTransport(t);
-  if (!tcp.ok()) return nullptr;
-  EngineParts parts;
-  parts.transport = std::move(*tcp);
-  parts.network = handshake::NewTcpNetwork();
-  parts.detection.host = "127.0.0.1";
-  parts.detection.transport = "tcp";
-  EngineOptions o;
-  o.local_host = "127.0.0.1";
-  auto e = TransferEngine::CreateWith(o, std::move(parts));
-  return e.ok() ? std::move(*e) : nullptr;
-}
+using gpu::Fnv;
+using gpu::ReadLine;
 
-uint64_t Fnv(const std::vector<char>& v) {
-  uint64_t h = 1469598103934665603ull;
-  for (char c : v) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
+std::unique_ptr<TransferEngine> Engine(bool cuda_ipc) { return gpu::LoopbackEngine(cuda_ipc); }
 
 uint64_t IpcOpens() {
   // The fake driver is loaded already (RTLD_NOLOAD: no second copy).
@@ -81,12 +62,6 @@ uint64_t IpcOpens() {
   _exit(0);
 }
 
-std::string ReadLine(int fd) {
-  std::string line;
-  char c;
-  while (read(fd, &c, 1) == 1 && c != '\n') line += c;
-  return line;
-}
 
 // The prefill process: device memory on GPU 0; WRITEs it whole to the
 // decode process, checks the decode's hash and IPC count, READs it back.

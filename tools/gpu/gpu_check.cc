@@ -30,8 +30,7 @@
 #include "absl/time/clock.h"
 #include "cuda/driver.h"
 #include "engine/transfer_engine.h"
-#include "handshake/tcp_network.h"
-#include "transport/tcp/tcp_transport.h"
+#include "tools/gpu/two_process.h"
 
 ABSL_FLAG(int, mib, 256, "bytes moved per transfer, MiB");
 ABSL_FLAG(int, rounds, 3, "transfers per path (the best rate is reported)");
@@ -48,11 +47,9 @@ void Check(bool ok, const std::string& what) {
   ++(ok ? passed : failed);
 }
 
-uint64_t Fnv(const std::vector<char>& v) {
-  uint64_t h = 1469598103934665603ull;
-  for (char c : v) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
+using gpu::Fnv;
+using gpu::ReadLine;
+using gpu::WriteLine;
 
 // The hash of device memory, read back through the driver.
 uint64_t DeviceHash(const cuda::Driver* d, const void* p, size_t n, int device) {
@@ -60,36 +57,9 @@ uint64_t DeviceHash(const cuda::Driver* d, const void* p, size_t n, int device) 
   return d->Copy(host.data(), p, n, device).ok() ? Fnv(host) : 0;
 }
 
+// One link: as many connections as the host TCP reference; large slices.
 std::unique_ptr<TransferEngine> Engine(bool cuda_ipc) {
-  transport::TcpTransportOptions t;
-  t.bind_host = "127.0.0.1";
-  t.cuda_ipc = cuda_ipc;
-  t.in_process_shortcut = false;
-  auto tcp = transport::CreateTcpTransport(t);
-  if (!tcp.ok()) return nullptr;
-  EngineParts parts;
-  parts.transport = std::move(*tcp);
-  parts.network = handshake::NewTcpNetwork();
-  parts.detection.host = "127.0.0.1";
-  parts.detection.transport = "tcp";
-  EngineOptions o;
-  o.local_host = "127.0.0.1";
-  o.slice_bytes = 4 << 20;
-  o.links_per_peer = 1;  // as many connections as the host TCP reference
-  auto e = TransferEngine::CreateWith(o, std::move(parts));
-  return e.ok() ? std::move(*e) : nullptr;
-}
-
-std::string ReadLine(int fd) {
-  std::string line;
-  char c;
-  while (read(fd, &c, 1) == 1 && c != '\n') line += c;
-  return line;
-}
-
-void WriteLine(int fd, const std::string& s) {
-  const std::string line = s + "\n";
-  if (write(fd, line.data(), line.size()) < 0) std::perror("write");
+  return gpu::LoopbackEngine(cuda_ipc, /*links=*/1, /*slice_bytes=*/4 << 20);
 }
 
 // The receiving process: a device buffer registered with an engine (IPC on
