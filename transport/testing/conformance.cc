@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/driver.h"
 #include "sim/prng.h"
 #include "transport/in_process.h"
 
@@ -45,6 +46,18 @@ TransportConformanceTest::Pair TransportConformanceTest::MakePair() {
   return p;
 }
 
+TransportConformanceTest::DeviceCopy::~DeviceCopy() {
+  if (base != nullptr) (void)cuda::Driver::Get()->FreeDevice(base, ordinal);
+}
+
+void TransportConformanceTest::RefreshDeviceBuffers() {
+  for (const std::weak_ptr<DeviceCopy>& w : device_buffers_) {
+    if (std::shared_ptr<DeviceCopy> d = w.lock()) {
+      EXPECT_TRUE(cuda::Driver::Get()->Copy(d->mirror, d->base, d->length, d->ordinal).ok());
+    }
+  }
+}
+
 TransportConformanceTest::Buffer TransportConformanceTest::MakeBuffer(
     Transport& t, size_t size, uint64_t seed, Access access) {
   Buffer buf;
@@ -55,7 +68,27 @@ TransportConformanceTest::Buffer TransportConformanceTest::MakeBuffer(
     const uint64_t word = prng.Next64();
     std::memcpy(buf.bytes.data() + i, &word, std::min<size_t>(8, buf.bytes.size() - i));
   }
-  absl::StatusOr<Region> region = t.RegisterMemory(buf.data(), size, access);
+  auto owner = std::find(buffer_owners_.begin(), buffer_owners_.end(), &t);
+  if (owner == buffer_owners_.end()) owner = buffer_owners_.insert(owner, &t);
+  const int ordinal = harness_->BufferDevice(static_cast<int>(owner - buffer_owners_.begin()));
+  if (ordinal >= 0) {
+    const cuda::Driver* driver = cuda::Driver::Get();
+    auto copy = std::make_shared<DeviceCopy>();
+    absl::StatusOr<void*> mem =
+        driver == nullptr ? absl::UnavailableError("no CUDA driver")
+                          : driver->AllocDevice(ordinal, buf.bytes.size());
+    EXPECT_TRUE(mem.ok()) << mem.status();
+    if (mem.ok()) {
+      copy->base = static_cast<uint8_t*>(*mem);
+      copy->ordinal = ordinal;
+      copy->mirror = buf.bytes.data();
+      copy->length = buf.bytes.size();
+      EXPECT_TRUE(driver->Copy(copy->base, buf.bytes.data(), buf.bytes.size(), ordinal).ok());
+      buf.device = copy;
+      device_buffers_.push_back(copy);
+    }
+  }
+  absl::StatusOr<Region> region = t.RegisterMemory(buf.addr(), size, access);
   EXPECT_TRUE(region.ok()) << region.status();
   if (region.ok()) buf.region = *region;
   return buf;
@@ -73,6 +106,7 @@ std::vector<Completion> TransportConformanceTest::WaitFor(
     size_t n = t.WaitCompletions(absl::MakeSpan(batch), left);
     for (size_t i = 0; i < n; ++i) got.push_back(std::move(batch[i]));
   }
+  RefreshDeviceBuffers();
   return got;
 }
 
@@ -94,7 +128,7 @@ WorkRequest TransportConformanceTest::Write(LinkId link, Buffer& src,
   wr.opcode = Opcode::kWrite;
   wr.link = link;
   wr.local_region = src.region.id;
-  wr.local_addr = src.data() + src_off;
+  wr.local_addr = src.addr() + src_off;
   wr.length = len;
   wr.remote_addr = dst.region.addr + dst_off;
   wr.remote_key = dst.region.keys.empty() ? 0 : dst.region.keys[dst_nic];
@@ -435,7 +469,7 @@ TEST_P(TransportConformanceTest, LinkSetupValidatesInput) {
   WorkRequest wr;
   wr.link = offer->link;
   wr.local_region = src.region.id;
-  wr.local_addr = src.data();
+  wr.local_addr = src.addr();
   wr.length = 8;
   EXPECT_EQ((*a)->Post({&wr, 1}).code(), absl::StatusCode::kFailedPrecondition);
 }

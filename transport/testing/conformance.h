@@ -48,6 +48,14 @@ class TransportHarness {
   // Non-empty: the transport cannot run here (e.g. no RDMA port); every
   // case is skipped with this reason.
   virtual std::string SkipReason() { return ""; }
+  // Where the buffers registered on the n-th transport of a case (in the
+  // order the case first registers memory on them) live: -1 host memory
+  // (the default), else that CUDA device, through the CUDA driver (the fake
+  // one in tests, whose device memory the CPU cannot touch).
+  virtual int BufferDevice(int n) {
+    (void)n;
+    return -1;
+  }
 };
 
 struct ConformanceParam {
@@ -74,13 +82,27 @@ class TransportConformanceTest
     LinkId link_a = 0;
     LinkId link_b = 0;
   };
-  // A heap buffer with guard bytes on both sides of the registered middle.
+  // A buffer on a CUDA device (see TransportHarness::BufferDevice): freed
+  // with the last Buffer that holds it.
+  struct DeviceCopy {
+    uint8_t* base = nullptr;  // guard | data | guard, on the device
+    int ordinal = -1;
+    uint8_t* mirror = nullptr;  // the Buffer's bytes (stable across moves)
+    size_t length = 0;
+    ~DeviceCopy();
+  };
+  // A buffer with guard bytes on both sides of the registered middle. Host
+  // memory, or device memory whose bytes `bytes` mirrors: refreshed from the
+  // device after every WaitFor, so the cases read it alike.
   struct Buffer {
     std::vector<uint8_t> bytes;  // guard | data | guard
     size_t guard = 0;
     Region region;
+    std::shared_ptr<DeviceCopy> device;  // null: host memory
     uint8_t* data() { return bytes.data() + guard; }
     size_t size() const { return bytes.size() - 2 * guard; }
+    // The address requests and registrations use.
+    uint8_t* addr() { return device ? device->base + guard : data(); }
   };
 
   void SetUp() override;
@@ -112,6 +134,12 @@ class TransportConformanceTest
                           NicIndex src_nic = 0, uint64_t cookie = 1);
 
   std::unique_ptr<TransportHarness> harness_;
+
+ private:
+  // Copies every live device buffer into its mirror.
+  void RefreshDeviceBuffers();
+  std::vector<std::weak_ptr<DeviceCopy>> device_buffers_;
+  std::vector<const Transport*> buffer_owners_;  // in order of first MakeBuffer
 };
 
 }  // namespace testing
