@@ -12,6 +12,7 @@
 //
 //   ./bazelw run -c opt //bench:engine_benchmark
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -120,6 +121,19 @@ class NullTransport final : public transport::Transport {
   size_t head_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// 64 MiB of memory that is mapped (RegisterMemory checks that the CPU could
+// read it) and never touched (no page is ever allocated): the null
+// transport moves nothing. Two, by `which`, kept for the process.
+char* Untouched(int which = 0) {
+  static char* maps[2] = {nullptr, nullptr};
+  if (maps[which] == nullptr) {
+    void* p = mmap(nullptr, 64 << 20, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    maps[which] = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+  }
+  return maps[which];
+}
+
 std::unique_ptr<TransferEngine> NullEngine() {
   EngineParts parts;
   parts.transport = std::make_unique<NullTransport>();
@@ -133,12 +147,13 @@ void BM_EngineControlPath(benchmark::State& state) {
   auto a = NullEngine();
   auto b = NullEngine();
   const uint64_t bytes = 64 << 20;  // never touched
-  static char fake_local, fake_remote;
-  (void)a->RegisterMemory(&fake_local, bytes);
-  (void)b->RegisterMemory(&fake_remote, bytes);
+  char* const fake_local = Untouched();
+  char* const fake_remote = Untouched(1);
+  (void)a->RegisterMemory(fake_local, bytes);
+  (void)b->RegisterMemory(fake_remote, bytes);
   auto seg = a->OpenSegment(b->address());
   const size_t slices = bytes / (64 << 10);
-  TransferRequest r{Opcode::kWrite, &fake_local, reinterpret_cast<uintptr_t>(&fake_remote), bytes};
+  TransferRequest r{Opcode::kWrite, fake_local, reinterpret_cast<uintptr_t>(fake_remote), bytes};
   for (auto _ : state) {
     auto batch = a->Submit(*seg, {&r, 1});
     auto st = a->Wait(*batch, absl::Seconds(10));
@@ -156,15 +171,16 @@ void BM_EngineSteadyState(benchmark::State& state) {
   const uint64_t requests = state.range(0), block = state.range(1);
   auto a = NullEngine();
   auto b = NullEngine();
-  static char fake_local, fake_remote;
+  char* const fake_local = Untouched();
+  char* const fake_remote = Untouched(1);
   const uint64_t bytes = requests * block;  // never touched
-  (void)a->RegisterMemory(&fake_local, bytes);
-  (void)b->RegisterMemory(&fake_remote, bytes);
+  (void)a->RegisterMemory(fake_local, bytes);
+  (void)b->RegisterMemory(fake_remote, bytes);
   auto seg = a->OpenSegment(b->address());
   std::vector<TransferRequest> reqs;
   for (uint64_t i = 0; i < requests; ++i) {
-    reqs.push_back({Opcode::kWrite, &fake_local + i * block,
-                    reinterpret_cast<uintptr_t>(&fake_remote) + i * block, block});
+    reqs.push_back({Opcode::kWrite, fake_local + i * block,
+                    reinterpret_cast<uintptr_t>(fake_remote) + i * block, block});
   }
   const uint64_t slices_per_batch = requests * ((block + (64 << 10) - 1) / (64 << 10));
   BatchStatus status;  // reused: Wait fills it without allocating
@@ -199,13 +215,14 @@ BENCHMARK(BM_EngineSteadyState)
 void BM_EngineControlPathThreads(benchmark::State& state) {
   static std::unique_ptr<TransferEngine> a, b;
   static SegmentId seg;
-  static char fake_local, fake_remote;
+  char* const fake_local = Untouched();
+  char* const fake_remote = Untouched(1);
   constexpr uint64_t kBlock = 64 << 10;
   if (state.thread_index() == 0) {
     a = NullEngine();
     b = NullEngine();
-    (void)a->RegisterMemory(&fake_local, kBlock * 64);
-    (void)b->RegisterMemory(&fake_remote, kBlock * 64);
+    (void)a->RegisterMemory(fake_local, kBlock * 64);
+    (void)b->RegisterMemory(fake_remote, kBlock * 64);
     absl::StatusOr<SegmentId> opened = a->OpenSegment(b->address());
     if (!opened.ok()) {
       state.SkipWithError("cannot open the segment");
@@ -216,8 +233,8 @@ void BM_EngineControlPathThreads(benchmark::State& state) {
   // The threads' loops start together, after thread 0's setup above (the
   // engines are kept until the next run sets up: no thread uses them then).
   const uint64_t off = kBlock * state.thread_index();
-  TransferRequest r{Opcode::kWrite, &fake_local + off,
-                    reinterpret_cast<uintptr_t>(&fake_remote) + off, kBlock};
+  TransferRequest r{Opcode::kWrite, fake_local + off,
+                    reinterpret_cast<uintptr_t>(fake_remote) + off, kBlock};
   BatchStatus status;
   for (auto _ : state) {
     auto batch = a->Submit(seg, {&r, 1});

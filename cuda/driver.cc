@@ -15,11 +15,8 @@
 namespace kvferry {
 namespace cuda {
 
-namespace {
-
-// Whether every byte of [addr, +length) is in a mapping the CPU may read
-// (from /proc/self/maps): memory CUDA does not know must be host memory.
-absl::Status CheckHostReadable(uintptr_t addr, uint64_t length) {
+absl::Status CheckHostReadable(const void* p, uint64_t length) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
   FILE* f = std::fopen("/proc/self/maps", "r");
   if (f == nullptr) return absl::OkStatus();  // cannot tell: trust the caller
   uintptr_t covered = addr;
@@ -40,6 +37,8 @@ absl::Status CheckHostReadable(uintptr_t addr, uint64_t length) {
       "a freed device pointer?",
       addr, length, covered));
 }
+
+namespace {
 
 std::once_flag load_once;
 Driver* loaded = nullptr;
@@ -231,7 +230,7 @@ absl::StatusOr<MemoryInfo> Driver::Classify(const void* addr, uint64_t length) c
       return absl::InvalidArgumentError(absl::StrFormat(
           "[%#x, +%u) starts in host memory and ends in CUDA device memory", at, length));
     }
-    if (absl::Status readable = CheckHostReadable(at, length); !readable.ok()) return readable;
+    if (absl::Status readable = CheckHostReadable(addr, length); !readable.ok()) return readable;
     return MemoryInfo{};
   }
   if (r != api::kSuccess) return Error("cuPointerGetAttribute", r);

@@ -28,6 +28,10 @@ struct MemoryInfo {
   int ordinal = -1;     // the CUDA device ordinal, for device memory
 };
 
+// Whether every byte of [addr, +length) lies in mappings the CPU may read
+// (/proc/self/maps); kInvalidArgument naming the first that does not.
+absl::Status CheckHostReadable(const void* addr, uint64_t length);
+
 class Driver {
  public:
   // The process's driver, loaded on first use; null when there is none

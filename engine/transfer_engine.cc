@@ -68,8 +68,19 @@ std::vector<NicIndex> SameNumaNode(const transport::Transport& t, const std::str
 // `location` as given. *derived: the location came from the memory.
 absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length,
                                            const std::string& location, bool* derived) {
+  if (addr == nullptr || length == 0) return location;
   const cuda::Driver* driver = cuda::Driver::Get();
-  if (driver == nullptr || addr == nullptr || length == 0) return location;
+  if (driver == nullptr) {
+    // No CUDA here: the memory must be host memory the CPU can read (GPU
+    // memory, or a freed buffer, would crash the transport later).
+    absl::Status readable = cuda::CheckHostReadable(addr, length);
+    if (!readable.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterMemory: ", readable.message(), " (GPU memory needs the CUDA driver: ",
+          cuda::Driver::LoadError().message(), ")"));
+    }
+    return location;
+  }
   absl::StatusOr<cuda::MemoryInfo> info = driver->Classify(addr, length);
   if (!info.ok()) return Annotate(info.status(), "RegisterMemory");
   const bool says_cuda = absl::StartsWith(location, "cuda:");

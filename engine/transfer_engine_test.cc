@@ -1,4 +1,5 @@
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -438,6 +439,23 @@ TEST(TransferEngine, NotificationIsNeverObservedBeforeItsData) {
   EXPECT_TRUE(decode->TakeNotifications().empty());
   EXPECT_EQ(decode->WaitNotification(absl::Milliseconds(20)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
+}
+
+// Without a CUDA driver (this test binary loads none), memory the CPU cannot
+// read is refused at registration: GPU memory, or a buffer already freed,
+// would otherwise crash the transport later.
+TEST(TransferEngine, MemoryTheCpuCannotReadIsRefusedWithoutACudaDriver) {
+  auto e = MakeEngine();
+  ASSERT_NE(e, nullptr);
+  void* p = mmap(nullptr, 1 << 16, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  absl::Status st = e->RegisterMemory(p, 1 << 16);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("CUDA driver"), std::string::npos) << st;
+  ASSERT_EQ(munmap(p, 1 << 16), 0);
+  EXPECT_EQ(e->RegisterMemory(p, 1 << 16).code(), absl::StatusCode::kInvalidArgument);  // unmapped
+  std::vector<char> host(1 << 16);
+  EXPECT_TRUE(e->RegisterMemory(host.data(), host.size()).ok());  // still usable
 }
 
 TEST(TransferEngine, FailedBatchSendsNoNotification) {
