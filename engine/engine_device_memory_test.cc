@@ -120,6 +120,35 @@ TEST_P(EngineDeviceMemoryTest, ALocationThatContradictsTheMemoryIsRefused) {
   EXPECT_TRUE(prefill_->RegisterMemory(host.data(), host.size()).ok());
 }
 
+// One batch whose requests come from host and from device memory: each is
+// staged (or not) by its own region, and all land.
+TEST_P(EngineDeviceMemoryTest, ABatchMixingHostAndDeviceMemoryLandsWhole) {
+  constexpr size_t kBytes = 256 << 10;
+  void* dev_src = Device(0, kBytes);
+  void* dev_dst = Device(1, 2 * kBytes);
+  std::vector<char> host_src(kBytes), pattern(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) {
+    host_src[i] = static_cast<char>(i * 3 + 1);
+    pattern[i] = static_cast<char>(i * 5 + 2);
+  }
+  ASSERT_TRUE(d_->Copy(dev_src, pattern.data(), kBytes, 0).ok());
+  ASSERT_TRUE(prefill_->RegisterMemory(dev_src, kBytes).ok());
+  ASSERT_TRUE(prefill_->RegisterMemory(host_src.data(), kBytes).ok());
+  ASSERT_TRUE(decode_->RegisterMemory(dev_dst, 2 * kBytes).ok());
+  auto seg = prefill_->OpenSegment(decode_->address());
+  ASSERT_TRUE(seg.ok());
+  const uintptr_t dst = reinterpret_cast<uintptr_t>(dev_dst);
+  std::vector<TransferRequest> mixed = {{Opcode::kWrite, host_src.data(), dst, kBytes},
+                                        {Opcode::kWrite, dev_src, dst + kBytes, kBytes}};
+  auto batch = prefill_->Submit(*seg, mixed);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto st = prefill_->Wait(*batch, absl::Seconds(20));
+  ASSERT_TRUE(st.ok() && st->ok());
+  const std::vector<char> got = Get(dev_dst, 2 * kBytes, 1);
+  EXPECT_EQ(std::memcmp(got.data(), host_src.data(), kBytes), 0);
+  EXPECT_EQ(std::memcmp(got.data() + kBytes, pattern.data(), kBytes), 0);
+}
+
 // The KV layer with both pools on GPUs (per-layer K and V buffers, as a
 // serving framework's tensors are), a whole request of scattered pages.
 TEST_P(EngineDeviceMemoryTest, KvPagesOnDevicePoolsArriveWhole) {
