@@ -11,6 +11,8 @@
 #include "engine/testing/engine_conformance.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
+#include "handshake/tcp_network.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
 namespace {
@@ -183,6 +185,87 @@ TEST_P(EngineDeviceMemoryTest, KvPagesOnDevicePoolsArriveWhole) {
           << "buffer " << b << " page " << s[i];
     }
   }
+}
+
+// A TCP transport whose "NICs" cannot register GPU memory, as RDMA NICs
+// without dma-buf or nvidia-peermem: kFailedPrecondition, like the verbs
+// transport's.
+class NoGpuNics final : public transport::Transport {
+ public:
+  explicit NoGpuNics(std::unique_ptr<transport::Transport> t) : t_(std::move(t)) {}
+  transport::EndpointDescription LocalEndpoint() const override { return t_->LocalEndpoint(); }
+  transport::Limits GetLimits() const override { return t_->GetLimits(); }
+  absl::StatusOr<transport::Region> RegisterMemory(void* addr, uint64_t length,
+                                                   transport::Access access) override {
+    if (cuda::Driver::Get()->Classify(addr, length)->device) {
+      return absl::FailedPreconditionError("cannot register memory of a CUDA device here");
+    }
+    return t_->RegisterMemory(addr, length, access);
+  }
+  absl::Status UnregisterMemory(transport::RegionId r) override { return t_->UnregisterMemory(r); }
+  absl::StatusOr<transport::LinkOffer> CreateLink(transport::NicIndex n,
+                                                  const transport::NicInfo& p) override {
+    return t_->CreateLink(n, p);
+  }
+  absl::StatusOr<transport::LinkOffer> AcceptLink(transport::NicIndex n,
+                                                  const transport::NicInfo& p,
+                                                  absl::string_view params) override {
+    return t_->AcceptLink(n, p, params);
+  }
+  absl::Status CompleteLink(transport::LinkId l, absl::string_view params) override {
+    return t_->CompleteLink(l, params);
+  }
+  absl::Status CloseLink(transport::LinkId l) override { return t_->CloseLink(l); }
+  absl::Status Post(absl::Span<const transport::WorkRequest> b) override { return t_->Post(b); }
+  size_t PollCompletions(absl::Span<transport::Completion> out) override {
+    return t_->PollCompletions(out);
+  }
+  size_t WaitCompletions(absl::Span<transport::Completion> out, absl::Duration d) override {
+    return t_->WaitCompletions(out, d);
+  }
+  bool SetCompletionNotifier(std::function<void()> n) override {
+    return t_->SetCompletionNotifier(std::move(n));
+  }
+
+ private:
+  std::unique_ptr<transport::Transport> t_;
+};
+
+// GPU memory the primary transport cannot register stays on the fallback;
+// a request from it over the primary is refused, naming why.
+TEST(EngineDeviceMemoryFallbackTest, GpuMemoryThePrimaryCannotRegisterStaysOnTheFallback) {
+  const cuda::Driver* d = cuda::UseFakeDriver();
+  ASSERT_NE(d, nullptr);
+  auto engine = [] {
+    transport::TcpTransportOptions t;
+    t.bind_host = "127.0.0.1";
+    EngineParts parts;
+    parts.transport = std::make_unique<NoGpuNics>(*transport::CreateTcpTransport(t));
+    parts.fallback = *transport::CreateTcpTransport(t);
+    parts.network = handshake::NewTcpNetwork();
+    parts.detection.host = "127.0.0.1";
+    EngineOptions o;
+    o.local_host = "127.0.0.1";
+    return *TransferEngine::CreateWith(o, std::move(parts));
+  };
+  auto a = engine(), b = engine();
+  auto dev = d->AllocDevice(0, 1 << 16);
+  ASSERT_TRUE(dev.ok());
+  ASSERT_TRUE(a->RegisterMemory(*dev, 1 << 16).ok());  // kept on the fallback
+  std::vector<char> dst(1 << 16);
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());  // over the primary (both ends have it)
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  TransferRequest w{Opcode::kWrite, *dev, reinterpret_cast<uintptr_t>(dst.data()), 1 << 16};
+  auto batch = a->Submit(*seg, {&w, 1});
+  EXPECT_EQ(batch.status().code(), absl::StatusCode::kFailedPrecondition) << batch.status();
+  EXPECT_NE(batch.status().message().find("could not register"), std::string::npos)
+      << batch.status();
+  // Unregistering works with the primary's part absent.
+  EXPECT_TRUE(a->UnregisterMemory(*dev).ok());
+  EXPECT_TRUE(a->RegisterMemory(*dev, 1 << 16).ok());
+  ASSERT_TRUE(a->UnregisterMemory(*dev).ok());
+  ASSERT_TRUE(d->FreeDevice(*dev, 0).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tcp, EngineDeviceMemoryTest, ::testing::Values(false, true),

@@ -1,8 +1,10 @@
 #include "engine/local_regions.h"
 
+#include <algorithm>
 #include <iterator>
 
 #include "absl/strings/str_format.h"
+#include "base/logging.h"
 #include "transport/checks.h"
 
 namespace kvferry {
@@ -31,8 +33,18 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
   }
   std::vector<transport::Region> regions;
   absl::Status failed;
-  for (transport::Transport* t : transports_) {
-    absl::StatusOr<transport::Region> r = t->RegisterMemory(addr, length, access);
+  uint32_t absent = 0;
+  for (size_t i = 0; i < transports_.size(); ++i) {
+    absl::StatusOr<transport::Region> r = transports_[i]->RegisterMemory(addr, length, access);
+    if (!r.ok() && i == 0 && transports_.size() > 1 &&
+        r.status().code() == absl::StatusCode::kFailedPrecondition) {
+      KVF_LOG(WARNING) << "RegisterMemory: " << r.status().message()
+                       << "; kept on the fallback transport: peers reached over it can use it, "
+                          "requests over the primary refuse it";
+      absent |= 1;
+      regions.emplace_back();  // id 0
+      continue;
+    }
     if (!r.ok()) {
       failed = r.status();
       break;
@@ -40,7 +52,9 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
     regions.push_back(std::move(*r));
   }
   if (!failed.ok()) {
-    for (size_t i = 0; i < regions.size(); ++i) (void)transports_[i]->UnregisterMemory(regions[i].id);
+    for (size_t i = 0; i < regions.size(); ++i) {
+      if (regions[i].id != 0) (void)transports_[i]->UnregisterMemory(regions[i].id);
+    }
   }
   MutexLock lock(&mu_);
   if (!failed.ok()) {
@@ -49,6 +63,7 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
   }
   Entry& e = by_addr_[base];
   e.regions = std::move(regions);
+  e.absent = absent;
   e.near = near;
   return absl::OkStatus();
 }
@@ -75,7 +90,9 @@ absl::Status LocalRegions::Unregister(void* addr) {
   }
   MutexLock lock(&mu_);
   auto it = by_addr_.find(base);
-  if (it != by_addr_.end() && !it->second.regions.empty() && it->second.regions[0].id == 0) {
+  if (it != by_addr_.end() && !it->second.regions.empty() &&
+      std::all_of(it->second.regions.begin(), it->second.regions.end(),
+                  [](const transport::Region& r) { return r.id == 0; })) {
     by_addr_.erase(it);
   }
   return absl::OkStatus();
@@ -116,7 +133,7 @@ std::vector<handshake::RegionDescriptor> LocalRegions::Advertised(size_t index) 
   std::vector<handshake::RegionDescriptor> out;
   MutexLock lock(&mu_);
   for (const auto& [addr, e] : by_addr_) {
-    if (!e.usable() || index >= e.regions.size()) continue;
+    if (!e.usable() || index >= e.regions.size() || ((e.absent >> index) & 1) != 0) continue;
     const transport::Region& r = e.regions[index];
     if (r.access == transport::Access::kNone) continue;  // private: never advertised
     out.push_back(handshake::RegionDescriptor{r.addr, r.length, r.access, r.keys});

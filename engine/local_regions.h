@@ -40,7 +40,10 @@ class LocalRegions {
   explicit LocalRegions(std::vector<transport::Transport*> transports)
       : transports_(std::move(transports)) {}
 
-  // Registers [addr, +length) with every transport (all or none).
+  // Registers [addr, +length) with every transport (all or none), except
+  // that GPU memory the primary transport's NICs cannot register
+  // (kFailedPrecondition: no dma-buf, no nvidia-peermem) stays registered
+  // on the others, with a warning; requests over the primary then refuse it.
   // kInvalidArgument for a null or empty range or one that overlaps a
   // region (even one still being registered by another thread).
   absl::Status Register(void* addr, uint64_t length, transport::Access access, NicMask near);
@@ -63,11 +66,12 @@ class LocalRegions {
     // Per transport; empty while they register it, an id 0 once one
     // unregistered it.
     std::vector<transport::Region> regions;
+    uint32_t absent = 0;  // transports that could not register it (bit i), id 0 there
     NicMask near = 0;
     bool usable() const {
       if (regions.empty()) return false;
-      for (const transport::Region& r : regions) {
-        if (r.id == 0) return false;
+      for (size_t i = 0; i < regions.size(); ++i) {
+        if (regions[i].id == 0 && ((absent >> i) & 1) == 0) return false;
       }
       return true;
     }

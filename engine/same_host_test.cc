@@ -46,6 +46,24 @@ TEST(SameHostTest, APeerOnThisHostGoesOverTcpWithCudaIpc) {
   auto st = (*a)->Wait(*batch, absl::Seconds(20));
   ASSERT_TRUE(st.ok() && st->ok());
   EXPECT_TRUE(src == dst);
+  // GPU memory the NICs cannot register (the fake has neither dma-buf nor
+  // peermem) stays registered on TCP, and moves to this peer.
+  constexpr size_t kBytes = 1 << 20;
+  auto dev_src = d->AllocDevice(0, kBytes);
+  auto dev_dst = d->AllocDevice(1, kBytes);
+  ASSERT_TRUE(dev_src.ok() && dev_dst.ok());
+  ASSERT_TRUE(d->Copy(*dev_src, src.data(), kBytes, 0).ok());
+  ASSERT_TRUE((*a)->RegisterMemory(*dev_src, kBytes).ok());
+  ASSERT_TRUE((*b)->RegisterMemory(*dev_dst, kBytes).ok());
+  TransferRequest g{transport::Opcode::kWrite, *dev_src, reinterpret_cast<uintptr_t>(*dev_dst),
+                    kBytes};
+  auto gpu_batch = (*a)->Submit(*seg, {&g, 1});
+  ASSERT_TRUE(gpu_batch.ok()) << gpu_batch.status();
+  auto gst = (*a)->Wait(*gpu_batch, absl::Seconds(20));
+  ASSERT_TRUE(gst.ok() && gst->ok());
+  std::vector<char> got(kBytes);
+  ASSERT_TRUE(d->Copy(got.data(), *dev_dst, kBytes, 1).ok());
+  EXPECT_TRUE(got == src);
 }
 
 }  // namespace

@@ -23,6 +23,12 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
   const auto& regions = seg.descriptor.regions;
   for (size_t i = 0; i < requests.size(); ++i) {
     const TransferRequest& r = requests[i];
+    if (local[i].region[seg.via] == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "request ", i, ": its local buffer is GPU memory the ", vias_[seg.via].kind,
+          " NICs could not register (see the RegisterMemory warning), and peer ", seg.peer,
+          " is reached over ", vias_[seg.via].kind));
+    }
     const bool write = r.opcode == Opcode::kWrite;
     const handshake::RegionDescriptor* reg = nullptr;
     for (uint64_t off = 0; off < r.length;) {
