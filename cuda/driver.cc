@@ -314,16 +314,25 @@ absl::StatusOr<Driver::IpcExport> Driver::IpcExportOf(const void* addr, int ordi
   return out;
 }
 
-absl::StatusOr<void*> Driver::IpcOpen(const api::CUipcMemHandle& handle, int ordinal) const {
+absl::StatusOr<void*> Driver::IpcOpen(const api::CUipcMemHandle& handle, int ordinal,
+                                      uint64_t* size) const {
   if (fn_.cuIpcOpenMemHandle_v2 == nullptr) {
     return absl::UnimplementedError("the CUDA driver has no IPC memory handles");
   }
   Bound bound(this, ordinal);
   if (!bound.status().ok()) return bound.status();
   api::CUdeviceptr p = 0;
-  const api::CUresult r =
-      fn_.cuIpcOpenMemHandle_v2(&p, handle, api::kIpcMemLazyEnablePeerAccess);
+  api::CUresult r = fn_.cuIpcOpenMemHandle_v2(&p, handle, api::kIpcMemLazyEnablePeerAccess);
   if (r != api::kSuccess) return Error("cuIpcOpenMemHandle", r);
+  api::CUdeviceptr base = 0;
+  size_t length = 0;
+  r = fn_.cuMemGetAddressRange_v2(&base, &length, p);
+  if (r != api::kSuccess || base != p) {
+    (void)fn_.cuIpcCloseMemHandle(p);
+    return r != api::kSuccess ? Error("cuMemGetAddressRange", r)
+                              : absl::InternalError("an IPC mapping that is not an allocation");
+  }
+  *size = length;
   return reinterpret_cast<void*>(p);
 }
 

@@ -90,7 +90,10 @@ class Driver {
   absl::StatusOr<IpcExport> IpcExportOf(const void* addr, int ordinal) const;
   // Maps another process's allocation into this one (through the context of
   // `ordinal`); IpcClose unmaps it.
-  absl::StatusOr<void*> IpcOpen(const api::CUipcMemHandle& handle, int ordinal) const;
+  // `*size` gets the mapped allocation's size (requests are checked
+  // against it).
+  absl::StatusOr<void*> IpcOpen(const api::CUipcMemHandle& handle, int ordinal,
+                                uint64_t* size) const;
   void IpcClose(void* mapped, int ordinal) const;
 
   // A failed call's status: "cuMemcpy: CUDA_ERROR_INVALID_VALUE (1)".

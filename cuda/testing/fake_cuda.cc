@@ -259,6 +259,13 @@ CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* pbase, size_t* psize, CUdeviceptr ptr) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
+  auto imp = s.imports.upper_bound(ptr);
+  if (imp != s.imports.begin() && ptr - std::prev(imp)->first < std::prev(imp)->second.size) {
+    --imp;
+    if (pbase != nullptr) *pbase = imp->first;
+    if (psize != nullptr) *psize = imp->second.size;
+    return kSuccess;
+  }
   size_t base;
   const State::Allocation* a = InArena(s, ptr) ? Find(s, ptr, &base) : nullptr;
   if (a == nullptr) return kNotFound;

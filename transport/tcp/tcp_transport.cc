@@ -412,7 +412,12 @@ class TcpTransport final : public Transport {
     bool ipc_ok = true;
     // The requesters' allocations this end opened (reader thread only), by
     // handle bytes; closed when the reader ends.
-    std::map<std::string, std::pair<void*, int>> ipc_imports;  // mapped, opened on
+    struct Import {
+      void* mapped;
+      uint64_t size;  // of the allocation: requests must stay inside
+      int ordinal;    // opened through this device's context
+    };
+    std::map<std::string, Import> ipc_imports;
   };
 
   // The process's TCP transports by in-process key. Held shared while a
@@ -481,7 +486,9 @@ class TcpTransport final : public Transport {
     return options_.cuda_ipc && cuda::Driver::Get() != nullptr ? HostId() : 0;
   }
   // The requester's allocation `ref` names, opened on first use (reader).
-  absl::StatusOr<void*> ImportIpc(Link& link, const IpcRef& ref, int device);
+  // The requester's bytes [ref.offset, +length) in it; kInvalidArgument when
+  // they are not inside the allocation.
+  absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, uint64_t length, int device);
   // The peer could not serve request `id` through IPC: send it again with
   // its bytes, and no more IPC on this link.
   absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)
@@ -1196,18 +1203,20 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     int device = -1;
     refused = CheckRemote(h, write, &target, &device);
     if (refused.ok() && via_ipc) {
-      absl::StatusOr<void*> peer = ImportIpc(link, ipc, device);
-      if (!peer.ok()) {
+      absl::StatusOr<char*> theirs = ImportIpc(link, ipc, h.length, device);
+      if (theirs.status().code() == absl::StatusCode::kInvalidArgument) {
+        refused = theirs.status();  // a bad request: refused like one out of bounds
+      } else if (!theirs.ok()) {
         // Not served here: the requester sends it again, staged.
         answer.header.flags = kViaIpc;
         answer.header.status = static_cast<uint8_t>(absl::StatusCode::kUnimplemented);
-        answer.text = std::string(peer.status().message().substr(0, kMaxErrorText));
+        answer.text = std::string(theirs.status().message().substr(0, kMaxErrorText));
         return answer;
+      } else {
+        // Device to device on the GPUs (NVLink or PCIe); the CPU copies nothing.
+        refused = cuda::Driver::Get()->Copy(write ? target : *theirs, write ? *theirs : target,
+                                            h.length, device >= 0 ? device : 0);
       }
-      char* theirs = static_cast<char*>(*peer) + ipc.offset;
-      // Device to device on the GPUs (NVLink or PCIe); the CPU copies nothing.
-      refused = cuda::Driver::Get()->Copy(write ? target : theirs, write ? theirs : target,
-                                          h.length, device >= 0 ? device : 0);
     } else if (refused.ok() && write) {
       // Straight into a host region: no intermediate buffer.
       *stream_error = device >= 0 ? link.recv_stage.Recv(link.fd.get(), target, h.length, device)
@@ -1233,16 +1242,25 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   return answer;
 }
 
-absl::StatusOr<void*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, int device) {
+absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, uint64_t length,
+                                              int device) {
   const std::string key(ref.handle.reserved, sizeof ref.handle.reserved);
   auto it = link.ipc_imports.find(key);
-  if (it != link.ipc_imports.end()) return it->second.first;
-  // Opened through this end's device when the target is device memory,
-  // else through device 0 (any context maps it).
-  const int ordinal = device >= 0 ? device : 0;
-  ASSIGN_OR_RETURN(void* mapped, cuda::Driver::Get()->IpcOpen(ref.handle, ordinal));
-  link.ipc_imports.emplace(key, std::make_pair(mapped, ordinal));
-  return mapped;
+  if (it == link.ipc_imports.end()) {
+    // Opened through this end's device when the target is device memory,
+    // else through device 0 (any context maps it).
+    const int ordinal = device >= 0 ? device : 0;
+    uint64_t size = 0;
+    ASSIGN_OR_RETURN(void* mapped, cuda::Driver::Get()->IpcOpen(ref.handle, ordinal, &size));
+    it = link.ipc_imports.emplace(key, Link::Import{mapped, size, ordinal}).first;
+  }
+  const Link::Import& imp = it->second;
+  if (ref.offset > imp.size || length > imp.size - ref.offset) {
+    return absl::InvalidArgumentError(absl::StrCat("IPC reference [", ref.offset, ", +", length,
+                                                   ") outside its allocation of ", imp.size,
+                                                   " bytes"));
+  }
+  return static_cast<char*>(imp.mapped) + ref.offset;
 }
 
 absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
@@ -1395,8 +1413,8 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
       break;
     }
   }
-  for (const auto& [handle, mapped] : link->ipc_imports) {
-    cuda::Driver::Get()->IpcClose(mapped.first, mapped.second);
+  for (const auto& [handle, imp] : link->ipc_imports) {
+    cuda::Driver::Get()->IpcClose(imp.mapped, imp.ordinal);
   }
   link->ipc_imports.clear();
   MutexLock lock(&mu_);
