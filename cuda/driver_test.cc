@@ -1,8 +1,10 @@
 #include "cuda/driver.h"
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "cuda/driver_api.h"
@@ -104,12 +106,24 @@ TEST_F(FakeDriverTest, CopiesInEveryDirectionAndTheCpuCannotTouchDeviceMemory) {
 
 TEST_F(FakeDriverTest, LeavesTheCallersContextAsItWas) {
   // A thread with no current context gets none after the driver's calls
-  // (Bound restores it), while the calls themselves work.
-  auto dev = d_->AllocDevice(1, 4096);
-  ASSERT_TRUE(dev.ok());
-  std::vector<char> host(16, 'x');
-  EXPECT_TRUE(d_->Copy(*dev, host.data(), host.size(), 1).ok());
-  ASSERT_TRUE(d_->FreeDevice(*dev, 1).ok());
+  // (Bound restores it), while the calls themselves work. The current
+  // context, asked of the loaded library itself:
+  void* lib = dlopen(d_->library().c_str(), RTLD_NOW | RTLD_NOLOAD);
+  ASSERT_NE(lib, nullptr);
+  auto get_current = reinterpret_cast<api::CUresult (*)(void**)>(dlsym(lib, "cuCtxGetCurrent"));
+  ASSERT_NE(get_current, nullptr);
+  std::thread([&] {
+    void* ctx = reinterpret_cast<void*>(1);
+    ASSERT_EQ(get_current(&ctx), api::kSuccess);
+    EXPECT_EQ(ctx, nullptr);  // a new thread has none
+    auto dev = d_->AllocDevice(1, 4096);
+    ASSERT_TRUE(dev.ok());
+    std::vector<char> host(16, 'x');
+    EXPECT_TRUE(d_->Copy(*dev, host.data(), host.size(), 1).ok());
+    ASSERT_EQ(get_current(&ctx), api::kSuccess);
+    EXPECT_EQ(ctx, nullptr) << "the driver left its context current on the caller's thread";
+    ASSERT_TRUE(d_->FreeDevice(*dev, 1).ok());
+  }).join();
   EXPECT_EQ(d_->AllocDevice(5, 16).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
