@@ -1312,8 +1312,9 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   }
   // Straight into the caller's buffer, which stays registered until
   // completion; device memory through the staging buffer.
+  // (Without a CUDA driver no region is device memory: no lookup.)
   int device = -1;
-  {
+  if (cuda::Driver::Get() != nullptr) {
     ReaderMutexLock lock(&regions_mu_);
     auto it = regions_.find(wr.local_region);
     if (it != regions_.end()) device = it->second->device;
