@@ -11,7 +11,7 @@ namespace kvferry {
 namespace engine_internal {
 
 absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Access access,
-                                    NicMask near) {
+                                    NicMask near, bool device) {
   if (addr == nullptr || length == 0) {
     return absl::InvalidArgumentError("RegisterMemory: null address or zero length");
   }
@@ -36,7 +36,7 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
   uint32_t absent = 0;
   for (size_t i = 0; i < transports_.size(); ++i) {
     absl::StatusOr<transport::Region> r = transports_[i]->RegisterMemory(addr, length, access);
-    if (!r.ok() && i == 0 && transports_.size() > 1 &&
+    if (!r.ok() && device && i == 0 && transports_.size() > 1 &&
         r.status().code() == absl::StatusCode::kFailedPrecondition) {
       KVF_LOG(WARNING) << "RegisterMemory: " << r.status().message()
                        << "; kept on the fallback transport: peers reached over it can use it, "

@@ -41,12 +41,13 @@ class LocalRegions {
       : transports_(std::move(transports)) {}
 
   // Registers [addr, +length) with every transport (all or none), except
-  // that GPU memory the primary transport's NICs cannot register
+  // that GPU memory (`device`) the primary transport's NICs cannot register
   // (kFailedPrecondition: no dma-buf, no nvidia-peermem) stays registered
   // on the others, with a warning; requests over the primary then refuse it.
   // kInvalidArgument for a null or empty range or one that overlaps a
   // region (even one still being registered by another thread).
-  absl::Status Register(void* addr, uint64_t length, transport::Access access, NicMask near);
+  absl::Status Register(void* addr, uint64_t length, transport::Access access, NicMask near,
+                        bool device = false);
   // kNotFound when no region starts at `addr`; a transport's error (e.g.
   // kFailedPrecondition while requests use it) leaves it registered there,
   // unusable for new requests, and a later call finishes the job.

@@ -65,9 +65,11 @@ std::vector<NicIndex> SameNumaNode(const transport::Transport& t, const std::str
 // the memory itself says: device memory is "pci:<the GPU's PCI address>"
 // (the CUDA ordinal mapped by the driver, right under CUDA_VISIBLE_DEVICES),
 // and a `location` that contradicts the memory is an error. Without one,
-// `location` as given. *derived: the location came from the memory.
+// `location` as given. *derived: the location came from the memory;
+// *device: the memory is GPU memory.
 absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length,
-                                           const std::string& location, bool* derived) {
+                                           const std::string& location, bool* derived,
+                                           bool* device) {
   if (addr == nullptr || length == 0) return location;
   const cuda::Driver* driver = cuda::Driver::Get();
   if (driver == nullptr) {
@@ -97,6 +99,7 @@ absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length,
                                                    "' but the buffer is memory of ", mine));
   }
   *derived = location.empty();
+  *device = true;
   absl::StatusOr<std::string> bus = driver->PciBusId(info->ordinal);
   if (!bus.ok()) return mine;
   return absl::StrCat("pci:", *bus);
@@ -168,8 +171,9 @@ class TransferEngine::Impl {
                               const std::string& location) {
     NicMask near = 0;
     if (!location.empty()) RETURN_IF_ERROR(CheckLocation(location));
-    bool derived = false;
-    ASSIGN_OR_RETURN(const std::string where, MemoryLocation(addr, length, location, &derived));
+    bool derived = false, device = false;
+    ASSIGN_OR_RETURN(const std::string where,
+                     MemoryLocation(addr, length, location, &derived, &device));
     if (!where.empty()) {
       absl::StatusOr<std::vector<NicIndex>> nics = near_nics_(where);
       // A GPU the RDMA discovery does not list: no preference.
@@ -183,7 +187,7 @@ class TransferEngine::Impl {
         if (i < 64) near |= NicMask{1} << i;
       }
     }
-    return regions_.Register(addr, length, access, near);
+    return regions_.Register(addr, length, access, near, device);
   }
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer_text) {
     ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer_text));
