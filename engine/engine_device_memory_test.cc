@@ -41,7 +41,9 @@ class EngineDeviceMemoryTest : public ::testing::TestWithParam<bool> {
     prefill_.reset();
     decode_.reset();
     for (auto [p, ordinal] : allocated_) {
-      if (p != nullptr) EXPECT_TRUE(d_->FreeDevice(p, ordinal).ok());
+      if (p != nullptr) {
+        EXPECT_TRUE(d_->FreeDevice(p, ordinal).ok());
+      }
     }
   }
   std::vector<char> Get(const void* p, size_t n, int ordinal) {

@@ -59,7 +59,8 @@ void SplitHostPort(const std::string& in, std::string* host, uint16_t* port) {
   *host = in;
   *port = 0;
   const size_t colon = in.rfind(':');
-  if (colon == std::string::npos || in.find(']') != std::string::npos && colon < in.find(']')) {
+  if (colon == std::string::npos ||
+      (in.find(']') != std::string::npos && colon < in.find(']'))) {
     return;
   }
   uint32_t p = 0;

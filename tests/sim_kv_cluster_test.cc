@@ -83,8 +83,7 @@ struct Stats {
 class KvCluster {
  public:
   explicit KvCluster(uint64_t seed)
-      : seed_(seed),
-        w_(seed, sim::FaultOptions{{1, 2000}, {1, 50}, absl::Microseconds(50), {1, 400}}),
+      : w_(seed, sim::FaultOptions{{1, 2000}, {1, 50}, absl::Microseconds(50), {1, 400}}),
         traffic_(seed ^ 0x5eed) {
     EngineOptions o;
     o.slice_bytes = 4 << 10;
@@ -265,7 +264,6 @@ class KvCluster {
     }
   }
 
-  const uint64_t seed_;
   SimWorld w_;
   sim::Prng traffic_;
   std::vector<Host> hosts_;

@@ -32,7 +32,9 @@ class Buffer {
     }
   }
   ~Buffer() {
-    if (device_ >= 0 && p_ != nullptr) EXPECT_TRUE(d_->FreeDevice(p_, device_).ok());
+    if (device_ >= 0 && p_ != nullptr) {
+      EXPECT_TRUE(d_->FreeDevice(p_, device_).ok());
+    }
   }
   char* data() const { return static_cast<char*>(p_); }
   size_t size() const { return size_; }
