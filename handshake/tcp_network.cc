@@ -14,6 +14,7 @@
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/status_macros.h"
+#include "handshake/tcp_server.h"
 #include "net/socket.h"
 
 namespace kvferry {
@@ -33,105 +34,16 @@ absl::StatusOr<Frame> ReadFrame(int fd, uint32_t max_bytes, absl::Time deadline)
                    ParseFrameHeader(absl::string_view(header, sizeof header), max_bytes));
   Frame f;
   f.type = h.type;
-  f.payload.resize(h.payload_bytes);
-  RETURN_IF_ERROR(net::ReadFull(fd, f.payload.data(), f.payload.size(), deadline));
+  // Grow as the bytes arrive, never to a length the peer merely claimed.
+  constexpr size_t kChunk = 256 << 10;
+  while (f.payload.size() < h.payload_bytes) {
+    const size_t have = f.payload.size();
+    const size_t n = std::min<size_t>(kChunk, h.payload_bytes - have);
+    f.payload.resize(have + n);
+    RETURN_IF_ERROR(net::ReadFull(fd, f.payload.data() + have, n, deadline));
+  }
   return f;
 }
-
-class TcpServer final : public Server {
- public:
-  TcpServer(net::ListeningSocket socket, std::string address, Handler handler,
-            TcpNetworkOptions options)
-      : socket_(std::move(socket)),
-        address_(std::move(address)),
-        handler_(std::move(handler)),
-        options_(options) {
-    accept_thread_ = std::thread([this] { AcceptLoop(); });
-  }
-
-  ~TcpServer() override {
-    stopping_ = true;
-    ::shutdown(socket_.fd.get(), SHUT_RDWR);
-    accept_thread_.join();
-    std::list<Connection> connections;
-    {
-      MutexLock lock(&mu_);
-      for (int fd : open_fds_) ::shutdown(fd, SHUT_RDWR);
-      connections.swap(connections_);
-    }
-    for (auto& c : connections) c.thread.join();
-  }
-
-  std::string address() const override { return address_; }
-
- private:
-  void AcceptLoop() {
-    while (!stopping_) {
-      auto fd = net::Accept(socket_.fd.get(), absl::Seconds(1));
-      if (stopping_) return;
-      if (!fd.ok()) continue;
-      MutexLock lock(&mu_);
-      // Join the threads of connections that have ended.
-      for (auto it = connections_.begin(); it != connections_.end();) {
-        if (it->done->load()) {
-          it->thread.join();
-          it = connections_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      open_fds_.push_back(fd->get());
-      auto done = std::make_shared<std::atomic<bool>>(false);
-      auto conn = std::make_shared<net::Fd>(std::move(*fd));
-      connections_.push_back(Connection{std::thread([this, conn, done] {
-                                          Serve(conn->get());
-                                          MutexLock l(&mu_);
-                                          open_fds_.erase(std::find(open_fds_.begin(),
-                                                                    open_fds_.end(),
-                                                                    conn->get()));
-                                          done->store(true);
-                                        }),
-                                        done});
-    }
-  }
-
-  void Serve(int fd) {
-    (void)net::SetNoDelay(fd);
-    while (!stopping_) {
-      absl::StatusOr<Frame> request =
-          ReadFrame(fd, options_.max_frame_bytes, absl::Now() + options_.idle_timeout);
-      if (!request.ok()) {
-        // A peer closing an idle connection is normal; anything else is
-        // worth a line in the log.
-        if (request.status().code() != absl::StatusCode::kUnavailable &&
-            request.status().code() != absl::StatusCode::kDeadlineExceeded) {
-          KVF_LOG(WARNING) << "handshake " << address_
-                           << ": closing a connection: " << request.status();
-          // Tell the peer why, best effort.
-          (void)WriteFrame(fd, ErrorFrame(request.status()),
-                           absl::Now() + absl::Milliseconds(100));
-        }
-        return;
-      }
-      Frame reply = handler_(*request);
-      if (!WriteFrame(fd, reply, absl::Now() + absl::Seconds(10)).ok()) return;
-    }
-  }
-
-  net::ListeningSocket socket_;
-  const std::string address_;
-  const Handler handler_;
-  const TcpNetworkOptions options_;
-  std::atomic<bool> stopping_{false};
-  std::thread accept_thread_;
-  Mutex mu_;
-  struct Connection {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
-  };
-  std::vector<int> open_fds_ ABSL_GUARDED_BY(mu_);
-  std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
-};
 
 class TcpNetwork final : public Network {
  public:
@@ -143,8 +55,10 @@ class TcpNetwork final : public Network {
                      net::Listen(o.bind_host, o.port, {o.first_port, o.last_port}));
     std::string host = o.advertise_host.empty() ? o.bind_host : o.advertise_host;
     std::string address = net::HostPort{host, socket.address.port()}.ToString();
-    return std::unique_ptr<Server>(new TcpServer(std::move(socket), std::move(address),
-                                                 std::move(handler), options_));
+    ASSIGN_OR_RETURN(std::unique_ptr<TcpServer> server,
+                     TcpServer::Start(std::move(socket), std::move(address), std::move(handler),
+                                      options_.server));
+    return std::unique_ptr<Server>(std::move(server));
   }
 
   absl::StatusOr<Frame> Call(const std::string& peer, const Frame& request,

@@ -1,0 +1,382 @@
+#include "handshake/tcp_server.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/log_limiter.h"
+#include "base/logging.h"
+#include "base/mutex.h"
+#include "base/thread.h"
+#include "net/event_loop.h"
+
+namespace kvferry {
+namespace handshake {
+
+namespace {
+constexpr size_t kReadChunk = 64 << 10;
+constexpr absl::Duration kSweepEvery = absl::Milliseconds(500);
+constexpr absl::Duration kAcceptPause = absl::Milliseconds(100);
+}  // namespace
+
+// Everything below runs on the loop thread, except the handler pool
+// (Worker) and the atomics read by stats().
+struct TcpServer::State {
+  struct Conn {
+    net::Fd fd;
+    std::string in;         // bytes of requests not yet handed on
+    std::string out;        // reply bytes not yet written
+    size_t out_done = 0;
+    bool busy = false;      // a request is with the handler
+    bool closing = false;   // close once the reply is out
+    absl::Time last_active;
+    absl::Time first_byte = absl::InfiniteFuture();  // of the partial request
+  };
+  struct Job {
+    uint64_t conn;
+    Frame request;
+  };
+
+  net::ListeningSocket socket;
+  std::string address;
+  Handler handler;
+  TcpServerOptions options;
+  std::unique_ptr<net::EventLoop> loop;
+
+  // Loop thread only.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Conn>> conns;
+  uint64_t last_conn = 0;
+  size_t buffered = 0;
+  bool accept_paused = false;
+  uint64_t sweep_timer = 0;
+
+  // The handler pool.
+  Mutex mu;
+  CondVar cv;
+  std::deque<Job> jobs ABSL_GUARDED_BY(mu);
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  std::vector<std::thread> workers;
+
+  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0};
+  std::atomic<uint64_t> open{0};
+  LogLimiter log_limit;
+
+  void OnAccept();
+  void Admit(net::Fd fd);
+  void EvictQuietest();
+  void OnEvent(uint64_t id, uint32_t events);
+  bool ReadSome(uint64_t id, Conn* c);
+  void Dispatch(uint64_t id, Conn* c);
+  void OnReply(uint64_t id, Frame reply);
+  bool Flush(uint64_t id, Conn* c);
+  void Refuse(uint64_t id, Conn* c, const absl::Status& why);
+  void Close(uint64_t id);
+  void Sweep();
+  void Worker();
+  void Warn(const std::string& what) {
+    uint64_t skipped;
+    if (log_limit.Allow(&skipped)) {
+      KVF_LOG(WARNING) << "handshake " << address << ": " << what
+                       << LogLimiter::Suffix(skipped);
+    }
+  }
+};
+
+void TcpServer::State::OnAccept() {
+  for (int i = 0; i < 64; ++i) {
+    int fd = ::accept4(socket.fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      Admit(net::Fd(fd));
+      continue;
+    }
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      // Out of descriptors or memory: stop accepting for a while instead of
+      // spinning on a listener that stays readable.
+      ++pauses;
+      Warn(absl::StrCat("cannot accept (", std::strerror(errno), "); pausing the listener"));
+      accept_paused = true;
+      (void)loop->Modify(socket.fd.get(), 0);
+      loop->After(kAcceptPause, [this] {
+        accept_paused = false;
+        (void)loop->Modify(socket.fd.get(), EPOLLIN);
+      });
+    }
+    return;  // EAGAIN, or paused
+  }
+}
+
+void TcpServer::State::Admit(net::Fd fd) {
+  ++accepted;
+  if (conns.size() >= options.max_connections) EvictQuietest();
+  (void)net::SetNoDelay(fd.get());
+  const uint64_t id = ++last_conn;
+  auto c = std::make_unique<Conn>();
+  c->fd = std::move(fd);
+  c->last_active = absl::Now();
+  const int raw = c->fd.get();
+  if (!loop->Watch(raw, EPOLLIN | EPOLLRDHUP, [this, id](uint32_t e) { OnEvent(id, e); }).ok()) {
+    return;  // closes the fd
+  }
+  conns.emplace(id, std::move(c));
+  ++open;
+}
+
+void TcpServer::State::EvictQuietest() {
+  uint64_t victim = 0;
+  absl::Time oldest = absl::InfiniteFuture();
+  for (const auto& [id, c] : conns) {
+    if (!c->busy && c->last_active < oldest) {
+      oldest = c->last_active;
+      victim = id;
+    }
+  }
+  if (victim == 0) return;
+  ++evicted;
+  Warn(absl::StrCat("at the cap of ", options.max_connections,
+                    " connections: closing the one quiet longest"));
+  Close(victim);
+}
+
+void TcpServer::State::OnEvent(uint64_t id, uint32_t events) {
+  auto it = conns.find(id);
+  if (it == conns.end()) return;
+  Conn* c = it->second.get();
+  if ((events & EPOLLOUT) && !Flush(id, c)) return;
+  if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+    if (c->busy || !c->out.empty()) {
+      // Not reading now (one request at a time). A hang-up is reported
+      // whatever the mask, so stop watching (no spinning); the reply, when
+      // it comes, fails to send and closes the connection.
+      if (events & (EPOLLHUP | EPOLLERR)) {
+        c->closing = true;
+        loop->Unwatch(c->fd.get());
+      }
+      return;
+    }
+    if (!ReadSome(id, c)) return;
+    Dispatch(id, c);
+  }
+}
+
+// Reads what is there. False when the connection was closed.
+bool TcpServer::State::ReadSome(uint64_t id, Conn* c) {
+  char buf[kReadChunk];
+  for (;;) {
+    const ssize_t n = ::read(c->fd.get(), buf, sizeof buf);
+    if (n > 0) {
+      if (buffered + n > options.max_buffered_bytes) {
+        ++reaped;
+        Warn("the request buffers are full: closing a connection");
+        Close(id);
+        return false;
+      }
+      if (c->in.empty()) c->first_byte = absl::Now();
+      c->in.append(buf, n);
+      buffered += n;
+      c->last_active = absl::Now();
+      if (static_cast<size_t>(n) < sizeof buf) return true;
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (n < 0 && errno == EINTR) continue;
+    Close(id);  // closed by the peer, or reset
+    return false;
+  }
+}
+
+// Hands a complete request to the handler pool, if one has arrived.
+void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
+  if (c->busy || c->in.size() < kFrameHeaderBytes) return;
+  absl::StatusOr<FrameHeader> h = ParseFrameHeader(c->in, options.max_request_bytes);
+  if (!h.ok()) {
+    Refuse(id, c, h.status());
+    return;
+  }
+  const size_t total = kFrameHeaderBytes + h->payload_bytes;
+  if (c->in.size() < total) return;
+  Frame request{h->type, c->in.substr(kFrameHeaderBytes, h->payload_bytes)};
+  c->in.erase(0, total);
+  buffered -= total;
+  c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
+  c->busy = true;
+  (void)loop->Modify(c->fd.get(), 0);
+  MutexLock lock(&mu);
+  jobs.push_back(Job{id, std::move(request)});
+  cv.Signal();
+}
+
+void TcpServer::State::OnReply(uint64_t id, Frame reply) {
+  auto it = conns.find(id);
+  if (it == conns.end()) return;
+  Conn* c = it->second.get();
+  c->busy = false;
+  c->out = EncodeFrame(reply.type, reply.payload);
+  c->out_done = 0;
+  buffered += c->out.size();
+  c->last_active = absl::Now();
+  if (!Flush(id, c)) return;
+  if (c->out.empty()) Dispatch(id, c);  // a pipelined request may be waiting
+}
+
+// Writes what it can of the reply. False when the connection was closed.
+bool TcpServer::State::Flush(uint64_t id, Conn* c) {
+  while (c->out_done < c->out.size()) {
+    const ssize_t n = ::send(c->fd.get(), c->out.data() + c->out_done,
+                             c->out.size() - c->out_done, MSG_NOSIGNAL);
+    if (n > 0) {
+      c->out_done += n;
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      (void)loop->Modify(c->fd.get(), EPOLLOUT);
+      return true;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    Close(id);
+    return false;
+  }
+  buffered -= c->out.size();
+  c->out.clear();
+  c->out_done = 0;
+  c->last_active = absl::Now();
+  if (c->closing) {
+    Close(id);
+    return false;
+  }
+  (void)loop->Modify(c->fd.get(), EPOLLIN | EPOLLRDHUP);
+  return true;
+}
+
+// Tells the peer why (best effort) and closes once that is written.
+void TcpServer::State::Refuse(uint64_t id, Conn* c, const absl::Status& why) {
+  ++refused;
+  Warn(absl::StrCat("closing a connection: ", why.ToString()));
+  buffered -= c->in.size();
+  c->in.clear();
+  c->closing = true;
+  OnReply(id, ErrorFrame(why));
+}
+
+void TcpServer::State::Close(uint64_t id) {
+  auto it = conns.find(id);
+  if (it == conns.end()) return;
+  Conn* c = it->second.get();
+  buffered -= c->in.size() + (c->out.size());
+  loop->Unwatch(c->fd.get());
+  conns.erase(it);
+  --open;
+}
+
+void TcpServer::State::Sweep() {
+  const absl::Time now = absl::Now();
+  std::vector<uint64_t> doomed;
+  for (const auto& [id, c] : conns) {
+    if (c->busy) continue;
+    const bool slow_request = now - c->first_byte > options.request_timeout;
+    const bool slow_reader = !c->out.empty() && now - c->last_active > options.request_timeout;
+    const bool idle = c->in.empty() && c->out.empty() && now - c->last_active > options.idle_timeout;
+    if (slow_request || slow_reader || idle) doomed.push_back(id);
+  }
+  for (uint64_t id : doomed) {
+    ++reaped;
+    Close(id);
+  }
+  sweep_timer = loop->After(kSweepEvery, [this] { Sweep(); });
+}
+
+void TcpServer::State::Worker() {
+  for (;;) {
+    Job job;
+    {
+      MutexLock lock(&mu);
+      while (!stopping && jobs.empty()) cv.Wait(&mu);
+      if (stopping) return;
+      job = std::move(jobs.front());
+      jobs.pop_front();
+    }
+    Frame reply = handler(job.request);
+    const uint64_t id = job.conn;
+    loop->Post([this, id, r = std::move(reply)]() mutable { OnReply(id, std::move(r)); });
+  }
+}
+
+TcpServer::TcpServer(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(net::ListeningSocket socket,
+                                                            std::string address,
+                                                            Handler handler,
+                                                            TcpServerOptions options) {
+  auto s = std::make_unique<State>();
+  s->socket = std::move(socket);
+  s->address = std::move(address);
+  s->handler = std::move(handler);
+  s->options = options;
+  const int flags = ::fcntl(s->socket.fd.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(s->socket.fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
+    return absl::InternalError(absl::StrCat("fcntl(O_NONBLOCK): ", std::strerror(errno)));
+  }
+  absl::StatusOr<std::unique_ptr<net::EventLoop>> loop =
+      net::EventLoop::Start(absl::StrCat("handshake ", s->address));
+  if (!loop.ok()) return loop.status();
+  s->loop = std::move(*loop);
+  std::unique_ptr<TcpServer> server(new TcpServer(std::move(s)));
+  State* st = server->state_.get();
+  for (int i = 0; i < std::max(1, options.handler_threads); ++i) {
+    absl::StatusOr<std::thread> t = StartThread("a handshake handler", [st] { st->Worker(); });
+    if (!t.ok()) return t.status();  // ~TcpServer stops those started
+    st->workers.push_back(std::move(*t));
+  }
+  absl::Status watched;
+  st->loop->Run([&] {
+    watched = st->loop->Watch(st->socket.fd.get(), EPOLLIN, [st](uint32_t) { st->OnAccept(); });
+    st->sweep_timer = st->loop->After(kSweepEvery, [st] { st->Sweep(); });
+  });
+  if (!watched.ok()) return watched;
+  return server;
+}
+
+TcpServer::~TcpServer() {
+  State* st = state_.get();
+  if (st->loop) {
+    st->loop->Run([st] {
+      st->loop->Cancel(st->sweep_timer);
+      st->loop->Unwatch(st->socket.fd.get());
+      while (!st->conns.empty()) st->Close(st->conns.begin()->first);
+    });
+  }
+  {
+    MutexLock lock(&st->mu);
+    st->stopping = true;
+    st->cv.SignalAll();
+  }
+  for (auto& t : st->workers) t.join();
+  st->loop.reset();  // runs what the workers posted (they find no connection)
+}
+
+std::string TcpServer::address() const { return state_->address; }
+
+TcpServerStats TcpServer::stats() const {
+  TcpServerStats s;
+  s.accepted = state_->accepted;
+  s.open = state_->open;
+  s.evicted = state_->evicted;
+  s.refused_frames = state_->refused;
+  s.reaped = state_->reaped;
+  s.accept_pauses = state_->pauses;
+  return s;
+}
+
+}  // namespace handshake
+}  // namespace kvferry

@@ -1,0 +1,217 @@
+// The handshake server's bounds against hostile clients on loopback: no
+// thread per connection, a capped connection count, buffers that grow only
+// as bytes arrive, slow and idle connections reaped, and a listener that
+// pauses (does not spin or wedge) at the file-descriptor limit. In each case
+// a legitimate call still completes.
+#include "handshake/tcp_server.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "handshake/tcp_network.h"
+#include "net/socket.h"
+
+namespace kvferry {
+namespace handshake {
+namespace {
+
+Frame EchoHandler(const Frame& request) {
+  return Frame{MessageType::kProbeReply, request.payload};
+}
+
+struct Served {
+  std::unique_ptr<TcpServer> server;
+  net::HostPort at;
+};
+
+Served Serve(TcpServerOptions o) {
+  auto socket = net::Listen("127.0.0.1", 0, {0, 0});
+  EXPECT_TRUE(socket.ok()) << socket.status();
+  Served s;
+  s.at = net::HostPort{"127.0.0.1", socket->address.port()};
+  auto server = TcpServer::Start(std::move(*socket), s.at.ToString(), EchoHandler, o);
+  EXPECT_TRUE(server.ok()) << server.status();
+  s.server = std::move(*server);
+  return s;
+}
+
+// A legitimate call on a fresh connection; returns how long it took.
+absl::Duration LegitimateCall(const Served& s) {
+  auto network = NewTcpNetwork();
+  const absl::Time start = absl::Now();
+  auto reply = network->Call(s.at.ToString(), Frame{MessageType::kProbe, Encode(Probe{1, 7})},
+                             absl::Seconds(5));
+  EXPECT_TRUE(reply.ok()) << reply.status();
+  if (reply.ok()) EXPECT_EQ(DecodeProbe(reply->payload)->nonce, 7u);
+  return absl::Now() - start;
+}
+
+net::Fd Attacker(const Served& s) {
+  auto fd = net::Connect(s.at, absl::Seconds(2));
+  EXPECT_TRUE(fd.ok()) << fd.status();
+  return fd.ok() ? std::move(*fd) : net::Fd();
+}
+
+int Threads() {
+  int n = 0;
+  DIR* d = ::opendir("/proc/self/task");
+  while (dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+  ::closedir(d);
+  return n;
+}
+
+// True when the server has closed `fd` (read returns 0 or an error)
+// within `within`.
+bool ClosedByServer(int fd, absl::Duration within) {
+  const absl::Time deadline = absl::Now() + within;
+  char buf[256];
+  while (absl::Now() < deadline) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+template <typename Pred>
+bool Eventually(Pred pred, absl::Duration within = absl::Seconds(5)) {
+  const absl::Time deadline = absl::Now() + within;
+  while (absl::Now() < deadline) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return pred();
+}
+
+TEST(TcpServerTest, ConnectionsCostNoThreads) {
+  Served s = Serve({});
+  const int before = Threads();
+  std::vector<net::Fd> idle;
+  for (int i = 0; i < 200; ++i) idle.push_back(Attacker(s));
+  ASSERT_TRUE(Eventually([&] { return s.server->stats().open == 200; }));
+  EXPECT_EQ(Threads(), before);
+  LegitimateCall(s);
+}
+
+TEST(TcpServerTest, AtTheCapTheQuietestConnectionMakesRoom) {
+  TcpServerOptions o;
+  o.max_connections = 16;
+  Served s = Serve(o);
+  std::vector<net::Fd> idle;
+  for (int i = 0; i < 40; ++i) idle.push_back(Attacker(s));
+  ASSERT_TRUE(Eventually([&] { return s.server->stats().accepted == 40; }));
+  EXPECT_LE(s.server->stats().open, 16u);
+  EXPECT_GE(s.server->stats().evicted, 24u);
+  // The first ones were quietest: the server closed them.
+  EXPECT_TRUE(ClosedByServer(idle[0].get(), absl::Seconds(2)));
+  LegitimateCall(s);
+}
+
+TEST(TcpServerTest, AClaimedLengthAboveTheRequestLimitIsRefusedUnread) {
+  Served s = Serve({});
+  net::Fd fd = Attacker(s);
+  // A valid header claiming 16 MiB.
+  std::string header = EncodeFrame(MessageType::kNotify, "");
+  const uint32_t claim = 16 << 20;
+  std::memcpy(&header[4], &claim, 4);
+  ASSERT_TRUE(net::WriteFull(fd.get(), header.data(), header.size(),
+                             absl::Now() + absl::Seconds(2))
+                  .ok());
+  // The reply says why, then the connection closes.
+  char reply_header[kFrameHeaderBytes];
+  ASSERT_TRUE(net::ReadFull(fd.get(), reply_header, sizeof reply_header,
+                            absl::Now() + absl::Seconds(2))
+                  .ok());
+  auto h = ParseFrameHeader(absl::string_view(reply_header, sizeof reply_header), 1 << 20);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->type, MessageType::kError);
+  EXPECT_TRUE(ClosedByServer(fd.get(), absl::Seconds(2)));
+  EXPECT_EQ(s.server->stats().refused_frames, 1u);
+  LegitimateCall(s);
+}
+
+TEST(TcpServerTest, PartialRequestsShareOneBufferBudget) {
+  TcpServerOptions o;
+  o.max_buffered_bytes = 256 << 10;
+  Served s = Serve(o);
+  // Each claims 1 MiB (allowed) and sends 100 KiB of it: the third pushes
+  // the total over the budget and is closed; the server holds no more.
+  std::vector<net::Fd> fds;
+  std::string frame = EncodeFrame(MessageType::kNotify, std::string(1 << 20, 'x'));
+  for (int i = 0; i < 3; ++i) {
+    fds.push_back(Attacker(s));
+    ASSERT_TRUE(net::WriteFull(fds.back().get(), frame.data(), 100 << 10,
+                               absl::Now() + absl::Seconds(2))
+                    .ok());
+  }
+  EXPECT_TRUE(ClosedByServer(fds[2].get(), absl::Seconds(3)));
+  EXPECT_FALSE(ClosedByServer(fds[0].get(), absl::Milliseconds(50)));
+  EXPECT_GE(s.server->stats().reaped, 1u);
+  LegitimateCall(s);
+}
+
+TEST(TcpServerTest, SlowAndIdleConnectionsAreReapedWhileOthersAreServed) {
+  TcpServerOptions o;
+  o.request_timeout = absl::Milliseconds(300);
+  o.idle_timeout = absl::Milliseconds(600);
+  Served s = Serve(o);
+  net::Fd slow = Attacker(s);
+  net::Fd idle = Attacker(s);
+  // Slowloris: three bytes of a header, then silence.
+  ASSERT_EQ(::send(slow.get(), "KV\x01", 3, MSG_NOSIGNAL), 3);
+  // Meanwhile legitimate calls are answered at once.
+  EXPECT_LT(LegitimateCall(s), absl::Milliseconds(250));
+  EXPECT_TRUE(ClosedByServer(slow.get(), absl::Seconds(3)));
+  EXPECT_TRUE(ClosedByServer(idle.get(), absl::Seconds(3)));
+  EXPECT_GE(s.server->stats().reaped, 2u);
+}
+
+TEST(TcpServerTest, AtTheDescriptorLimitTheListenerPausesAndRecovers) {
+  Served s = Serve({});
+  rlimit old;
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  // Leave room for a handful of descriptors, then use them up with
+  // connections (each costs one here and one in the server).
+  int open_now = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) open_now += e->d_name[0] != '.';
+  ::closedir(d);
+  rlimit low = old;
+  low.rlim_cur = open_now + 8;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<net::Fd> fds;
+  for (int i = 0; i < 16; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(s.at.port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    fds.emplace_back(fd);
+    (void)::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  }
+  const bool paused = Eventually([&] { return s.server->stats().accept_pauses > 0; });
+  // Paused, not spinning: in half a second the listener retries a few
+  // times (every 100 ms), not thousands.
+  const uint64_t pauses_then = s.server->stats().accept_pauses;
+  absl::SleepFor(absl::Milliseconds(500));
+  const uint64_t pauses_later = s.server->stats().accept_pauses;
+  fds.clear();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_TRUE(paused);
+  EXPECT_LE(pauses_later - pauses_then, 10u);
+  LegitimateCall(s);
+}
+
+}  // namespace
+}  // namespace handshake
+}  // namespace kvferry
