@@ -1,6 +1,5 @@
 #include "handshake/tcp_server.h"
 
-#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -27,7 +26,6 @@ namespace handshake {
 namespace {
 constexpr size_t kReadChunk = 64 << 10;
 constexpr absl::Duration kSweepEvery = absl::Milliseconds(500);
-constexpr absl::Duration kAcceptPause = absl::Milliseconds(100);
 }  // namespace
 
 // Everything below runs on the loop thread, except the handler pool
@@ -58,7 +56,6 @@ struct TcpServer::State {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Conn>> conns;
   uint64_t last_conn = 0;
   size_t buffered = 0;
-  bool accept_paused = false;
   uint64_t sweep_timer = 0;
 
   // The handler pool.
@@ -72,7 +69,6 @@ struct TcpServer::State {
   std::atomic<uint64_t> open{0};
   LogLimiter log_limit;
 
-  void OnAccept();
   void Admit(net::Fd fd);
   void EvictQuietest();
   void OnEvent(uint64_t id, uint32_t events);
@@ -92,30 +88,6 @@ struct TcpServer::State {
     }
   }
 };
-
-void TcpServer::State::OnAccept() {
-  for (int i = 0; i < 64; ++i) {
-    int fd = ::accept4(socket.fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd >= 0) {
-      Admit(net::Fd(fd));
-      continue;
-    }
-    if (errno == EINTR || errno == ECONNABORTED) continue;
-    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-      // Out of descriptors or memory: stop accepting for a while instead of
-      // spinning on a listener that stays readable.
-      ++pauses;
-      Warn(absl::StrCat("cannot accept (", std::strerror(errno), "); pausing the listener"));
-      accept_paused = true;
-      (void)loop->Modify(socket.fd.get(), 0);
-      loop->After(kAcceptPause, [this] {
-        accept_paused = false;
-        (void)loop->Modify(socket.fd.get(), EPOLLIN);
-      });
-    }
-    return;  // EAGAIN, or paused
-  }
-}
 
 void TcpServer::State::Admit(net::Fd fd) {
   ++accepted;
@@ -323,10 +295,6 @@ absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(net::ListeningSocket
   s->address = std::move(address);
   s->handler = std::move(handler);
   s->options = options;
-  const int flags = ::fcntl(s->socket.fd.get(), F_GETFL);
-  if (flags < 0 || ::fcntl(s->socket.fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
-    return absl::InternalError(absl::StrCat("fcntl(O_NONBLOCK): ", std::strerror(errno)));
-  }
   absl::StatusOr<std::unique_ptr<net::EventLoop>> loop =
       net::EventLoop::Start(absl::StrCat("handshake ", s->address));
   if (!loop.ok()) return loop.status();
@@ -340,7 +308,13 @@ absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(net::ListeningSocket
   }
   absl::Status watched;
   st->loop->Run([&] {
-    watched = st->loop->Watch(st->socket.fd.get(), EPOLLIN, [st](uint32_t) { st->OnAccept(); });
+    watched = net::ServeListener(
+        st->loop.get(), st->socket.fd.get(), [st](net::Fd fd) { st->Admit(std::move(fd)); },
+        [st](int error) {
+          ++st->pauses;
+          st->Warn(absl::StrCat("cannot accept (", std::strerror(error),
+                                "); pausing the listener"));
+        });
     st->sweep_timer = st->loop->After(kSweepEvery, [st] { st->Sweep(); });
   });
   if (!watched.ok()) return watched;

@@ -1,7 +1,9 @@
 #include "net/event_loop.h"
 
 #include <sys/epoll.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -172,6 +174,33 @@ void EventLoop::Loop() {
     }
     if (!stopping_) RunDueTimers();
   }
+}
+
+absl::Status ServeListener(EventLoop* loop, int listener, std::function<void(Fd)> admit,
+                           std::function<void(int error)> paused, absl::Duration pause) {
+  const int flags = ::fcntl(listener, F_GETFL);
+  if (flags < 0 || ::fcntl(listener, F_SETFL, flags | O_NONBLOCK) != 0) {
+    return ErrnoError(errno, "fcntl(O_NONBLOCK) on a listener");
+  }
+  auto on_ready = [loop, listener, admit = std::move(admit), paused = std::move(paused),
+                   pause](uint32_t) {
+    for (int i = 0; i < 64; ++i) {
+      const int fd = ::accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd >= 0) {
+        admit(Fd(fd));
+        continue;
+      }
+      const int error = errno;
+      if (error == EINTR || error == ECONNABORTED) continue;
+      if (error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM) {
+        paused(error);
+        (void)loop->Modify(listener, 0);
+        loop->After(pause, [loop, listener] { (void)loop->Modify(listener, EPOLLIN); });
+      }
+      return;  // EAGAIN: all taken; or paused
+    }
+  };
+  return loop->Watch(listener, EPOLLIN, std::move(on_ready));
 }
 
 }  // namespace net

@@ -90,6 +90,15 @@ class EventLoop {
   std::vector<std::function<void()>> posted_ ABSL_GUARDED_BY(mu_);
 };
 
+// Loop thread only: accepts every connection that arrives on `listener`
+// (made non-blocking here) as a non-blocking, close-on-exec fd and passes it
+// to `admit`. When accept fails for want of descriptors or memory, the
+// listener pauses for `pause` (no spinning on a listener that stays
+// readable), and `paused` is told why.
+absl::Status ServeListener(EventLoop* loop, int listener, std::function<void(Fd)> admit,
+                           std::function<void(int error)> paused,
+                           absl::Duration pause = absl::Milliseconds(100));
+
 }  // namespace net
 }  // namespace kvferry
 

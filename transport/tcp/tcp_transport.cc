@@ -28,6 +28,7 @@
 #include "transport/checks.h"
 #include "transport/completion_queue.h"
 #include "transport/link_params.h"
+#include "transport/tcp/hello_acceptor.h"
 #include "transport/id_window.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -37,8 +38,6 @@ namespace kvferry {
 namespace transport {
 namespace {
 
-constexpr uint64_t kHelloMagic = 0x32305043'5446564bULL;  // "KVFTCP02"
-constexpr size_t kHelloBytes = 16;
 constexpr uint32_t kMaxErrorText = 1024;
 // The writer sends up to this many queued messages with one sendmsg.
 constexpr size_t kMaxJobsPerSend = 64;
@@ -471,7 +470,6 @@ class TcpTransport final : public Transport {
     --link.idle_waiters;
   }
 
-  void AcceptLoop();
   void ReaderLoop(std::shared_ptr<Link> link);
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
@@ -516,7 +514,7 @@ class TcpTransport final : public Transport {
   const TcpTransportOptions options_;
   net::ListeningSocket listener_;
   std::string advertised_;
-  std::thread accept_thread_;
+  std::unique_ptr<HelloAcceptor> acceptor_;
   std::atomic<bool> stopping_{false};
   uint64_t key_ = 0;  // in-process key, 0 without the shortcut
 
@@ -528,15 +526,9 @@ class TcpTransport final : public Transport {
 
   Mutex mu_;
   CondVar cq_cv_;
-  CondVar accept_cv_;
   LinkId last_link_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_post_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<LinkId, std::shared_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
-  struct PendingAccept {
-    net::Fd fd;
-    absl::Time arrived;
-  };
-  absl::flat_hash_map<uint64_t, PendingAccept> pending_ ABSL_GUARDED_BY(mu_);
   CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
   std::function<void()> notify_ ABSL_GUARDED_BY(mu_);  // SetCompletionNotifier
 };
@@ -562,7 +554,7 @@ absl::Status TcpTransport::Start() {
     } while (key_ == 0 || r.by_key.contains(key_));
     r.by_key[key_] = Registry::Entry{this, ::getpid()};
   }
-  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  ASSIGN_OR_RETURN(acceptor_, HelloAcceptor::Start(listener_.fd.get(), {}));
   KVF_LOG(DEBUG) << "tcp transport listening on " << listener_.address.ToString()
                  << ", advertised as " << advertised_;
   return absl::OkStatus();
@@ -576,14 +568,12 @@ TcpTransport::~TcpTransport() {
     r.by_key.erase(key_);
   }
   stopping_ = true;
-  ::shutdown(listener_.fd.get(), SHUT_RDWR);  // wakes the accept loop
-  if (accept_thread_.joinable()) accept_thread_.join();
+  acceptor_.reset();
   std::vector<std::shared_ptr<Link>> links;
   {
     MutexLock lock(&mu_);
     for (auto& [id, link] : links_) links.push_back(link);
     links_.clear();
-    pending_.clear();
   }
   for (auto& link : links) StopAndJoin(link);
 }
@@ -596,40 +586,6 @@ EndpointDescription TcpTransport::LocalEndpoint() const {
   nic.address = advertised_;
   d.nics.push_back(nic);
   return d;
-}
-
-void TcpTransport::AcceptLoop() {
-  while (!stopping_) {
-    auto fd = net::Accept(listener_.fd.get(), absl::Seconds(1));
-    if (stopping_) return;
-    if (!fd.ok()) {
-      if (fd.status().code() != absl::StatusCode::kDeadlineExceeded) {
-        KVF_LOG(WARNING) << "tcp transport: " << fd.status();
-        absl::SleepFor(absl::Milliseconds(10));
-      }
-      continue;
-    }
-    char hello[kHelloBytes];
-    absl::Status read = net::ReadFull(fd->get(), hello, kHelloBytes,
-                                      absl::Now() + absl::Seconds(2));
-    uint64_t magic, token;
-    std::memcpy(&magic, hello, 8);
-    std::memcpy(&token, hello + 8, 8);
-    if (!read.ok() || magic != kHelloMagic) {
-      KVF_LOG(WARNING) << "tcp transport: dropped a connection without a valid hello"
-                       << (read.ok() ? "" : ": ") << (read.ok() ? "" : read.ToString());
-      continue;
-    }
-    MutexLock lock(&mu_);
-    const absl::Time now = absl::Now();
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      // Never claimed by AcceptLink: the peer gave up on the handshake.
-      auto stale = it++;
-      if (now - stale->second.arrived > absl::Seconds(30)) pending_.erase(stale);
-    }
-    pending_[token] = PendingAccept{std::move(*fd), now};
-    accept_cv_.SignalAll();
-  }
 }
 
 absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
@@ -731,17 +687,12 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   if (!params.ok()) return Annotate(params.status(), "AcceptLink");
   const uint64_t token = params->token;
   ReapDeadPassiveLinks();
-  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  absl::StatusOr<net::Fd> fd = acceptor_->Claim(token, absl::Now() + options_.connect_timeout);
+  if (!fd.ok()) return Annotate(fd.status(), "AcceptLink");
   auto link = std::make_shared<Link>();
   {
     MutexLock lock(&mu_);
-    if (!accept_cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return pending_.contains(token);
-        })) {
-      return absl::UnavailableError("AcceptLink: the peer's data connection never arrived");
-    }
-    auto node = pending_.extract(token);
-    link->fd = std::move(node.mapped().fd);
+    link->fd = std::move(*fd);
     link->token = token;
     link->id = ++last_link_;
     link->state = Link::State::kReady;

@@ -1,0 +1,243 @@
+#include "transport/tcp/hello_acceptor.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/log_limiter.h"
+#include "base/logging.h"
+#include "base/mutex.h"
+#include "net/event_loop.h"
+
+namespace kvferry {
+namespace transport {
+
+namespace {
+constexpr absl::Duration kSweepEvery = absl::Milliseconds(250);
+}  // namespace
+
+struct HelloAcceptor::State {
+  // A connection that has not said hello yet (loop thread only).
+  struct Arriving {
+    net::Fd fd;
+    char hello[kHelloBytes];
+    size_t got = 0;
+    absl::Time arrived;
+  };
+  struct Waiting {
+    net::Fd fd;
+    absl::Time arrived;
+  };
+
+  int listener = -1;
+  HelloAcceptorOptions options;
+  std::unique_ptr<net::EventLoop> loop;
+  absl::flat_hash_map<int, Arriving> arriving;  // by fd; loop thread only
+  uint64_t sweep_timer = 0;
+
+  Mutex mu;
+  CondVar cv;
+  absl::flat_hash_map<uint64_t, Waiting> waiting ABSL_GUARDED_BY(mu);  // by token
+
+  std::atomic<uint64_t> arriving_count{0};
+  std::atomic<uint64_t> accepted{0}, bad{0}, duplicates{0}, evicted{0}, expired{0}, pauses{0};
+  LogLimiter log_limit;
+
+  void Warn(const std::string& what) {
+    uint64_t skipped;
+    if (log_limit.Allow(&skipped)) {
+      KVF_LOG(WARNING) << "tcp transport: " << what << LogLimiter::Suffix(skipped);
+    }
+  }
+  size_t Held() {
+    MutexLock lock(&mu);
+    return arriving.size() + waiting.size();
+  }
+  void Admit(net::Fd fd);
+  void EvictOldest();
+  void OnReadable(int fd);
+  void Drop(int fd) {
+    loop->Unwatch(fd);
+    arriving_count -= arriving.erase(fd);
+  }
+  void Sweep();
+};
+
+void HelloAcceptor::State::Admit(net::Fd fd) {
+  ++accepted;
+  if (Held() >= options.max_pending) EvictOldest();
+  const int raw = fd.get();
+  if (!loop->Watch(raw, EPOLLIN | EPOLLRDHUP, [this, raw](uint32_t) { OnReadable(raw); }).ok()) {
+    return;
+  }
+  Arriving& a = arriving[raw];
+  ++arriving_count;
+  a.fd = std::move(fd);
+  a.arrived = absl::Now();
+}
+
+void HelloAcceptor::State::EvictOldest() {
+  ++evicted;
+  Warn(absl::StrCat("at the cap of ", options.max_pending,
+                    " pending data connections: closing the oldest"));
+  int oldest_fd = -1;
+  absl::Time oldest = absl::InfiniteFuture();
+  for (const auto& [fd, a] : arriving) {
+    if (a.arrived < oldest) {
+      oldest = a.arrived;
+      oldest_fd = fd;
+    }
+  }
+  if (oldest_fd >= 0) {
+    Drop(oldest_fd);
+    return;
+  }
+  MutexLock lock(&mu);
+  auto victim = waiting.end();
+  for (auto it = waiting.begin(); it != waiting.end(); ++it) {
+    if (victim == waiting.end() || it->second.arrived < victim->second.arrived) victim = it;
+  }
+  if (victim != waiting.end()) waiting.erase(victim);
+}
+
+void HelloAcceptor::State::OnReadable(int fd) {
+  auto it = arriving.find(fd);
+  if (it == arriving.end()) return;
+  Arriving& a = it->second;
+  const ssize_t n = ::recv(fd, a.hello + a.got, kHelloBytes - a.got, 0);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  if (n <= 0) {
+    ++bad;
+    Drop(fd);  // closed before its hello
+    return;
+  }
+  a.got += n;
+  if (a.got < kHelloBytes) return;
+  uint64_t magic, token;
+  std::memcpy(&magic, a.hello, 8);
+  std::memcpy(&token, a.hello + 8, 8);
+  if (magic != kHelloMagic) {
+    ++bad;
+    Warn("dropped a data connection without a valid hello");
+    Drop(fd);
+    return;
+  }
+  // The connection leaves the loop: from now on its link's threads own it,
+  // with blocking I/O.
+  loop->Unwatch(fd);
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    Drop(fd);
+    return;
+  }
+  net::Fd conn = std::move(a.fd);
+  arriving.erase(it);
+  --arriving_count;
+  MutexLock lock(&mu);
+  if (waiting.contains(token)) {
+    ++duplicates;
+    Warn("refused a data connection whose token is already waiting");
+    return;  // closes `conn`; the first keeps its place
+  }
+  waiting.emplace(token, Waiting{std::move(conn), absl::Now()});
+  cv.SignalAll();
+}
+
+void HelloAcceptor::State::Sweep() {
+  const absl::Time now = absl::Now();
+  std::vector<int> slow;
+  for (const auto& [fd, a] : arriving) {
+    if (now - a.arrived > options.hello_timeout) slow.push_back(fd);
+  }
+  for (int fd : slow) {
+    ++bad;
+    Drop(fd);
+  }
+  {
+    MutexLock lock(&mu);
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      auto stale = it++;
+      // Never claimed: the peer gave up on the handshake, or never had one.
+      if (now - stale->second.arrived > options.claim_timeout) {
+        ++expired;
+        waiting.erase(stale);
+      }
+    }
+  }
+  sweep_timer = loop->After(kSweepEvery, [this] { Sweep(); });
+}
+
+HelloAcceptor::HelloAcceptor(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+absl::StatusOr<std::unique_ptr<HelloAcceptor>> HelloAcceptor::Start(
+    int listener, HelloAcceptorOptions options) {
+  auto s = std::make_unique<State>();
+  s->listener = listener;
+  s->options = options;
+  absl::StatusOr<std::unique_ptr<net::EventLoop>> loop = net::EventLoop::Start("tcp data port");
+  if (!loop.ok()) return loop.status();
+  s->loop = std::move(*loop);
+  std::unique_ptr<HelloAcceptor> acceptor(new HelloAcceptor(std::move(s)));
+  State* st = acceptor->state_.get();
+  absl::Status watched;
+  st->loop->Run([&] {
+    watched = net::ServeListener(
+        st->loop.get(), listener, [st](net::Fd fd) { st->Admit(std::move(fd)); },
+        [st](int error) {
+          ++st->pauses;
+          st->Warn(absl::StrCat("cannot accept a data connection (", std::strerror(error),
+                                "); pausing the listener"));
+        });
+    st->sweep_timer = st->loop->After(kSweepEvery, [st] { st->Sweep(); });
+  });
+  if (!watched.ok()) return watched;
+  return acceptor;
+}
+
+HelloAcceptor::~HelloAcceptor() {
+  State* st = state_.get();
+  st->loop->Run([st] {
+    st->loop->Cancel(st->sweep_timer);
+    st->loop->Unwatch(st->listener);
+    while (!st->arriving.empty()) st->Drop(st->arriving.begin()->first);
+  });
+  st->loop.reset();
+  MutexLock lock(&st->mu);
+  st->waiting.clear();
+}
+
+absl::StatusOr<net::Fd> HelloAcceptor::Claim(uint64_t token, absl::Time deadline) {
+  State* st = state_.get();
+  MutexLock lock(&st->mu);
+  if (!st->cv.AwaitWithDeadline(&st->mu, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return st->waiting.contains(token);
+      })) {
+    return absl::UnavailableError("the peer's data connection never arrived");
+  }
+  auto node = st->waiting.extract(token);
+  return std::move(node.mapped().fd);
+}
+
+HelloAcceptorStats HelloAcceptor::stats() const {
+  State* st = state_.get();
+  HelloAcceptorStats s;
+  s.accepted = st->accepted;
+  s.bad_hellos = st->bad;
+  s.duplicate_tokens = st->duplicates;
+  s.evicted = st->evicted;
+  s.expired = st->expired;
+  s.accept_pauses = st->pauses;
+  MutexLock lock(&st->mu);
+  s.pending = st->waiting.size() + st->arriving_count;
+  return s;
+}
+
+}  // namespace transport
+}  // namespace kvferry

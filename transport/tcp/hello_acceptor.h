@@ -1,0 +1,67 @@
+// The TCP data port's front door, on an event loop: accepts connections,
+// reads each one's 16-byte hello (magic, link token) without blocking on
+// any of them, and keeps the connections that said hello until the
+// handshake's AcceptLink claims them by token. Bounded throughout:
+//   - at most `max_pending` connections, hello'd or not; at the cap the
+//     oldest is closed to admit a new one;
+//   - a hello must arrive within `hello_timeout`, and an unclaimed
+//     connection is closed after `claim_timeout` (by a timer, whether or
+//     not anything else arrives);
+//   - a second connection with a token already waiting is refused, and the
+//     first is kept;
+//   - at the descriptor limit the listener pauses instead of spinning.
+// Refusals are counted and logged at most once a second.
+#ifndef KVFERRY_TRANSPORT_TCP_HELLO_ACCEPTOR_H_
+#define KVFERRY_TRANSPORT_TCP_HELLO_ACCEPTOR_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "net/socket.h"
+
+namespace kvferry {
+namespace transport {
+
+inline constexpr uint64_t kHelloMagic = 0x32305043'5446564bULL;  // "KVFTCP02"
+inline constexpr size_t kHelloBytes = 16;
+
+struct HelloAcceptorOptions {
+  size_t max_pending = 256;
+  absl::Duration hello_timeout = absl::Seconds(2);
+  absl::Duration claim_timeout = absl::Seconds(30);
+};
+
+struct HelloAcceptorStats {
+  uint64_t accepted = 0;
+  uint64_t pending = 0;          // connections held now
+  uint64_t bad_hellos = 0;       // wrong magic, closed, or too slow
+  uint64_t duplicate_tokens = 0;
+  uint64_t evicted = 0;          // at the cap
+  uint64_t expired = 0;          // never claimed
+  uint64_t accept_pauses = 0;
+};
+
+class HelloAcceptor {
+ public:
+  // Serves `listener` (made non-blocking here) on a loop of its own.
+  static absl::StatusOr<std::unique_ptr<HelloAcceptor>> Start(int listener,
+                                                              HelloAcceptorOptions options);
+  ~HelloAcceptor();
+  // The connection whose hello carried `token` (in blocking mode), waiting
+  // for it until `deadline`. kUnavailable when none arrives.
+  absl::StatusOr<net::Fd> Claim(uint64_t token, absl::Time deadline);
+  HelloAcceptorStats stats() const;
+
+ private:
+  struct State;
+  explicit HelloAcceptor(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_TCP_HELLO_ACCEPTOR_H_
