@@ -562,7 +562,8 @@ absl::Status OpenSession(Session& s, const std::string& role, uint64_t max_block
   if (role == "loopback") {
     ASSIGN_OR_RETURN(s.target, TransferEngine::Create(Options(role)));
     s.target_buffer.assign(arena, 0);
-    RETURN_IF_ERROR(s.target->RegisterMemory(s.target_buffer.data(), s.target_buffer.size()));
+    RETURN_IF_ERROR(s.target->RegisterMemory(s.target_buffer.data(), s.target_buffer.size(),
+                                             transport::Access::kRemoteReadWrite));
     ASSIGN_OR_RETURN(s.to_target, s.initiator->OpenSegment(s.target->address()));
     ASSIGN_OR_RETURN(s.to_initiator, s.target->OpenSegment(s.initiator->address()));
     s.remote = reinterpret_cast<uintptr_t>(s.target_buffer.data());
@@ -611,7 +612,8 @@ int ServeTarget() {
   const uint64_t len = absl::GetFlag(FLAGS_buffer_mib) << 20;
   if (len == 0) Die(absl::InvalidArgumentError("--buffer_mib must be positive"));
   std::vector<char> buffer(len, 0);
-  absl::Status st = e.RegisterMemory(buffer.data(), len);
+  // Initiators write and read it (--op=read).
+  absl::Status st = e.RegisterMemory(buffer.data(), len, transport::Access::kRemoteReadWrite);
   if (!st.ok()) Die(st);
   auto sink = bench::RawSink::Start(e.detection().bind_host.empty() ? e.detection().host
                                                           : e.detection().bind_host,

@@ -192,6 +192,11 @@ class TransferEngine {
   // peers. kInvalidArgument for bad ranges or an overlap with a region
   // already registered.
   //
+  // `access` defaults to kRemoteWrite: peers may write into the buffer (a
+  // decode's KV pages) but not read it. A buffer peers should read from
+  // (READ requests) must say kRemoteRead or kRemoteReadWrite; kNone keeps
+  // it private (a prefill's source pages).
+  //
   // `location` says where the buffer lives: "cpu:N" (NUMA node N) or
   // "cuda:N" (GPU N). Slices of requests from this buffer then go over the
   // NICs nearest to it, and over the others only while those are full (every
@@ -199,7 +204,7 @@ class TransferEngine {
   // kInvalidArgument for a malformed location, kNotFound for a GPU the
   // RDMA discovery does not know.
   absl::Status RegisterMemory(void* addr, uint64_t length,
-                              transport::Access access = transport::Access::kRemoteReadWrite,
+                              transport::Access access = transport::Access::kRemoteWrite,
                               const std::string& location = "");
   // Unregisters the region starting at `addr`. kFailedPrecondition while
   // transfers use it; kNotFound if no region starts there.

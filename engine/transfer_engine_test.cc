@@ -84,8 +84,10 @@ TEST(TransferEngine, WritesAndReadsAcrossEnginesWithSlicing) {
   std::vector<char> dst(1 << 20, 0);
   ASSERT_TRUE(prefill->RegisterMemory(src.data(), src.size()).ok());
   // Two adjacent regions at the peer: a request may span both.
-  ASSERT_TRUE(decode->RegisterMemory(dst.data(), 1 << 19).ok());
-  ASSERT_TRUE(decode->RegisterMemory(dst.data() + (1 << 19), 1 << 19).ok());
+  // Written, then read back: readable by peers.
+  const transport::Access rw = transport::Access::kRemoteReadWrite;
+  ASSERT_TRUE(decode->RegisterMemory(dst.data(), 1 << 19, rw).ok());
+  ASSERT_TRUE(decode->RegisterMemory(dst.data() + (1 << 19), 1 << 19, rw).ok());
   auto seg = prefill->OpenSegment(decode->address());
   ASSERT_TRUE(seg.ok()) << seg.status();
   EXPECT_EQ(*prefill->OpenSegment(decode->address()), *seg);  // cached
@@ -149,7 +151,7 @@ TEST(TransferEngine, WaitIntoAReusedStatus) {
   auto b = MakeEngine();
   std::vector<char> src = Pattern(8192, 3), dst(4096, 'd');
   ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
-  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size(), transport::Access::kRemoteReadWrite).ok());
   auto seg = a->OpenSegment(b->address());
   ASSERT_TRUE(seg.ok());
   BatchStatus status;
@@ -195,6 +197,30 @@ TEST(TransferEngine, RemoteAccessRightsAreCheckedBeforePosting) {
   EXPECT_EQ(a->Submit(*seg, {&w, 1}).status().code(), absl::StatusCode::kPermissionDenied);
   TransferRequest h{Opcode::kRead, src.data(), Addr(hidden), 64};
   EXPECT_EQ(a->Submit(*seg, {&h, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Without an access argument a region is writable by peers and not
+// readable: a peer cannot read a buffer its owner did not offer for reading.
+TEST(TransferEngine, RegistrationDefaultsToRemoteWriteOnly) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  std::vector<char> src = Pattern(64, 4), dst(64, 's');
+  ASSERT_TRUE(a->RegisterMemory(src.data(), 64).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), 64).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  auto regions = a->SegmentRegions(*seg);
+  ASSERT_TRUE(regions.ok());
+  ASSERT_EQ(regions->size(), 1u);
+  EXPECT_EQ((*regions)[0].access, transport::Access::kRemoteWrite);
+  TransferRequest r{Opcode::kRead, src.data(), Addr(dst), 64};
+  EXPECT_EQ(a->Submit(*seg, {&r, 1}).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(src, Pattern(64, 4));
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), 64};
+  auto batch = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(batch.ok());
+  ASSERT_TRUE(a->Wait(*batch, absl::Seconds(5))->ok());
+  EXPECT_EQ(dst, src);
 }
 
 TEST(TransferEngine, PeerNotListeningIsUnavailableInBoundedTime) {

@@ -14,6 +14,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -52,6 +53,24 @@ T Value(absl::StatusOr<T> v) {
 
 void Check(const absl::Status& s) {
   if (!s.ok()) Raise(s);
+}
+
+// "w" (the default: peers may write, not read), "r", "rw" or "none".
+absl::StatusOr<transport::Access> ParseAccess(const std::string& text) {
+  if (text == "w") return transport::Access::kRemoteWrite;
+  if (text == "r") return transport::Access::kRemoteRead;
+  if (text == "rw") return transport::Access::kRemoteReadWrite;
+  if (text == "none") return transport::Access::kNone;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "access '", text, "': \"w\" (peers may write), \"r\", \"rw\" or \"none\""));
+}
+
+// The Mooncake-compatible surface's default access: "w", or what
+// KVFERRY_REMOTE_ACCESS says (for code that reads peers' buffers, which
+// Mooncake allows on every buffer).
+std::string CompatDefaultAccess() {
+  const char* env = std::getenv("KVFERRY_REMOTE_ACCESS");
+  return env != nullptr && *env != '\0' ? env : "w";
 }
 
 // "host:port" -> (host, port); "host" -> (host, 0).
@@ -139,10 +158,13 @@ class MooncakeCompatEngine {
 
   // `location`: Mooncake's "cpu:N", "cuda:N" or "*" (anywhere). Device
   // memory (a torch tensor's data_ptr()) needs none: the driver says.
-  int register_memory(uintptr_t addr, uint64_t length, const std::string& location) {
+  // `access`: as ParseAccess; empty: CompatDefaultAccess().
+  int register_memory(uintptr_t addr, uint64_t length, const std::string& location,
+                      const std::string& access) {
     if (!Ready()) return -1;
-    return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length,
-                                          transport::Access::kRemoteReadWrite,
+    absl::StatusOr<transport::Access> a = ParseAccess(access.empty() ? CompatDefaultAccess() : access);
+    if (!a.ok()) return Fail(a.status());
+    return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length, *a,
                                           location == "*" ? "" : location));
   }
   int unregister_memory(uintptr_t addr) {
@@ -156,7 +178,7 @@ class MooncakeCompatEngine {
       return Fail(absl::InvalidArgumentError("addresses and lengths differ in count"));
     }
     for (size_t i = 0; i < addrs.size(); ++i) {
-      if (register_memory(addrs[i], lengths[i], "") != 0) return -1;
+      if (register_memory(addrs[i], lengths[i], "", "") != 0) return -1;
     }
     return 0;
   }
@@ -242,9 +264,10 @@ class Engine {
   TransferEngine* get() { return engine_.get(); }
   std::string address() const { return engine_->address(); }
   std::string transport() const { return engine_->detection().transport; }
-  void register_memory(uintptr_t addr, uint64_t length, const std::string& location) {
+  void register_memory(uintptr_t addr, uint64_t length, const std::string& location,
+                       const std::string& access) {
     Check(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length,
-                                  transport::Access::kRemoteReadWrite, location));
+                                  Value(ParseAccess(access)), location));
   }
   void unregister_memory(uintptr_t addr) {
     Check(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
@@ -336,7 +359,9 @@ PYBIND11_MODULE(kvferry, m) {
            py::arg("metadata_server"), py::arg("protocol"), py::arg("device_name"))
       .def("get_rpc_port", &MooncakeCompatEngine::get_rpc_port)
       .def("register_memory", &MooncakeCompatEngine::register_memory, py::arg("buffer_addr"),
-           py::arg("capacity"), py::arg("location") = "*")
+           py::arg("capacity"), py::arg("location") = "*", py::arg("access") = "",
+           "Registers [buffer_addr, +capacity). access: \"w\" (peers may write into it; "
+           "the default, or KVFERRY_REMOTE_ACCESS), \"r\", \"rw\" or \"none\". 0 or -1.")
       .def("unregister_memory", &MooncakeCompatEngine::unregister_memory, py::arg("buffer_addr"))
       .def("batch_register_memory", &MooncakeCompatEngine::batch_register_memory,
            py::arg("buffer_addresses"), py::arg("capacities"))
@@ -366,10 +391,12 @@ PYBIND11_MODULE(kvferry, m) {
       .def_property_readonly("transport", &Engine::transport)
       .def_property_readonly("metrics_address", &Engine::metrics_address)
       .def("register_memory", &Engine::register_memory, py::arg("addr"), py::arg("length"),
-           py::arg("location") = "",
+           py::arg("location") = "", py::arg("access") = "w",
            "Registers [addr, +length): host memory or GPU memory (a torch tensor's "
            "data_ptr(); told apart through the CUDA driver). location: \"cpu:N\" or "
-           "\"cuda:N\", checked against the memory when the CUDA driver is present.")
+           "\"cuda:N\", checked against the memory when the CUDA driver is present. "
+           "access: what peers may do: \"w\" write (the default), \"r\" read, \"rw\", "
+           "\"none\".")
       .def("unregister_memory", &Engine::unregister_memory, py::arg("addr"))
       .def("transfer", &Engine::transfer, py::arg("peer"), py::arg("requests"),
            py::arg("timeout") = 30.0)

@@ -21,7 +21,7 @@ def _target(conn, size):
     """A second process: an engine serving a numpy buffer."""
     engine = kvferry.Engine(host="127.0.0.1", transport="tcp")
     buf = np.zeros(size, dtype=np.uint8)
-    engine.register_memory(buf.ctypes.data, buf.nbytes)
+    engine.register_memory(buf.ctypes.data, buf.nbytes, access="rw")  # written, then read
     conn.send((engine.address, buf.ctypes.data))
     conn.recv()
     conn.send(bytes(buf[:16]) + bytes(buf[-16:]))
@@ -125,6 +125,36 @@ class EngineTest(unittest.TestCase):
         # switch or two at most.
         self.assertGreater(ticks[0], 100, f"{ticks[0]} ticks in {took:.3f} s")
         self.assertEqual(int(dst[-1]), 1)
+
+
+    def test_buffers_are_writable_not_readable_unless_registered_so(self):
+        a = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        b = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        mine = np.arange(4096, dtype=np.uint8)
+        secret = np.full(4096, 42, dtype=np.uint8)
+        readable = np.full(4096, 7, dtype=np.uint8)
+        a.register_memory(mine.ctypes.data, mine.nbytes)
+        b.register_memory(secret.ctypes.data, secret.nbytes)  # default: "w"
+        b.register_memory(readable.ctypes.data, readable.nbytes, access="r")
+        with self.assertRaises(kvferry.Error) as e:
+            a.transfer(b.address, [("read", mine.ctypes.data, secret.ctypes.data, 4096)])
+        self.assertIn("does not allow remote read", str(e.exception))
+        self.assertEqual(int(mine[5]), 5)  # nothing was read
+        a.transfer(b.address, [("write", mine.ctypes.data, secret.ctypes.data, 4096)])
+        self.assertEqual(int(secret[5]), 5)
+        a.transfer(b.address, [("read", mine.ctypes.data, readable.ctypes.data, 4096)])
+        self.assertEqual(int(mine[5]), 7)
+        with self.assertRaises(kvferry.Error):
+            b.register_memory(mine.ctypes.data, 16, access="x")
+
+    def test_mooncake_surface_defaults_to_write_only(self):
+        engine = kvferry.TransferEngine()
+        self.assertEqual(engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
+        buf = np.zeros(4096, dtype=np.uint8)
+        self.assertEqual(engine.register_memory(buf.ctypes.data, 1024), 0)
+        self.assertEqual(engine.register_memory(buf.ctypes.data + 1024, 1024, access="rw"), 0)
+        self.assertEqual(engine.register_memory(buf.ctypes.data + 2048, 1024, access="bad"), -1)
+        self.assertIn("access 'bad'", engine.get_last_error())
 
 
 class KvTest(unittest.TestCase):

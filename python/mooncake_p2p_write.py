@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """A P2PHANDSHAKE write written against Mooncake's Python engine API.
 
-The only kvferry-specific line is the import: with Mooncake installed,
-`from mooncake.engine import TransferEngine` runs the same script.
+The kvferry-specific lines are the import (with Mooncake installed,
+`from mooncake.engine import TransferEngine` runs the same script) and
+KVFERRY_REMOTE_ACCESS: kvferry buffers are writable by peers but not
+readable unless registered so, and this script reads its peer's buffer.
 Two processes: the server registers a buffer and hands its address over a
 pipe; the client initializes, registers, writes with transfer_sync_write,
 reads back with transfer_sync_read; the server checks the bytes.
 """
 import multiprocessing
+import os
 import sys
 
 import numpy as np
@@ -19,6 +22,8 @@ METADATA_SERVER = "P2PHANDSHAKE"
 PROTOCOL = "tcp"
 DEVICE_NAME = ""
 SIZE = 1024 * 1024
+# Peers may read this script's buffers too (set before the processes start).
+os.environ.setdefault("KVFERRY_REMOTE_ACCESS", "rw")
 
 
 def server(conn):

@@ -48,7 +48,10 @@ uint64_t IpcOpens() {
   const cuda::Driver* d = cuda::UseFakeDriver();
   auto engine = d != nullptr ? Engine(cuda_ipc) : nullptr;
   void* dst = engine != nullptr ? d->AllocDevice(1, kBytes).value_or(nullptr) : nullptr;
-  if (dst == nullptr || !engine->RegisterMemory(dst, kBytes).ok()) _exit(2);
+  if (dst == nullptr ||
+      !engine->RegisterMemory(dst, kBytes, transport::Access::kRemoteReadWrite).ok()) {
+    _exit(2);
+  }
   const std::string hello = engine->address() + " " + std::to_string(reinterpret_cast<uintptr_t>(dst)) + "\n";
   if (write(out, hello.data(), hello.size()) < 0) _exit(3);
   char cmd;

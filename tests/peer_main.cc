@@ -31,7 +31,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::vector<char> buffer(absl::GetFlag(FLAGS_bytes), 0);
-  absl::Status st = (*engine)->RegisterMemory(buffer.data(), buffer.size());
+  // Tests write into it and read it back.
+  absl::Status st = (*engine)->RegisterMemory(buffer.data(), buffer.size(),
+                                              kvferry::transport::Access::kRemoteReadWrite);
   if (st.ok()) {
     st = (*engine)->PublishMetadata(
         "buffer", absl::StrCat(reinterpret_cast<uintptr_t>(buffer.data()), " ", buffer.size()));

@@ -126,8 +126,9 @@ TEST_P(EngineConformanceTest, WritesAndReadsWithSlicesAcrossRegions) {
   ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
   ASSERT_TRUE(a->RegisterMemory(back.data(), back.size()).ok());
   // Two adjacent regions at the peer: a request may span both.
-  ASSERT_TRUE(b->RegisterMemory(dst.data(), 128 << 10).ok());
-  ASSERT_TRUE(b->RegisterMemory(dst.data() + (128 << 10), 128 << 10).ok());
+  const transport::Access rw = transport::Access::kRemoteReadWrite;
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), 128 << 10, rw).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data() + (128 << 10), 128 << 10, rw).ok());
   auto seg = a->OpenSegment(b->address());
   ASSERT_TRUE(seg.ok()) << seg.status();
   EXPECT_EQ(*a->OpenSegment(b->address()), *seg);

@@ -23,6 +23,7 @@
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/scratch.h"
+#include "base/thread_cache.h"
 #include "base/status_macros.h"
 #include "cuda/driver.h"
 #include "transport/checks.h"
@@ -398,8 +399,8 @@ class TcpTransport final : public Transport {
     bool passive = false;      // made by AcceptLink
     bool reader_done = false;  // the reader thread has returned
     CondVar cv;  // jobs arrived / stopping / writer idle
-    std::thread reader;
-    std::thread writer;
+    ThreadCache::Task reader;
+    ThreadCache::Task writer;
     // Pinned host buffers for device memory, made on first use: the
     // writer's (sending) and the reader's (receiving), each used by its own
     // thread only.
@@ -470,6 +471,10 @@ class TcpTransport final : public Transport {
     --link.idle_waiters;
   }
 
+  // Runs the link's reader and writer on warm threads (threads_). On a
+  // refusal the link fails (its connection is shut down) and the error
+  // returned.
+  absl::Status StartLinkThreads(const std::shared_ptr<Link>& link);
   void ReaderLoop(std::shared_ptr<Link> link);
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
@@ -515,6 +520,9 @@ class TcpTransport final : public Transport {
   net::ListeningSocket listener_;
   std::string advertised_;
   std::unique_ptr<HelloAcceptor> acceptor_;
+  // Link readers and writers; declared before the links so that it is
+  // destroyed after they are stopped.
+  ThreadCache threads_{"tcp link", 16};
   std::atomic<bool> stopping_{false};
   uint64_t key_ = 0;  // in-process key, 0 without the shortcut
 
@@ -555,6 +563,8 @@ absl::Status TcpTransport::Start() {
     r.by_key[key_] = Registry::Entry{this, ::getpid()};
   }
   ASSIGN_OR_RETURN(acceptor_, HelloAcceptor::Start(listener_.fd.get(), {}));
+  // A new peer's first links take warm threads instead of starting four.
+  threads_.Prestart(options_.warm_threads);
   KVF_LOG(DEBUG) << "tcp transport listening on " << listener_.address.ToString()
                  << ", advertised as " << advertised_;
   return absl::OkStatus();
@@ -703,8 +713,11 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   }
   (void)net::SetNoDelay(link->fd.get());
   (void)net::SetKeepAlive(link->fd.get(), options_.dead_peer_timeout);
-  link->reader = std::thread([this, link] { ReaderLoop(link); });
-  link->writer = std::thread([this, link] { WriterLoop(link); });
+  if (absl::Status started = StartLinkThreads(link); !started.ok()) {
+    MutexLock lock(&mu_);
+    links_.erase(link->id);
+    return started;
+  }
   return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost())};
 }
 
@@ -727,9 +740,31 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     if (key_ != 0) link->peer_key = InProcessKey(params->key);
     link->same_host = IpcHost() != 0 && params->host == IpcHost();
   }
-  link->reader = std::thread([this, link] { ReaderLoop(link); });
-  link->writer = std::thread([this, link] { WriterLoop(link); });
+  if (absl::Status started = StartLinkThreads(link); !started.ok()) {
+    MutexLock lock(&mu_);
+    links_.erase(link->id);
+    return started;
+  }
   return absl::OkStatus();
+}
+
+absl::Status TcpTransport::StartLinkThreads(const std::shared_ptr<Link>& link) {
+  absl::StatusOr<ThreadCache::Task> reader = threads_.Run([this, link] { ReaderLoop(link); });
+  absl::StatusOr<ThreadCache::Task> writer =
+      reader.ok() ? threads_.Run([this, link] { WriterLoop(link); }) : reader;
+  if (reader.ok()) link->reader = std::move(*reader);
+  if (writer.ok()) {
+    link->writer = std::move(*writer);
+    return absl::OkStatus();
+  }
+  // Whatever started sees the link stopping and returns; the link fails.
+  {
+    MutexLock lock(&mu_);
+    link->stopping = true;
+    link->cv.SignalAll();
+  }
+  ::shutdown(link->fd.get(), SHUT_RDWR);
+  return writer.status();
 }
 
 void TcpTransport::ReapDeadPassiveLinks() {
@@ -756,8 +791,8 @@ void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
     link->cv.SignalAll();
   }
   ::shutdown(link->fd.get(), SHUT_RDWR);
-  if (link->reader.joinable()) link->reader.join();
-  if (link->writer.joinable()) link->writer.join();
+  link->reader.Join();
+  link->writer.Join();
 }
 
 absl::Status TcpTransport::CloseLink(LinkId id) {

@@ -65,6 +65,11 @@ struct TcpTransportOptions {
   // cannot open the handle says so; the link then stages device memory
   // over the socket, and the reason is logged.
   bool cuda_ipc = true;
+  // Threads started with the transport for the first links' readers and
+  // writers (two per link), so that a new peer's first transfer does not
+  // wait for threads to start. Threads of closed links are kept for the
+  // next ones, up to 16 idle.
+  size_t warm_threads = 4;
 };
 
 // Creates a TCP transport and starts its listener. kInvalidArgument for a
