@@ -22,6 +22,7 @@
 #include "cuda/driver.h"
 #include "engine/batch_pipeline.h"
 #include "engine/engine_options.h"
+#include "engine/secret.h"
 #include "engine/local_regions.h"
 #include "engine/metrics_server.h"
 #include "engine/notifications.h"
@@ -290,9 +291,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   if (parts.transport == nullptr || parts.network == nullptr) {
     return absl::InvalidArgumentError("CreateWith needs a transport and a network");
   }
-  if (options.secret.empty()) {
-    if (const char* env = std::getenv(handshake::kSecretEnv); env != nullptr) options.secret = env;
-  }
+  ASSIGN_OR_RETURN(options.secret, engine_internal::ResolveSecret(options.secret));
   handshake::AuthenticatedNetwork* auth = nullptr;
   if (!options.secret.empty()) {
     handshake::AuthOptions a;
@@ -313,6 +312,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   serve.first_port = options.first_port;
   serve.last_port = options.last_port;
   const int metrics_port = options.metrics_port;
+  engine_internal::WarnIfUnauthenticated(auth != nullptr, serve.bind_host);
   auto impl = std::make_unique<Impl>(std::move(options), std::move(parts));
   impl->set_auth(auth);
   RETURN_IF_ERROR(impl->Start(serve));
