@@ -138,5 +138,38 @@ TEST(Metrics, EndpointServesCountersThatMoveWithTraffic) {
   EXPECT_TRUE(absl::StartsWith(Get((*a)->metrics_address(), "/other"), "HTTP/1.1 404"));
 }
 
+// The endpoint binds loopback unless told otherwise, and serves scrapers
+// concurrently: silent or half-sent connections do not hold up a scrape,
+// and are closed after their 2 s.
+TEST(Metrics, EndpointIsLoopbackByDefaultAndServesClientsConcurrently) {
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  o.transport = "tcp";
+  o.metrics_port = 0;
+  auto a = TransferEngine::Create(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(absl::StartsWith((*a)->metrics_address(), "127.0.0.1:"));
+  auto hp = net::ParseHostPort((*a)->metrics_address());
+  ASSERT_TRUE(hp.ok());
+  std::vector<net::Fd> stalled;
+  for (int i = 0; i < 20; ++i) {
+    auto fd = net::Connect(*hp, absl::Seconds(5));
+    ASSERT_TRUE(fd.ok());
+    if (i % 2 == 0) ASSERT_EQ(::send(fd->get(), "GET /met", 8, MSG_NOSIGNAL), 8);
+    stalled.push_back(std::move(*fd));
+  }
+  const absl::Time start = absl::Now();
+  const std::string text = Get((*a)->metrics_address(), "/metrics");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_TRUE(absl::StartsWith(text, "HTTP/1.1 200 OK")) << text.substr(0, 64);
+  // The stalled ones are closed by the server within its request time.
+  char c;
+  for (auto& fd : stalled) {
+    timeval tv{5, 0};
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    EXPECT_EQ(::recv(fd.get(), &c, 1, 0), 0);
+  }
+}
+
 }  // namespace
 }  // namespace kvferry

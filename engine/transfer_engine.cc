@@ -312,11 +312,13 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   serve.first_port = options.first_port;
   serve.last_port = options.last_port;
   const int metrics_port = options.metrics_port;
+  const std::string metrics_host = options.metrics_host;
   engine_internal::WarnIfUnauthenticated(auth != nullptr, serve.bind_host);
   auto impl = std::make_unique<Impl>(std::move(options), std::move(parts));
   impl->set_auth(auth);
   RETURN_IF_ERROR(impl->Start(serve));
-  RETURN_IF_ERROR(impl->StartMetrics(serve.bind_host, metrics_port));
+  RETURN_IF_ERROR(impl->StartMetrics(metrics_host.empty() ? serve.bind_host : metrics_host,
+                                     metrics_port));
   KVF_LOG(INFO) << "handshake listening on " << serve.bind_host << ":" << impl->detection_.port
                 << ", peers reach this engine at " << impl->address_;
   for (const transport::NicInfo& nic : impl->LocalNics()) {

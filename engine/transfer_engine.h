@@ -88,9 +88,12 @@ struct EngineOptions {
   // must all use the same secret. Never logged.
   std::string secret;
   // Prometheus endpoint: -1 off; 0 any free port; else that port. Served at
-  // http://<bind host>:<port>/metrics (metrics_address()); the text format
-  // of GetMetrics().
+  // http://<metrics_host>:<port>/metrics (metrics_address()); the text
+  // format of GetMetrics().
   int metrics_port = -1;
+  // Where the metrics endpoint listens: loopback unless said otherwise
+  // ("0.0.0.0" for every interface; "" for the handshake's bind address).
+  std::string metrics_host = "127.0.0.1";
 };
 
 // What Create decided and why; also logged.

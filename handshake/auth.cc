@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "base/log_limiter.h"
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/status_macros.h"
@@ -19,7 +20,8 @@ namespace kvferry {
 namespace handshake {
 namespace {
 
-constexpr size_t kNonceBytes = 16;
+constexpr size_t kNonceBytes = 16;        // the client's
+constexpr size_t kServerNonceBytes = 32;  // random(8) expiry(8) mac(16)
 constexpr size_t kTagBytes = 32;
 
 struct AuthenticatedFrame {
@@ -42,9 +44,10 @@ std::string Encode(const AuthenticatedFrame& f) {
 absl::StatusOr<AuthenticatedFrame> Decode(absl::string_view payload) {
   AuthenticatedFrame f;
   Reader r(payload);
-  if (!r.Bytes(&f.server_nonce, kNonceBytes) || !r.Bytes(&f.client_nonce, kNonceBytes) ||
+  if (!r.Bytes(&f.server_nonce, kServerNonceBytes) || !r.Bytes(&f.client_nonce, kNonceBytes) ||
       !r.U8(&f.type) || !r.Bytes(&f.payload, kDefaultMaxFrameBytes) || !r.Bytes(&f.tag, kTagBytes) ||
-      !r.AtEnd() || f.server_nonce.size() != kNonceBytes || f.client_nonce.size() != kNonceBytes ||
+      !r.AtEnd() || f.server_nonce.size() != kServerNonceBytes ||
+      f.client_nonce.size() != kNonceBytes ||
       f.tag.size() != kTagBytes || f.type == 0 || f.type > kLastMessageType) {
     return absl::DataLossError("malformed authenticated frame");
   }
@@ -87,47 +90,64 @@ std::string HmacSha256(absl::string_view key, absl::string_view data) {
 struct AuthenticatedNetwork::State {
   AuthOptions options;
   std::atomic<uint64_t> rejected{0};
+  LogLimiter log_limit;
   Mutex mu;
-  // Outstanding server nonces and when they expire, oldest first.
-  absl::flat_hash_map<std::string, absl::Time> nonces ABSL_GUARDED_BY(mu);
-  std::deque<std::string> order ABSL_GUARDED_BY(mu);
+  // Server nonces already used by an authenticated request, until they
+  // expire (oldest first). Only holders of the secret add to it.
+  absl::flat_hash_map<std::string, absl::Time> used ABSL_GUARDED_BY(mu);
+  std::deque<std::pair<absl::Time, std::string>> used_order ABSL_GUARDED_BY(mu);
 
   absl::Time Now() const { return options.clock->Now(); }
 
   Frame Reject(const std::string& why) {
     const uint64_t n = ++rejected;
-    KVF_LOG(WARNING) << "handshake: refused an unauthenticated request (" << why << "); "
-                     << n << " refused so far";
+    uint64_t skipped;
+    if (log_limit.Allow(&skipped)) {
+      KVF_LOG(WARNING) << "handshake: refused an unauthenticated request (" << why << "); "
+                       << n << " refused so far" << LogLimiter::Suffix(skipped);
+    }
     return ErrorFrame(absl::UnauthenticatedError(
         "this engine requires an authenticated handshake: give both engines the same secret "
-        "(EngineOptions::secret or KVFERRY_SECRET)"));
+        "(EngineOptions::secret, KVFERRY_SECRET or KVFERRY_SECRET_FILE)"));
+  }
+
+  // random(8) expiry(8) and a MAC over both: the server keeps nothing per
+  // challenge, so no flood of challenges can push out a client's nonce.
+  std::string NonceMac(absl::string_view random_and_expiry) const {
+    return HmacSha256(options.secret, absl::StrCat("kvferry-nonce", random_and_expiry))
+        .substr(0, kServerNonceBytes - 16);
   }
 
   Frame Challenge() {
-    std::string nonce = options.random(kNonceBytes);
-    if (nonce.size() != kNonceBytes) {
-      return ErrorFrame(absl::InternalError("no random bytes for a challenge"));
-    }
-    MutexLock lock(&mu);
-    const absl::Time now = Now();
-    while (!order.empty() && (nonces.size() >= options.max_outstanding_challenges ||
-                              nonces[order.front()] <= now)) {
-      nonces.erase(order.front());
-      order.pop_front();
-    }
-    nonces[nonce] = now + options.challenge_ttl;
-    order.push_back(nonce);
+    std::string nonce = options.random(8);
+    if (nonce.size() != 8) return ErrorFrame(absl::InternalError("no random bytes for a challenge"));
+    Writer w(&nonce);
+    w.U64(static_cast<uint64_t>(absl::ToUnixNanos(Now() + options.challenge_ttl)));
+    nonce += NonceMac(nonce);
     return Frame{MessageType::kChallengeReply, nonce};
   }
 
-  // True if `nonce` was handed out, has not expired, and was not used.
+  // True if this engine made `nonce`, it has not expired, and no
+  // authenticated request used it before. Call only after the request's
+  // tag checked out.
   bool Consume(const std::string& nonce) {
+    if (nonce.size() != kServerNonceBytes) return false;
+    const absl::string_view head(nonce.data(), 16);
+    if (!SameTag(nonce.substr(16), NonceMac(head))) return false;
+    uint64_t expiry_ns;
+    Reader r(head.substr(8));
+    if (!r.U64(&expiry_ns)) return false;
+    const absl::Time expiry = absl::FromUnixNanos(static_cast<int64_t>(expiry_ns));
+    const absl::Time now = Now();
+    if (expiry <= now) return false;
     MutexLock lock(&mu);
-    auto it = nonces.find(nonce);
-    if (it == nonces.end()) return false;
-    const bool fresh = it->second > Now();
-    nonces.erase(it);  // its entry in `order` goes when it reaches the front
-    return fresh;
+    while (!used_order.empty() && used_order.front().first <= now) {
+      used.erase(used_order.front().second);
+      used_order.pop_front();
+    }
+    if (!used.emplace(nonce, expiry).second) return false;  // a replay
+    used_order.emplace_back(expiry, nonce);
+    return true;
   }
 
   Frame Serve(const Handler& handler, const Frame& request) {
@@ -137,8 +157,8 @@ struct AuthenticatedNetwork::State {
     }
     absl::StatusOr<AuthenticatedFrame> f = Decode(request.payload);
     if (!f.ok()) return Reject("malformed");
-    if (!Consume(f->server_nonce)) return Reject("unknown, expired or reused challenge");
     if (!SameTag(f->tag, Tag(options.secret, "kvferry-req", *f))) return Reject("bad tag");
+    if (!Consume(f->server_nonce)) return Reject("unknown, expired or reused challenge");
     const Frame reply =
         handler(Frame{static_cast<MessageType>(f->type), std::move(f->payload)});
     AuthenticatedFrame out;
@@ -160,7 +180,6 @@ absl::StatusOr<std::unique_ptr<AuthenticatedNetwork>> AuthenticatedNetwork::Crea
   }
   if (options.clock == nullptr) options.clock = RealClock();
   if (!options.random) options.random = OpenSslRandom;
-  if (options.max_outstanding_challenges == 0) options.max_outstanding_challenges = 1;
   auto state = std::make_shared<State>();
   state->options = std::move(options);
   return std::unique_ptr<AuthenticatedNetwork>(
@@ -187,10 +206,11 @@ absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const 
   Clock* clock = state_->options.clock;
   const absl::Time deadline = clock->Now() + timeout;
   ASSIGN_OR_RETURN(Frame challenge, inner_->Call(peer, Frame{MessageType::kChallenge, ""}, timeout));
-  if (challenge.type != MessageType::kChallengeReply || challenge.payload.size() != kNonceBytes) {
-    return absl::DataLossError(
-        absl::StrCat("peer ", peer, " answered a challenge with ",
-                     MessageTypeName(challenge.type)));
+  if (challenge.type != MessageType::kChallengeReply ||
+      challenge.payload.size() != kServerNonceBytes) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "peer ", peer, " answered a challenge with ", MessageTypeName(challenge.type), " of ",
+        challenge.payload.size(), " bytes: not an engine with the handshake secret"));
   }
   AuthenticatedFrame f;
   f.server_nonce = std::move(challenge.payload);

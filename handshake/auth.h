@@ -9,9 +9,13 @@
 //             HMAC(secret, "kvferry-req" nonce_s nonce_c type payload)}
 //   server -> kAuthenticatedReply{nonce_s, nonce_c, type, payload,
 //             HMAC(secret, "kvferry-rep" nonce_s nonce_c type payload)}
-// A server nonce is good once and for `challenge_ttl`; a request without a
-// valid tag, or any plain request, is refused (kUnauthenticated), counted
-// and logged (peer-visible facts only, never the secret). The client checks
+// A server nonce is good once and for `challenge_ttl`. The server keeps no
+// state per challenge (a nonce carries its expiry and a MAC of it under the
+// secret), so a flood of challenges cannot evict a client's nonce; it
+// remembers only nonces used by authenticated requests, until they expire,
+// to refuse replays. A request without a valid tag, or any plain request,
+// is refused (kUnauthenticated), counted and logged (rate limited;
+// peer-visible facts only, never the secret). The client checks
 // the reply's tag too, so a peer without the secret cannot feed it a
 // descriptor. A client with a secret never falls back to a plain call.
 #ifndef KVFERRY_HANDSHAKE_AUTH_H_
@@ -32,7 +36,6 @@ namespace handshake {
 struct AuthOptions {
   std::string secret;  // required, at least 16 bytes
   absl::Duration challenge_ttl = absl::Seconds(30);
-  size_t max_outstanding_challenges = 4096;
   Clock* clock = nullptr;  // null: the real clock
   // Source of nonces; empty: OpenSSL's RAND_bytes.
   std::function<std::string(size_t bytes)> random;

@@ -93,7 +93,7 @@ TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
   auto plain = NewTcpNetwork();
   auto nonce = plain->Call(addr, Frame{MessageType::kChallenge, ""}, absl::Seconds(5));
   ASSERT_TRUE(nonce.ok()) << nonce.status();
-  ASSERT_EQ(nonce->payload.size(), 16u);
+  ASSERT_EQ(nonce->payload.size(), 32u);
   // A real client's authenticated request, recorded on its way out, is
   // accepted once and refused when an eavesdropper replays it.
   struct Recorder : Network {
@@ -127,6 +127,43 @@ TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
   EXPECT_EQ(plain->Call(addr, tampered, absl::Seconds(5)).status().code(),
             absl::StatusCode::kUnauthenticated);
   EXPECT_EQ((*server_net)->rejected(), 2u);
+}
+
+// Challenges cost the server no state: a flood of them between a client's
+// challenge and its authenticated request does not push its nonce out.
+TEST(Auth, AFloodOfChallengesCannotEvictAClientsNonce) {
+  auto server_net = Auth();
+  ASSERT_TRUE(server_net.ok());
+  auto server = (*server_net)->Serve(Loopback(), [](const Frame& f) { return f; });
+  ASSERT_TRUE(server.ok());
+  const std::string addr = (*server)->address();
+  struct Flooder : Network {
+    std::unique_ptr<Network> inner = NewTcpNetwork();
+    std::unique_ptr<Network> attacker = NewTcpNetwork();
+    int floods = 0;
+    absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler) override {
+      return absl::UnimplementedError("client only");
+    }
+    absl::StatusOr<Frame> Call(const std::string& peer, const Frame& f,
+                               absl::Duration timeout) override {
+      if (f.type == MessageType::kAuthenticated) {
+        for (int i = 0; i < 10000; ++i) {
+          if (attacker->Call(peer, Frame{MessageType::kChallenge, ""}, timeout).ok()) ++floods;
+        }
+      }
+      return inner->Call(peer, f, timeout);
+    }
+  };
+  auto flooder = std::make_unique<Flooder>();
+  Flooder* flood = flooder.get();
+  AuthOptions o;
+  o.secret = kSecret;
+  auto client = AuthenticatedNetwork::Create(std::move(flooder), o);
+  ASSERT_TRUE(client.ok());
+  auto reply = (*client)->Call(addr, Frame{MessageType::kProbe, "ok"}, absl::Seconds(30));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->payload, "ok");
+  EXPECT_EQ(flood->floods, 10000);
 }
 
 TEST(Auth, AClientNeverAcceptsAnUnauthenticatedServer) {

@@ -247,13 +247,15 @@ class MooncakeCompatEngine {
 class Engine {
  public:
   Engine(const std::string& host, int port, const std::string& transport,
-         const std::vector<std::string>& devices, int metrics_port) {
+         const std::vector<std::string>& devices, int metrics_port,
+         const std::string& metrics_host) {
     EngineOptions o;
     o.local_host = host;
     o.port = static_cast<uint16_t>(port);
     o.transport = transport;
     o.devices = devices;
     o.metrics_port = metrics_port;
+    o.metrics_host = metrics_host;
     absl::StatusOr<std::unique_ptr<TransferEngine>> e;
     {
       py::gil_scoped_release release;
@@ -384,9 +386,10 @@ PYBIND11_MODULE(kvferry, m) {
 
   py::class_<Engine>(m, "Engine", "A kvferry engine; failures raise kvferry.Error.")
       .def(py::init<const std::string&, int, const std::string&, const std::vector<std::string>&,
-                    int>(),
+                    int, const std::string&>(),
            py::arg("host") = "", py::arg("port") = 0, py::arg("transport") = "auto",
-           py::arg("devices") = std::vector<std::string>{}, py::arg("metrics_port") = -1)
+           py::arg("devices") = std::vector<std::string>{}, py::arg("metrics_port") = -1,
+           py::arg("metrics_host") = "127.0.0.1")
       .def_property_readonly("address", &Engine::address)
       .def_property_readonly("transport", &Engine::transport)
       .def_property_readonly("metrics_address", &Engine::metrics_address)
