@@ -30,14 +30,24 @@
 #include "transport/completion_queue.h"
 #include "transport/link_params.h"
 #include "transport/tcp/hello_acceptor.h"
+#include "transport/tcp/wire.h"
 #include "transport/id_window.h"
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
-              "the TCP transport's wire format assumes little-endian hosts");
 
 namespace kvferry {
 namespace transport {
 namespace {
+
+using tcp_wire::DataHeader;
+using tcp_wire::DecodeLinkParams;
+using tcp_wire::EncodeLinkParams;
+using tcp_wire::kAckNow;
+using tcp_wire::kReadReq;
+using tcp_wire::kReadResp;
+using tcp_wire::kViaIpc;
+using tcp_wire::kWriteAck;
+using tcp_wire::kWriteReq;
+using tcp_wire::PeerParams;
 
 constexpr uint32_t kMaxErrorText = 1024;
 // The writer sends up to this many queued messages with one sendmsg.
@@ -49,31 +59,6 @@ constexpr uint64_t kInlineSendBytes = 16 << 10;
 // Post on the link (kAckNow), and at most this many requests or bytes.
 constexpr uint64_t kMaxAckRun = 32;
 constexpr uint64_t kMaxAckRunBytes = 1 << 20;
-
-enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp = 4 };
-// DataHeader::flags of a request.
-constexpr uint16_t kAckNow = 1;  // the last of its Post on the link: answer now
-// Requests: no data follows but an IpcRef, the requester's device memory
-// for the responder to copy from (WRITE) or into (READ) through CUDA IPC.
-// Answers: a READ done that way (no data follows), or an IPC request the
-// responder could not serve (status set: the requester sends it again the
-// ordinary way).
-constexpr uint16_t kViaIpc = 2;
-
-// A kWriteAck answers a run of WRITEs: ids `id` .. `id + remote_addr - 1`
-// (consecutive on the link, so no READ among them) all landed. An ack that
-// reports an error answers the one request `id` (remote_addr 1).
-struct DataHeader {
-  uint8_t type = 0;
-  uint8_t status = 0;  // absl::StatusCode of an answer
-  uint16_t flags = 0;  // requests: kAckNow
-  uint32_t text_len = 0;  // error text following an answer that failed
-  uint64_t id = 0;
-  uint64_t remote_addr = 0;
-  uint64_t rkey = 0;
-  uint64_t length = 0;  // data bytes following (WRITE request, READ answer)
-};
-static_assert(sizeof(DataHeader) == 40, "wire header size");
 
 // The requester's device memory of a kViaIpc request: its allocation's IPC
 // handle and the offset of the request's bytes in it.
@@ -300,28 +285,6 @@ absl::Status Drain(int fd, uint64_t n) {
   return absl::OkStatus();
 }
 
-// Link parameters (transport/link_params.h): the pairing token and the
-// transport's in-process key (0: no shortcut).
-// and the host's identity (HostId: 0 when CUDA IPC is off).
-enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3 };
-std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host) {
-  return LinkParams("tcp").Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host)
-      .Encode();
-}
-struct PeerParams {
-  uint64_t token = 0;
-  uint64_t key = 0;
-  uint64_t host = 0;
-};
-absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes) {
-  ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, "tcp"));
-  PeerParams out;
-  ASSIGN_OR_RETURN(out.token, p.Get(kTokenField, "pairing token"));
-  ASSIGN_OR_RETURN(out.key, p.Get(kKeyField, "in-process key"));
-  ASSIGN_OR_RETURN(out.host, p.Get(kHostField, "host identity"));
-  return out;
-}
-
 class TcpTransport final : public Transport {
  public:
   explicit TcpTransport(TcpTransportOptions options) : options_(std::move(options)) {}
@@ -356,12 +319,39 @@ class TcpTransport final : public Transport {
   struct RegionEntry {
     Region region;
     std::atomic<uint64_t> local_uses{0};
+    // Connections moving a peer's request's bytes into or out of the region
+    // now (no regions lock is held across that network I/O), and whether
+    // it was unregistered: UnregisterMemory waits for them (RevokeAndDrain).
+    Mutex use_mu;
+    CondVar use_cv;
+    bool revoked ABSL_GUARDED_BY(use_mu) = false;
+    std::vector<int> using_fds ABSL_GUARDED_BY(use_mu);
     int device = -1;  // the CUDA device it lies on; -1: host memory
     // Device memory with a CUDA IPC handle (cudaMalloc memory): a peer on
     // this host copies it through IPC. `ipc.offset`: the region's start in
     // its allocation.
     bool has_ipc = false;
     cuda::Driver::IpcExport ipc{};
+  };
+  // One connection's use of a region for a peer's request (see RegionEntry);
+  // ends when destroyed.
+  class RegionUse {
+   public:
+    RegionUse() = default;
+    RegionUse(std::shared_ptr<RegionEntry> entry, int fd) : entry_(std::move(entry)), fd_(fd) {}
+    RegionUse(RegionUse&& o) noexcept : entry_(std::move(o.entry_)), fd_(o.fd_) {}
+    RegionUse& operator=(RegionUse&&) = delete;
+    ~RegionUse() {
+      if (entry_ == nullptr) return;
+      MutexLock lock(&entry_->use_mu);
+      auto& fds = entry_->using_fds;
+      fds.erase(std::find(fds.begin(), fds.end(), fd_));
+      if (fds.empty()) entry_->use_cv.SignalAll();
+    }
+
+   private:
+    std::shared_ptr<RegionEntry> entry_;
+    int fd_ = -1;
   };
   // Something for a link's writer to send.
   struct Job {
@@ -498,6 +488,14 @@ class TcpTransport final : public Transport {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckRemote(const DataHeader& h, bool write, char** target, int* device = nullptr)
       ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
+  // CheckRemote, and marks connection `fd` as using the region until the
+  // returned RegionUse ends; refused once the region is unregistered.
+  absl::StatusOr<RegionUse> UseRemote(const DataHeader& h, bool write, int fd, char** target,
+                                      int* device);
+  // After a region left the tables: waits for the peers' requests moving
+  // its bytes; past a grace period it shuts their connections down (a
+  // stalled peer fails its own link, never blocks the caller for long).
+  static void RevokeAndDrain(RegionEntry& entry);
   // Requester side: an answer to one of our requests.
   absl::Status OnAnswer(Link& link, const DataHeader& h);
   void FailLink(Link& link, absl::Status first, uint64_t first_id)
@@ -528,7 +526,7 @@ class TcpTransport final : public Transport {
 
   SharedMutex regions_mu_;
   RegionId last_region_ ABSL_GUARDED_BY(regions_mu_) = 0;
-  absl::flat_hash_map<RegionId, std::unique_ptr<RegionEntry>> regions_
+  absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_
       ABSL_GUARDED_BY(regions_mu_);
   absl::flat_hash_map<RemoteKey, RegionEntry*> by_key_ ABSL_GUARDED_BY(regions_mu_);
 
@@ -625,7 +623,7 @@ absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
     }
   }
   WriterMutexLock lock(&regions_mu_);
-  auto entry = std::make_unique<RegionEntry>();
+  auto entry = std::make_shared<RegionEntry>();
   entry->device = device;
   entry->has_ipc = ipc.ok();
   if (ipc.ok()) entry->ipc = *ipc;
@@ -646,16 +644,50 @@ absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
 }
 
 absl::Status TcpTransport::UnregisterMemory(RegionId region) {
-  WriterMutexLock lock(&regions_mu_);
-  auto it = regions_.find(region);
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("unknown region ", region));
-  if (const uint64_t uses = it->second->local_uses.load(); uses != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "region ", region, " is used by ", uses, " outstanding request(s)"));
+  std::shared_ptr<RegionEntry> entry;
+  {
+    WriterMutexLock lock(&regions_mu_);
+    auto it = regions_.find(region);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("unknown region ", region));
+    if (const uint64_t uses = it->second->local_uses.load(); uses != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "region ", region, " is used by ", uses, " outstanding request(s)"));
+    }
+    by_key_.erase(it->second->region.keys[0]);
+    entry = std::move(it->second);
+    regions_.erase(it);
   }
-  by_key_.erase(it->second->region.keys[0]);
-  regions_.erase(it);
+  RevokeAndDrain(*entry);
   return absl::OkStatus();
+}
+
+void TcpTransport::RevokeAndDrain(RegionEntry& entry) {
+  constexpr absl::Duration kGrace = absl::Seconds(1);
+  MutexLock lock(&entry.use_mu);
+  entry.revoked = true;
+  if (entry.use_cv.AwaitWithDeadline(&entry.use_mu, absl::Now() + kGrace,
+                                     [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                       return entry.using_fds.empty();
+                                     })) {
+    return;
+  }
+  KVF_LOG(WARNING) << "tcp: region " << entry.region.id << " unregistered while "
+                   << entry.using_fds.size() << " peer request(s) still moved its bytes after "
+                   << absl::FormatDuration(kGrace) << ": closing their links";
+  for (int fd : entry.using_fds) ::shutdown(fd, SHUT_RDWR);
+  while (!entry.using_fds.empty()) entry.use_cv.Wait(&entry.use_mu);
+}
+
+absl::StatusOr<TcpTransport::RegionUse> TcpTransport::UseRemote(const DataHeader& h, bool write,
+                                                               int fd, char** target,
+                                                               int* device) {
+  ReaderMutexLock lock(&regions_mu_);
+  RETURN_IF_ERROR(CheckRemote(h, write, target, device));
+  const std::shared_ptr<RegionEntry>& entry = regions_.at(by_key_.at(h.rkey)->region.id);
+  MutexLock use(&entry->use_mu);
+  if (entry->revoked) return UnknownKeyError(h.rkey);
+  entry->using_fds.push_back(fd);
+  return RegionUse(entry, fd);
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
@@ -1105,25 +1137,33 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
   iovec iov[3 * kMaxJobsPerSend];
   int n = 0;
   // A READ answer sends region bytes: the region may have been unregistered
-  // since the request was checked, so check again and send while holding
-  // the lock (taken only when a READ answer is among the jobs).
-  auto gather_and_send = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
-    absl::Status refused_read;
+  // since the request was checked, so check again, and keep it registered
+  // while its bytes go out (a RegionUse; no lock is held while sending).
+  std::vector<RegionUse> uses;
+  {
     for (Job& job : jobs) {
       if (job.read_answer) {
         char* source = nullptr;
         DataHeader request = job.header;
         request.type = kReadReq;
-        absl::Status ok = CheckRemote(request, /*write=*/false, &source, &job.device);
-        if (!ok.ok()) {
-          job.header.status = static_cast<uint8_t>(ok.code());
+        absl::StatusOr<RegionUse> use =
+            UseRemote(request, /*write=*/false, link.fd.get(), &source, &job.device);
+        if (!use.ok()) {
+          job.header.status = static_cast<uint8_t>(use.status().code());
           job.header.length = 0;
-          job.text = std::string(ok.message().substr(0, kMaxErrorText));
-          refused_read = absl::AbortedError("refused a READ");  // close the connection
+          job.text = std::string(use.status().message().substr(0, kMaxErrorText));
+          job.data = nullptr;
+          job.read_answer = false;
+          job.close_after = true;  // nothing after a refusal: the connection closes
         } else {
           job.data = source;
+          uses.push_back(std::move(*use));
         }
       }
+    }
+  }
+  {
+    for (Job& job : jobs) {
       job.header.text_len = static_cast<uint32_t>(job.text.size());
       iov[n++] = {&job.header, sizeof job.header};
       if (!job.text.empty()) iov[n++] = {job.text.data(), job.text.size()};
@@ -1142,21 +1182,15 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
       } else if (job.data != nullptr && job.header.length > 0) {
         iov[n++] = {const_cast<void*>(job.data), job.header.length};
       }
-      if (!refused_read.ok() || job.close_after) {
+      if (job.close_after) {
         *close_after = job.close_after;
         break;  // nothing after a refusal: the connection closes
       }
     }
     iovec* first = iov;
     SkipBytes(first, n, skip);
-    RETURN_IF_ERROR(SendAll(link.fd.get(), first, n));
-    return refused_read;
-  };
-  bool reads = false;
-  for (const Job& job : jobs) reads = reads || job.read_answer;
-  if (!reads) return gather_and_send();
-  ReaderMutexLock lock(&regions_mu_);
-  return gather_and_send();
+    return SendAll(link.fd.get(), first, n);
+  }
 }
 
 absl::Status TcpTransport::CheckRemote(const DataHeader& h, bool write, char** target,
@@ -1183,12 +1217,18 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     if (!stream_error->ok()) return answer;
   }
   absl::Status refused;
-  if (h.length > 0) {
-    ReaderMutexLock lock(&regions_mu_);
+  // Every request, zero-length ones too, names a key this end gave out and
+  // a range inside its region.
+  {
     char* target = nullptr;
     int device = -1;
-    refused = CheckRemote(h, write, &target, &device);
-    if (refused.ok() && via_ipc) {
+    // No lock is held while the bytes cross the network: the region stays
+    // registered through `use` (UnregisterMemory waits for it).
+    absl::StatusOr<RegionUse> use = UseRemote(h, write, link.fd.get(), &target, &device);
+    refused = use.status();
+    if (h.length == 0) {
+      // Nothing to move.
+    } else if (refused.ok() && via_ipc) {
       absl::StatusOr<char*> theirs = ImportIpc(link, ipc, h.length, device);
       if (theirs.status().code() == absl::StatusCode::kInvalidArgument) {
         refused = theirs.status();  // a bad request: refused like one out of bounds

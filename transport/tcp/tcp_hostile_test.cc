@@ -1,0 +1,130 @@
+// The TCP data port against a peer that misbehaves after pairing: a peer
+// stalled in the middle of a WRITE holds no lock (others register,
+// unregister and transfer meanwhile; unregistering the region it writes
+// into ends its link within the grace period), and a zero-length request
+// must name a valid key like any other.
+#include <sys/socket.h>
+
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "net/socket.h"
+#include "transport/in_process.h"
+#include "transport/tcp/hello_acceptor.h"
+#include "transport/tcp/tcp_transport.h"
+#include "transport/tcp/wire.h"
+
+namespace kvferry {
+namespace transport {
+namespace {
+
+using tcp_wire::DataHeader;
+
+// A raw peer paired with `t` through the real handshake steps (hello, then
+// AcceptLink with its token); speaks the wire format by hand.
+net::Fd PairRawPeer(Transport& t) {
+  const std::string address = t.LocalEndpoint().nics[0].address;
+  auto hp = net::ParseHostPort(address);
+  EXPECT_TRUE(hp.ok());
+  auto fd = net::Connect(*hp, absl::Seconds(2));
+  EXPECT_TRUE(fd.ok());
+  const uint64_t token = 0x5eed5eed;
+  char hello[kHelloBytes];
+  std::memcpy(hello, &kHelloMagic, 8);
+  std::memcpy(hello + 8, &token, 8);
+  EXPECT_TRUE(net::WriteFull(fd->get(), hello, sizeof hello, absl::Now() + absl::Seconds(2)).ok());
+  auto offer = t.AcceptLink(0, NicInfo{}, tcp_wire::EncodeLinkParams(token, 0, 0));
+  EXPECT_TRUE(offer.ok()) << offer.status();
+  return std::move(*fd);
+}
+
+// True when the transport has shut `fd`'s connection down within `within`.
+bool Closed(int fd, absl::Duration within) {
+  timeval tv{static_cast<time_t>(absl::ToInt64Seconds(within)) + 1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buf[256];
+  const absl::Time deadline = absl::Now() + within;
+  while (absl::Now() < deadline) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return n == 0 || errno == ECONNRESET;
+  }
+  return false;
+}
+
+TEST(TcpHostile, APeerStalledMidWriteHoldsNoLock) {
+  TcpTransportOptions o;
+  o.in_process_shortcut = false;  // the legitimate WRITE goes over the socket too
+  auto b = CreateTcpTransport(o);
+  auto a = CreateTcpTransport(o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<char> target(1 << 20, 0), other(4096, 0), third(4096, 0), src(4096, 's');
+  auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
+  auto r2 = (*b)->RegisterMemory(other.data(), other.size(), Access::kRemoteWrite);
+  auto r3 = (*b)->RegisterMemory(third.data(), third.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(r.ok() && r2.ok() && r3.ok());
+
+  net::Fd stalled = PairRawPeer(**b);
+  DataHeader h;
+  h.type = tcp_wire::kWriteReq;
+  h.flags = tcp_wire::kAckNow;
+  h.id = 1;
+  h.remote_addr = r->addr;
+  h.rkey = r->keys[0];
+  h.length = target.size();
+  ASSERT_TRUE(net::WriteFull(stalled.get(), &h, sizeof h, absl::Now() + absl::Seconds(2)).ok());
+  ASSERT_TRUE(net::WriteFull(stalled.get(), src.data(), 1000, absl::Now() + absl::Seconds(2)).ok());
+  absl::SleepFor(absl::Milliseconds(50));  // the responder is now inside the WRITE's bytes
+
+  // Unregistering another region does not wait for the stalled peer.
+  absl::Time start = absl::Now();
+  ASSERT_TRUE((*b)->UnregisterMemory(r3->id).ok());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+
+  // A legitimate peer's WRITE completes meanwhile.
+  auto links = ConnectInProcess(**a, **b);
+  ASSERT_TRUE(links.ok()) << links.status();
+  auto rs = (*a)->RegisterMemory(src.data(), src.size(), Access::kNone);
+  ASSERT_TRUE(rs.ok());
+  WorkRequest w{Opcode::kWrite, links->first, rs->id, src.data(), src.size(), r2->addr,
+                r2->keys[0], 7};
+  ASSERT_TRUE((*a)->Post({&w, 1}).ok());
+  Completion c;
+  ASSERT_EQ((*a)->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
+  EXPECT_TRUE(c.status.ok()) << c.status;
+  EXPECT_EQ(other, src);
+
+  // Unregistering the region it writes into ends its link after the grace
+  // period instead of waiting forever.
+  start = absl::Now();
+  ASSERT_TRUE((*b)->UnregisterMemory(r->id).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_TRUE(Closed(stalled.get(), absl::Seconds(2)));
+}
+
+TEST(TcpHostile, AZeroLengthRequestMustNameAValidKey) {
+  auto b = CreateTcpTransport({});
+  ASSERT_TRUE(b.ok());
+  std::vector<char> target(4096, 0);
+  auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(r.ok());
+  net::Fd peer = PairRawPeer(**b);
+  DataHeader h;
+  h.type = tcp_wire::kWriteReq;
+  h.flags = tcp_wire::kAckNow;
+  h.id = 1;
+  h.remote_addr = r->addr;
+  h.rkey = r->keys[0] ^ 0xdead;  // a guessed key
+  h.length = 0;
+  ASSERT_TRUE(net::WriteFull(peer.get(), &h, sizeof h, absl::Now() + absl::Seconds(2)).ok());
+  DataHeader answer;
+  ASSERT_TRUE(net::ReadFull(peer.get(), &answer, sizeof answer, absl::Now() + absl::Seconds(2)).ok());
+  EXPECT_EQ(answer.type, tcp_wire::kWriteAck);
+  EXPECT_NE(answer.status, 0) << "a zero-length request with a wrong key was acknowledged";
+}
+
+}  // namespace
+}  // namespace transport
+}  // namespace kvferry
