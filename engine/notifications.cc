@@ -7,10 +7,17 @@
 namespace kvferry {
 namespace engine_internal {
 
-void Inbox::Push(Notification n) {
+absl::Status Inbox::Push(Notification n) {
   MutexLock lock(&mu_);
+  if (queue_.size() >= max_count_ || bytes_ + n.message.size() > max_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the peer's inbox is full (", queue_.size(), " notifications, ", bytes_,
+        " bytes not yet taken by its application)"));
+  }
+  bytes_ += n.message.size();
   queue_.push_back(std::move(n));
   cv_.SignalAll();
+  return absl::OkStatus();
 }
 
 std::vector<Notification> Inbox::TakeAll() {
@@ -18,6 +25,7 @@ std::vector<Notification> Inbox::TakeAll() {
   std::vector<Notification> out(std::make_move_iterator(queue_.begin()),
                                 std::make_move_iterator(queue_.end()));
   queue_.clear();
+  bytes_ = 0;
   return out;
 }
 
@@ -39,6 +47,7 @@ absl::StatusOr<Notification> Inbox::Next(absl::Duration timeout) {
   }
   Notification n = std::move(queue_.front());
   queue_.pop_front();
+  bytes_ -= n.message.size();
   return n;
 }
 

@@ -22,11 +22,20 @@ namespace engine_internal {
 using WaitFunction =
     std::function<bool(const std::function<bool()>& ready, absl::Duration timeout)>;
 
+// Bounded: a peer cannot grow it without limit while the application does
+// not take what arrives.
+inline constexpr size_t kMaxInboxNotifications = 65536;
+inline constexpr size_t kMaxInboxBytes = 64 << 20;
+
 class Inbox {
  public:
   // `wait` empty: real time on a condition variable.
-  explicit Inbox(WaitFunction wait) : wait_(std::move(wait)) {}
-  void Push(Notification n);
+  explicit Inbox(WaitFunction wait, size_t max_count = kMaxInboxNotifications,
+                 size_t max_bytes = kMaxInboxBytes)
+      : wait_(std::move(wait)), max_count_(max_count), max_bytes_(max_bytes) {}
+  // kResourceExhausted when the inbox holds max_count notifications or this
+  // one would take it past max_bytes (the sender is told).
+  absl::Status Push(Notification n);
   // Every notification so far, oldest first; empties the inbox.
   std::vector<Notification> TakeAll();
   // The oldest notification, waiting up to `timeout` for one.
@@ -34,9 +43,11 @@ class Inbox {
 
  private:
   const WaitFunction wait_;
+  const size_t max_count_, max_bytes_;
   Mutex mu_;
   CondVar cv_;
   std::deque<Notification> queue_ ABSL_GUARDED_BY(mu_);
+  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class MetadataStore {

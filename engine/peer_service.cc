@@ -56,7 +56,10 @@ Frame PeerService::Notify(const Frame& request) {
         "what the notification is about went to its predecessor)",
         n->target_engine_id, engine_id_)));
   }
-  inbox_->Push(Notification{n->engine_id, std::move(n->payload)});
+  if (absl::Status pushed = inbox_->Push(Notification{n->engine_id, std::move(n->payload)});
+      !pushed.ok()) {
+    return ErrorFrame(pushed);
+  }
   return Frame{MessageType::kNotifyAck, ""};
 }
 

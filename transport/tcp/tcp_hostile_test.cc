@@ -125,6 +125,43 @@ TEST(TcpHostile, AZeroLengthRequestMustNameAValidKey) {
   EXPECT_NE(answer.status, 0) << "a zero-length request with a wrong key was acknowledged";
 }
 
+// A peer that sends requests and never reads the answers loses its link
+// once more answers wait than a legitimate peer could leave unanswered;
+// the responder does not queue them without bound.
+TEST(TcpHostile, APeerThatNeverReadsItsAnswersIsDropped) {
+  TcpTransportOptions o;
+  o.max_outstanding_per_link = 16;
+  auto b = CreateTcpTransport(o);
+  ASSERT_TRUE(b.ok());
+  std::vector<char> target(4096, 0);
+  auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(r.ok());
+  net::Fd peer = PairRawPeer(**b);
+  const int small = 4096;
+  ::setsockopt(peer.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+  DataHeader h;
+  h.type = tcp_wire::kWriteReq;
+  h.flags = tcp_wire::kAckNow;
+  h.remote_addr = r->addr;
+  h.rkey = r->keys[0];
+  h.length = 0;
+  std::vector<DataHeader> burst(1024, h);
+  bool dropped = false;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (uint64_t id = 1; !dropped && absl::Now() < deadline;) {
+    for (auto& each : burst) each.id = id++;
+    const ssize_t n = ::send(peer.get(), burst.data(), burst.size() * sizeof h,
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) dropped = true;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      // The responder stopped reading: wait to see whether it drops us.
+      dropped = Closed(peer.get(), absl::Seconds(3));
+      break;
+    }
+  }
+  EXPECT_TRUE(dropped) << "the responder kept the link of a peer that reads no answers";
+}
+
 }  // namespace
 }  // namespace transport
 }  // namespace kvferry

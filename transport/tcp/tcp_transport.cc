@@ -59,6 +59,9 @@ constexpr uint64_t kInlineSendBytes = 16 << 10;
 // Post on the link (kAckNow), and at most this many requests or bytes.
 constexpr uint64_t kMaxAckRun = 32;
 constexpr uint64_t kMaxAckRunBytes = 1 << 20;
+// Answers a responder queues for one link before it drops a peer that does
+// not read them, in units of max_outstanding_per_link.
+constexpr uint32_t kAnswerQueueFactor = 2;
 
 // The requester's device memory of a kViaIpc request: its allocation's IPC
 // handle and the offset of the request's bytes in it.
@@ -388,6 +391,7 @@ class TcpTransport final : public Transport {
     bool writer_busy = false;
     bool passive = false;      // made by AcceptLink
     bool reader_done = false;  // the reader thread has returned
+    uint32_t queued_answers = 0;  // answers in `jobs` (reader and writer, under mu_)
     CondVar cv;  // jobs arrived / stopping / writer idle
     ThreadCache::Task reader;
     ThreadCache::Task writer;
@@ -1108,6 +1112,7 @@ void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
         link->inline_rest = false;
       }
       jobs.swap(link->jobs);  // everything queued
+      link->queued_answers = 0;
       link->writer_busy = true;
     }
     bool close_after = false;
@@ -1396,6 +1401,16 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   auto queue = [&](Job job) {
     MutexLock lock(&mu_);
     if (link->stopping) return false;
+    // A peer keeps at most its max_outstanding_per_link requests unanswered,
+    // so a legitimate one never has more answers waiting here than that
+    // (plus what the writer is sending). One that sends on without reading
+    // its answers would grow this queue without bound: it loses the link.
+    if (++link->queued_answers > kAnswerQueueFactor * options_.max_outstanding_per_link) {
+      error = absl::ResourceExhaustedError(absl::StrCat(
+          "the peer sent more than ", kAnswerQueueFactor * options_.max_outstanding_per_link,
+          " requests without reading their answers"));
+      return false;
+    }
     if (link->jobs.empty()) link->jobs_from = 0;  // not a Post's
     link->jobs.push_back(std::move(job));
     link->cv.SignalAll();
