@@ -3,7 +3,9 @@
 //   peer_main --port=P [--bytes=N] [--secret_env]
 // Serves a zeroed buffer of N bytes over TCP on 127.0.0.1:P (P=0: any free
 // port), publishes "buffer" = "<address> <length>" as metadata, prints
-// "READY <host:port>" and waits to be killed.
+// "READY <host:port>" and waits to be killed. Raises its
+// descriptor limit to the hard limit (attack tests open many connections).
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -21,6 +23,11 @@ ABSL_FLAG(uint64_t, bytes, 1 << 20, "bytes of registered memory");
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   kvferry::SetLogThreshold(kvferry::LogSeverity::kWarning);
+  rlimit files;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    (void)setrlimit(RLIMIT_NOFILE, &files);
+  }
   kvferry::EngineOptions o;
   o.local_host = "127.0.0.1";
   o.transport = "tcp";

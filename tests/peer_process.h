@@ -72,7 +72,9 @@ class PeerProcess {
   }
 
   PeerProcess() = default;
-  PeerProcess(PeerProcess&& o) noexcept : pid_(o.pid_), address_(std::move(o.address_)) { o.pid_ = 0; }
+  PeerProcess(PeerProcess&& o) noexcept : pid_(o.pid_), address_(std::move(o.address_)) {
+    o.pid_ = 0;
+  }
   PeerProcess& operator=(PeerProcess&& o) noexcept {
     Kill();
     pid_ = o.pid_;
@@ -83,6 +85,7 @@ class PeerProcess {
   ~PeerProcess() { Kill(); }
 
   const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
   uint16_t port() const {
     uint32_t p = 0;
     (void)absl::SimpleAtoi(address_.substr(address_.rfind(':') + 1), &p);
