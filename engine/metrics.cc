@@ -159,6 +159,11 @@ void WriteEngineCounters(Writer& w, const EngineMetrics& m) {
     w.Family(engine_counters[i].first, "counter", helps[i]);
     w.Sample(engine_counters[i].first, "", engine_counters[i].second);
   }
+  w.Family("kvferry_refused_input_total", "counter",
+           "Network input refused or cut off (connections, frames, requests), by reason.");
+  for (const auto& [reason, count] : m.refused_input) {
+    w.Sample("kvferry_refused_input_total", Label("reason", reason), count);
+  }
 }
 
 }  // namespace

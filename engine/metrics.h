@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -67,6 +68,9 @@ struct EngineMetrics {
   uint64_t link_failovers = 0;
   uint64_t probes = 0;
   uint64_t probes_failed = 0;
+  // Network input refused or cut off, by reason (docs/security.md): the
+  // handshake server's and the transports' counts.
+  std::vector<std::pair<std::string, uint64_t>> refused_input;
 };
 
 // The Prometheus text exposition format (version 0.0.4) of `m`; `engine`

@@ -162,6 +162,23 @@ TEST(Metrics, EndpointIsLoopbackByDefaultAndServesClientsConcurrently) {
   const std::string text = Get((*a)->metrics_address(), "/metrics");
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
   EXPECT_TRUE(absl::StartsWith(text, "HTTP/1.1 200 OK")) << text.substr(0, 64);
+  // Refused network input is counted: a bad frame at the handshake port.
+  {
+    auto hs = net::ParseHostPort((*a)->address());
+    ASSERT_TRUE(hs.ok());
+    auto fd = net::Connect(*hs, absl::Seconds(5));
+    ASSERT_TRUE(fd.ok());
+    ASSERT_EQ(::send(fd->get(), "GARBAGE!", 8, MSG_NOSIGNAL), 8);
+    char c;
+    timeval tv{5, 0};
+    ::setsockopt(fd->get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    while (::recv(fd->get(), &c, 1, 0) > 0) {
+    }
+  }
+  const std::string after = Get((*a)->metrics_address(), "/metrics");
+  EXPECT_EQ(Sample(after, absl::StrCat("kvferry_refused_input_total{engine=\"", (*a)->address(),
+                                       "\",reason=\"handshake_frame_refused\"}")),
+            1);
   // The stalled ones are closed by the server within its request time.
   char c;
   for (auto& fd : stalled) {

@@ -210,6 +210,10 @@ class TransferEngine::Impl {
     m.link_failovers = c.link_failovers;
     m.probes = c.probes;
     m.probes_failed = c.probes_failed;
+    if (server_ != nullptr) m.refused_input = server_->RefusedInput();
+    for (transport::Transport* t : Transports()) {
+      for (auto& entry : t->RefusedInput()) m.refused_input.push_back(std::move(entry));
+    }
     return m;
   }
   EngineCounters GetCounters() const {

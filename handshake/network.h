@@ -8,6 +8,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -31,6 +33,9 @@ class Server {
   virtual ~Server() = default;
   // "host:port" as peers should name it.
   virtual std::string address() const = 0;
+  // Connections and requests refused or cut off so far, by reason (for
+  // metrics). Empty where nothing is counted.
+  virtual std::vector<std::pair<std::string, uint64_t>> RefusedInput() const { return {}; }
 };
 
 struct ServeOptions {

@@ -341,6 +341,14 @@ TcpServer::~TcpServer() {
 
 std::string TcpServer::address() const { return state_->address; }
 
+std::vector<std::pair<std::string, uint64_t>> TcpServer::RefusedInput() const {
+  const TcpServerStats s = stats();
+  return {{"handshake_connection_evicted", s.evicted},
+          {"handshake_frame_refused", s.refused_frames},
+          {"handshake_connection_reaped", s.reaped},
+          {"handshake_accept_paused", s.accept_pauses}};
+}
+
 TcpServerStats TcpServer::stats() const {
   TcpServerStats s;
   s.accepted = state_->accepted;

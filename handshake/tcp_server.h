@@ -57,6 +57,7 @@ class TcpServer : public Server {
   ~TcpServer() override;
   std::string address() const override;
   TcpServerStats stats() const;
+  std::vector<std::pair<std::string, uint64_t>> RefusedInput() const override;
 
  private:
   struct State;

@@ -235,6 +235,9 @@ class Transport {
     (void)notify;
     return false;
   }
+  // Input from the network this transport refused or cut off so far, by
+  // reason (for metrics; docs/security.md). Empty where nothing is counted.
+  virtual std::vector<std::pair<std::string, uint64_t>> RefusedInput() const { return {}; }
 
  protected:
   Transport() = default;

@@ -312,6 +312,16 @@ class TcpTransport final : public Transport {
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  std::vector<std::pair<std::string, uint64_t>> RefusedInput() const override {
+    const HelloAcceptorStats s = acceptor_->stats();
+    return {{"data_connection_bad_hello", s.bad_hellos},
+            {"data_connection_duplicate_token", s.duplicate_tokens},
+            {"data_connection_evicted", s.evicted},
+            {"data_connection_expired", s.expired},
+            {"data_accept_paused", s.accept_pauses},
+            {"data_request_refused", refused_requests_.load()},
+            {"data_peer_dropped_unread_answers", dropped_readers_.load()}};
+  }
   bool SetCompletionNotifier(std::function<void()> notify) override {
     MutexLock lock(&mu_);
     notify_ = std::move(notify);
@@ -522,6 +532,8 @@ class TcpTransport final : public Transport {
   net::ListeningSocket listener_;
   std::string advertised_;
   std::unique_ptr<HelloAcceptor> acceptor_;
+  std::atomic<uint64_t> refused_requests_{0};  // out of bounds, bad key, no right
+  std::atomic<uint64_t> dropped_readers_{0};   // peers that read none of their answers
   // Link readers and writers; declared before the links so that it is
   // destroyed after they are stopped.
   ThreadCache threads_{"tcp link", 16};
@@ -1255,6 +1267,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     }
   }
   if (!refused.ok()) {
+    ++refused_requests_;
     if (write && !via_ipc) *stream_error = Drain(link.fd.get(), h.length);
     answer.header.status = static_cast<uint8_t>(refused.code());
     answer.text = std::string(refused.message().substr(0, kMaxErrorText));
@@ -1406,6 +1419,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     // (plus what the writer is sending). One that sends on without reading
     // its answers would grow this queue without bound: it loses the link.
     if (++link->queued_answers > kAnswerQueueFactor * options_.max_outstanding_per_link) {
+      ++dropped_readers_;
       error = absl::ResourceExhaustedError(absl::StrCat(
           "the peer sent more than ", kAnswerQueueFactor * options_.max_outstanding_per_link,
           " requests without reading their answers"));
