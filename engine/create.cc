@@ -13,6 +13,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "engine/engine_options.h"
+#include "engine/secret.h"
 #include "engine/transfer_engine.h"
 #include "handshake/tcp_network.h"
 #include "net/interfaces.h"
@@ -127,6 +128,8 @@ absl::StatusOr<Decision> Detect(const EngineOptions& options) {
 
 absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOptions options) {
   RETURN_IF_ERROR(engine_internal::CheckOptions(options));
+  // The data connections prove the secret too (TcpTransportOptions::secret).
+  ASSIGN_OR_RETURN(options.secret, engine_internal::ResolveSecret(options.secret));
   ASSIGN_OR_RETURN(Decision decision, Detect(options));
   Detection& d = decision.detection;
   KVF_LOG(INFO) << "advertising " << d.host << " (" << d.host_reason << ")";
@@ -136,6 +139,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOpt
     t.bind_host = d.bind_host;
     t.advertise_host = d.host;
     t.connect_timeout = options.connect_timeout;
+    t.secret = options.secret;
     return transport::CreateTcpTransport(t);
   };
   EngineParts parts;

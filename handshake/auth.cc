@@ -1,8 +1,5 @@
 #include "handshake/auth.h"
 
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <openssl/rand.h>
 
 #include <deque>
@@ -65,10 +62,6 @@ std::string Tag(absl::string_view secret, absl::string_view label, const Authent
   return HmacSha256(secret, data);
 }
 
-bool SameTag(absl::string_view a, absl::string_view b) {
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
-}
-
 std::string OpenSslRandom(size_t n) {
   std::string out(n, '\0');
   if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1) {
@@ -78,14 +71,6 @@ std::string OpenSslRandom(size_t n) {
 }
 
 }  // namespace
-
-std::string HmacSha256(absl::string_view key, absl::string_view data) {
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-       reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &len);
-  return std::string(reinterpret_cast<const char*>(out), len);
-}
 
 struct AuthenticatedNetwork::State {
   AuthOptions options;

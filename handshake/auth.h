@@ -28,6 +28,7 @@
 
 #include "absl/time/time.h"
 #include "base/clock.h"
+#include "base/hmac.h"
 #include "handshake/network.h"
 
 namespace kvferry {
@@ -66,8 +67,8 @@ class AuthenticatedNetwork : public Network {
   std::shared_ptr<State> state_;
 };
 
-// HMAC-SHA256 of `data` under `key` (32 bytes). Exposed for tests.
-std::string HmacSha256(absl::string_view key, absl::string_view data);
+// HMAC-SHA256 of `data` under `key` (32 bytes; base/hmac.h).
+using ::kvferry::HmacSha256;
 
 }  // namespace handshake
 }  // namespace kvferry

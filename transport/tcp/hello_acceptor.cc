@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/hmac.h"
 #include "base/log_limiter.h"
 #include "base/logging.h"
 #include "base/mutex.h"
@@ -21,13 +22,28 @@ namespace transport {
 
 namespace {
 constexpr absl::Duration kSweepEvery = absl::Milliseconds(250);
+
+std::string HelloTag(uint64_t token, const std::string& secret) {
+  char bytes[8];
+  std::memcpy(bytes, &token, 8);
+  return HmacSha256(secret, absl::StrCat("kvferry-data-hello", absl::string_view(bytes, 8)));
+}
 }  // namespace
+
+std::string EncodeHello(uint64_t token, const std::string& secret) {
+  const uint64_t magic = secret.empty() ? kHelloMagic : kAuthHelloMagic;
+  std::string hello(16, '\0');
+  std::memcpy(&hello[0], &magic, 8);
+  std::memcpy(&hello[8], &token, 8);
+  if (!secret.empty()) hello += HelloTag(token, secret);
+  return hello;
+}
 
 struct HelloAcceptor::State {
   // A connection that has not said hello yet (loop thread only).
   struct Arriving {
     net::Fd fd;
-    char hello[kHelloBytes];
+    char hello[kAuthHelloBytes];
     size_t got = 0;
     absl::Time arrived;
   };
@@ -111,7 +127,9 @@ void HelloAcceptor::State::OnReadable(int fd) {
   auto it = arriving.find(fd);
   if (it == arriving.end()) return;
   Arriving& a = it->second;
-  const ssize_t n = ::recv(fd, a.hello + a.got, kHelloBytes - a.got, 0);
+  // The plain hello's 16 bytes first; an authenticated one has 32 more.
+  const size_t want = options.secret.empty() ? kHelloBytes : kAuthHelloBytes;
+  const ssize_t n = ::recv(fd, a.hello + a.got, want - a.got, 0);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
   if (n <= 0) {
     ++bad;
@@ -119,13 +137,26 @@ void HelloAcceptor::State::OnReadable(int fd) {
     return;
   }
   a.got += n;
-  if (a.got < kHelloBytes) return;
-  uint64_t magic, token;
-  std::memcpy(&magic, a.hello, 8);
-  std::memcpy(&token, a.hello + 8, 8);
-  if (magic != kHelloMagic) {
+  uint64_t magic = 0, token = 0;
+  if (a.got >= kHelloBytes) {
+    std::memcpy(&magic, a.hello, 8);
+    std::memcpy(&token, a.hello + 8, 8);
+  }
+  const uint64_t expected = options.secret.empty() ? kHelloMagic : kAuthHelloMagic;
+  if (a.got >= kHelloBytes && magic != expected) {
     ++bad;
-    Warn("dropped a data connection without a valid hello");
+    Warn(magic == kHelloMagic || magic == kAuthHelloMagic
+             ? "dropped a data connection: its hello is authenticated where this engine has no "
+               "secret, or plain where it has one (give every engine the same secret)"
+             : "dropped a data connection without a valid hello");
+    Drop(fd);
+    return;
+  }
+  if (a.got < want) return;
+  if (!options.secret.empty() &&
+      !SameTag(absl::string_view(a.hello + kHelloBytes, 32), HelloTag(token, options.secret))) {
+    ++bad;
+    Warn("dropped a data connection whose hello does not prove the secret");
     Drop(fd);
     return;
   }

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -27,8 +28,19 @@ namespace transport {
 
 inline constexpr uint64_t kHelloMagic = 0x32305043'5446564bULL;  // "KVFTCP02"
 inline constexpr size_t kHelloBytes = 16;
+// With a secret: magic, token, then HMAC-SHA256(secret, "kvferry-data-hello"
+// token): only a holder of the secret can open a data connection for the
+// token an authenticated handshake carries.
+inline constexpr uint64_t kAuthHelloMagic = 0x33305043'5446564bULL;  // "KVFTCP03"
+inline constexpr size_t kAuthHelloBytes = 48;
+
+// The hello a link's connection opens with: plain without a secret.
+std::string EncodeHello(uint64_t token, const std::string& secret);
 
 struct HelloAcceptorOptions {
+  // Non-empty: only authenticated hellos (kAuthHelloMagic, a valid tag) are
+  // accepted; empty: only plain ones.
+  std::string secret;
   size_t max_pending = 256;
   absl::Duration hello_timeout = absl::Seconds(2);
   absl::Duration claim_timeout = absl::Seconds(30);

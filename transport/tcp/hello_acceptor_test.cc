@@ -142,6 +142,38 @@ TEST(HelloAcceptorTest, AWrongMagicIsDropped) {
   EXPECT_EQ(p.acceptor->stats().bad_hellos, 1u);
 }
 
+// With a secret, a connection must prove it: a plain hello, a wrong tag or
+// another secret's tag is dropped; the right one is claimed.
+TEST(HelloAcceptorTest, WithASecretOnlyAuthenticatedHellosAreAccepted) {
+  HelloAcceptorOptions o;
+  o.secret = "0123456789abcdef-secret";
+  Port p = Open(o);
+  net::Fd plain = Dial(p);
+  SayHello(plain.get(), 1);
+  EXPECT_TRUE(Closed(plain.get(), absl::Seconds(2)));
+  for (const std::string& secret : {std::string("another-secret-0123456789"), o.secret}) {
+    net::Fd fd = Dial(p);
+    const std::string hello = EncodeHello(2, secret);
+    ASSERT_EQ(hello.size(), kAuthHelloBytes);
+    ASSERT_TRUE(net::WriteFull(fd.get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2))
+                    .ok());
+    if (secret != o.secret) {
+      EXPECT_TRUE(Closed(fd.get(), absl::Seconds(2)));
+      EXPECT_FALSE(p.acceptor->Claim(2, absl::Now() + absl::Milliseconds(50)).ok());
+    } else {
+      EXPECT_TRUE(p.acceptor->Claim(2, absl::Now() + absl::Seconds(2)).ok());
+    }
+  }
+  EXPECT_EQ(p.acceptor->stats().bad_hellos, 2u);
+  // Without a secret, an authenticated hello is refused as well.
+  Port plain_port = Open({});
+  net::Fd fd = Dial(plain_port);
+  const std::string hello = EncodeHello(3, o.secret);
+  ASSERT_TRUE(
+      net::WriteFull(fd.get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2)).ok());
+  EXPECT_TRUE(Closed(fd.get(), absl::Seconds(2)));
+}
+
 }  // namespace
 }  // namespace transport
 }  // namespace kvferry

@@ -576,7 +576,9 @@ absl::Status TcpTransport::Start() {
     } while (key_ == 0 || r.by_key.contains(key_));
     r.by_key[key_] = Registry::Entry{this, ::getpid()};
   }
-  ASSIGN_OR_RETURN(acceptor_, HelloAcceptor::Start(listener_.fd.get(), {}));
+  HelloAcceptorOptions hello;
+  hello.secret = options_.secret;
+  ASSIGN_OR_RETURN(acceptor_, HelloAcceptor::Start(listener_.fd.get(), hello));
   // A new peer's first links take warm threads instead of starting four.
   threads_.Prestart(options_.warm_threads);
   KVF_LOG(DEBUG) << "tcp transport listening on " << listener_.address.ToString()
@@ -720,10 +722,8 @@ absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
   RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
   RETURN_IF_ERROR(net::SetKeepAlive(fd.get(), options_.dead_peer_timeout));
   const uint64_t token = net::RandomU64();
-  char hello[kHelloBytes];
-  std::memcpy(hello, &kHelloMagic, 8);
-  std::memcpy(hello + 8, &token, 8);
-  RETURN_IF_ERROR(net::WriteFull(fd.get(), hello, kHelloBytes,
+  const std::string hello = EncodeHello(token, options_.secret);
+  RETURN_IF_ERROR(net::WriteFull(fd.get(), hello.data(), hello.size(),
                                  absl::Now() + options_.connect_timeout));
   auto link = std::make_shared<Link>();
   link->fd = std::move(fd);

@@ -42,6 +42,40 @@ TEST(TcpTransport, PeersThatReconnectOftenLeakNoSockets) {
   EXPECT_LT(OpenFds() - before, 6);
 }
 
+// With a secret the data connections prove it: transports with the same
+// secret link and move bytes; with different secrets the link is refused.
+TEST(TcpTransport, DataConnectionsProveTheSecret) {
+  TcpTransportOptions o;
+  o.in_process_shortcut = false;
+  o.connect_timeout = absl::Milliseconds(500);
+  o.secret = "the-same-secret-0123456789";
+  auto a = CreateTcpTransport(o);
+  auto b = CreateTcpTransport(o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto links = ConnectInProcess(**a, **b);
+  ASSERT_TRUE(links.ok()) << links.status();
+  std::vector<char> src(4096, 's'), dst(4096, 0);
+  auto rs = (*a)->RegisterMemory(src.data(), src.size(), Access::kNone);
+  auto rd = (*b)->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(rs.ok() && rd.ok());
+  WorkRequest w{Opcode::kWrite, links->first, rs->id, src.data(), 4096, rd->addr, rd->keys[0], 1};
+  ASSERT_TRUE((*a)->Post({&w, 1}).ok());
+  Completion c;
+  ASSERT_EQ((*a)->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
+  EXPECT_TRUE(c.status.ok()) << c.status;
+  EXPECT_EQ(src, dst);
+  TcpTransportOptions other = o;
+  other.secret = "a-different-secret-0123456";
+  auto stranger = CreateTcpTransport(other);
+  ASSERT_TRUE(stranger.ok());
+  EXPECT_FALSE(ConnectInProcess(**stranger, **b).ok());
+  TcpTransportOptions none = o;
+  none.secret.clear();
+  auto plain = CreateTcpTransport(none);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(ConnectInProcess(**plain, **b).ok());
+}
+
 // Between two transports of this process the bytes are copied inside Post:
 // the completion is there when Post returns, with no socket round trip.
 // Without the shortcut the same request needs the peer's answer.
