@@ -1,6 +1,9 @@
 #include "handshake/auth.h"
 
+#include <openssl/evp.h>
 #include <openssl/rand.h>
+
+#include <cstring>
 
 #include <deque>
 #include <utility>
@@ -60,6 +63,65 @@ std::string Tag(absl::string_view secret, absl::string_view label, const Authent
   w.U8(f.type);
   w.Bytes(f.payload);
   return HmacSha256(secret, data);
+}
+
+// The payloads are encrypted (AES-256-GCM) under a key of their own for
+// each message: HMAC(secret, label, server nonce, client nonce), where the
+// nonces are fresh for every exchange; so the IV can be fixed. The message
+// type is authenticated data. Sealed: ciphertext, then the 16-byte GCM tag.
+constexpr size_t kGcmTagBytes = 16;
+
+std::string PayloadKey(absl::string_view secret, absl::string_view label,
+                       const AuthenticatedFrame& f) {
+  std::string data;
+  Writer w(&data);
+  w.Bytes(label);
+  w.Bytes(f.server_nonce);
+  w.Bytes(f.client_nonce);
+  return HmacSha256(secret, data);
+}
+
+std::string Seal(absl::string_view key, uint8_t type, absl::string_view plain) {
+  std::string out(plain.size() + kGcmTagBytes, '\0');
+  const unsigned char iv[12] = {};
+  auto* out_bytes = reinterpret_cast<unsigned char*>(out.data());
+  int len = 0;
+  EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+  const bool ok =
+      ctx != nullptr &&
+      EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr,
+                         reinterpret_cast<const unsigned char*>(key.data()), iv) == 1 &&
+      EVP_EncryptUpdate(ctx, nullptr, &len, &type, 1) == 1 &&
+      EVP_EncryptUpdate(ctx, out_bytes, &len, reinterpret_cast<const unsigned char*>(plain.data()),
+                        static_cast<int>(plain.size())) == 1 &&
+      EVP_EncryptFinal_ex(ctx, out_bytes + len, &len) == 1 &&
+      EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, kGcmTagBytes, out_bytes + plain.size()) == 1;
+  EVP_CIPHER_CTX_free(ctx);
+  return ok ? out : std::string();
+}
+
+absl::StatusOr<std::string> Unseal(absl::string_view key, uint8_t type, absl::string_view sealed) {
+  if (sealed.size() < kGcmTagBytes) return absl::DataLossError("sealed payload too short");
+  const size_t n = sealed.size() - kGcmTagBytes;
+  std::string out(n, '\0');
+  const unsigned char iv[12] = {};
+  int len = 0;
+  unsigned char tag[kGcmTagBytes];
+  std::memcpy(tag, sealed.data() + n, kGcmTagBytes);
+  EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+  const bool ok =
+      ctx != nullptr &&
+      EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr,
+                         reinterpret_cast<const unsigned char*>(key.data()), iv) == 1 &&
+      EVP_DecryptUpdate(ctx, nullptr, &len, &type, 1) == 1 &&
+      EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(out.data()), &len,
+                        reinterpret_cast<const unsigned char*>(sealed.data()),
+                        static_cast<int>(n)) == 1 &&
+      EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, kGcmTagBytes, tag) == 1 &&
+      EVP_DecryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(out.data()) + len, &len) == 1;
+  EVP_CIPHER_CTX_free(ctx);
+  if (!ok) return absl::DataLossError("sealed payload does not open");
+  return out;
 }
 
 std::string OpenSslRandom(size_t n) {
@@ -144,13 +206,15 @@ struct AuthenticatedNetwork::State {
     if (!f.ok()) return Reject("malformed");
     if (!SameTag(f->tag, Tag(options.secret, "kvferry-req", *f))) return Reject("bad tag");
     if (!Consume(f->server_nonce)) return Reject("unknown, expired or reused challenge");
-    const Frame reply =
-        handler(Frame{static_cast<MessageType>(f->type), std::move(f->payload)});
+    absl::StatusOr<std::string> plain =
+        Unseal(PayloadKey(options.secret, "kvferry-enc-req", *f), f->type, f->payload);
+    if (!plain.ok()) return Reject("payload does not decrypt");
+    const Frame reply = handler(Frame{static_cast<MessageType>(f->type), std::move(*plain)});
     AuthenticatedFrame out;
     out.server_nonce = std::move(f->server_nonce);
     out.client_nonce = std::move(f->client_nonce);
     out.type = static_cast<uint8_t>(reply.type);
-    out.payload = reply.payload;
+    out.payload = Seal(PayloadKey(options.secret, "kvferry-enc-rep", out), out.type, reply.payload);
     out.tag = Tag(options.secret, "kvferry-rep", out);
     return Frame{MessageType::kAuthenticatedReply, Encode(out)};
   }
@@ -202,7 +266,9 @@ absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const 
   f.client_nonce = state_->options.random(kNonceBytes);
   if (f.client_nonce.size() != kNonceBytes) return absl::InternalError("no random bytes");
   f.type = static_cast<uint8_t>(request.type);
-  f.payload = request.payload;
+  f.payload = Seal(PayloadKey(state_->options.secret, "kvferry-enc-req", f), f.type,
+                   request.payload);
+  if (f.payload.empty()) return absl::InternalError("cannot encrypt a handshake request");
   f.tag = Tag(state_->options.secret, "kvferry-req", f);
   ASSIGN_OR_RETURN(Frame reply,
                    inner_->Call(peer, Frame{MessageType::kAuthenticated, Encode(f)},
@@ -216,10 +282,14 @@ absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const 
     return absl::UnauthenticatedError(absl::StrCat(
         "peer ", peer, " did not prove it holds the handshake secret; reply ignored"));
   }
-  if (static_cast<MessageType>(got->type) == MessageType::kError) {
-    return DecodeError(got->payload);
+  absl::StatusOr<std::string> plain =
+      Unseal(PayloadKey(state_->options.secret, "kvferry-enc-rep", *got), got->type, got->payload);
+  if (!plain.ok()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("peer ", peer, ": the reply does not decrypt; reply ignored"));
   }
-  return Frame{static_cast<MessageType>(got->type), std::move(got->payload)};
+  if (static_cast<MessageType>(got->type) == MessageType::kError) return DecodeError(*plain);
+  return Frame{static_cast<MessageType>(got->type), std::move(*plain)};
 }
 
 }  // namespace handshake

@@ -1,14 +1,18 @@
 // An optional pre-shared secret for the handshake: a Network decorator that
-// authenticates every request and every reply with HMAC-SHA256 (OpenSSL's
-// libcrypto), so an engine gives no descriptor, no keys, no link and takes
-// no notification from anyone who does not hold the secret.
+// authenticates every request and every reply with HMAC-SHA256 and encrypts
+// their payloads with AES-256-GCM (OpenSSL's libcrypto), so an engine gives
+// no descriptor, no keys, no link and takes no notification from anyone who
+// does not hold the secret, and no one on the wire reads what they carry.
 //
 // Each call is a challenge-response:
 //   client -> kChallenge                      server -> kChallengeReply{nonce_s}
-//   client -> kAuthenticated{nonce_s, nonce_c, type, payload,
-//             HMAC(secret, "kvferry-req" nonce_s nonce_c type payload)}
-//   server -> kAuthenticatedReply{nonce_s, nonce_c, type, payload,
-//             HMAC(secret, "kvferry-rep" nonce_s nonce_c type payload)}
+//   client -> kAuthenticated{nonce_s, nonce_c, type, sealed,
+//             HMAC(secret, "kvferry-req" nonce_s nonce_c type sealed)}
+//   server -> kAuthenticatedReply{nonce_s, nonce_c, type, sealed,
+//             HMAC(secret, "kvferry-rep" nonce_s nonce_c type sealed)}
+// where `sealed` is the payload under AES-256-GCM with the key
+// HMAC(secret, "kvferry-enc-req"/"kvferry-enc-rep" nonce_s nonce_c): a key
+// for each message, derived from the secret and the exchange's nonces.
 // A server nonce is good once and for `challenge_ttl`. The server keeps no
 // state per challenge (a nonce carries its expiry and a MAC of it under the
 // secret), so a flood of challenges cannot evict a client's nonce; it

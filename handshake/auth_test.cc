@@ -166,6 +166,44 @@ TEST(Auth, AFloodOfChallengesCannotEvictAClientsNonce) {
   EXPECT_EQ(flood->floods, 10000);
 }
 
+// Payloads cross the network encrypted: what is on the wire, either way,
+// contains neither the request's nor the reply's bytes.
+TEST(Auth, PayloadsAreEncryptedOnTheWire) {
+  auto server_net = Auth();
+  ASSERT_TRUE(server_net.ok());
+  auto server = (*server_net)->Serve(Loopback(), [](const Frame& f) {
+    return Frame{MessageType::kProbeReply, f.payload + "|reply-marker-9f3a"};
+  });
+  ASSERT_TRUE(server.ok());
+  struct Wiretap : Network {
+    std::unique_ptr<Network> inner = NewTcpNetwork();
+    std::string seen;
+    absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler) override {
+      return absl::UnimplementedError("client only");
+    }
+    absl::StatusOr<Frame> Call(const std::string& peer, const Frame& f,
+                               absl::Duration timeout) override {
+      seen += f.payload;
+      auto reply = inner->Call(peer, f, timeout);
+      if (reply.ok()) seen += reply->payload;
+      return reply;
+    }
+  };
+  auto tap = std::make_unique<Wiretap>();
+  Wiretap* wire = tap.get();
+  AuthOptions o;
+  o.secret = kSecret;
+  auto client = AuthenticatedNetwork::Create(std::move(tap), o);
+  ASSERT_TRUE(client.ok());
+  auto reply = (*client)->Call((*server)->address(),
+                               Frame{MessageType::kProbe, "request-marker-51c2"}, absl::Seconds(5));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->payload, "request-marker-51c2|reply-marker-9f3a");
+  EXPECT_EQ(wire->seen.find("request-marker"), std::string::npos);
+  EXPECT_EQ(wire->seen.find("reply-marker"), std::string::npos);
+  EXPECT_GT(wire->seen.size(), 40u);
+}
+
 TEST(Auth, AClientNeverAcceptsAnUnauthenticatedServer) {
   // A server without the secret that answers challenges anyway.
   auto server = NewTcpNetwork()->Serve(Loopback(), [](const Frame& f) {
