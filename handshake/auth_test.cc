@@ -3,9 +3,13 @@
 // never accepts an unauthenticated reply.
 #include "handshake/auth.h"
 
+#include <atomic>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "base/logging.h"
 #include "gtest/gtest.h"
 #include "handshake/tcp_network.h"
 
@@ -202,6 +206,28 @@ TEST(Auth, PayloadsAreEncryptedOnTheWire) {
   EXPECT_EQ(wire->seen.find("request-marker"), std::string::npos);
   EXPECT_EQ(wire->seen.find("reply-marker"), std::string::npos);
   EXPECT_GT(wire->seen.size(), 40u);
+}
+
+// A flood of refused requests is counted in full but logged a line a
+// second at most, not a line per request.
+TEST(Auth, RefusalsAreCountedButTheirLogIsRateLimited) {
+  auto server_net = Auth();
+  ASSERT_TRUE(server_net.ok());
+  auto server = (*server_net)->Serve(Loopback(), [](const Frame& f) { return f; });
+  ASSERT_TRUE(server.ok());
+  std::atomic<int> lines{0};
+  SetLogSink([&](LogSeverity severity, absl::string_view text) {
+    if (severity == LogSeverity::kWarning && absl::StrContains(text, "refused")) ++lines;
+  });
+  auto plain = NewTcpNetwork();
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 2000; ++i) {
+    (void)plain->Call((*server)->address(), Frame{MessageType::kDescribe, ""}, absl::Seconds(5));
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  SetLogSink(nullptr);
+  EXPECT_EQ((*server_net)->rejected(), 2000u);
+  EXPECT_LE(lines.load(), static_cast<int>(seconds) + 2);
 }
 
 TEST(Auth, AClientNeverAcceptsAnUnauthenticatedServer) {
