@@ -162,6 +162,21 @@ TEST(TcpHostile, APeerThatNeverReadsItsAnswersIsDropped) {
   EXPECT_TRUE(dropped) << "the responder kept the link of a peer that reads no answers";
 }
 
+// Links are capped: a peer cannot make the transport hold (and run two
+// threads for) links without bound.
+TEST(TcpHostile, LinksAreCapped) {
+  TcpTransportOptions o;
+  o.max_links = 2;
+  o.connect_timeout = absl::Milliseconds(500);
+  auto b = CreateTcpTransport(o);
+  auto a = CreateTcpTransport({});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(ConnectInProcess(**a, **b).ok());
+  EXPECT_TRUE(ConnectInProcess(**a, **b).ok());
+  auto third = ConnectInProcess(**a, **b);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+}
+
 }  // namespace
 }  // namespace transport
 }  // namespace kvferry

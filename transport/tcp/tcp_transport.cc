@@ -479,6 +479,10 @@ class TcpTransport final : public Transport {
   // refusal the link fails (its connection is shut down) and the error
   // returned.
   absl::Status StartLinkThreads(const std::shared_ptr<Link>& link);
+  absl::Status TooManyLinks() const {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this transport has its maximum of ", options_.max_links, " links"));
+  }
   void ReaderLoop(std::shared_ptr<Link> link);
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
@@ -729,6 +733,7 @@ absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
   link->fd = std::move(fd);
   link->token = token;
   MutexLock lock(&mu_);
+  if (links_.size() >= options_.max_links) return TooManyLinks();
   link->id = ++last_link_;
   links_[link->id] = link;
   return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost())};
@@ -750,6 +755,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   auto link = std::make_shared<Link>();
   {
     MutexLock lock(&mu_);
+    if (links_.size() >= options_.max_links) return TooManyLinks();
     link->fd = std::move(*fd);
     link->token = token;
     link->id = ++last_link_;

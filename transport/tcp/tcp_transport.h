@@ -70,6 +70,9 @@ struct TcpTransportOptions {
   // wait for threads to start. Threads of closed links are kept for the
   // next ones, up to 16 idle.
   size_t warm_threads = 4;
+  // Links this transport holds at most (each has a reader and a writer
+  // thread); more are refused with kResourceExhausted (docs/security.md).
+  size_t max_links = 512;
   // The handshake secret (empty: none). With one, a data connection opens
   // with an HMAC of its link's token under the secret, and connections
   // without it are refused (docs/security.md); both ends must agree.

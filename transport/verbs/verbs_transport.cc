@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "base/clock.h"
+#include "base/thread.h"
 #include "base/errno_status.h"
 #include "base/logging.h"
 #include "base/mutex.h"
@@ -291,7 +292,7 @@ absl::Status VerbsTransport::Open() {
     nics_[i].port = options_.ports[i];
     RETURN_IF_ERROR(OpenNic(nics_[i]));
   }
-  poller_ = std::thread([this] { PollerLoop(); });
+  ASSIGN_OR_RETURN(poller_, StartThread("the verbs completion poller", [this] { PollerLoop(); }));
   return absl::OkStatus();
 }
 
@@ -371,7 +372,15 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
   };
   if (nics_.size() > 1 && length >= options_.parallel_registration_bytes) {
     std::vector<std::thread> threads;
-    for (size_t i = 1; i < nics_.size(); ++i) threads.emplace_back(register_on, i);
+    for (size_t i = 1; i < nics_.size(); ++i) {
+      absl::StatusOr<std::thread> t =
+          StartThread("a registration", [&register_on, i] { register_on(i); });
+      if (t.ok()) {
+        threads.push_back(std::move(*t));
+      } else {
+        register_on(i);  // no thread to spare: this one does it
+      }
+    }
     register_on(0);
     for (std::thread& t : threads) t.join();
   } else {
@@ -429,6 +438,10 @@ absl::Status VerbsTransport::ReserveCq(Nic& nic, uint32_t entries) {
 
 absl::StatusOr<VerbsTransport::Link*> VerbsTransport::NewLink(NicIndex n) {
   if (n >= nics_.size()) return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", n));
+  if (links_.size() >= options_.max_links) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this transport has its maximum of ", options_.max_links, " links"));
+  }
   Nic& nic = nics_[n];
   RETURN_IF_ERROR(ReserveCq(nic, options_.max_outstanding_per_link));
   auto link = std::make_unique<Link>();

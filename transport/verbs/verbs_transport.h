@@ -59,6 +59,9 @@ struct VerbsTransportOptions {
   // Regions at least this large are registered on every NIC at once (one
   // thread per NIC) instead of one NIC after the other.
   uint64_t parallel_registration_bytes = 64 << 20;
+  // Links (queue pairs) this transport holds at most; more are refused with
+  // kResourceExhausted (docs/security.md).
+  size_t max_links = 1024;
 };
 
 // Opens the devices and starts the poller. kUnavailable when a device
