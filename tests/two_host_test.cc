@@ -70,10 +70,9 @@ class TwoHostTest : public ::testing::Test {
 TEST_F(TwoHostTest, WriteAndReadBetweenHostsOverRdma) {
   std::vector<char> src = Pattern(kBytes, role_ == "a" ? 1 : 2);
   std::vector<char> dst(kBytes, 0);
-  ASSERT_TRUE(engine_->RegisterMemory(src.data(), src.size()).ok());
-  // Written by the other host, then read back by it.
-  ASSERT_TRUE(
-      engine_->RegisterMemory(dst.data(), dst.size(), transport::Access::kRemoteReadWrite).ok());
+  // The other host reads `src` and writes `dst`.
+  ASSERT_TRUE(engine_->RegisterMemory(src.data(), src.size(), transport::Access::kRemoteRead).ok());
+  ASSERT_TRUE(engine_->RegisterMemory(dst.data(), dst.size(), transport::Access::kRemoteWrite).ok());
   if (role_ == "a") {
     ASSERT_TRUE(engine_
                     ->PublishMetadata("buffers",
