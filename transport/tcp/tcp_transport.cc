@@ -329,7 +329,7 @@ class TcpTransport final : public Transport {
   }
 
  private:
-  struct RegionEntry {
+  struct RegionEntry : std::enable_shared_from_this<RegionEntry> {
     Region region;
     std::atomic<uint64_t> local_uses{0};
     // Connections moving a peer's request's bytes into or out of the region
@@ -705,11 +705,12 @@ absl::StatusOr<TcpTransport::RegionUse> TcpTransport::UseRemote(const DataHeader
                                                                int* device) {
   ReaderMutexLock lock(&regions_mu_);
   RETURN_IF_ERROR(CheckRemote(h, write, target, device));
-  const std::shared_ptr<RegionEntry>& entry = regions_.at(by_key_.at(h.rkey)->region.id);
+  // CheckRemote found the key: one more lookup of it, none by region id.
+  std::shared_ptr<RegionEntry> entry = by_key_.find(h.rkey)->second->shared_from_this();
   MutexLock use(&entry->use_mu);
   if (entry->revoked) return UnknownKeyError(h.rkey);
   entry->using_fds.push_back(fd);
-  return RegionUse(entry, fd);
+  return RegionUse(std::move(entry), fd);
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
