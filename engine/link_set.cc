@@ -63,12 +63,17 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
   if (d.nics.empty() || local.nics.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("no NICs to reach ", peer, " with"));
   }
-  std::vector<Link> links;
   // At least one link per local NIC, so every NIC can carry slices.
   const uint32_t count =
       std::max<uint32_t>({1, links_per_peer, static_cast<uint32_t>(local.nics.size())});
+  // Every link's local half first, then one round trip asks the peer for all
+  // of them (they come up together instead of one after another).
+  std::vector<Link> links(count);
+  std::vector<absl::Status> outcome(count);
+  std::vector<handshake::ConnectRequest> requests;
+  std::vector<uint32_t> asked;  // index in `links` of each request
   for (uint32_t k = 0; k < count; ++k) {
-    Link link;
+    Link& link = links[k];
     link.remote_nic = k % d.nics.size();
     // The local NIC the host's routes say reaches that peer NIC (verbs with
     // rdma_cm), else the NICs in order.
@@ -77,25 +82,54 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
                          ? *routed
                          : static_cast<NicIndex>(k % local.nics.size());
     link.progress = now;
-    absl::StatusOr<Link> made = ConnectLink(transport, client, engine_id, peer,
-                                            local.nics[link.local_nic], d.nics[link.remote_nic],
-                                            link);
-    if (made.ok()) {
-      links.push_back(*made);
+    link.weight = Weight(local.nics[link.local_nic], d.nics[link.remote_nic]);
+    absl::StatusOr<transport::LinkOffer> offer =
+        transport->CreateLink(link.local_nic, d.nics[link.remote_nic]);
+    if (!offer.ok()) {
+      outcome[k] = offer.status();
       continue;
     }
-    const bool unreachable = Unreachable(made.status());
-    if (unreachable || k + 1 == count) {
-      if (!links.empty() && !unreachable) break;  // keep the NIC pairs that work
-      for (const Link& l : links) (void)transport->CloseLink(l.id);
-      return Annotate(made.status(), absl::StrCat("connecting to ", peer));
-    }
-    // One NIC pair failing (a NIC down on either side) must not cost the
-    // others: go on without it.
-    KVF_LOG(WARNING) << "connecting to " << peer << ": no link from local NIC " << link.local_nic
-                     << " to peer NIC " << link.remote_nic << ": " << made.status().message();
+    link.id = offer->link;
+    requests.push_back(handshake::ConnectRequest{engine_id, link.local_nic,
+                                                 local.nics[link.local_nic], link.remote_nic,
+                                                 std::move(offer->params)});
+    asked.push_back(k);
   }
-  return links;
+  if (!requests.empty()) {
+    absl::StatusOr<std::vector<absl::StatusOr<std::string>>> answers =
+        client.ConnectLinks(peer, std::move(requests));
+    for (size_t i = 0; i < asked.size(); ++i) {
+      const uint32_t k = asked[i];
+      outcome[k] = answers.ok() ? (*answers)[i].status() : answers.status();
+      if (outcome[k].ok()) outcome[k] = transport->CompleteLink(links[k].id, *(*answers)[i]);
+      if (!outcome[k].ok()) (void)transport->CloseLink(links[k].id);
+    }
+  }
+  // A peer that cannot be reached fails the whole connect; one NIC pair
+  // failing (a NIC down on either side) costs only that pair.
+  const absl::Status* unreachable = nullptr;
+  const absl::Status* last_error = nullptr;
+  std::vector<Link> up;
+  for (uint32_t k = 0; k < count; ++k) {
+    if (outcome[k].ok()) {
+      up.push_back(links[k]);
+      continue;
+    }
+    last_error = &outcome[k];
+    if (unreachable == nullptr && Unreachable(outcome[k])) unreachable = &outcome[k];
+  }
+  if (unreachable != nullptr || up.empty()) {
+    for (const Link& l : up) (void)transport->CloseLink(l.id);
+    return Annotate(unreachable != nullptr ? *unreachable : *last_error,
+                    absl::StrCat("connecting to ", peer));
+  }
+  for (uint32_t k = 0; k < count; ++k) {
+    if (outcome[k].ok()) continue;
+    KVF_LOG(WARNING) << "connecting to " << peer << ": no link from local NIC "
+                     << links[k].local_nic << " to peer NIC " << links[k].remote_nic << ": "
+                     << outcome[k].message();
+  }
+  return up;
 }
 
 Link* ChooseLink(std::vector<Link>& links, NicMask near, uint32_t capacity) {

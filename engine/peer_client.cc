@@ -44,6 +44,33 @@ absl::StatusOr<std::string> PeerClient::Connect(const std::string& peer,
   return std::move(answer.params);
 }
 
+absl::StatusOr<std::vector<absl::StatusOr<std::string>>> PeerClient::ConnectLinks(
+    const std::string& peer, std::vector<handshake::ConnectRequest> requests) const {
+  const size_t count = requests.size();
+  handshake::ConnectLinksRequest batch{std::move(requests)};
+  absl::StatusOr<Frame> reply =
+      Call(peer, Frame{MessageType::kConnectLinks, handshake::Encode(batch)},
+           MessageType::kConnectLinksReply, timeout_);
+  if (reply.ok()) {
+    ASSIGN_OR_RETURN(handshake::ConnectLinksReply answer,
+                     handshake::DecodeConnectLinksReply(reply->payload));
+    if (answer.links.size() != count) {
+      return absl::DataLossError(absl::StrCat("peer ", peer, " answered ", answer.links.size(),
+                                              " of ", count, " links"));
+    }
+    return std::move(answer.links);
+  }
+  // An engine from before kConnectLinks refuses the type as malformed or
+  // unexpected (kDataLoss, kInvalidArgument); anything else is the answer.
+  if (reply.status().code() != absl::StatusCode::kDataLoss &&
+      reply.status().code() != absl::StatusCode::kInvalidArgument) {
+    return reply.status();
+  }
+  std::vector<absl::StatusOr<std::string>> one_by_one;
+  for (const handshake::ConnectRequest& r : batch.links) one_by_one.push_back(Connect(peer, r));
+  return one_by_one;
+}
+
 absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer,
                                            absl::Duration timeout) const {
   ASSIGN_OR_RETURN(Frame reply,

@@ -29,6 +29,10 @@ class PeerClient {
   // Asks the peer to accept a link; returns its link parameters.
   absl::StatusOr<std::string> Connect(const std::string& peer,
                                       const handshake::ConnectRequest& request) const;
+  // Several links in one round trip: one answer per request, in order. A
+  // peer that predates kConnectLinks is asked one link at a time.
+  absl::StatusOr<std::vector<absl::StatusOr<std::string>>> ConnectLinks(
+      const std::string& peer, std::vector<handshake::ConnectRequest> requests) const;
   // The engine id that answers at `peer` within `timeout`.
   absl::StatusOr<uint64_t> Probe(const std::string& peer, absl::Duration timeout) const;
   // Delivers a notification, refused by any instance but `target` (0: any).

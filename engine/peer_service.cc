@@ -28,23 +28,53 @@ absl::StatusOr<handshake::EngineDescriptor> PeerService::Describe(absl::string_v
   return absl::NotFoundError(absl::StrCat("this engine has no ", kind, " transport"));
 }
 
-Frame PeerService::Connect(const Frame& request) {
-  absl::StatusOr<handshake::ConnectRequest> c = handshake::DecodeConnectRequest(request.payload);
-  if (!c.ok()) return ErrorFrame(c.status());
+absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest& c) {
   // With several transports, the link parameters say which one made them
   // (transport/link_params.h); with one, it is that one whatever its format.
-  absl::StatusOr<std::string> kind = transport::LinkParams::KindOf(c->params);
-  if (transports_.size() > 1 && !kind.ok()) return ErrorFrame(kind.status());
+  absl::StatusOr<std::string> kind = transport::LinkParams::KindOf(c.params);
+  if (transports_.size() > 1 && !kind.ok()) return kind.status();
   for (transport::Transport* t : transports_) {
     if (transports_.size() > 1 && t->LocalEndpoint().kind != *kind) continue;
     absl::StatusOr<transport::LinkOffer> offer =
-        t->AcceptLink(c->target_nic, c->requester_nic_info, c->params);
-    if (!offer.ok()) return ErrorFrame(offer.status());
-    return Frame{MessageType::kConnectReply,
-                 handshake::Encode(handshake::ConnectReply{offer->params})};
+        t->AcceptLink(c.target_nic, c.requester_nic_info, c.params);
+    if (!offer.ok()) return offer.status();
+    return std::move(offer->params);
   }
-  return ErrorFrame(absl::FailedPreconditionError(
-      absl::StrCat("this engine has no ", *kind, " transport to accept the link")));
+  return absl::FailedPreconditionError(
+      absl::StrCat("this engine has no ", *kind, " transport to accept the link"));
+}
+
+Frame PeerService::Connect(const Frame& request) {
+  absl::StatusOr<handshake::ConnectRequest> c = handshake::DecodeConnectRequest(request.payload);
+  if (!c.ok()) return ErrorFrame(c.status());
+  absl::StatusOr<std::string> params = Accept(*c);
+  if (!params.ok()) return ErrorFrame(params.status());
+  return Frame{MessageType::kConnectReply,
+               handshake::Encode(handshake::ConnectReply{std::move(*params)})};
+}
+
+Frame PeerService::ConnectLinks(const Frame& request) {
+  absl::StatusOr<handshake::ConnectLinksRequest> c =
+      handshake::DecodeConnectLinksRequest(request.payload);
+  if (!c.ok()) return ErrorFrame(c.status());
+  handshake::ConnectLinksReply reply;
+  for (const handshake::ConnectRequest& link : c->links) {
+    // A link whose data connection never arrived waited out the transport's
+    // connect timeout (kUnavailable), and the requester gives up the whole
+    // set on that code or kDeadlineExceeded: the rest of the batch is not
+    // tried (a request full of bogus tokens holds this thread for one
+    // timeout, not 64).
+    if (!reply.links.empty() && !reply.links.back().ok()) {
+      const absl::StatusCode code = reply.links.back().status().code();
+      if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
+        reply.links.emplace_back(absl::Status(
+            code, "not tried: an earlier link of this request could not be reached"));
+        continue;
+      }
+    }
+    reply.links.push_back(Accept(link));
+  }
+  return Frame{MessageType::kConnectLinksReply, handshake::Encode(reply)};
 }
 
 Frame PeerService::Notify(const Frame& request) {
@@ -76,6 +106,8 @@ Frame PeerService::Handle(const Frame& request) {
     }
     case MessageType::kConnect:
       return Connect(request);
+    case MessageType::kConnectLinks:
+      return ConnectLinks(request);
     case MessageType::kNotify:
       return Notify(request);
     case MessageType::kProbe: {

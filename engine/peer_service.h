@@ -32,11 +32,21 @@ class PeerService {
   // the primary): NICs and the regions they may use. kNotFound when this
   // engine has no such transport.
   absl::StatusOr<handshake::EngineDescriptor> Describe(absl::string_view kind) const;
+  // Whether answering a request of `type` may wait (accepting a link waits
+  // for its data connection); the others answer at once, and the handshake
+  // server runs them on its event loop.
+  static bool MayBlock(handshake::MessageType type) {
+    return type == handshake::MessageType::kConnect ||
+           type == handshake::MessageType::kConnectLinks;
+  }
   // Answers one request (an error frame for anything malformed).
   handshake::Frame Handle(const handshake::Frame& request);
 
  private:
+  // One link: the accepting transport's parameters.
+  absl::StatusOr<std::string> Accept(const handshake::ConnectRequest& c);
   handshake::Frame Connect(const handshake::Frame& request);
+  handshake::Frame ConnectLinks(const handshake::Frame& request);
   handshake::Frame Notify(const handshake::Frame& request);
 
   const uint64_t engine_id_;

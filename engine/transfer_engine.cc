@@ -315,6 +315,9 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   serve.port = options.port;
   serve.first_port = options.first_port;
   serve.last_port = options.last_port;
+  serve.may_block = [](const handshake::Frame& f) {
+    return engine_internal::PeerService::MayBlock(f.type);
+  };
   const int metrics_port = options.metrics_port;
   const std::string metrics_host = options.metrics_host;
   engine_internal::WarnIfUnauthenticated(auth != nullptr, serve.bind_host);

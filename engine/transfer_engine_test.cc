@@ -19,6 +19,7 @@
 #include "handshake/tcp_network.h"
 #include "net/socket.h"
 #include "transport/tcp/tcp_transport.h"
+#include "transport/tcp/wire.h"
 
 namespace kvferry {
 namespace {
@@ -381,6 +382,57 @@ TEST(TransferEngine, UnauthenticatedClientsReceiveNoKeys) {
   // And an engine with a secret never talks to one without (no downgrade).
   EXPECT_EQ(friend_engine->OpenSegment(stranger->address()).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// Every link to a peer comes up in one kConnectLinks round trip. A request
+// full of tokens whose data connections never arrive holds the peer's
+// handler for one connect timeout, not one per link, and the engine keeps
+// serving.
+TEST(TransferEngine, BogusLinkBatchCostsOneConnectTimeout) {
+  EngineOptions o = Local();
+  o.connect_timeout = absl::Milliseconds(300);
+  auto b = MakeEngine(o);
+  std::vector<char> src = Pattern(8192, 3), dst(8192, 0);
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  handshake::ConnectLinksRequest bogus;
+  for (uint64_t token = 1; token <= handshake::kMaxLinksPerConnect; ++token) {
+    bogus.links.push_back(handshake::ConnectRequest{
+        42, 0, {"lo", "127.0.0.1:1", 0, 0, 0}, 0, transport::tcp_wire::EncodeLinkParams(token, 0, 0)});
+  }
+  auto raw = handshake::NewTcpNetwork();
+  const absl::Time t0 = absl::Now();
+  auto reply = raw->Call(
+      b->address(), handshake::Frame{handshake::MessageType::kConnectLinks, handshake::Encode(bogus)},
+      absl::Seconds(10));
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  auto answers = handshake::DecodeConnectLinksReply(reply->payload);
+  ASSERT_TRUE(answers.ok()) << answers.status();
+  ASSERT_EQ(answers->links.size(), bogus.links.size());
+  for (const auto& link : answers->links) {
+    EXPECT_EQ(link.status().code(), absl::StatusCode::kUnavailable) << link.status();
+  }
+  EXPECT_LT(took, absl::Seconds(3)) << "64 links x 300 ms would be 19 s";
+  // More links than the cap are refused unread.
+  bogus.links.push_back(bogus.links.back());
+  auto too_many = raw->Call(
+      b->address(), handshake::Frame{handshake::MessageType::kConnectLinks, handshake::Encode(bogus)},
+      absl::Seconds(10));
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument) << too_many.status();
+
+  // A real engine's links (links_per_peer = 3) all come up, in one request.
+  EngineOptions three = Local();
+  three.links_per_peer = 3;
+  auto a = MakeEngine(three);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+  auto batch = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto st = a->Wait(*batch, absl::Seconds(5));
+  ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+  EXPECT_EQ(src, dst);
 }
 
 // Work meant for one instance of a peer never lands at its successor: a

@@ -244,8 +244,18 @@ uint64_t AuthenticatedNetwork::rejected() const { return state_->rejected.load()
 
 absl::StatusOr<std::unique_ptr<Server>> AuthenticatedNetwork::Serve(const ServeOptions& options,
                                                                     Handler handler) {
+  ServeOptions wrapped = options;
+  if (options.may_block) {
+    // Challenges and refusals never wait; an authenticated request waits as
+    // the request inside it would (its type travels in clear).
+    wrapped.may_block = [inner = options.may_block](const Frame& f) {
+      if (f.type != MessageType::kAuthenticated) return false;
+      absl::StatusOr<AuthenticatedFrame> a = Decode(f.payload);
+      return a.ok() && inner(Frame{static_cast<MessageType>(a->type), ""});
+    };
+  }
   // The state outlives this object if the server does.
-  return inner_->Serve(options, [state = state_, handler = std::move(handler)](const Frame& f) {
+  return inner_->Serve(wrapped, [state = state_, handler = std::move(handler)](const Frame& f) {
     return state->Serve(handler, f);
   });
 }

@@ -25,6 +25,19 @@ bool ReadNic(Reader& r, transport::NicInfo* nic) {
          r.U64(&nic->link_bits_per_sec) && r.U32(&nic->mtu);
 }
 
+// A status as EncodeError writes it; false if malformed (or OK).
+bool ReadStatus(absl::string_view payload, absl::Status* status) {
+  Reader r(payload);
+  uint8_t code;
+  std::string message;
+  if (!r.U8(&code) || !r.Bytes(&message, kMaxStringBytes) || !r.AtEnd() || code == 0 ||
+      code > static_cast<uint8_t>(absl::StatusCode::kUnauthenticated)) {
+    return false;
+  }
+  *status = absl::Status(static_cast<absl::StatusCode>(code), message);
+  return true;
+}
+
 }  // namespace
 
 const char* MessageTypeName(MessageType type) {
@@ -59,6 +72,10 @@ const char* MessageTypeName(MessageType type) {
       return "authenticated-reply";
     case MessageType::kMetadata:
       return "metadata";
+    case MessageType::kConnectLinks:
+      return "connect-links";
+    case MessageType::kConnectLinksReply:
+      return "connect-links-reply";
   }
   return "unknown";
 }
@@ -208,6 +225,78 @@ absl::StatusOr<ConnectReply> DecodeConnectReply(absl::string_view payload) {
   return c;
 }
 
+// A ConnectRequest inside kConnectLinks: two NIC strings, the parameters
+// and fixed fields.
+constexpr uint32_t kMaxConnectRequestBytes = 3 * kMaxStringBytes + 64;
+
+std::string Encode(const ConnectLinksRequest& c) {
+  std::string out;
+  Writer w(&out);
+  w.U32(static_cast<uint32_t>(c.links.size()));
+  for (const ConnectRequest& link : c.links) w.Bytes(Encode(link));
+  return out;
+}
+
+absl::StatusOr<ConnectLinksRequest> DecodeConnectLinksRequest(absl::string_view payload) {
+  Reader r(payload);
+  uint32_t count = 0;
+  if (!r.U32(&count)) return Malformed("connect-links");
+  if (count == 0 || count > kMaxLinksPerConnect) {
+    return absl::InvalidArgumentError(absl::StrCat("connect-links asks for ", count,
+                                                   " links; 1 to ", kMaxLinksPerConnect,
+                                                   " are allowed"));
+  }
+  ConnectLinksRequest c;
+  c.links.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    std::string one;
+    if (!r.Bytes(&one, kMaxConnectRequestBytes)) return Malformed("connect-links");
+    absl::StatusOr<ConnectRequest> link = DecodeConnectRequest(one);
+    if (!link.ok()) return link.status();
+    c.links.push_back(std::move(*link));
+  }
+  if (!r.AtEnd()) return Malformed("connect-links");
+  return c;
+}
+
+std::string Encode(const ConnectLinksReply& c) {
+  std::string out;
+  Writer w(&out);
+  w.U32(static_cast<uint32_t>(c.links.size()));
+  for (const absl::StatusOr<std::string>& link : c.links) {
+    w.U8(link.ok() ? 1 : 0);
+    w.Bytes(link.ok() ? *link : EncodeError(link.status()));
+  }
+  return out;
+}
+
+absl::StatusOr<ConnectLinksReply> DecodeConnectLinksReply(absl::string_view payload) {
+  Reader r(payload);
+  uint32_t count = 0;
+  if (!r.U32(&count) || count == 0 || count > kMaxLinksPerConnect) {
+    return Malformed("connect-links-reply");
+  }
+  ConnectLinksReply c;
+  c.links.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    uint8_t ok = 0;
+    std::string bytes;
+    if (!r.U8(&ok) || ok > 1 || !r.Bytes(&bytes, kMaxStringBytes + 8)) {
+      return Malformed("connect-links-reply");
+    }
+    if (ok == 1) {
+      if (bytes.size() > kMaxStringBytes) return Malformed("connect-links-reply");
+      c.links.emplace_back(std::move(bytes));
+      continue;
+    }
+    absl::Status refused;
+    if (!ReadStatus(bytes, &refused)) return Malformed("connect-links-reply");
+    c.links.emplace_back(std::move(refused));
+  }
+  if (!r.AtEnd()) return Malformed("connect-links-reply");
+  return c;
+}
+
 std::string Encode(const Notify& n) {
   std::string out;
   Writer w(&out);
@@ -287,14 +376,9 @@ std::string EncodeError(const absl::Status& status) {
 }
 
 absl::Status DecodeError(absl::string_view payload) {
-  Reader r(payload);
-  uint8_t code;
-  std::string message;
-  if (!r.U8(&code) || !r.Bytes(&message, kMaxStringBytes) || !r.AtEnd() ||
-      code == 0 || code > static_cast<uint8_t>(absl::StatusCode::kUnauthenticated)) {
-    return Malformed("error");
-  }
-  return absl::Status(static_cast<absl::StatusCode>(code), message);
+  absl::Status status;
+  if (!ReadStatus(payload, &status)) return Malformed("error");
+  return status;
 }
 
 }  // namespace handshake

@@ -53,8 +53,15 @@ enum class MessageType : uint8_t {
   kChallengeReply = 13,      // reply: the nonce
   kAuthenticated = 14,       // request: AuthenticatedFrame
   kAuthenticatedReply = 15,  // reply: AuthenticatedFrame
+  // Every link to a peer in one round trip (ConnectLinksRequest), and one
+  // answer per link (ConnectLinksReply).
+  kConnectLinks = 16,
+  kConnectLinksReply = 17,
 };
-inline constexpr uint8_t kLastMessageType = 15;
+inline constexpr uint8_t kLastMessageType = 17;
+// The most links one kConnectLinks asks for (the engine's links_per_peer
+// and NIC count are capped at 64 too).
+inline constexpr uint32_t kMaxLinksPerConnect = 64;
 const char* MessageTypeName(MessageType type);
 
 struct FrameHeader {
@@ -98,6 +105,16 @@ struct ConnectReply {
   std::string params;  // from Transport::AcceptLink
 };
 
+struct ConnectLinksRequest {
+  std::vector<ConnectRequest> links;  // 1 to kMaxLinksPerConnect
+};
+
+// One answer per requested link, in order: its parameters from
+// Transport::AcceptLink, or why it was refused.
+struct ConnectLinksReply {
+  std::vector<absl::StatusOr<std::string>> links;
+};
+
 struct Notify {
   uint64_t engine_id = 0;  // the sender
   std::string payload;
@@ -126,6 +143,8 @@ struct Metadata {
 std::string Encode(const EngineDescriptor& d);
 std::string Encode(const ConnectRequest& r);
 std::string Encode(const ConnectReply& r);
+std::string Encode(const ConnectLinksRequest& r);
+std::string Encode(const ConnectLinksReply& r);
 std::string Encode(const Notify& n);
 std::string Encode(const Probe& p);
 std::string Encode(const MetadataRequest& m);
@@ -136,6 +155,8 @@ std::string EncodeError(const absl::Status& status);
 absl::StatusOr<EngineDescriptor> DecodeDescriptor(absl::string_view payload);
 absl::StatusOr<ConnectRequest> DecodeConnectRequest(absl::string_view payload);
 absl::StatusOr<ConnectReply> DecodeConnectReply(absl::string_view payload);
+absl::StatusOr<ConnectLinksRequest> DecodeConnectLinksRequest(absl::string_view payload);
+absl::StatusOr<ConnectLinksReply> DecodeConnectLinksReply(absl::string_view payload);
 absl::StatusOr<Notify> DecodeNotify(absl::string_view payload);
 absl::StatusOr<Probe> DecodeProbe(absl::string_view payload);
 absl::StatusOr<MetadataRequest> DecodeMetadataRequest(absl::string_view payload);

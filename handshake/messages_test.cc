@@ -134,6 +134,54 @@ TEST(Messages, OthersRoundTrip) {
   EXPECT_EQ(e.message(), "no region");
 }
 
+TEST(Messages, ConnectLinksRoundTripAndBounds) {
+  ConnectLinksRequest batch;
+  for (uint32_t i = 0; i < 3; ++i) {
+    batch.links.push_back(ConnectRequest{7, i, {"eth1", "addr", -1, 0, 0}, i + 1,
+                                         std::string("p\0", 2) + char('a' + i)});
+  }
+  auto b = DecodeConnectLinksRequest(Encode(batch));
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->links.size(), 3u);
+  for (uint32_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(b->links[i].requester_nic, i);
+    EXPECT_EQ(b->links[i].target_nic, i + 1);
+    EXPECT_EQ(b->links[i].params, batch.links[i].params);
+  }
+  ConnectLinksReply reply;
+  reply.links.emplace_back(std::string("ok-params"));
+  reply.links.emplace_back(absl::DeadlineExceededError("no hello"));
+  auto r = DecodeConnectLinksReply(Encode(reply));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->links.size(), 2u);
+  ASSERT_TRUE(r->links[0].ok());
+  EXPECT_EQ(*r->links[0], "ok-params");
+  EXPECT_EQ(r->links[1].status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(r->links[1].status().message(), "no hello");
+  // No links, or more than the cap, is refused by count before anything is
+  // read or allocated.
+  EXPECT_EQ(DecodeConnectLinksRequest(Encode(ConnectLinksRequest{})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::string huge;
+  huge.append("\xff\xff\xff\x7f", 4);
+  auto too_many = DecodeConnectLinksRequest(huge);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.status().message().find("1 to 64"), std::string::npos);
+  EXPECT_FALSE(DecodeConnectLinksReply(huge).ok());
+  // A reply element that is neither parameters nor a status is malformed.
+  std::string bad = Encode(reply);
+  bad[4] = 2;
+  EXPECT_EQ(DecodeConnectLinksReply(bad).status().code(), absl::StatusCode::kDataLoss);
+  const std::string whole_batch = Encode(batch);
+  for (size_t len = 0; len < whole_batch.size(); ++len) {
+    EXPECT_FALSE(DecodeConnectLinksRequest(whole_batch.substr(0, len)).ok()) << "cut at " << len;
+  }
+  const std::string whole_reply = Encode(reply);
+  for (size_t len = 0; len < whole_reply.size(); ++len) {
+    EXPECT_FALSE(DecodeConnectLinksReply(whole_reply.substr(0, len)).ok()) << "cut at " << len;
+  }
+}
+
 TEST(Messages, EveryTruncationIsAnError) {
   const std::vector<std::string> payloads = {
       Encode(SampleDescriptor()),
@@ -201,6 +249,8 @@ TEST(Messages, MutationCorpusNeverCrashes) {
       case MessageType::kDescriptor: s = DecodeDescriptor(payload).status(); break;
       case MessageType::kConnect: s = DecodeConnectRequest(payload).status(); break;
       case MessageType::kConnectReply: s = DecodeConnectReply(payload).status(); break;
+      case MessageType::kConnectLinks: s = DecodeConnectLinksRequest(payload).status(); break;
+      case MessageType::kConnectLinksReply: s = DecodeConnectLinksReply(payload).status(); break;
       case MessageType::kNotify: s = DecodeNotify(payload).status(); break;
       case MessageType::kProbe:
       case MessageType::kProbeReply: s = DecodeProbe(payload).status(); break;

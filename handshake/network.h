@@ -44,6 +44,12 @@ struct ServeOptions {
   uint16_t port = 0;           // 0: first free port of the range
   uint16_t first_port = 15000;
   uint16_t last_port = 17000;
+  // Which requests the handler may wait on (e.g. for a data connection to
+  // arrive): those run on a handler thread. Others are answered where they
+  // arrive (the server's event loop), which saves two thread hand-offs per
+  // request; the handler must then return promptly. Empty: every request
+  // may wait.
+  std::function<bool(const Frame& request)> may_block;
 };
 
 class Network {

@@ -55,9 +55,11 @@ class TcpNetwork final : public Network {
                      net::Listen(o.bind_host, o.port, {o.first_port, o.last_port}));
     std::string host = o.advertise_host.empty() ? o.bind_host : o.advertise_host;
     std::string address = net::HostPort{host, socket.address.port()}.ToString();
+    TcpServerOptions server_options = options_.server;
+    server_options.may_block = o.may_block;
     ASSIGN_OR_RETURN(std::unique_ptr<TcpServer> server,
                      TcpServer::Start(std::move(socket), std::move(address), std::move(handler),
-                                      options_.server));
+                                      std::move(server_options)));
     return std::unique_ptr<Server>(std::move(server));
   }
 

@@ -75,6 +75,7 @@ struct TcpServer::State {
   bool ReadSome(uint64_t id, Conn* c);
   void Dispatch(uint64_t id, Conn* c);
   void OnReply(uint64_t id, Frame reply);
+  bool SendReply(uint64_t id, Conn* c, const Frame& reply);
   bool Flush(uint64_t id, Conn* c);
   void Refuse(uint64_t id, Conn* c, const absl::Status& why);
   void Close(uint64_t id);
@@ -125,7 +126,13 @@ void TcpServer::State::OnEvent(uint64_t id, uint32_t events) {
   auto it = conns.find(id);
   if (it == conns.end()) return;
   Conn* c = it->second.get();
-  if ((events & EPOLLOUT) && !Flush(id, c)) return;
+  if (events & EPOLLOUT) {
+    if (!Flush(id, c)) return;
+    if (c->out.empty()) Dispatch(id, c);  // requests that came while it waited
+    it = conns.find(id);
+    if (it == conns.end()) return;
+    c = it->second.get();
+  }
   if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
     if (c->busy || !c->out.empty()) {
       // Not reading now (one request at a time). A hang-up is reported
@@ -168,25 +175,41 @@ bool TcpServer::State::ReadSome(uint64_t id, Conn* c) {
   }
 }
 
-// Hands a complete request to the handler pool, if one has arrived.
+// Answers the complete requests that have arrived, one at a time: on this
+// thread when the handler will not wait, else through the handler pool.
 void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
-  if (c->busy || c->in.size() < kFrameHeaderBytes) return;
-  absl::StatusOr<FrameHeader> h = ParseFrameHeader(c->in, options.max_request_bytes);
-  if (!h.ok()) {
-    Refuse(id, c, h.status());
-    return;
+  // At most this many answered in a row, then other connections' turn.
+  constexpr int kInlineBurst = 16;
+  int answered = 0;
+  while (!c->busy && c->out.empty() && c->in.size() >= kFrameHeaderBytes) {
+    absl::StatusOr<FrameHeader> h = ParseFrameHeader(c->in, options.max_request_bytes);
+    if (!h.ok()) {
+      Refuse(id, c, h.status());
+      return;
+    }
+    const size_t total = kFrameHeaderBytes + h->payload_bytes;
+    if (c->in.size() < total) return;
+    Frame request{h->type, c->in.substr(kFrameHeaderBytes, h->payload_bytes)};
+    c->in.erase(0, total);
+    buffered -= total;
+    c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
+    if (options.may_block && !options.may_block(request)) {
+      if (!SendReply(id, c, handler(request))) return;
+      if (++answered == kInlineBurst) {
+        loop->Post([this, id] {
+          auto it = conns.find(id);
+          if (it != conns.end()) Dispatch(id, it->second.get());
+        });
+        return;
+      }
+      continue;  // a pipelined request may be waiting
+    }
+    c->busy = true;
+    (void)loop->Modify(c->fd.get(), 0);
+    MutexLock lock(&mu);
+    jobs.push_back(Job{id, std::move(request)});
+    cv.Signal();
   }
-  const size_t total = kFrameHeaderBytes + h->payload_bytes;
-  if (c->in.size() < total) return;
-  Frame request{h->type, c->in.substr(kFrameHeaderBytes, h->payload_bytes)};
-  c->in.erase(0, total);
-  buffered -= total;
-  c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
-  c->busy = true;
-  (void)loop->Modify(c->fd.get(), 0);
-  MutexLock lock(&mu);
-  jobs.push_back(Job{id, std::move(request)});
-  cv.Signal();
 }
 
 void TcpServer::State::OnReply(uint64_t id, Frame reply) {
@@ -194,12 +217,16 @@ void TcpServer::State::OnReply(uint64_t id, Frame reply) {
   if (it == conns.end()) return;
   Conn* c = it->second.get();
   c->busy = false;
+  if (SendReply(id, c, reply)) Dispatch(id, c);
+}
+
+// Starts writing `reply`. False when the connection was closed.
+bool TcpServer::State::SendReply(uint64_t id, Conn* c, const Frame& reply) {
   c->out = EncodeFrame(reply.type, reply.payload);
   c->out_done = 0;
   buffered += c->out.size();
   c->last_active = absl::Now();
-  if (!Flush(id, c)) return;
-  if (c->out.empty()) Dispatch(id, c);  // a pipelined request may be waiting
+  return Flush(id, c);
 }
 
 // Writes what it can of the reply. False when the connection was closed.

@@ -34,9 +34,12 @@ struct TcpServerOptions {
   size_t max_buffered_bytes = 32 << 20;
   absl::Duration request_timeout = absl::Seconds(5);
   absl::Duration idle_timeout = absl::Seconds(60);
-  // Threads that run the handler (it may wait briefly, e.g. for a data
-  // connection to arrive).
+  // Threads that run the handler for requests that may wait (e.g. for a
+  // data connection to arrive).
   int handler_threads = 2;
+  // Which requests those are (ServeOptions::may_block); the others are
+  // answered on the loop thread. Empty: all of them.
+  std::function<bool(const Frame& request)> may_block;
 };
 
 // Counters a server keeps (for tests and metrics).

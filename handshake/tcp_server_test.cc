@@ -12,9 +12,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "handshake/tcp_network.h"
@@ -210,6 +213,70 @@ TEST(TcpServerTest, AtTheDescriptorLimitTheListenerPausesAndRecovers) {
   EXPECT_TRUE(paused);
   EXPECT_LE(pauses_later - pauses_then, 10u);
   LegitimateCall(s);
+}
+
+// Requests the handler will not wait on are answered on the loop thread:
+// with the only handler thread held by a request that waits, another
+// connection's quick request is still answered, and a client that pipelines
+// many quick requests gets every reply, in order.
+TEST(TcpServerTest, QuickRequestsAreAnsweredWhileTheHandlerThreadsWait) {
+  auto socket = net::Listen("127.0.0.1", 0, {0, 0});
+  ASSERT_TRUE(socket.ok()) << socket.status();
+  const net::HostPort at{"127.0.0.1", socket->address.port()};
+  absl::Notification release;
+  std::atomic<int> waited{0};
+  TcpServerOptions o;
+  o.handler_threads = 1;
+  o.may_block = [](const Frame& f) { return f.type == MessageType::kConnect; };
+  auto server = TcpServer::Start(
+      std::move(*socket), at.ToString(),
+      [&](const Frame& f) {
+        if (f.type == MessageType::kConnect) {
+          release.WaitForNotificationWithTimeout(absl::Seconds(10));
+          ++waited;
+        }
+        return Frame{MessageType::kProbeReply, f.payload};
+      },
+      o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto network = NewTcpNetwork();
+  std::thread slow([&] {
+    auto reply = network->Call(at.ToString(), Frame{MessageType::kConnect, "wait"},
+                               absl::Seconds(10));
+    EXPECT_TRUE(reply.ok()) << reply.status();
+  });
+  // The one handler thread is taken.
+  while ((*server)->stats().accepted < 1) absl::SleepFor(absl::Milliseconds(1));
+  absl::SleepFor(absl::Milliseconds(50));
+
+  auto quick = network->Call(at.ToString(), Frame{MessageType::kProbe, "quick"},
+                             absl::Seconds(2));
+  ASSERT_TRUE(quick.ok()) << quick.status();
+  EXPECT_EQ(quick->payload, "quick");
+  EXPECT_EQ(waited.load(), 0);
+
+  // 40 pipelined requests in one write (more than one burst of answers).
+  net::Fd fd = Attacker(Served{nullptr, at});
+  std::string burst;
+  for (int i = 0; i < 40; ++i) burst += EncodeFrame(MessageType::kProbe, std::to_string(i));
+  ASSERT_TRUE(net::WriteFull(fd.get(), burst.data(), burst.size(), absl::Now() + absl::Seconds(2))
+                  .ok());
+  for (int i = 0; i < 40; ++i) {
+    char header[kFrameHeaderBytes];
+    ASSERT_TRUE(net::ReadFull(fd.get(), header, sizeof header, absl::Now() + absl::Seconds(2)).ok())
+        << "reply " << i;
+    auto h = ParseFrameHeader(absl::string_view(header, sizeof header), 1 << 20);
+    ASSERT_TRUE(h.ok()) << h.status();
+    std::string payload(h->payload_bytes, '\0');
+    ASSERT_TRUE(
+        net::ReadFull(fd.get(), payload.data(), payload.size(), absl::Now() + absl::Seconds(2))
+            .ok());
+    EXPECT_EQ(payload, std::to_string(i));
+  }
+  EXPECT_EQ(waited.load(), 0);
+  release.Notify();
+  slow.join();
+  EXPECT_EQ(waited.load(), 1);
 }
 
 }  // namespace

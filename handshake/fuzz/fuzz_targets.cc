@@ -84,6 +84,35 @@ void FuzzFrame(const uint8_t* data, size_t size) {
           payload, [](absl::string_view p) { return DecodeConnectReply(p); },
           [](const ConnectReply& a, const ConnectReply& b) { return a.params == b.params; });
       break;
+    case MessageType::kConnectLinks:
+      RoundTrip<ConnectLinksRequest>(
+          payload, [](absl::string_view p) { return DecodeConnectLinksRequest(p); },
+          [](const ConnectLinksRequest& a, const ConnectLinksRequest& b) {
+            if (a.links.size() != b.links.size()) return false;
+            for (size_t i = 0; i < a.links.size(); ++i) {
+              if (a.links[i].params != b.links[i].params ||
+                  a.links[i].target_nic != b.links[i].target_nic) {
+                return false;
+              }
+            }
+            return true;
+          });
+      break;
+    case MessageType::kConnectLinksReply:
+      RoundTrip<ConnectLinksReply>(
+          payload, [](absl::string_view p) { return DecodeConnectLinksReply(p); },
+          [](const ConnectLinksReply& a, const ConnectLinksReply& b) {
+            if (a.links.size() != b.links.size()) return false;
+            for (size_t i = 0; i < a.links.size(); ++i) {
+              if (a.links[i].ok() != b.links[i].ok()) return false;
+              if (a.links[i].ok() ? *a.links[i] != *b.links[i]
+                                  : a.links[i].status() != b.links[i].status()) {
+                return false;
+              }
+            }
+            return true;
+          });
+      break;
     case MessageType::kNotify:
       RoundTrip<Notify>(
           payload, [](absl::string_view p) { return DecodeNotify(p); },

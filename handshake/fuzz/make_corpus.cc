@@ -61,6 +61,15 @@ int main(int argc, char** argv) {
                               Encode(ConnectRequest{7, 1, Descriptor(1, 0, "tcp").nics[0], 0,
                                                     "qpn=17 psn=5 gid=..."}))},
       {"connect_reply", EncodeFrame(MessageType::kConnectReply, Encode(ConnectReply{"params"}))},
+      {"connect_links",
+       EncodeFrame(MessageType::kConnectLinks,
+                   Encode(ConnectLinksRequest{
+                       {ConnectRequest{7, 0, Descriptor(1, 0, "tcp").nics[0], 0, "a"},
+                        ConnectRequest{7, 0, Descriptor(1, 0, "tcp").nics[0], 0, "b"}}}))},
+      {"connect_links_reply",
+       EncodeFrame(MessageType::kConnectLinksReply,
+                   Encode(ConnectLinksReply{
+                       {std::string("params"), absl::DeadlineExceededError("no hello")}}))},
       {"notify", EncodeFrame(MessageType::kNotify, Encode(Notify{9, "request 42 done"}))},
       {"probe", EncodeFrame(MessageType::kProbe, Encode(Probe{9, 77}))},
       {"get_metadata", EncodeFrame(MessageType::kGetMetadata, Encode(MetadataRequest{"kv"}))},
