@@ -93,6 +93,7 @@ class NullTransport final : public transport::Transport {
     return absl::OkStatus();
   }
   absl::Status CloseLink(transport::LinkId) override { return absl::OkStatus(); }
+  bool HasLink(transport::LinkId) override { return true; }
   absl::Status Post(absl::Span<const transport::WorkRequest> batch) override {
     MutexLock l(&mu_);
     for (const auto& wr : batch) done_.push_back(wr.cookie);

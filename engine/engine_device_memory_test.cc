@@ -218,6 +218,7 @@ class NoGpuNics final : public transport::Transport {
     return t_->CompleteLink(l, params);
   }
   absl::Status CloseLink(transport::LinkId l) override { return t_->CloseLink(l); }
+  bool HasLink(transport::LinkId l) override { return t_->HasLink(l); }
   absl::Status Post(absl::Span<const transport::WorkRequest> b) override { return t_->Post(b); }
   size_t PollCompletions(absl::Span<transport::Completion> out) override {
     return t_->PollCompletions(out);

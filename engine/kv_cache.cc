@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -10,7 +11,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/clock.h"
 #include "base/status_macros.h"
+#include "base/thread.h"
+#include "net/socket.h"
 
 namespace kvferry {
 namespace {
@@ -328,7 +332,10 @@ absl::Status KvSender::Send(const std::string& request_id, const std::string& pe
 // ---------------------------------------------------------------- receiver
 
 absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* engine,
-                                                              KvPool pool) {
+                                                              KvPool pool, Options options) {
+  if (options.peer_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("KvReceiver: peer_timeout must be positive");
+  }
   RETURN_IF_ERROR(pool.Register(*engine, transport::Access::kRemoteWrite));
   std::vector<std::string> addrs;
   for (uint32_t b = 0; b < pool.layout().buffer_count(); ++b) {
@@ -336,7 +343,139 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* e
   }
   RETURN_IF_ERROR(engine->PublishMetadata(
       kKvPoolMetadataKey, absl::StrCat(pool.layout().Encode(), "\n", absl::StrJoin(addrs, ","))));
-  return std::unique_ptr<KvReceiver>(new KvReceiver(engine, std::move(pool)));
+  return std::unique_ptr<KvReceiver>(new KvReceiver(engine, std::move(pool), options));
+}
+
+KvReceiver::~KvReceiver() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    changed_.SignalAll();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+absl::Status KvReceiver::Expect(const std::string& request_id, const std::string& prefill) {
+  if (request_id.empty() || request_id.find(kSep) != std::string::npos) {
+    return absl::InvalidArgumentError("request ids must be non-empty and contain no NUL");
+  }
+  absl::StatusOr<net::HostPort> hp = net::ParseHostPort(prefill);
+  if (!hp.ok()) return Annotate(hp.status(), "KvReceiver::Expect");
+  const std::string peer = hp->ToString();
+  const absl::Time now = engine_->clock()->Now();
+  bool start = false;
+  {
+    MutexLock lock(&mu_);
+    Status& s = requests_[request_id];
+    if (s.state != State::kPending) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("KV request ", request_id, " already finished (Forget it to reuse its id)"));
+    }
+    expected_[request_id] = peer;
+    if (prefills_.find(peer) == prefills_.end()) prefills_[peer] = Prefill{0, now, now};
+    start = !watcher_started_ && engine_->clock() == RealClock();
+    watcher_started_ = watcher_started_ || start;
+    changed_.SignalAll();
+  }
+  if (start) {
+    absl::StatusOr<std::thread> t = StartThread("a KV receiver's prefill watcher", [this] { Watch(); });
+    if (!t.ok()) {
+      MutexLock lock(&mu_);
+      watcher_started_ = false;
+      expected_.erase(request_id);
+      return t.status();
+    }
+    watcher_ = std::move(*t);
+  }
+  return absl::OkStatus();
+}
+
+void KvReceiver::Watch() {
+  mu_.Lock();
+  while (!stopping_) {
+    absl::Time next = absl::InfiniteFuture();
+    for (const auto& [peer, p] : prefills_) next = std::min(next, p.next_probe);
+    const absl::Duration wait = next - absl::Now();
+    if (wait > absl::ZeroDuration()) {
+      changed_.WaitWithTimeout(&mu_, std::min(wait, absl::Hours(1)));
+      continue;
+    }
+    mu_.Unlock();
+    CheckPrefills();
+    mu_.Lock();
+  }
+  mu_.Unlock();
+}
+
+void KvReceiver::CheckPrefills() {
+  Clock* clock = engine_->clock();
+  const absl::Duration period = options_.peer_timeout / 4;
+  std::vector<std::pair<std::string, Prefill>> due;
+  {
+    MutexLock lock(&mu_);
+    // Prefills no pending request is expected from are forgotten.
+    std::set<std::string> wanted;
+    for (const auto& [id, peer] : expected_) wanted.insert(peer);
+    const absl::Time now = clock->Now();
+    for (auto it = prefills_.begin(); it != prefills_.end();) {
+      if (wanted.count(it->first) == 0) {
+        it = prefills_.erase(it);
+        continue;
+      }
+      if (it->second.next_probe <= now) due.emplace_back(it->first, it->second);
+      ++it;
+    }
+  }
+  for (const auto& [peer, p] : due) {
+    const absl::Time start = clock->Now();
+    absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, period);
+    const absl::Time now = clock->Now();
+    absl::Status dead;
+    if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
+      dead = absl::UnavailableError(absl::StrFormat(
+          "the prefill at %s restarted (engine %#x, now %#x): its requests were lost", peer,
+          p.engine_id, *id));
+    } else if (!id.ok() && now - p.last_answer >= options_.peer_timeout - period) {
+      dead = absl::UnavailableError(absl::StrCat(
+          "the prefill at ", peer, " has not answered for ",
+          absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))), " (",
+          id.status().message(), ")"));
+    }
+    // Fenced before anyone is told: nothing of it lands afterwards.
+    if (!dead.ok() && p.engine_id != 0) engine_->FencePeer(p.engine_id);
+    MutexLock lock(&mu_);
+    auto it = prefills_.find(peer);
+    if (it == prefills_.end()) continue;
+    if (!dead.ok()) {
+      FailFrom(peer, dead);
+      prefills_.erase(it);
+      continue;
+    }
+    if (id.ok()) {
+      it->second.engine_id = *id;
+      it->second.last_answer = now;
+    }
+    it->second.next_probe = start + period;
+  }
+}
+
+void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
+  // What arrived before the fence counts: a request whose completion is
+  // already here is complete.
+  Absorb(engine_->TakeNotifications());
+  for (auto it = expected_.begin(); it != expected_.end();) {
+    if (it->second != prefill) {
+      ++it;
+      continue;
+    }
+    Status& s = requests_[it->first];
+    if (s.state == State::kPending) {
+      s.state = State::kFailed;
+      s.error = why;
+    }
+    it = expected_.erase(it);
+  }
+  changed_.SignalAll();
 }
 
 void KvReceiver::Absorb(std::vector<Notification> notes) {
@@ -346,6 +485,7 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
       others_.push_back(std::move(n));
       continue;
     }
+    expected_.erase(parts[2]);
     Status& s = requests_[parts[2]];
     if (s.state != State::kPending) continue;  // first word wins
     if (parts[1] == "done") {
@@ -368,27 +508,47 @@ KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
 
 absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_id,
                                                    absl::Duration timeout) {
+  // One waiting thread at a time takes notifications from the engine (in
+  // short slices, so a failure found by the watcher is seen promptly); the
+  // others wait for it to say something changed.
+  constexpr absl::Duration kSlice = absl::Milliseconds(10);
   Clock* clock = engine_->clock();
+  const bool simulated = clock != RealClock();
   const absl::Time deadline = clock->Now() + timeout;
+  mu_.Lock();
   for (;;) {
-    Status s = Poll(request_id);
-    if (s.state != State::kPending) return s;
+    Absorb(engine_->TakeNotifications());
+    auto it = requests_.find(request_id);
+    if (it != requests_.end() && it->second.state != State::kPending) {
+      Status s = it->second;
+      mu_.Unlock();
+      return s;
+    }
     const absl::Duration left = deadline - clock->Now();
     if (left <= absl::ZeroDuration()) {
+      mu_.Unlock();
       return absl::DeadlineExceededError(absl::StrCat(
           "KV request ", request_id, " still pending after ", absl::FormatDuration(timeout)));
     }
-    absl::StatusOr<Notification> n = engine_->WaitNotification(left);
-    if (n.ok()) {
-      MutexLock lock(&mu_);
-      Absorb({std::move(*n)});
+    if (pumping_) {
+      changed_.WaitWithTimeout(&mu_, std::min(left, kSlice));
+      continue;
     }
+    pumping_ = true;
+    mu_.Unlock();
+    if (simulated) CheckPrefills();  // no watcher thread on simulated time
+    absl::StatusOr<Notification> n = engine_->WaitNotification(std::min(left, kSlice));
+    mu_.Lock();
+    pumping_ = false;
+    if (n.ok()) Absorb({std::move(*n)});
+    changed_.SignalAll();
   }
 }
 
 void KvReceiver::Forget(const std::string& request_id) {
   MutexLock lock(&mu_);
   requests_.erase(request_id);
+  expected_.erase(request_id);
 }
 
 std::vector<Notification> KvReceiver::TakeOtherNotifications() {

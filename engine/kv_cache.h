@@ -26,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -171,17 +172,41 @@ class KvReceiver {
     absl::Status error;  // kFailed: why
     std::string aux;     // kComplete: the sender's auxiliary payload
   };
+  struct Options {
+    // A prefill that an expected request comes from (Expect) and that stays
+    // dead, frozen or unreachable this long fails its requests; the report
+    // comes within this bound of its death. It is probed every quarter of
+    // it.
+    absl::Duration peer_timeout = absl::Seconds(4);
+  };
 
   // Registers `pool` for remote writes and publishes its layout so senders
   // can find it.
   static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(TransferEngine* engine,
-                                                            KvPool pool);
+                                                            KvPool pool, Options options);
+  static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(TransferEngine* engine,
+                                                            KvPool pool) {
+    return Create(engine, std::move(pool), Options());
+  }
+  ~KvReceiver();
+
+  // Declares that request `request_id` is to come from the prefill engine at
+  // `prefill` ("host:port"), e.g. when the decode has allocated its pages
+  // and told the prefill where to write. If that prefill dies, freezes,
+  // restarts or cannot be reached for peer_timeout before the request
+  // completes (even one it never started), the request fails with
+  // kUnavailable naming the cause, and before that is reported the prefill
+  // is fenced (TransferEngine::FencePeer): no byte of it lands in the pool
+  // afterwards. kInvalidArgument for a bad address; kFailedPrecondition if
+  // the request already finished.
+  absl::Status Expect(const std::string& request_id, const std::string& prefill);
 
   const KvPool& pool() const { return pool_; }
   // The request's state now (kPending if nothing has been heard of it).
   Status Poll(const std::string& request_id);
-  // Waits until the request completes or fails. kDeadlineExceeded if it is
-  // still pending after `timeout`.
+  // Waits until the request completes or fails (several threads may wait,
+  // each for its own request). kDeadlineExceeded if it is still pending
+  // after `timeout`.
   absl::StatusOr<Status> Wait(const std::string& request_id, absl::Duration timeout);
   // Forgets a finished request (its aux payload too).
   void Forget(const std::string& request_id);
@@ -189,14 +214,34 @@ class KvReceiver {
   std::vector<Notification> TakeOtherNotifications();
 
  private:
-  KvReceiver(TransferEngine* engine, KvPool pool) : engine_(engine), pool_(std::move(pool)) {}
+  // A prefill that expected requests come from.
+  struct Prefill {
+    uint64_t engine_id = 0;    // as its first probe answered (0: not yet)
+    absl::Time last_answer;    // or when it was first expected
+    absl::Time next_probe;
+  };
+  KvReceiver(TransferEngine* engine, KvPool pool, Options options)
+      : engine_(engine), pool_(std::move(pool)), options_(options) {}
   void Absorb(std::vector<Notification> notes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Probes the prefills that are due; fences and fails those that are dead.
+  void CheckPrefills();
+  void Watch();
+  void FailFrom(const std::string& prefill, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   TransferEngine* const engine_;
   const KvPool pool_;
+  const Options options_;
   Mutex mu_;
+  CondVar changed_;  // a request finished, or Expect/stop
+  bool pumping_ ABSL_GUARDED_BY(mu_) = false;  // a Wait is in WaitNotification
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool watcher_started_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, Status> requests_ ABSL_GUARDED_BY(mu_);
   std::vector<Notification> others_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> expected_ ABSL_GUARDED_BY(mu_);  // request -> prefill
+  std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
+  std::thread watcher_;  // with the real clock; simulations check from Wait
 };
 
 // The metadata key under which a receiver publishes its pool.

@@ -1,10 +1,12 @@
 #include "engine/peer_service.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "transport/link_params.h"
 
 namespace kvferry {
@@ -28,7 +30,78 @@ absl::StatusOr<handshake::EngineDescriptor> PeerService::Describe(absl::string_v
   return absl::NotFoundError(absl::StrCat("this engine has no ", kind, " transport"));
 }
 
+absl::Status PeerService::RefuseFenced(uint64_t engine_id) const {
+  if (!Fenced(engine_id)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "engine %#x was declared failed by engine %#x, which no longer accepts its links or "
+      "notifications (a restarted process gets a new engine id)",
+      engine_id, engine_id_));
+}
+
+bool PeerService::Fenced(uint64_t engine_id) const {
+  MutexLock lock(&mu_);
+  return fenced_.contains(engine_id);
+}
+
+size_t PeerService::TrackedLinks() const {
+  MutexLock lock(&mu_);
+  return tracked_;
+}
+
+absl::Status PeerService::Track(uint64_t engine_id, transport::Transport* t,
+                                transport::LinkId link) {
+  {
+    MutexLock lock(&mu_);
+    if (!fenced_.contains(engine_id)) {
+      links_by_engine_[engine_id].emplace_back(t, link);
+      if (++tracked_ > prune_at_) PruneClosedLinks();
+      return absl::OkStatus();
+    }
+  }
+  // Fenced while its link was being accepted.
+  (void)t->CloseLink(link);
+  return RefuseFenced(engine_id);
+}
+
+// Forgets links that are gone (their peers closed them): what stays is
+// bounded by the transports' link caps.
+void PeerService::PruneClosedLinks() {
+  tracked_ = 0;
+  for (auto it = links_by_engine_.begin(); it != links_by_engine_.end();) {
+    auto& v = it->second;
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [](const auto& l) { return !l.first->HasLink(l.second); }),
+            v.end());
+    tracked_ += v.size();
+    it = v.empty() ? links_by_engine_.erase(it) : std::next(it);
+  }
+  prune_at_ = std::max(kPruneAbove, 2 * tracked_);
+}
+
+void PeerService::Fence(uint64_t engine_id) {
+  std::vector<std::pair<transport::Transport*, transport::LinkId>> links;
+  {
+    MutexLock lock(&mu_);
+    if (fenced_.insert(engine_id).second) {
+      fenced_order_.push_back(engine_id);
+      if (fenced_order_.size() > kMaxFenced) {
+        fenced_.erase(fenced_order_.front());
+        fenced_order_.pop_front();
+      }
+    }
+    auto it = links_by_engine_.find(engine_id);
+    if (it != links_by_engine_.end()) {
+      links = std::move(it->second);
+      tracked_ -= links.size();
+      links_by_engine_.erase(it);
+    }
+  }
+  // Outside the lock: closing a TCP link waits for its reader thread.
+  for (const auto& [t, link] : links) (void)t->CloseLink(link);
+}
+
 absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest& c) {
+  RETURN_IF_ERROR(RefuseFenced(c.engine_id));
   // With several transports, the link parameters say which one made them
   // (transport/link_params.h); with one, it is that one whatever its format.
   absl::StatusOr<std::string> kind = transport::LinkParams::KindOf(c.params);
@@ -38,6 +111,7 @@ absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest&
     absl::StatusOr<transport::LinkOffer> offer =
         t->AcceptLink(c.target_nic, c.requester_nic_info, c.params);
     if (!offer.ok()) return offer.status();
+    RETURN_IF_ERROR(Track(c.engine_id, t, offer->link));
     return std::move(offer->params);
   }
   return absl::FailedPreconditionError(
@@ -80,6 +154,7 @@ Frame PeerService::ConnectLinks(const Frame& request) {
 Frame PeerService::Notify(const Frame& request) {
   absl::StatusOr<handshake::Notify> n = handshake::DecodeNotify(request.payload);
   if (!n.ok()) return ErrorFrame(n.status());
+  if (absl::Status fenced = RefuseFenced(n->engine_id); !fenced.ok()) return ErrorFrame(fenced);
   if (n->target_engine_id != 0 && n->target_engine_id != engine_id_) {
     return ErrorFrame(absl::FailedPreconditionError(absl::StrFormat(
         "notification meant for engine %#x, but this is engine %#x (the peer restarted; "

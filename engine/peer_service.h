@@ -6,7 +6,13 @@
 #define KVFERRY_ENGINE_PEER_SERVICE_H_
 
 #include <cstdint>
+#include <deque>
+#include <map>
+#include <utility>
 #include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "base/mutex.h"
 
 #include "engine/local_regions.h"
 #include "engine/notifications.h"
@@ -42,18 +48,45 @@ class PeerService {
   // Answers one request (an error frame for anything malformed).
   handshake::Frame Handle(const handshake::Frame& request);
 
+  // Fences the peer instance `engine_id` (declared failed): closes every
+  // link it opened to this engine and refuses its links and notifications
+  // from then on. Returns once nothing it sends on those links can land in
+  // this engine's memory (the transports' CloseLink). Idempotent.
+  void Fence(uint64_t engine_id);
+  bool Fenced(uint64_t engine_id) const;
+  // Links accepted for peers and still tracked for fencing (tests).
+  size_t TrackedLinks() const;
+
  private:
   // One link: the accepting transport's parameters.
   absl::StatusOr<std::string> Accept(const handshake::ConnectRequest& c);
   handshake::Frame Connect(const handshake::Frame& request);
   handshake::Frame ConnectLinks(const handshake::Frame& request);
   handshake::Frame Notify(const handshake::Frame& request);
+  absl::Status RefuseFenced(uint64_t engine_id) const;
+  // Remembers that `engine_id` opened `link`; closes it at once (and says
+  // so) if that engine was fenced meanwhile.
+  absl::Status Track(uint64_t engine_id, transport::Transport* t, transport::LinkId link);
+  void PruneClosedLinks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Tracked links are pruned of closed ones when their count passes this.
+  static constexpr size_t kPruneAbove = 4096;
+  // Fenced instances remembered (the oldest forgotten first).
+  static constexpr size_t kMaxFenced = 65536;
 
   const uint64_t engine_id_;
   const std::vector<transport::Transport*> transports_;
   const LocalRegions* const regions_;
   Inbox* const inbox_;
   const MetadataStore* const metadata_;
+
+  mutable Mutex mu_;
+  std::map<uint64_t, std::vector<std::pair<transport::Transport*, transport::LinkId>>>
+      links_by_engine_ ABSL_GUARDED_BY(mu_);
+  size_t tracked_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t prune_at_ ABSL_GUARDED_BY(mu_) = kPruneAbove;
+  absl::flat_hash_set<uint64_t> fenced_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> fenced_order_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace engine_internal

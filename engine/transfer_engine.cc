@@ -403,6 +403,12 @@ absl::StatusOr<std::string> TransferEngine::FetchMetadata(SegmentId segment,
                                                           const std::string& key) {
   return impl_->FetchMetadata(segment, key);
 }
+absl::StatusOr<uint64_t> TransferEngine::ProbePeer(const std::string& peer,
+                                                   absl::Duration timeout) {
+  ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer));
+  return impl_->client_.Probe(hp.ToString(), timeout);
+}
+void TransferEngine::FencePeer(uint64_t engine_id) { impl_->service_.Fence(engine_id); }
 std::vector<Notification> TransferEngine::TakeNotifications() { return impl_->inbox_.TakeAll(); }
 absl::StatusOr<Notification> TransferEngine::WaitNotification(absl::Duration timeout) {
   return impl_->inbox_.Next(timeout);

@@ -273,6 +273,20 @@ class TransferEngine {
   absl::Status PublishMetadata(const std::string& key, std::string value);
   absl::StatusOr<std::string> FetchMetadata(SegmentId segment, const std::string& key);
 
+  // The engine id of the engine answering at `peer` ("host:port"), asked
+  // over the handshake within `timeout`: kUnavailable or kDeadlineExceeded
+  // when it does not answer. A different id than before means the peer
+  // restarted.
+  absl::StatusOr<uint64_t> ProbePeer(const std::string& peer, absl::Duration timeout);
+  // Fences the peer instance `engine_id` once it is declared failed: closes
+  // every link it opened to this engine and refuses its links and
+  // notifications from then on (kFailedPrecondition to it). When this
+  // returns, nothing it sends can land in this engine's memory any more
+  // (TCP: the links' reader threads are gone; verbs: its queue pairs are
+  // destroyed), even if it was only frozen and resumes. Its successor (a
+  // restarted process has a new engine id) is not affected.
+  void FencePeer(uint64_t engine_id);
+
   // Notifications received so far (and removes them), or waits for one.
   // Per local NIC: the primary transport's in its order, then the
   // fallback's (EngineParts::fallback).

@@ -6,9 +6,12 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "absl/strings/str_cat.h"
+#include "engine/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
 #include "tests/peer_process.h"
+#include "tests/test_kv_layout.h"
 
 namespace kvferry {
 namespace {
@@ -134,6 +137,138 @@ TEST(PeerFailure, ConcurrentCallersShareOneReconnectAfterARestart) {
   EXPECT_EQ(ok.load(), 8);
   EXPECT_NE(new_remote.load(), 0u);
   EXPECT_EQ(e->GetCounters().reconnects - reconnects_before, 1u);
+}
+
+// ---------------------------------------------------------------- KV layer
+//
+// A decode (this process) expects a request from a prefill in another
+// process (peer_main --kv_prefill_to), which sends one layer every 300 ms.
+// The prefill dies or freezes just after layer 0 has landed; the decode's
+// KvReceiver reports the request failed within peer_timeout, and nothing
+// lands in its pool afterwards even when a frozen prefill resumes.
+
+struct Decode {
+  std::unique_ptr<TransferEngine> engine;
+  KvPool pool;
+  std::unique_ptr<KvReceiver> receiver;
+};
+
+Decode StartDecode(absl::Duration peer_timeout) {
+  Decode d;
+  d.engine = Initiator(peer_timeout);
+  auto pool = KvPool::Allocate(TestKvLayout());
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  d.pool = *pool;
+  KvReceiver::Options o;
+  o.peer_timeout = peer_timeout;
+  auto r = KvReceiver::Create(d.engine.get(), d.pool, o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  d.receiver = std::move(*r);
+  return d;
+}
+
+absl::StatusOr<PeerProcess> StartPrefill(const Decode& d, const std::string& request) {
+  return PeerProcess::Start(0, 0, absl::Seconds(20),
+                            {absl::StrCat("--kv_prefill_to=", d.engine->address()),
+                             absl::StrCat("--kv_request=", request), "--kv_layer_delay_ms=300"});
+}
+
+// Waits until the first byte of `layer`'s K buffer holds the prefill's
+// value for it.
+bool LayerLanded(const Decode& d, uint32_t layer, absl::Duration within) {
+  const absl::Time deadline = absl::Now() + within;
+  const volatile char* p = d.pool.page(layer, 0, 0);
+  while (absl::Now() < deadline) {
+    if (*p == static_cast<char>(layer + 1)) return true;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return false;
+}
+
+std::string Snapshot(const KvPool& pool) {
+  const KvLayout& l = pool.layout();
+  std::string out;
+  for (uint32_t b = 0; b < l.buffer_count(); ++b) out.append(pool.buffer(b), l.buffer_bytes());
+  return out;
+}
+
+constexpr absl::Duration kKvPeerTimeout = absl::Seconds(1);
+// peer_timeout plus scheduling slack (sanitizer builds are slow).
+const absl::Duration kReportBound = kKvPeerTimeout + absl::Milliseconds(1500);
+
+TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) {
+  Decode d = StartDecode(kKvPeerTimeout);
+  auto prefill = StartPrefill(d, "killed");
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  ASSERT_TRUE(d.receiver->Expect("killed", prefill->address()).ok());
+  ASSERT_TRUE(LayerLanded(d, 0, absl::Seconds(10)));
+  prefill->Kill();
+  const absl::Time killed = absl::Now();
+  auto s = d.receiver->Wait("killed", absl::Seconds(15));
+  const absl::Duration took = absl::Now() - killed;
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->state, KvReceiver::State::kFailed);
+  EXPECT_EQ(s->error.code(), absl::StatusCode::kUnavailable) << s->error;
+  EXPECT_NE(s->error.message().find(prefill->address()), std::string::npos) << s->error;
+  EXPECT_LT(took, kReportBound) << "took " << took;
+  std::printf("killed prefill: decode reported the request failed %s after the kill\n",
+              absl::FormatDuration(took).c_str());
+  // The decode goes on: a new prefill's request completes.
+  auto next = StartPrefill(d, "next");
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_TRUE(d.receiver->Expect("next", next->address()).ok());
+  auto done = d.receiver->Wait("next", absl::Seconds(20));
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state, KvReceiver::State::kComplete) << done->error;
+  EXPECT_EQ(done->aux, "aux");
+  for (uint32_t layer = 0; layer < TestKvLayout().layers; ++layer) {
+    EXPECT_EQ(*d.pool.page(layer, 1, TestKvLayout().pages - 1), static_cast<char>(layer + 1));
+  }
+}
+
+TEST(PeerFailure, KvPrefillFrozenMidRequestIsFailedAndFencedBeforeItResumes) {
+  Decode d = StartDecode(kKvPeerTimeout);
+  auto prefill = StartPrefill(d, "frozen");
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  ASSERT_TRUE(d.receiver->Expect("frozen", prefill->address()).ok());
+  ASSERT_TRUE(LayerLanded(d, 0, absl::Seconds(10)));
+  prefill->Freeze();
+  const absl::Time frozen = absl::Now();
+  auto s = d.receiver->Wait("frozen", absl::Seconds(15));
+  const absl::Duration took = absl::Now() - frozen;
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->state, KvReceiver::State::kFailed);
+  EXPECT_EQ(s->error.code(), absl::StatusCode::kUnavailable) << s->error;
+  EXPECT_NE(s->error.message().find("has not answered"), std::string::npos) << s->error;
+  EXPECT_LT(took, kReportBound) << "took " << took;
+  std::printf("frozen prefill: decode reported the request failed %s after the freeze\n",
+              absl::FormatDuration(took).c_str());
+  // Fenced: the prefill resumes and tries to send layers 1-3 (one every
+  // 300 ms) and its completion; none of it lands, nor is it reported.
+  const std::string at_report = Snapshot(d.pool);
+  prefill->Thaw();
+  absl::SleepFor(absl::Seconds(2));
+  EXPECT_TRUE(Snapshot(d.pool) == at_report) << "bytes landed after the failure was reported";
+  EXPECT_EQ(d.receiver->Poll("frozen").state, KvReceiver::State::kFailed);
+}
+
+TEST(PeerFailure, KvRequestFromAPrefillThatNeverAnswersFailsWithinPeerTimeout) {
+  Decode d = StartDecode(kKvPeerTimeout);
+  // An address where nothing listens any more.
+  auto gone = PeerProcess::Start(0, 4096);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  const std::string address = gone->address();
+  gone->Kill();
+  const absl::Time t0 = absl::Now();
+  ASSERT_TRUE(d.receiver->Expect("never", address).ok());
+  auto s = d.receiver->Wait("never", absl::Seconds(15));
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->state, KvReceiver::State::kFailed);
+  EXPECT_LT(took, kReportBound) << "took " << took;
+  EXPECT_GE(took, kKvPeerTimeout / 2) << "one refused probe is not yet a dead prefill";
+  EXPECT_EQ(d.receiver->Expect("bad", "no-port").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(d.receiver->Expect("never", address).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

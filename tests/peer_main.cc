@@ -3,22 +3,70 @@
 //   peer_main --port=P [--bytes=N] [--secret_env]
 // Serves a zeroed buffer of N bytes over TCP on 127.0.0.1:P (P=0: any free
 // port), publishes "buffer" = "<address> <length>" as metadata, prints
-// "READY <host:port>" and waits to be killed. Raises its
+// "READY <host:port>" and waits to be killed.
+//   peer_main --kv_prefill_to=HOST:PORT --kv_request=ID [--kv_layer_delay_ms=D]
+// Instead acts as a prefill: sends request ID of a KV pool of TestKvLayout()
+// (every page to the same page, layer by layer, one every D ms, each byte
+// `layer + 1`) to the decode at HOST:PORT, then finishes it, and waits to be
+// killed (peer_failure_test kills or freezes it mid-request). Raises its
 // descriptor limit to the hard limit (attack tests open many connections).
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
+#include "absl/time/clock.h"
+#include "engine/kv_cache.h"
 #include "engine/transfer_engine.h"
+#include "tests/test_kv_layout.h"
 
 ABSL_FLAG(uint16_t, port, 0, "handshake port (0: any free one)");
 ABSL_FLAG(uint64_t, bytes, 1 << 20, "bytes of registered memory");
+ABSL_FLAG(std::string, kv_prefill_to, "", "act as a prefill sending to this decode");
+ABSL_FLAG(std::string, kv_request, "req", "the KV request id to send");
+ABSL_FLAG(int, kv_layer_delay_ms, 300, "pause before each layer");
+
+namespace {
+
+// Prefill mode (see the file comment); returns the exit code.
+int Prefill(kvferry::TransferEngine* engine) {
+  const kvferry::KvLayout layout = kvferry::TestKvLayout();
+  auto pool = kvferry::KvPool::Allocate(layout);
+  if (!pool.ok()) return 1;
+  for (uint32_t layer = 0; layer < layout.layers; ++layer) {
+    for (uint32_t kv = 0; kv < layout.buffers_per_layer(); ++kv) {
+      std::memset(pool->page(layer, kv, 0), layer + 1, layout.buffer_bytes());
+    }
+  }
+  auto sender = kvferry::KvSender::Create(engine, *pool);
+  if (!sender.ok()) return 1;
+  std::vector<uint32_t> pages(layout.pages);
+  for (uint32_t i = 0; i < layout.pages; ++i) pages[i] = i;
+  auto h = (*sender)->Begin(absl::GetFlag(FLAGS_kv_request), absl::GetFlag(FLAGS_kv_prefill_to),
+                            pages, pages);
+  if (!h.ok()) {
+    std::fprintf(stderr, "peer_main: %s\n", h.status().ToString().c_str());
+    return 1;
+  }
+  for (uint32_t layer = 0; layer < layout.layers; ++layer) {
+    absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_kv_layer_delay_ms)));
+    absl::Status sent = (*sender)->SendLayer(*h, layer);
+    if (!sent.ok()) std::fprintf(stderr, "peer_main: layer %u: %s\n", layer, sent.ToString().c_str());
+  }
+  absl::Status done = (*sender)->Finish(*h, "aux");
+  std::printf("FINISHED %s\n", done.ToString().c_str());
+  std::fflush(stdout);
+  for (;;) pause();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -36,6 +84,11 @@ int main(int argc, char** argv) {
   if (!engine.ok()) {
     std::fprintf(stderr, "peer_main: %s\n", engine.status().ToString().c_str());
     return 1;
+  }
+  if (!absl::GetFlag(FLAGS_kv_prefill_to).empty()) {
+    std::printf("READY %s\n", (*engine)->address().c_str());
+    std::fflush(stdout);
+    return Prefill(engine->get());
   }
   std::vector<char> buffer(absl::GetFlag(FLAGS_bytes), 0);
   // Tests write into it and read it back.

@@ -27,8 +27,10 @@ namespace kvferry {
 class PeerProcess {
  public:
   // Spawns peer_main (from the test's runfiles) and waits for its READY line.
+  // `extra` are more flags for peer_main.
   static absl::StatusOr<PeerProcess> Start(uint16_t port, uint64_t bytes,
-                                           absl::Duration timeout = absl::Seconds(20)) {
+                                           absl::Duration timeout = absl::Seconds(20),
+                                           std::vector<std::string> extra = {}) {
     const char* srcdir = std::getenv("TEST_SRCDIR");
     const char* ws = std::getenv("TEST_WORKSPACE");
     if (srcdir == nullptr || ws == nullptr) return absl::FailedPreconditionError("not under bazel test");
@@ -40,6 +42,7 @@ class PeerProcess {
     posix_spawn_file_actions_adddup2(&fa, out[1], 1);
     std::vector<std::string> args = {bin, absl::StrCat("--port=", port),
                                      absl::StrCat("--bytes=", bytes)};
+    for (std::string& a : extra) args.push_back(std::move(a));
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

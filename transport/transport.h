@@ -214,7 +214,11 @@ class Transport {
     return absl::UnimplementedError("this transport has no route information");
   }
   // Tears the link down; its outstanding requests complete with kCancelled.
+  // Once it returns, nothing the peer sends on the link lands in memory.
   virtual absl::Status CloseLink(LinkId link) = 0;
+  // Whether `link` is still open (a passive link whose peer went away may
+  // be gone already).
+  virtual bool HasLink(LinkId link) = 0;
 
   // Queues the batch, all or nothing (see the file comment for codes).
   virtual absl::Status Post(absl::Span<const WorkRequest> batch) = 0;

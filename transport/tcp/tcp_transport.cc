@@ -309,6 +309,7 @@ class TcpTransport final : public Transport {
                                        absl::string_view peer_params) override;
   absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
   absl::Status CloseLink(LinkId link) override;
+  bool HasLink(LinkId link) override;
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
@@ -848,6 +849,12 @@ void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
   ::shutdown(link->fd.get(), SHUT_RDWR);
   link->reader.Join();
   link->writer.Join();
+}
+
+bool TcpTransport::HasLink(LinkId id) {
+  ReapDeadPassiveLinks();
+  MutexLock lock(&mu_);
+  return links_.count(id) != 0;
 }
 
 absl::Status TcpTransport::CloseLink(LinkId id) {

@@ -127,6 +127,10 @@ class VerbsTransport final : public Transport {
   absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
   absl::StatusOr<NicIndex> RouteTo(const NicInfo& peer_nic) override;
   absl::Status CloseLink(LinkId link) override;
+  bool HasLink(LinkId link) override {
+    MutexLock lock(&mu_);
+    return links_.count(link) != 0;
+  }
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
