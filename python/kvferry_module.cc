@@ -427,13 +427,99 @@ PYBIND11_MODULE(kvferry, m) {
             Check(st);
           },
           py::arg("request_id"), py::arg("peer"), py::arg("src_pages"), py::arg("dst_pages"),
-          py::arg("aux") = "");
+          py::arg("aux") = "")
+      .def(
+          "begin",
+          [](KvSender& s, const std::string& request_id, const std::string& peer,
+             const std::vector<uint32_t>& src_pages, const std::vector<uint32_t>& dst_pages) {
+            absl::StatusOr<KvSender::Handle> h;
+            {
+              py::gil_scoped_release release;
+              h = s.Begin(request_id, peer, src_pages, dst_pages);
+            }
+            return Value(std::move(h));
+          },
+          py::arg("request_id"), py::arg("peer"), py::arg("src_pages"), py::arg("dst_pages"),
+          "Starts a request (checks pages and layouts; sends nothing); returns its handle "
+          "for send_layer, send_all, finish and cancel.")
+      .def(
+          "send_layer",
+          [](KvSender& s, KvSender::Handle h, uint32_t layer) {
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.SendLayer(h, layer);
+            }
+            Check(st);
+          },
+          py::arg("handle"), py::arg("layer"), "Sends one layer now (layer-wise mode).")
+      .def(
+          "send_all",
+          [](KvSender& s, KvSender::Handle h) {
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.SendAll(h);
+            }
+            Check(st);
+          },
+          py::arg("handle"), "Sends every layer not sent yet.")
+      .def(
+          "finish",
+          [](KvSender& s, KvSender::Handle h, const std::string& aux) {
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.Finish(h, aux);
+            }
+            Check(st);
+          },
+          py::arg("handle"), py::arg("aux") = "",
+          "Sends what remains, waits for every byte, then tells the decode the request is "
+          "complete (or, on failure, that it failed).")
+      .def(
+          "cancel",
+          [](KvSender& s, KvSender::Handle h, const std::string& reason) {
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.Cancel(h, reason);
+            }
+            Check(st);
+          },
+          py::arg("handle"), py::arg("reason") = "",
+          "Stops sending, waits for what is in flight, tells the decode the request failed.");
 
   py::class_<KvReceiver>(m, "KvReceiver", "Receives KV pages into a pool.")
-      .def(py::init([](Engine& e, const KvPool& pool) {
-             return Value(KvReceiver::Create(e.get(), pool));
+      .def(py::init([](Engine& e, const KvPool& pool, double peer_timeout_s) {
+             KvReceiver::Options o;
+             o.peer_timeout = absl::Seconds(peer_timeout_s);
+             return Value(KvReceiver::Create(e.get(), pool, o));
            }),
-           py::arg("engine"), py::arg("pool"), py::keep_alive<1, 2>())
+           py::arg("engine"), py::arg("pool"), py::arg("peer_timeout") = 4.0,
+           py::keep_alive<1, 2>())
+      .def(
+          "expect",
+          [](KvReceiver& r, const std::string& request_id, const std::string& prefill) {
+            Check(r.Expect(request_id, prefill));
+          },
+          py::arg("request_id"), py::arg("prefill"),
+          "Declares a request to come from the prefill at 'host:port': if that prefill dies, "
+          "freezes or cannot be reached for peer_timeout first, the request fails (and the "
+          "prefill is fenced: nothing of it lands afterwards).")
+      .def(
+          "poll",
+          [](KvReceiver& r, const std::string& request_id) -> py::object {
+            KvReceiver::Status s = r.Poll(request_id);
+            if (s.state == KvReceiver::State::kFailed) Raise(s.error);
+            if (s.state == KvReceiver::State::kPending) return py::none();
+            return py::bytes(s.aux);
+          },
+          py::arg("request_id"),
+          "None while pending, the aux bytes once complete; raises kvferry.Error if it failed.")
+      .def(
+          "forget", [](KvReceiver& r, const std::string& request_id) { r.Forget(request_id); },
+          py::arg("request_id"), "Forgets a finished request, so its id can be used again.")
       .def(
           "wait",
           [](KvReceiver& r, const std::string& request_id, double timeout_s) {

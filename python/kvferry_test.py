@@ -186,6 +186,62 @@ class KvTest(unittest.TestCase):
             kvferry.KvPool(0, False, 16, 256, 32, [])
 
 
+    def _pools(self, pages=8):
+        layers, page_tokens, bytes_per_token = 2, 16, 256
+        size = page_tokens * bytes_per_token * pages
+        src = [np.full(size, i + 1, dtype=np.uint8) for i in range(layers * 2)]
+        dst = [np.zeros(size, dtype=np.uint8) for _ in range(layers * 2)]
+        make = lambda arrs: kvferry.KvPool(layers, False, page_tokens, bytes_per_token, pages,
+                                           [a.ctypes.data for a in arrs])
+        return src, dst, make(src), make(dst)
+
+    def test_layer_wise_send_and_cancel_reach_the_decode(self):
+        prefill = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        decode = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        src, dst, src_pool, dst_pool = self._pools()
+        receiver = kvferry.KvReceiver(decode, dst_pool, peer_timeout=2.0)
+        sender = kvferry.KvSender(prefill, src_pool)
+        receiver.expect("layered", prefill.address)
+        h = sender.begin("layered", decode.address, [0, 1], [2, 3])
+        sender.send_layer(h, 0)
+        self.assertIsNone(receiver.poll("layered"))
+        sender.send_layer(h, 1)
+        sender.finish(h, aux="tok")
+        self.assertEqual(receiver.wait("layered", timeout=10), b"tok")
+        self.assertEqual(receiver.poll("layered"), b"tok")
+        np.testing.assert_array_equal(dst[3][2 * 4096:4 * 4096], src[3][:2 * 4096])
+        with self.assertRaises(kvferry.Error):
+            sender.send_layer(h, 0)  # the handle is gone after finish
+
+        h = sender.begin("dropped", decode.address, [4], [5])
+        sender.send_layer(h, 0)
+        sender.cancel(h, reason="client went away")
+        with self.assertRaises(kvferry.Error) as err:
+            receiver.wait("dropped", timeout=10)
+        self.assertIn("client went away", str(err.exception))
+        with self.assertRaises(kvferry.Error) as err:
+            receiver.poll("dropped")
+        receiver.forget("dropped")
+        self.assertIsNone(receiver.poll("dropped"))
+
+    def test_a_prefill_that_never_answers_fails_the_expected_request(self):
+        decode = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        gone = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        address = gone.address
+        del gone  # the engine stops listening
+        _, _, _, dst_pool = self._pools()
+        receiver = kvferry.KvReceiver(decode, dst_pool, peer_timeout=1.0)
+        receiver.expect("orphan", address)
+        start = time.monotonic()
+        with self.assertRaises(kvferry.Error) as err:
+            receiver.wait("orphan", timeout=10)
+        took = time.monotonic() - start
+        self.assertIn("has not answered", str(err.exception))
+        self.assertLess(took, 3.0)
+        with self.assertRaises(kvferry.Error):
+            receiver.expect("x", "not an address")
+
+
 class MetricsTest(unittest.TestCase):
     def test_prometheus_endpoint_counts_traffic(self):
         a = kvferry.Engine(host="127.0.0.1", transport="tcp", metrics_port=0)
