@@ -76,7 +76,7 @@ struct EngineOptions {
   // (waiting up to the other half). No answer: those requests fail with
   // kUnavailable and the next Submit handshakes again. An answer from a new
   // engine id (the peer restarted): they are retried on new links.
-  absl::Duration peer_timeout = absl::Seconds(10);
+  absl::Duration peer_timeout = absl::Seconds(4);
   // A segment with nothing in flight and no use for this long has its links
   // closed (connections, queue pairs); its handle stays valid and the next
   // Submit handshakes again. CloseSegment forgets one at once.
