@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "benchmark/benchmark.h"
 #include "engine/kv_cache.h"
@@ -128,8 +129,61 @@ void BM_RawOneBlock(benchmark::State& state) {
   state.SetLabel(std::string(kShapes[shape].name) + " one block");
 }
 
+// What end-to-end checksums cost: one request of 32 pages over 32 layers
+// (K and V) with page_bytes per buffer, sent and waited for (the receiver
+// checks every page before it reports), with checksums off and on.
+void BM_KvChecksumCost(benchmark::State& state) {
+  const uint64_t page_bytes = state.range(0);
+  const bool checksums = state.range(1) != 0;
+  struct Pair {
+    std::unique_ptr<TransferEngine> prefill, decode;
+    std::unique_ptr<KvSender> sender;
+    std::unique_ptr<KvReceiver> receiver;
+  };
+  static std::map<std::pair<uint64_t, bool>, std::unique_ptr<Pair>> pairs;
+  auto& p = pairs[{page_bytes, checksums}];
+  const KvLayout l{32, false, 1, page_bytes, 64};
+  if (!p) {
+    p = std::make_unique<Pair>();
+    p->prefill = Engine();
+    p->decode = Engine();
+    KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+    for (uint32_t b = 0; b < l.buffer_count(); ++b) std::memset(src.buffer(b), 3, l.buffer_bytes());
+    KvSender::Options o;
+    o.checksums = checksums;
+    p->sender = *KvSender::Create(p->prefill.get(), src, o);
+    p->receiver = *KvReceiver::Create(p->decode.get(), dst);
+  }
+  std::vector<uint32_t> pages(kRequestPages);
+  for (uint32_t i = 0; i < kRequestPages; ++i) pages[i] = i;
+  const std::string peer = p->decode->address();
+  uint64_t n = 0;
+  for (auto _ : state) {
+    const std::string id = "crc-" + std::to_string(n++);
+    auto done = p->sender->Send(id, peer, pages, pages, "").ok()
+                    ? p->receiver->Wait(id, absl::Seconds(30))
+                    : absl::StatusOr<KvReceiver::Status>(absl::InternalError("send"));
+    if (!done.ok() || done->state != KvReceiver::State::kComplete) {
+      state.SkipWithError("request failed");
+      break;
+    }
+    p->receiver->Forget(id);
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * kRequestPages * page_bytes *
+                          l.buffer_count());
+  state.SetLabel(absl::StrCat(page_bytes >> 10, " KiB pages, checksums ",
+                              checksums ? "on" : "off"));
+}
+
 // Per shape: the raw reference, then contiguous and scattered page lists.
 void Register() {
+  for (int64_t page : {2 << 10, 32 << 10}) {
+    for (int64_t on : {0, 1}) {
+      benchmark::RegisterBenchmark("BM_KvChecksumCost", BM_KvChecksumCost)
+          ->Args({page, on})
+          ->UseRealTime();
+    }
+  }
   for (int shape = 0; shape < 3; ++shape) {
     benchmark::RegisterBenchmark("BM_RawOneBlock", BM_RawOneBlock)->Arg(shape)->UseRealTime();
     benchmark::RegisterBenchmark("BM_KvRequest", BM_KvRequest)
@@ -150,6 +204,14 @@ class RatioReporter : public benchmark::ConsoleReporter {
     }
   }
   void PrintRatios() {
+    for (const char* page : {"2 KiB", "32 KiB"}) {
+      const double off = rates_[std::string(page) + " pages, checksums off"];
+      const double on = rates_[std::string(page) + " pages, checksums on"];
+      if (off > 0 && on > 0) {
+        std::printf("ratio checksums on / off, %s pages: %.2f (%.2f GB/s vs %.2f GB/s)\n", page,
+                    on / off, on / 1e9, off / 1e9);
+      }
+    }
     for (const Shape& shape : kShapes) {
       const double raw = rates_[std::string(shape.name) + " one block"];
       for (const char* kind : {" contiguous", " scattered"}) {

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/clock.h"
+#include "base/crc32c.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
 #include "net/socket.h"
@@ -26,6 +27,46 @@ constexpr char kSep = '\0';
 std::string KvMessage(absl::string_view kind, absl::string_view id, absl::string_view body) {
   return absl::StrCat("kv1", std::string(1, kSep), kind, std::string(1, kSep), id,
                       std::string(1, kSep), body);
+}
+
+// The CRC-32C of page `page` across every buffer of `pool`.
+uint32_t PageCrc(const KvPool& pool, uint32_t page) {
+  const KvLayout& l = pool.layout();
+  uint32_t crc = 0;
+  for (uint32_t b = 0; b < l.buffer_count(); ++b) {
+    crc = Crc32c(pool.buffer(b) + uint64_t{page} * l.page_bytes(), l.page_bytes(), crc);
+  }
+  return crc;
+}
+
+void PutU32(std::string* out, uint32_t v) {
+  char b[4];
+  std::memcpy(b, &v, 4);
+  out->append(b, 4);
+}
+
+bool GetU32(absl::string_view* in, uint32_t* v) {
+  if (in->size() < 4) return false;
+  std::memcpy(v, in->data(), 4);
+  in->remove_prefix(4);
+  return true;
+}
+
+// The body of a "donc" message: u32 runs, (u32 dst, u32 count) each, the
+// CRC of every destination page in run order, then the aux payload.
+std::string ChecksummedBody(const KvPool& pool, const std::vector<PageRun>& runs,
+                            absl::string_view aux) {
+  std::string out;
+  PutU32(&out, static_cast<uint32_t>(runs.size()));
+  for (const PageRun& r : runs) {
+    PutU32(&out, r.dst);
+    PutU32(&out, r.count);
+  }
+  for (const PageRun& r : runs) {
+    for (uint32_t i = 0; i < r.count; ++i) PutU32(&out, PageCrc(pool, r.src + i));
+  }
+  out.append(aux.data(), aux.size());
+  return out;
 }
 
 }  // namespace
@@ -180,6 +221,11 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
   }
   const KvLayout& mine = pool_.layout();
   ASSIGN_OR_RETURN(std::vector<PageRun> runs, CoalescePages(src_pages, dst_pages));
+  if (options_.checksums && dst_pages.size() > kMaxChecksumPages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV request ", request_id, ": ", dst_pages.size(), " pages; with checksums at most ",
+        kMaxChecksumPages, " per request"));
+  }
   ASSIGN_OR_RETURN(SegmentId segment, engine_->OpenSegment(peer));
   ASSIGN_OR_RETURN(std::string published, engine_->FetchMetadata(segment, kKvPoolMetadataKey));
   // The instance the pool description came from (FetchMetadata matched it
@@ -305,6 +351,9 @@ absl::Status KvSender::Finish(Handle h, const std::string& aux) {
   if (!data.ok()) {
     (void)Tell(*r, KvMessage("fail", r->id, data.message()));
     return Annotate(data, absl::StrCat("KV request ", r->id));
+  }
+  if (options_.checksums) {
+    return Tell(*r, KvMessage("donc", r->id, ChecksummedBody(pool_, r->runs, aux)));
   }
   return Tell(*r, KvMessage("done", r->id, aux));
 }
@@ -481,7 +530,8 @@ void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
 void KvReceiver::Absorb(std::vector<Notification> notes) {
   for (Notification& n : notes) {
     std::vector<std::string> parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 3));
-    if (parts.size() != 4 || parts[0] != "kv1" || (parts[1] != "done" && parts[1] != "fail")) {
+    if (parts.size() != 4 || parts[0] != "kv1" ||
+        (parts[1] != "done" && parts[1] != "donc" && parts[1] != "fail")) {
       others_.push_back(std::move(n));
       continue;
     }
@@ -491,6 +541,14 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
     if (parts[1] == "done") {
       s.state = State::kComplete;
       s.aux = std::move(parts[3]);
+    } else if (parts[1] == "donc") {
+      absl::StatusOr<std::string> aux = Verify(parts[2], parts[3]);
+      s.state = aux.ok() ? State::kComplete : State::kFailed;
+      if (aux.ok()) {
+        s.aux = std::move(*aux);
+      } else {
+        s.error = aux.status();
+      }
     } else {
       s.state = State::kFailed;
       s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", parts[3]));
@@ -543,6 +601,44 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
     if (n.ok()) Absorb({std::move(*n)});
     changed_.SignalAll();
   }
+}
+
+absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,
+                                               absl::string_view body) {
+  const KvLayout& l = pool_.layout();
+  auto malformed = [&] {
+    return absl::DataLossError(
+        absl::StrCat("KV request ", request_id, ": malformed checksummed completion"));
+  };
+  uint32_t nruns = 0;
+  if (!GetU32(&body, &nruns) || nruns > l.pages) return malformed();
+  std::vector<PageRun> runs(nruns);
+  for (PageRun& r : runs) {
+    if (!GetU32(&body, &r.dst) || !GetU32(&body, &r.count) || r.dst >= l.pages ||
+        r.count > l.pages - r.dst) {
+      return malformed();
+    }
+  }
+  for (const PageRun& r : runs) {
+    for (uint32_t i = 0; i < r.count; ++i) {
+      uint32_t want = 0;
+      if (!GetU32(&body, &want)) return malformed();
+      const uint32_t got = PageCrc(pool_, r.dst + i);
+      if (got != want) {
+        ++checksum_failures_;
+        return absl::DataLossError(absl::StrFormat(
+            "KV request %s: page %u differs from what the sender sent (CRC-32C %08x, expected "
+            "%08x): corrupted in transit",
+            request_id, r.dst + i, got, want));
+      }
+    }
+  }
+  return std::string(body);
+}
+
+uint64_t KvReceiver::checksum_failures() const {
+  MutexLock lock(&mu_);
+  return checksum_failures_;
 }
 
 void KvReceiver::Forget(const std::string& request_id) {

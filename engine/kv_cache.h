@@ -104,7 +104,13 @@ class KvSender {
  public:
   struct Options {
     absl::Duration timeout = absl::Seconds(30);
+    // End-to-end integrity: Finish sends a CRC-32C per page (over that page
+    // in every buffer, K and V of every layer) with the completion, and the
+    // receiver checks its copy before reporting the request complete; a
+    // mismatch fails it with kDataLoss. At most kMaxChecksumPages pages.
+    bool checksums = false;
   };
+  static constexpr uint32_t kMaxChecksumPages = 32768;
   // `pool` is registered with `engine` (local access only).
   static absl::StatusOr<std::unique_ptr<KvSender>> Create(TransferEngine* engine, KvPool pool,
                                                           Options options);
@@ -212,6 +218,8 @@ class KvReceiver {
   void Forget(const std::string& request_id);
   // Notifications that were not KV-layer messages.
   std::vector<Notification> TakeOtherNotifications();
+  // Requests whose pages did not match the sender's checksums.
+  uint64_t checksum_failures() const;
 
  private:
   // A prefill that expected requests come from.
@@ -228,11 +236,14 @@ class KvReceiver {
   void Watch();
   void FailFrom(const std::string& prefill, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A completion with checksums: the aux payload, or why the pages differ.
+  absl::StatusOr<std::string> Verify(const std::string& request_id, absl::string_view body)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   TransferEngine* const engine_;
   const KvPool pool_;
   const Options options_;
-  Mutex mu_;
+  mutable Mutex mu_;
   CondVar changed_;  // a request finished, or Expect/stop
   bool pumping_ ABSL_GUARDED_BY(mu_) = false;  // a Wait is in WaitNotification
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
@@ -241,6 +252,7 @@ class KvReceiver {
   std::vector<Notification> others_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> expected_ ABSL_GUARDED_BY(mu_);  // request -> prefill
   std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
+  uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread watcher_;  // with the real clock; simulations check from Wait
 };
 

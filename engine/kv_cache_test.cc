@@ -214,6 +214,54 @@ TEST(KvCache, CancelFailsTheRequestOnBothSidesAndTheEngineStaysUsable) {
   EXPECT_TRUE(PagesMatch(src, dst, s, d));
 }
 
+// With checksums the receiver checks every page before reporting the
+// request complete: intact pages pass (and the aux payload survives), a
+// page changed between landing and the check fails the request with
+// kDataLoss and is counted.
+TEST(KvCache, ChecksumsDetectACorruptedPage) {
+  const KvLayout l{4, false, 16, 128, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 5);
+  auto prefill = Engine(), decode = Engine();
+  KvSender::Options so;
+  so.checksums = true;
+  auto sender = *KvSender::Create(prefill.get(), src, so);
+  auto receiver = *KvReceiver::Create(decode.get(), dst);
+  const std::string peer = decode->address();
+  std::vector<uint32_t> s = {0, 1, 2, 9}, d = {5, 6, 7, 3};
+  ASSERT_TRUE(sender->Send("intact", peer, s, d, std::string("aux\0bytes", 9)).ok());
+  auto ok = receiver->Wait("intact", absl::Seconds(10));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->state, KvReceiver::State::kComplete) << ok->error;
+  EXPECT_EQ(ok->aux, std::string("aux\0bytes", 9));
+  EXPECT_TRUE(PagesMatch(src, dst, s, d));
+
+  // The data lands, then one bit of destination page 6 (V of layer 2)
+  // flips before the receiver looks at the completion.
+  auto h = sender->Begin("flipped", peer, s, d);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(sender->SendAll(*h).ok());
+  ASSERT_TRUE(sender->Finish(*h, "aux").ok());
+  dst.page(2, 1, 6)[100] ^= 0x10;
+  auto bad = receiver->Wait("flipped", absl::Seconds(10));
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_EQ(bad->state, KvReceiver::State::kFailed);
+  EXPECT_EQ(bad->error.code(), absl::StatusCode::kDataLoss) << bad->error;
+  EXPECT_NE(bad->error.message().find("page 6"), std::string::npos) << bad->error;
+  EXPECT_EQ(receiver->checksum_failures(), 1u);
+
+  // Too many pages for one checksummed completion is refused up front.
+  const KvLayout big{1, true, 1, 64, KvSender::kMaxChecksumPages + 1};
+  KvPool big_src = *KvPool::Allocate(big), big_dst = *KvPool::Allocate(big);
+  auto big_decode = Engine();
+  auto big_receiver = *KvReceiver::Create(big_decode.get(), big_dst);
+  auto big_sender = *KvSender::Create(prefill.get(), big_src, so);
+  std::vector<uint32_t> all(big.pages);
+  for (uint32_t i = 0; i < big.pages; ++i) all[i] = i;
+  EXPECT_EQ(big_sender->Begin("huge", big_decode->address(), all, all).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(KvCache, BadRequestsAreRefusedBeforeSending) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
