@@ -23,7 +23,11 @@ namespace {
 constexpr size_t kMaxAuxBytes = 512 << 10;
 constexpr char kSep = '\0';
 
-// KV-layer notifications: "kv1\0done\0<id>\0<aux>" and "kv1\0fail\0<id>\0<reason>".
+// KV-layer notifications, "kv1\0<kind>\0<id>\0<body>": done (body: aux), donc
+// (done with per-page checksums), fail (failed before any write was posted;
+// body: the reason) and abrt (failed after writes were posted: the receiver
+// drops the sender's links before it reports the failure, so that no late
+// copy of them lands afterwards).
 std::string KvMessage(absl::string_view kind, absl::string_view id, absl::string_view body) {
   return absl::StrCat("kv1", std::string(1, kSep), kind, std::string(1, kSep), id,
                       std::string(1, kSep), body);
@@ -219,6 +223,23 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
   if (request_id.empty() || request_id.find(kSep) != std::string::npos) {
     return absl::InvalidArgumentError("request ids must be non-empty and contain no NUL");
   }
+  absl::StatusOr<std::unique_ptr<Request>> r = Prepare(request_id, peer, src_pages, dst_pages);
+  if (!r.ok()) {
+    // The decode may be expecting it (KvReceiver::Expect): it is told the
+    // request will not come, as it would be of a failure later.
+    (void)Say([&]() -> absl::StatusOr<SegmentId> { return engine_->OpenSegment(peer); }, 0,
+              KvMessage("fail", request_id, absl::StrCat("not started: ", r.status().message())));
+    return r.status();
+  }
+  MutexLock lock(&mu_);
+  const Handle h = ++last_;
+  requests_[h] = std::move(*r);
+  return h;
+}
+
+absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
+    const std::string& request_id, const std::string& peer, absl::Span<const uint32_t> src_pages,
+    absl::Span<const uint32_t> dst_pages) {
   const KvLayout& mine = pool_.layout();
   ASSIGN_OR_RETURN(std::vector<PageRun> runs, CoalescePages(src_pages, dst_pages));
   if (options_.checksums && dst_pages.size() > kMaxChecksumPages) {
@@ -260,10 +281,7 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
   r->peer_engine_id = instance;
   r->runs = std::move(runs);
   r->sent.assign(mine.layers, false);
-  MutexLock lock(&mu_);
-  const Handle h = ++last_;
-  requests_[h] = std::move(r);
-  return h;
+  return r;
 }
 
 absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
@@ -312,8 +330,11 @@ absl::Status KvSender::SendAll(Handle h) {
   return absl::OkStatus();
 }
 
-absl::Status KvSender::Drain(Request& r) {
+absl::Status KvSender::Drain(Request& r, bool* uncertain) {
   absl::Status first = r.error;
+  // Any write posted may still land after it ended here: a copy of it
+  // delayed in the network, or one still in flight after a timeout.
+  *uncertain = !r.batches.empty();
   for (BatchId b : r.batches) {
     absl::StatusOr<BatchStatus> st = engine_->Wait(b, options_.timeout);
     if (st.ok()) {
@@ -330,7 +351,27 @@ absl::Status KvSender::Drain(Request& r) {
 }
 
 absl::Status KvSender::Tell(const Request& r, const std::string& message) {
-  return engine_->Notify(r.segment, message, r.peer_engine_id);
+  return Say([&]() -> absl::StatusOr<SegmentId> { return r.segment; }, r.peer_engine_id, message);
+}
+
+absl::Status KvSender::Say(const std::function<absl::StatusOr<SegmentId>()>& segment,
+                           uint64_t instance, const std::string& message) {
+  // A word lost to a passing outage is said again for up to tell_timeout: a
+  // decode that hears nothing from this engine for its peer_timeout
+  // declares it dead anyway (KvReceiver::Expect), so between the two every
+  // request it expects ends there.
+  Clock* clock = engine_->clock();
+  const absl::Time deadline = clock->Now() + options_.tell_timeout;
+  absl::Duration pause = absl::Milliseconds(1);
+  for (;;) {
+    absl::StatusOr<SegmentId> seg = segment();
+    absl::Status told = seg.ok() ? engine_->Notify(*seg, message, instance) : seg.status();
+    const bool passing = told.code() == absl::StatusCode::kUnavailable ||
+                         told.code() == absl::StatusCode::kDeadlineExceeded;
+    if (told.ok() || !passing || clock->Now() + pause >= deadline) return told;
+    clock->SleepFor(pause);
+    pause = std::min(pause * 2, absl::Milliseconds(100));
+  }
 }
 
 absl::Status KvSender::Finish(Handle h, const std::string& aux) {
@@ -347,9 +388,10 @@ absl::Status KvSender::Finish(Handle h, const std::string& aux) {
     r = std::move(it->second);
     requests_.erase(it);
   }
-  absl::Status data = Drain(*r);
+  bool uncertain = false;
+  absl::Status data = Drain(*r, &uncertain);
   if (!data.ok()) {
-    (void)Tell(*r, KvMessage("fail", r->id, data.message()));
+    (void)Tell(*r, KvMessage(uncertain ? "abrt" : "fail", r->id, data.message()));
     return Annotate(data, absl::StrCat("KV request ", r->id));
   }
   if (options_.checksums) {
@@ -367,8 +409,10 @@ absl::Status KvSender::Cancel(Handle h, const std::string& reason) {
     r = std::move(it->second);
     requests_.erase(it);
   }
-  (void)Drain(*r);  // writes already posted cannot be recalled; let them land
-  return Tell(*r, KvMessage("fail", r->id, absl::StrCat("cancelled: ", reason)));
+  bool uncertain = false;
+  (void)Drain(*r, &uncertain);  // writes already posted cannot be recalled; let them land
+  return Tell(*r, KvMessage(uncertain ? "abrt" : "fail", r->id,
+                            absl::StrCat("cancelled: ", reason)));
 }
 
 absl::Status KvSender::Send(const std::string& request_id, const std::string& peer,
@@ -404,13 +448,27 @@ KvReceiver::~KvReceiver() {
   if (watcher_.joinable()) watcher_.join();
 }
 
-absl::Status KvReceiver::Expect(const std::string& request_id, const std::string& prefill) {
+absl::Status KvReceiver::Expect(const std::string& request_id, const std::string& prefill,
+                                uint64_t prefill_engine_id) {
   if (request_id.empty() || request_id.find(kSep) != std::string::npos) {
     return absl::InvalidArgumentError("request ids must be non-empty and contain no NUL");
   }
   absl::StatusOr<net::HostPort> hp = net::ParseHostPort(prefill);
   if (!hp.ok()) return Annotate(hp.status(), "KvReceiver::Expect");
   const std::string peer = hp->ToString();
+  bool watched = false;  // requests from it are pending: its instance is known
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, from] : expected_) watched = watched || from == peer;
+  }
+  // A prefill not being watched is asked who it is now (one round trip),
+  // unless the caller named the instance, so that a restart later is told
+  // from a living instance.
+  uint64_t instance = prefill_engine_id;
+  if (!watched && instance == 0) {
+    absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, options_.peer_timeout / 4);
+    if (id.ok()) instance = *id;
+  }
   const absl::Time now = engine_->clock()->Now();
   bool start = false;
   {
@@ -420,8 +478,13 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
       return absl::FailedPreconditionError(
           absl::StrCat("KV request ", request_id, " already finished (Forget it to reuse its id)"));
     }
+    auto known = prefills_.find(peer);
+    if (known == prefills_.end() || !watched) {
+      prefills_[peer] = Prefill{instance, now, now + options_.peer_timeout / 4};
+    } else if (prefill_engine_id != 0 && known->second.engine_id == 0) {
+      known->second.engine_id = prefill_engine_id;
+    }
     expected_[request_id] = peer;
-    if (prefills_.find(peer) == prefills_.end()) prefills_[peer] = Prefill{0, now, now};
     start = !watcher_started_ && engine_->clock() == RealClock();
     watcher_started_ = watcher_started_ || start;
     changed_.SignalAll();
@@ -480,7 +543,14 @@ void KvReceiver::CheckPrefills() {
     absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, period);
     const absl::Time now = clock->Now();
     absl::Status dead;
-    if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
+    if (id.ok() && engine_->PeerFenced(*id)) {
+      // Declared failed earlier (and still running): it can deliver nothing
+      // here until it restarts.
+      dead = absl::UnavailableError(absl::StrFormat(
+          "the prefill at %s (engine %#x) was declared failed earlier and is fenced off this "
+          "engine; it must restart",
+          peer, *id));
+    } else if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
       dead = absl::UnavailableError(absl::StrFormat(
           "the prefill at %s restarted (engine %#x, now %#x): its requests were lost", peer,
           p.engine_id, *id));
@@ -531,7 +601,8 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
   for (Notification& n : notes) {
     std::vector<std::string> parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 3));
     if (parts.size() != 4 || parts[0] != "kv1" ||
-        (parts[1] != "done" && parts[1] != "donc" && parts[1] != "fail")) {
+        (parts[1] != "done" && parts[1] != "donc" && parts[1] != "fail" &&
+         parts[1] != "abrt")) {
       others_.push_back(std::move(n));
       continue;
     }
@@ -550,6 +621,9 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
         s.error = aux.status();
       }
     } else {
+      // A write the sender gave up on may still be on its way: its links
+      // are dropped first, so nothing of it lands after this report.
+      if (parts[1] == "abrt") engine_->DropLinksFrom(n.engine_id);
       s.state = State::kFailed;
       s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", parts[3]));
     }

@@ -23,6 +23,7 @@
 #define KVFERRY_ENGINE_KV_CACHE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -109,6 +110,9 @@ class KvSender {
     // receiver checks its copy before reporting the request complete; a
     // mismatch fails it with kDataLoss. At most kMaxChecksumPages pages.
     bool checksums = false;
+    // How long a completion or failure that cannot reach the decode is
+    // retried (at least the decode's KvReceiver peer_timeout).
+    absl::Duration tell_timeout = absl::Seconds(4);
   };
   static constexpr uint32_t kMaxChecksumPages = 32768;
   // `pool` is registered with `engine` (local access only).
@@ -159,8 +163,16 @@ class KvSender {
       : engine_(engine), pool_(std::move(pool)), options_(options) {}
   absl::StatusOr<Request*> Find(Handle h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits for the request's batches; the first failure, if any.
-  absl::Status Drain(Request& r);
+  // *uncertain: writes were posted (a late copy of one may still land).
+  absl::Status Drain(Request& r, bool* uncertain);
+  absl::StatusOr<std::unique_ptr<Request>> Prepare(const std::string& request_id,
+                                                   const std::string& peer,
+                                                   absl::Span<const uint32_t> src_pages,
+                                                   absl::Span<const uint32_t> dst_pages);
   absl::Status Tell(const Request& r, const std::string& message);
+  // Delivers `message` over segment(), retrying passing failures.
+  absl::Status Say(const std::function<absl::StatusOr<SegmentId>()>& segment, uint64_t instance,
+                   const std::string& message);
 
   TransferEngine* const engine_;
   const KvPool pool_;
@@ -205,7 +217,13 @@ class KvReceiver {
   // is fenced (TransferEngine::FencePeer): no byte of it lands in the pool
   // afterwards. kInvalidArgument for a bad address; kFailedPrecondition if
   // the request already finished.
-  absl::Status Expect(const std::string& request_id, const std::string& prefill);
+  //
+  // `prefill_engine_id` names the prefill instance (its engine_id(), e.g.
+  // passed along with its address); 0: Expect asks the prefill (one round
+  // trip, when no request from it is pending). A prefill that cannot be
+  // asked then and restarts later is not told from its successor.
+  absl::Status Expect(const std::string& request_id, const std::string& prefill,
+                      uint64_t prefill_engine_id = 0);
 
   const KvPool& pool() const { return pool_; }
   // The request's state now (kPending if nothing has been heard of it).

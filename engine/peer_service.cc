@@ -79,7 +79,6 @@ void PeerService::PruneClosedLinks() {
 }
 
 void PeerService::Fence(uint64_t engine_id) {
-  std::vector<std::pair<transport::Transport*, transport::LinkId>> links;
   {
     MutexLock lock(&mu_);
     if (fenced_.insert(engine_id).second) {
@@ -89,6 +88,14 @@ void PeerService::Fence(uint64_t engine_id) {
         fenced_order_.pop_front();
       }
     }
+  }
+  CloseLinksOf(engine_id);
+}
+
+void PeerService::CloseLinksOf(uint64_t engine_id) {
+  std::vector<std::pair<transport::Transport*, transport::LinkId>> links;
+  {
+    MutexLock lock(&mu_);
     auto it = links_by_engine_.find(engine_id);
     if (it != links_by_engine_.end()) {
       links = std::move(it->second);

@@ -53,6 +53,8 @@ class PeerService {
   // from then on. Returns once nothing it sends on those links can land in
   // this engine's memory (the transports' CloseLink). Idempotent.
   void Fence(uint64_t engine_id);
+  // Closes the links `engine_id` opened (without fencing it).
+  void CloseLinksOf(uint64_t engine_id);
   bool Fenced(uint64_t engine_id) const;
   // Links accepted for peers and still tracked for fencing (tests).
   size_t TrackedLinks() const;

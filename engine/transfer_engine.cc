@@ -409,6 +409,12 @@ absl::StatusOr<uint64_t> TransferEngine::ProbePeer(const std::string& peer,
   return impl_->client_.Probe(hp.ToString(), timeout);
 }
 void TransferEngine::FencePeer(uint64_t engine_id) { impl_->service_.Fence(engine_id); }
+bool TransferEngine::PeerFenced(uint64_t engine_id) const {
+  return impl_->service_.Fenced(engine_id);
+}
+void TransferEngine::DropLinksFrom(uint64_t engine_id) {
+  impl_->service_.CloseLinksOf(engine_id);
+}
 std::vector<Notification> TransferEngine::TakeNotifications() { return impl_->inbox_.TakeAll(); }
 absl::StatusOr<Notification> TransferEngine::WaitNotification(absl::Duration timeout) {
   return impl_->inbox_.Next(timeout);

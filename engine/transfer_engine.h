@@ -286,6 +286,12 @@ class TransferEngine {
   // destroyed), even if it was only frozen and resumes. Its successor (a
   // restarted process has a new engine id) is not affected.
   void FencePeer(uint64_t engine_id);
+  bool PeerFenced(uint64_t engine_id) const;
+  // Closes every link the peer instance `engine_id` opened to this engine,
+  // without fencing it: it reconnects on its next request (its requests in
+  // flight on them fail and are retried). When this returns, nothing it
+  // sent on those links before lands any more.
+  void DropLinksFrom(uint64_t engine_id);
 
   // Notifications received so far (and removes them), or waits for one.
   // Per local NIC: the primary transport's in its order, then the

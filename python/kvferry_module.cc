@@ -500,10 +500,16 @@ PYBIND11_MODULE(kvferry, m) {
            py::keep_alive<1, 2>())
       .def(
           "expect",
-          [](KvReceiver& r, const std::string& request_id, const std::string& prefill) {
-            Check(r.Expect(request_id, prefill));
+          [](KvReceiver& r, const std::string& request_id, const std::string& prefill,
+             uint64_t engine_id) {
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = r.Expect(request_id, prefill, engine_id);
+            }
+            Check(st);
           },
-          py::arg("request_id"), py::arg("prefill"),
+          py::arg("request_id"), py::arg("prefill"), py::arg("engine_id") = 0,
           "Declares a request to come from the prefill at 'host:port': if that prefill dies, "
           "freezes or cannot be reached for peer_timeout first, the request fails (and the "
           "prefill is fenced: nothing of it lands afterwards).")

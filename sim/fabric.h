@@ -55,6 +55,9 @@ struct FaultOptions {
   Ratio delay;                // per message
   absl::Duration max_delay = absl::ZeroDuration();
   Ratio error_completion;     // per request, applied by transports
+  // Per WRITE segment as it lands, applied by transports: one bit of it
+  // flipped (a NIC or link corrupting data without an error).
+  Ratio corrupt_write;
 };
 
 // A message as the receiver gets it.

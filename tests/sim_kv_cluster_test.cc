@@ -13,10 +13,21 @@
 //     time (no hang, no lost completion);
 //   * healed phase: every new request succeeds at the first attempt;
 //   * nothing outside the targeted pages is ever written: every decode page
-//     that was never a destination keeps its initial bytes.
+//     that was never a destination keeps its initial bytes;
+//   * the decode declares each request (KvReceiver::Expect) and learns of
+//     every failure within a bound, whether the prefill failed it, aborted
+//     it mid-request (Cancel after the first layer), was killed mid-request
+//     or was cut off;
+//   * no write lands after a reported failure: the pages of a failed
+//     request keep the bytes they had at the report until a later request
+//     targets them;
+//   * with checksums on, every corruption is detected: the fabric flips
+//     bits of landing writes, and a request reported complete has every
+//     page equal to its source (the receiver checked CRC-32Cs).
 // A failure prints the seed and the command that replays it; CI runs 200
 // seeds, KVFERRY_SEEDS=N runs more.
 #include <cstring>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -39,6 +50,10 @@ const KvLayout kLayout{2, false, 4, 256, 64};  // 1 KiB pages, 64 per buffer
 // A request ends within this much simulated time: the sender's timeout
 // covers the slowest legitimate path (retries, a reconnect, peer_timeout).
 const absl::Duration kRequestBound = absl::Milliseconds(300);
+// The decodes' KvReceiver peer_timeout, and the bound on learning of a
+// failed request after the sender gave up (plus scheduling slack).
+const absl::Duration kReceiverPeerTimeout = absl::Milliseconds(40);
+const absl::Duration kReportBound = kReceiverPeerTimeout + absl::Milliseconds(20);
 
 uint64_t Fill(uint64_t seed, uint32_t buffer, uint32_t page) {
   return seed * 0x9e3779b97f4a7c15ull ^ (uint64_t{buffer} << 32) ^ page;
@@ -73,17 +88,23 @@ struct Host {
   uint64_t fill_seed = 0;
   // Decode: pages ever targeted (per page index; all buffers alike).
   std::set<uint32_t> targeted;
+  // Decode: pages of failed requests and their bytes (every buffer) at the
+  // report, until a later request targets them.
+  std::map<uint32_t, std::string> fenced_pages;
+  std::map<uint32_t, std::string> fenced_why;  // the request and its failure
 };
 
 struct Stats {
   sim::FaultCounts faults;
   uint64_t requests = 0, failed_in_fault_phase = 0, restarts = 0;
+  uint64_t aborted = 0, killed = 0, reported_failed = 0, corruptions_detected = 0;
+  uint64_t fenced_restarts = 0;
 };
 
 class KvCluster {
  public:
   explicit KvCluster(uint64_t seed)
-      : w_(seed, sim::FaultOptions{{1, 2000}, {1, 50}, absl::Microseconds(50), {1, 400}}),
+      : w_(seed, sim::FaultOptions{{1, 2000}, {1, 50}, absl::Microseconds(50), {1, 400}, {1, 500}}),
         traffic_(seed ^ 0x5eed) {
     EngineOptions o;
     o.slice_bytes = 4 << 10;
@@ -128,14 +149,19 @@ class KvCluster {
     h.fill_seed = traffic_.Next64();
     FillPool(h.pool, h.fill_seed);
     h.targeted.clear();
+    h.fenced_pages.clear();
     if (h.prefill) {
       KvSender::Options so;
       so.timeout = kRequestBound / 2;
+      so.checksums = true;
+      so.tell_timeout = kReceiverPeerTimeout;
       auto s = KvSender::Create(h.engine.get(), h.pool, so);
       ASSERT_TRUE(s.ok()) << s.status();
       h.sender = std::move(*s);
     } else {
-      auto r = KvReceiver::Create(h.engine.get(), h.pool);
+      KvReceiver::Options ro;
+      ro.peer_timeout = kReceiverPeerTimeout;
+      auto r = KvReceiver::Create(h.engine.get(), h.pool, ro);
       ASSERT_TRUE(r.ok()) << r.status();
       h.receiver = std::move(*r);
     }
@@ -147,10 +173,10 @@ class KvCluster {
   void Crash(int i) {
     if (i < 0) return;
     hosts_[i].down = true;
-    if (!hosts_[i].prefill) {
+    if (!hosts_[i].prefill && !busy_[i]) {
       hosts_[i].receiver.reset();
       hosts_[i].engine.reset();
-    } else if (!busy_[i]) {
+    } else if (hosts_[i].prefill && !busy_[i]) {
       hosts_[i].sender.reset();
       hosts_[i].engine.reset();
     }
@@ -180,14 +206,38 @@ class KvCluster {
       dst.push_back(page);
       src.push_back(traffic_.Uniform(kLayout.pages));
     }
-    for (uint32_t page : dst) to.targeted.insert(page);
+    for (uint32_t page : dst) {
+      to.targeted.insert(page);
+      CheckFenced(to, page);
+    }
     const std::string id = "r" + std::to_string(++requests_);
     const std::string peer = to.engine->address();
     const KvPool dst_pool = to.pool;  // shared storage: stays valid if d restarts
     const uint64_t generation_to = restarts_seen(d);
+    // The decode declares what it expects, as serving code does.
+    EXPECT_TRUE(to.receiver->Expect(id, from.engine->address(), from.engine->engine_id()).ok());
     busy_[p] = true;
     const sim::SimTime start = w_.sched().now();
-    absl::Status sent = from.sender->Send(id, peer, src, dst, "aux-" + id);
+    // Mostly whole requests; sometimes the prefill aborts after the first
+    // layer, or is killed there (the process dies: no word to the decode).
+    const uint32_t how = must_succeed ? 0 : traffic_.Uniform(8);
+    absl::Status sent;
+    if (how <= 5) {
+      sent = from.sender->Send(id, peer, src, dst, "aux-" + id);
+    } else {
+      auto h = from.sender->Begin(id, peer, src, dst);
+      sent = h.ok() ? from.sender->SendLayer(*h, 0) : h.status();
+      if (h.ok() && how == 6) {
+        (void)from.sender->Cancel(*h, "aborted by the sweep");
+        sent = absl::CancelledError("aborted");
+        ++aborted_;
+      } else if (h.ok()) {
+        from.down = true;  // killed mid-request; restarted below
+        restart_after_[p] = true;
+        sent = absl::AbortedError("killed");
+        ++killed_;
+      }
+    }
     const sim::SimTime took = w_.sched().now() - start;
     busy_[p] = false;
     EXPECT_LE(took, sim::ToSimTime(kRequestBound))
@@ -202,13 +252,19 @@ class KvCluster {
       for (uint32_t page : dst) to.targeted.insert(page);
     }
     const bool d_alive = !to.down && to.receiver != nullptr;
-    const KvReceiver::State state =
-        d_alive ? to.receiver->Poll(id).state : KvReceiver::State::kPending;
+    const KvReceiver::Status heard = d_alive ? to.receiver->Poll(id) : KvReceiver::Status{};
+    const KvReceiver::State state = heard.state;
     const KvPool* holder = nullptr;
     if (state == KvReceiver::State::kComplete) {
       holder = &to.pool;
+    } else if (sent.ok() && !restarted && d_alive &&
+               heard.error.code() == absl::StatusCode::kDataLoss) {
+      // Sent, but a page arrived corrupted: the checksums caught it.
+      ++corruptions_detected_;
     } else if (sent.ok() && !restarted && d_alive) {
-      ADD_FAILURE() << "request " << id << " was sent, but the receiver did not hear of it";
+      ADD_FAILURE() << "request " << id << " was sent, but the receiver did not hear of it: "
+                    << (state == KvReceiver::State::kPending ? "pending"
+                                                             : heard.error.ToString());
     } else if (sent.ok() && !restarted) {
       holder = &dst_pool;  // crashed after completing: its memory is still here
     }
@@ -227,13 +283,85 @@ class KvCluster {
       EXPECT_TRUE(sent.ok()) << "healed cluster: " << id << ": " << sent;
     }
     FinishDeferred(p);
+    if (!sent.ok() && !restarted && d_alive && state != KvReceiver::State::kComplete) {
+      ExpectReportedFailure(d, id, dst, sent);
+    }
     return sent.ok();
+  }
+
+  // The decode learns that request `id` failed within kReportBound, and
+  // from then on its pages keep their bytes until a later request.
+  void ExpectReportedFailure(int d, const std::string& id, const std::vector<uint32_t>& dst,
+                             const absl::Status& sent) {
+    Host& to = hosts_[d];
+    const sim::SimTime start = w_.sched().now();
+    const uint64_t generation = restarts_seen(d);
+    busy_[d] = true;  // a crash meanwhile tears it down after Wait returns
+    auto st = to.receiver->Wait(id, kReportBound * 4);
+    busy_[d] = false;
+    const sim::SimTime took = w_.sched().now() - start;
+    const bool crashed = to.down;
+    FinishDeferred(d);
+    if (crashed || restarts_seen(d) != generation) return;
+    ASSERT_TRUE(st.ok()) << "request " << id << ": the decode still has no word after "
+                         << absl::FormatDuration(absl::Nanoseconds(took)) << ": " << st.status()
+                         << "; the sender said: " << sent;
+    EXPECT_LE(took, sim::ToSimTime(kReportBound))
+        << "request " << id << ": failure reported after "
+        << absl::FormatDuration(absl::Nanoseconds(took)) << ": "
+        << (st->state == KvReceiver::State::kComplete ? "complete" : st->error.ToString());
+    if (st->state == KvReceiver::State::kComplete) return;  // its word was "done" after all
+    ++reported_failed_;
+    const uint64_t n = kLayout.page_bytes();
+    for (uint32_t page : dst) {
+      std::string bytes;
+      for (uint32_t b = 0; b < kLayout.buffer_count(); ++b) {
+        bytes.append(to.pool.buffer(b) + uint64_t{page} * n, n);
+      }
+      to.fenced_pages[page] = std::move(bytes);
+      to.fenced_why[page] = id + " (" + sent.ToString() + " / " + st->error.ToString() + ")";
+    }
+  }
+
+  // A page of a failed request still holds its bytes from the report.
+  void CheckFenced(Host& h, uint32_t page) {
+    auto it = h.fenced_pages.find(page);
+    if (it == h.fenced_pages.end()) return;
+    const uint64_t n = kLayout.page_bytes();
+    for (uint32_t b = 0; b < kLayout.buffer_count(); ++b) {
+      EXPECT_EQ(std::memcmp(h.pool.buffer(b) + uint64_t{page} * n, it->second.data() + b * n, n),
+                0)
+          << "page " << page << " of buffer " << b
+          << " was written after its request was reported failed: " << h.fenced_why[page];
+    }
+    h.fenced_pages.erase(it);
+  }
+
+  // The supervisor: a prefill some decode declared failed (and fenced) is
+  // restarted, as serving frameworks restart a worker their peers gave up
+  // on; until then that decode refuses it.
+  void Supervise() {
+    for (int p = 0; p < kPrefills; ++p) {
+      Host& h = hosts_[p];
+      if (h.down || h.engine == nullptr) continue;
+      for (int d = kPrefills; d < kPrefills + kDecodes; ++d) {
+        Host& to = hosts_[d];
+        if (to.down || to.engine == nullptr || !to.engine->PeerFenced(h.engine->engine_id())) {
+          continue;
+        }
+        Boot(p);
+        ++restarts_;
+        ++fenced_restarts_;
+        break;
+      }
+    }
   }
 
   // Every decode page never targeted still holds its initial bytes.
   void CheckUntargeted() {
     for (Host& h : hosts_) {
       if (h.prefill || h.engine == nullptr) continue;
+      while (!h.fenced_pages.empty()) CheckFenced(h, h.fenced_pages.begin()->first);
       for (uint32_t b = 0; b < kLayout.buffer_count(); ++b) {
         for (uint32_t page = 0; page < kLayout.pages; ++page) {
           if (h.targeted.count(page) != 0) continue;
@@ -248,6 +376,13 @@ class KvCluster {
 
   uint64_t requests() const { return requests_; }
   uint64_t restarts() const { return restarts_; }
+  void AddCounts(Stats* s) const {
+    s->aborted += aborted_;
+    s->killed += killed_;
+    s->reported_failed += reported_failed_;
+    s->corruptions_detected += corruptions_detected_;
+    s->fenced_restarts += fenced_restarts_;
+  }
 
  private:
   uint64_t restarts_seen(int i) { return boots_[i]; }
@@ -255,6 +390,7 @@ class KvCluster {
     Host& h = hosts_[p];
     if (h.down && h.engine != nullptr) {
       h.sender.reset();
+      h.receiver.reset();
       h.engine.reset();
     }
     if (restart_after_[p]) {
@@ -271,6 +407,8 @@ class KvCluster {
   bool restart_after_[kPrefills + kDecodes] = {};
   uint64_t boots_[kPrefills + kDecodes] = {};
   uint64_t requests_ = 0, restarts_ = 0;
+  uint64_t aborted_ = 0, killed_ = 0, reported_failed_ = 0, corruptions_detected_ = 0;
+  uint64_t fenced_restarts_ = 0;
 };
 
 void RunSeed(uint64_t seed, Stats* stats) {
@@ -293,12 +431,14 @@ void RunSeed(uint64_t seed, Stats* stats) {
   while (sched.now() < inj.healed_at()) {
     const int p = c.traffic().Uniform(kPrefills), d = kPrefills + c.traffic().Uniform(kDecodes);
     if (!c.Request(p, d, false)) ++stats->failed_in_fault_phase;
+    c.Supervise();
     sched.RunUntil(sched.now() + sim::ToSimTime(absl::Microseconds(200)));
     if (::testing::Test::HasFailure()) return;
   }
   stats->faults = inj.counts();
   // Let every repair land.
   sched.RunUntil(inj.healed_at() + sim::ToSimTime(absl::Milliseconds(5)));
+  c.Supervise();
   // Healed phase: every pair, twice, each request succeeding first time.
   for (int round = 0; round < 2; ++round) {
     for (int p = 0; p < kPrefills; ++p) {
@@ -309,6 +449,7 @@ void RunSeed(uint64_t seed, Stats* stats) {
     }
   }
   c.CheckUntargeted();
+  c.AddCounts(stats);
   stats->requests = c.requests();
   stats->restarts = c.restarts();
 }
@@ -326,8 +467,20 @@ TEST(SimKvCluster, FaultPhaseThenHealedPhaseAcrossSeeds) {
     total.faults.crashes += s.faults.crashes;
     total.faults.partitions += s.faults.partitions;
     total.faults.nic_downs += s.faults.nic_downs;
+    total.aborted += s.aborted;
+    total.killed += s.killed;
+    total.reported_failed += s.reported_failed;
+    total.corruptions_detected += s.corruptions_detected;
+    total.fenced_restarts += s.fenced_restarts;
     if (HasFailure()) break;
   }
+  std::printf("sweep of %zu seeds: %llu aborted and %llu killed mid-request; the decodes "
+              "reported %llu failed requests in bound; %llu corrupted requests detected "
+              "(checksums); %llu prefills restarted after a decode fenced them\n",
+              seeds.size(), (unsigned long long)total.aborted, (unsigned long long)total.killed,
+              (unsigned long long)total.reported_failed,
+              (unsigned long long)total.corruptions_detected,
+              (unsigned long long)total.fenced_restarts);
   std::printf("sweep of %zu seeds: %llu KV requests, %llu failed in fault phases; %llu crashes "
               "(%llu restarts), %llu partitions, %llu NIC outages\n",
               seeds.size(), (unsigned long long)total.requests,
@@ -340,6 +493,9 @@ TEST(SimKvCluster, FaultPhaseThenHealedPhaseAcrossSeeds) {
     EXPECT_GT(total.faults.partitions, 0u);
     EXPECT_GT(total.faults.nic_downs, 0u);
     EXPECT_GT(total.failed_in_fault_phase, 0u);
+    EXPECT_GT(total.aborted, 0u);
+    EXPECT_GT(total.killed, 0u);
+    EXPECT_GT(total.corruptions_detected, 0u);
   }
 }
 

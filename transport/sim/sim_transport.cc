@@ -498,6 +498,9 @@ absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h,
   char* target = reinterpret_cast<char*>(h.remote_addr + h.segment_offset);
   if (write) {
     std::memcpy(target, data.data(), h.segment_length);
+    if (h.segment_length > 0 && prng_.Chance(fabric_->faults().corrupt_write)) {
+      target[prng_.Uniform(h.segment_length)] ^= static_cast<char>(1u << prng_.Uniform(8));
+    }
   } else {
     read_out->assign(target, h.segment_length);
   }
