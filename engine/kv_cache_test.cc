@@ -283,7 +283,12 @@ TEST(KvCache, BadRequestsAreRefusedBeforeSending) {
   auto bare = Engine();
   EXPECT_EQ(p.sender->Begin("r", bare->address(), {1}, {1}).status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(p.receiver->Poll("r").state, KvReceiver::State::kPending);
+  // Nothing was sent, but a decode expecting the request is told it will
+  // not come (and why).
+  const KvReceiver::Status told = p.receiver->Poll("r");
+  EXPECT_EQ(told.state, KvReceiver::State::kFailed);
+  EXPECT_NE(told.error.message().find("not started"), std::string::npos) << told.error;
+  EXPECT_EQ(p.receiver->Poll("never-begun").state, KvReceiver::State::kPending);
 }
 
 TEST(KvCache, APeerFailureFailsOnlyItsRequests) {
