@@ -125,7 +125,9 @@ class KvSender {
   using Handle = uint64_t;
   // Starts request `request_id` to the decode engine at `peer`: checks the
   // peer's published layout against ours, the page indices against both
-  // pools, and coalesces them. Nothing is sent yet.
+  // pools, and coalesces them. Nothing is sent yet. If it fails, the decode
+  // is told the request will not come (its KvReceiver reports it failed,
+  // "not started: ...").
   absl::StatusOr<Handle> Begin(const std::string& request_id, const std::string& peer,
                                absl::Span<const uint32_t> src_pages,
                                absl::Span<const uint32_t> dst_pages);

@@ -55,6 +55,13 @@ void Check(const absl::Status& s) {
   if (!s.ok()) Raise(s);
 }
 
+// Runs `fn` (which returns a Status or StatusOr) with the GIL released.
+template <typename Fn>
+auto Unlocked(Fn&& fn) {
+  py::gil_scoped_release release;
+  return fn();
+}
+
 // "w" (the default: peers may write, not read), "r", "rw" or "none".
 absl::StatusOr<transport::Access> ParseAccess(const std::string& text) {
   if (text == "w") return transport::Access::kRemoteWrite;
@@ -432,12 +439,7 @@ PYBIND11_MODULE(kvferry, m) {
           "begin",
           [](KvSender& s, const std::string& request_id, const std::string& peer,
              const std::vector<uint32_t>& src_pages, const std::vector<uint32_t>& dst_pages) {
-            absl::StatusOr<KvSender::Handle> h;
-            {
-              py::gil_scoped_release release;
-              h = s.Begin(request_id, peer, src_pages, dst_pages);
-            }
-            return Value(std::move(h));
+            return Value(Unlocked([&] { return s.Begin(request_id, peer, src_pages, dst_pages); }));
           },
           py::arg("request_id"), py::arg("peer"), py::arg("src_pages"), py::arg("dst_pages"),
           "Starts a request (checks pages and layouts; sends nothing); returns its handle "
@@ -445,34 +447,19 @@ PYBIND11_MODULE(kvferry, m) {
       .def(
           "send_layer",
           [](KvSender& s, KvSender::Handle h, uint32_t layer) {
-            absl::Status st;
-            {
-              py::gil_scoped_release release;
-              st = s.SendLayer(h, layer);
-            }
-            Check(st);
+            Check(Unlocked([&] { return s.SendLayer(h, layer); }));
           },
           py::arg("handle"), py::arg("layer"), "Sends one layer now (layer-wise mode).")
       .def(
           "send_all",
           [](KvSender& s, KvSender::Handle h) {
-            absl::Status st;
-            {
-              py::gil_scoped_release release;
-              st = s.SendAll(h);
-            }
-            Check(st);
+            Check(Unlocked([&] { return s.SendAll(h); }));
           },
           py::arg("handle"), "Sends every layer not sent yet.")
       .def(
           "finish",
           [](KvSender& s, KvSender::Handle h, const std::string& aux) {
-            absl::Status st;
-            {
-              py::gil_scoped_release release;
-              st = s.Finish(h, aux);
-            }
-            Check(st);
+            Check(Unlocked([&] { return s.Finish(h, aux); }));
           },
           py::arg("handle"), py::arg("aux") = "",
           "Sends what remains, waits for every byte, then tells the decode the request is "
@@ -480,12 +467,7 @@ PYBIND11_MODULE(kvferry, m) {
       .def(
           "cancel",
           [](KvSender& s, KvSender::Handle h, const std::string& reason) {
-            absl::Status st;
-            {
-              py::gil_scoped_release release;
-              st = s.Cancel(h, reason);
-            }
-            Check(st);
+            Check(Unlocked([&] { return s.Cancel(h, reason); }));
           },
           py::arg("handle"), py::arg("reason") = "",
           "Stops sending, waits for what is in flight, tells the decode the request failed.");
@@ -502,12 +484,7 @@ PYBIND11_MODULE(kvferry, m) {
           "expect",
           [](KvReceiver& r, const std::string& request_id, const std::string& prefill,
              uint64_t engine_id) {
-            absl::Status st;
-            {
-              py::gil_scoped_release release;
-              st = r.Expect(request_id, prefill, engine_id);
-            }
-            Check(st);
+            Check(Unlocked([&] { return r.Expect(request_id, prefill, engine_id); }));
           },
           py::arg("request_id"), py::arg("prefill"), py::arg("engine_id") = 0,
           "Declares a request to come from the prefill at 'host:port': if that prefill dies, "

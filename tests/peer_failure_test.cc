@@ -2,6 +2,7 @@
 // (SIGSTOP: sockets stay open, nothing answers), killed (SIGKILL) and
 // restarted on the same port with new keys and a new buffer.
 #include <atomic>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -211,23 +212,37 @@ constexpr absl::Duration kKvPeerTimeout = absl::Seconds(1);
 // peer_timeout plus scheduling slack (sanitizer builds are slow).
 const absl::Duration kReportBound = kKvPeerTimeout + absl::Milliseconds(1500);
 
-TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) {
-  Decode d = StartDecode(kKvPeerTimeout);
-  auto prefill = StartPrefill(d, "killed");
-  ASSERT_TRUE(prefill.ok()) << prefill.status();
-  ASSERT_TRUE(d.receiver->Expect("killed", prefill->address()).ok());
-  ASSERT_TRUE(LayerLanded(d, 0, absl::Seconds(10)));
-  prefill->Kill();
-  const absl::Time killed = absl::Now();
-  auto s = d.receiver->Wait("killed", absl::Seconds(15));
-  const absl::Duration took = absl::Now() - killed;
-  ASSERT_TRUE(s.ok()) << s.status();
+// Starts a prefill sending request `id` to `d`, stops it with `stop` just
+// after layer 0 landed, and returns what the decode then reported (checked:
+// failed with kUnavailable naming the prefill, within kReportBound).
+KvReceiver::Status StopAfterLayer0(Decode& d, const std::string& id, const char* how,
+                                   const std::function<void(PeerProcess&)>& stop,
+                                   absl::StatusOr<PeerProcess>* prefill) {
+  *prefill = StartPrefill(d, id);
+  EXPECT_TRUE(prefill->ok()) << prefill->status();
+  if (!prefill->ok()) return {};
+  EXPECT_TRUE(d.receiver->Expect(id, (*prefill)->address()).ok());
+  EXPECT_TRUE(LayerLanded(d, 0, absl::Seconds(10)));
+  stop(**prefill);
+  const absl::Time stopped = absl::Now();
+  auto s = d.receiver->Wait(id, absl::Seconds(15));
+  const absl::Duration took = absl::Now() - stopped;
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (!s.ok()) return {};
   EXPECT_EQ(s->state, KvReceiver::State::kFailed);
   EXPECT_EQ(s->error.code(), absl::StatusCode::kUnavailable) << s->error;
-  EXPECT_NE(s->error.message().find(prefill->address()), std::string::npos) << s->error;
+  EXPECT_NE(s->error.message().find((*prefill)->address()), std::string::npos) << s->error;
   EXPECT_LT(took, kReportBound) << "took " << took;
-  std::printf("killed prefill: decode reported the request failed %s after the kill\n",
+  std::printf("%s prefill: decode reported the request failed %s after it stopped\n", how,
               absl::FormatDuration(took).c_str());
+  return *s;
+}
+
+TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) {
+  Decode d = StartDecode(kKvPeerTimeout);
+  absl::StatusOr<PeerProcess> prefill;
+  StopAfterLayer0(d, "killed", "killed", [](PeerProcess& p) { p.Kill(); }, &prefill);
+  if (HasFailure()) return;
   // The decode goes on: a new prefill's request completes.
   auto next = StartPrefill(d, "next");
   ASSERT_TRUE(next.ok()) << next.status();
@@ -243,21 +258,11 @@ TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) 
 
 TEST(PeerFailure, KvPrefillFrozenMidRequestIsFailedAndFencedBeforeItResumes) {
   Decode d = StartDecode(kKvPeerTimeout);
-  auto prefill = StartPrefill(d, "frozen");
-  ASSERT_TRUE(prefill.ok()) << prefill.status();
-  ASSERT_TRUE(d.receiver->Expect("frozen", prefill->address()).ok());
-  ASSERT_TRUE(LayerLanded(d, 0, absl::Seconds(10)));
-  prefill->Freeze();
-  const absl::Time frozen = absl::Now();
-  auto s = d.receiver->Wait("frozen", absl::Seconds(15));
-  const absl::Duration took = absl::Now() - frozen;
-  ASSERT_TRUE(s.ok()) << s.status();
-  EXPECT_EQ(s->state, KvReceiver::State::kFailed);
-  EXPECT_EQ(s->error.code(), absl::StatusCode::kUnavailable) << s->error;
-  EXPECT_NE(s->error.message().find("has not answered"), std::string::npos) << s->error;
-  EXPECT_LT(took, kReportBound) << "took " << took;
-  std::printf("frozen prefill: decode reported the request failed %s after the freeze\n",
-              absl::FormatDuration(took).c_str());
+  absl::StatusOr<PeerProcess> prefill;
+  const KvReceiver::Status s =
+      StopAfterLayer0(d, "frozen", "frozen", [](PeerProcess& p) { p.Freeze(); }, &prefill);
+  if (HasFailure()) return;
+  EXPECT_NE(s.error.message().find("has not answered"), std::string::npos) << s.error;
   // Fenced: the prefill resumes and tries to send layers 1-3 (one every
   // 300 ms) and its completion; none of it lands, nor is it reported.
   const std::string at_report = Snapshot(d.pool);
