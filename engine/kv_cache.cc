@@ -474,10 +474,9 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   {
     MutexLock lock(&mu_);
     Status& s = requests_[request_id];
-    if (s.state != State::kPending) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("KV request ", request_id, " already finished (Forget it to reuse its id)"));
-    }
+    // Its word came first (the prefill was quicker than this call): there
+    // is nothing left to watch.
+    if (s.state != State::kPending) return absl::OkStatus();
     auto known = prefills_.find(peer);
     if (known == prefills_.end() || !watched) {
       prefills_[peer] = Prefill{instance, now, now + options_.peer_timeout / 4};
@@ -606,7 +605,17 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
       others_.push_back(std::move(n));
       continue;
     }
-    expected_.erase(parts[2]);
+    // A word for a request expected from another prefill instance (one
+    // that died, or its successor) is not about this request: ignored.
+    if (auto e = expected_.find(parts[2]); e != expected_.end()) {
+      auto from = prefills_.find(e->second);
+      if (from != prefills_.end() && from->second.engine_id != 0 &&
+          from->second.engine_id != n.engine_id) {
+        ++foreign_words_;
+        continue;
+      }
+      expected_.erase(e);
+    }
     Status& s = requests_[parts[2]];
     if (s.state != State::kPending) continue;  // first word wins
     if (parts[1] == "done") {
@@ -708,6 +717,11 @@ absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,
     }
   }
   return std::string(body);
+}
+
+uint64_t KvReceiver::ignored_words() const {
+  MutexLock lock(&mu_);
+  return foreign_words_;
 }
 
 uint64_t KvReceiver::checksum_failures() const {

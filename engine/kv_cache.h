@@ -217,8 +217,10 @@ class KvReceiver {
   // completes (even one it never started), the request fails with
   // kUnavailable naming the cause, and before that is reported the prefill
   // is fenced (TransferEngine::FencePeer): no byte of it lands in the pool
-  // afterwards. kInvalidArgument for a bad address; kFailedPrecondition if
-  // the request already finished.
+  // afterwards. A word about the request from another engine (a dead
+  // prefill's successor, or an earlier instance) is ignored. A request that
+  // already finished (its word came before this call) is left as it is.
+  // kInvalidArgument for a bad address.
   //
   // `prefill_engine_id` names the prefill instance (its engine_id(), e.g.
   // passed along with its address); 0: Expect asks the prefill (one round
@@ -240,6 +242,8 @@ class KvReceiver {
   std::vector<Notification> TakeOtherNotifications();
   // Requests whose pages did not match the sender's checksums.
   uint64_t checksum_failures() const;
+  // Words about expected requests that came from another engine (ignored).
+  uint64_t ignored_words() const;
 
  private:
   // A prefill that expected requests come from.
@@ -273,6 +277,7 @@ class KvReceiver {
   std::map<std::string, std::string> expected_ ABSL_GUARDED_BY(mu_);  // request -> prefill
   std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t foreign_words_ ABSL_GUARDED_BY(mu_) = 0;  // ignored (see Expect)
   std::thread watcher_;  // with the real clock; simulations check from Wait
 };
 

@@ -262,6 +262,33 @@ TEST(KvCache, ChecksumsDetectACorruptedPage) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A request expected from one prefill instance ignores words about it from
+// any other engine (a dead prefill's successor reusing the id, a stray
+// sender); a word that came before Expect stands.
+TEST(KvCache, WordsFromAnotherEngineAreIgnoredForAnExpectedRequest) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 7);
+  Pair p(src, dst);
+  auto stray_engine = Engine();
+  auto stray = *KvSender::Create(stray_engine.get(), *KvPool::Allocate(l));
+  const std::string peer = p.decode_engine->address();
+  ASSERT_TRUE(p.receiver->Expect("x", p.prefill_engine->address(), p.prefill_engine->engine_id())
+                  .ok());
+  ASSERT_TRUE(stray->Send("x", peer, {1}, {1}, "from the stray").ok());
+  EXPECT_EQ(p.receiver->Poll("x").state, KvReceiver::State::kPending);
+  EXPECT_EQ(p.receiver->ignored_words(), 1u);
+  ASSERT_TRUE(p.sender->Send("x", peer, {2}, {3}, "from the prefill").ok());
+  auto st = p.receiver->Wait("x", absl::Seconds(5));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, KvReceiver::State::kComplete);
+  EXPECT_EQ(st->aux, "from the prefill");
+  // Finished before it was declared: Expect leaves it complete.
+  ASSERT_TRUE(p.sender->Send("early", peer, {4}, {5}, "quick").ok());
+  ASSERT_TRUE(p.receiver->Expect("early", p.prefill_engine->address()).ok());
+  EXPECT_EQ(p.receiver->Wait("early", absl::Seconds(5))->state, KvReceiver::State::kComplete);
+}
+
 TEST(KvCache, BadRequestsAreRefusedBeforeSending) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);

@@ -51,6 +51,10 @@ ABSL_FLAG(uint32_t, pages, 24, "pages per request (scattered)");
 ABSL_FLAG(uint64_t, seed, 1, "seed for the page choice and contents");
 ABSL_FLAG(bool, cancel_last, false,
           "cancel the last request after its first layer (both sides must see it fail)");
+ABSL_FLAG(uint32_t, kill_prefill_after, 0,
+          "both roles: a first prefill process sends this many layers of every request and "
+          "is killed; the decode reports each request failed and how long it took to see it, "
+          "then serves a second prefill (0: off)");
 ABSL_FLAG(bool, verbose, false, "show the engines' log lines");
 
 namespace kvferry {
@@ -148,7 +152,34 @@ absl::Status CheckFlags(const Layout& layout) {
 
 // Decode: receives every request through the KV layer, checks every page of
 // every layer by checksum, and reports "verified N/M" to the prefill.
-int RunDecode(int report_fd) {
+// Waits for a prefill's "demo-prefill <host:port> <engine id>" and
+// declares every request as expected from it (KvReceiver::Expect): if it
+// dies, the decode hears of it.
+bool ExpectFromNextPrefill(TransferEngine& engine, KvReceiver& receiver, uint32_t requests,
+                           const std::string& prefix) {
+  const absl::Time deadline = absl::Now() + absl::Minutes(5);
+  while (absl::Now() < deadline) {
+    // The receiver keeps what is not a KV word (it may have taken the
+    // announcement while waiting for requests).
+    std::vector<Notification> notes = receiver.TakeOtherNotifications();
+    if (notes.empty()) {
+      auto n = engine.WaitNotification(absl::Milliseconds(100));
+      if (n.ok()) notes.push_back(std::move(*n));
+    }
+    for (const Notification& n : notes) {
+      std::vector<std::string> w = absl::StrSplit(n.message, ' ');
+      uint64_t id = 0;
+      if (w.size() != 3 || w[0] != "demo-prefill" || !absl::SimpleAtoi(w[2], &id)) continue;
+      for (uint32_t r = 0; r < requests; ++r) {
+        if (!receiver.Expect(absl::StrCat(prefix, r), w[1], id).ok()) return false;
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
+int RunDecode(int report_fd, int death_fd) {
   const Layout layout = MakeLayout();
   if (absl::Status s = CheckFlags(layout); !s.ok()) {
     std::fprintf(stderr, "decode: %s\n", s.ToString().c_str());
@@ -178,6 +209,37 @@ int RunDecode(int report_fd) {
     std::fflush(stdout);
   }
   const uint32_t requests = absl::GetFlag(FLAGS_requests);
+  if (absl::GetFlag(FLAGS_kill_prefill_after) > 0) {
+    // The first prefill dies mid-request: every request it was sending
+    // fails here, within the receiver's peer_timeout of its death.
+    if (!ExpectFromNextPrefill(**engine, **receiver, requests, "lost-")) return 1;
+    absl::Time seen = absl::InfinitePast();
+    std::string why;
+    for (uint32_t r = 0; r < requests; ++r) {
+      auto st = (*receiver)->Wait(absl::StrCat("lost-", r), absl::Minutes(1));
+      if (!st.ok() || st->state != KvReceiver::State::kFailed) {
+        std::fprintf(stderr, "decode: req-%u: %s\n", r,
+                     !st.ok() ? st.status().ToString().c_str()
+                              : "completed although its prefill died");
+        return 1;
+      }
+      seen = std::max(seen, absl::Now());
+      why = st->error.ToString();
+      (*receiver)->Forget(absl::StrCat("lost-", r));
+    }
+    int64_t died_ns = 0;
+    if (death_fd < 0 || ::read(death_fd, &died_ns, sizeof died_ns) != sizeof died_ns) {
+      std::fprintf(stderr, "decode: no word of the prefill's death\n");
+      return 1;
+    }
+    std::printf("  decode   the prefill died mid-request: all %u requests reported failed %.0f ms "
+                "after its death (%s)\n",
+                requests, absl::ToDoubleMilliseconds(seen - absl::FromUnixNanos(died_ns)),
+                why.c_str());
+    std::printf("  decode   serving the next prefill\n");
+    std::fflush(stdout);
+  }
+  if (!ExpectFromNextPrefill(**engine, **receiver, requests, "req-")) return 1;
   uint64_t checked = 0, good = 0, seed = 0;
   std::string prefill;
   std::vector<char> expected(layout.page_bytes);
@@ -219,7 +281,9 @@ int RunDecode(int report_fd) {
   return good == checked ? 0 : 1;
 }
 
-int RunPrefill(const std::string& peer) {
+// `kill_after` > 0: sends that many layers of every request, then the
+// process kills itself (a prefill crashing mid-request).
+int RunPrefill(const std::string& peer, uint32_t kill_after = 0) {
   const Layout layout = MakeLayout();
   if (absl::Status s = CheckFlags(layout); !s.ok()) {
     std::fprintf(stderr, "prefill: %s\n", s.ToString().c_str());
@@ -248,11 +312,22 @@ int RunPrefill(const std::string& peer) {
     std::fprintf(stderr, "prefill: %s\n", sender.status().ToString().c_str());
     return 1;
   }
+  // Who is sending (the decode expects the requests from this engine).
+  auto to = (*engine)->OpenSegment(peer);
+  absl::Status announced =
+      to.ok() ? (*engine)->Notify(*to, absl::StrCat("demo-prefill ", (*engine)->address(), " ",
+                                                    (*engine)->engine_id()))
+              : to.status();
+  if (!announced.ok()) {
+    std::fprintf(stderr, "prefill: %s\n", announced.ToString().c_str());
+    return 1;
+  }
   const Plan plan = MakePlan(layout, seed, requests, pages);
   const absl::Time t0 = absl::Now();
   std::vector<KvSender::Handle> handles;
   for (uint32_t r = 0; r < requests; ++r) {
-    auto h = (*sender)->Begin(absl::StrCat("req-", r), peer, plan.src[r], plan.dst[r]);
+    auto h = (*sender)->Begin(absl::StrCat(kill_after > 0 ? "lost-" : "req-", r), peer,
+                              plan.src[r], plan.dst[r]);
     if (!h.ok()) {
       std::fprintf(stderr, "prefill: %s\n", h.status().ToString().c_str());
       return 1;
@@ -264,6 +339,13 @@ int RunPrefill(const std::string& peer) {
   const absl::Time start = absl::Now();
   const bool cancel_last = absl::GetFlag(FLAGS_cancel_last);
   for (uint32_t layer = 0; layer < layout.layers; ++layer) {
+    if (kill_after > 0 && layer == kill_after) {
+      absl::SleepFor(absl::Milliseconds(100));  // let those layers land
+      std::printf("  prefill  sent %u of %u layers of every request; now it dies (SIGKILL)\n",
+                  kill_after, layout.layers);
+      std::fflush(stdout);
+      ::raise(SIGKILL);
+    }
     for (KvSender::Handle h : handles) {
       if (cancel_last && h == handles.back() && layer > 0) continue;
       if (absl::Status s = (*sender)->SendLayer(h, layer); !s.ok()) {
@@ -319,22 +401,40 @@ int RunPrefill(const std::string& peer) {
 }
 
 int RunBoth() {
-  int pipefd[2];
-  if (::pipe(pipefd) != 0) return 1;
+  int pipefd[2], deathfd[2];
+  if (::pipe(pipefd) != 0 || ::pipe(deathfd) != 0) return 1;
   std::printf("kvferry demo: a prefill and a decode engine, two processes, zero configuration\n");
   std::fflush(stdout);
   const pid_t child = ::fork();
   if (child < 0) return 1;
   if (child == 0) {
     ::close(pipefd[0]);
-    ::_exit(RunDecode(pipefd[1]));
+    ::close(deathfd[1]);
+    ::_exit(RunDecode(pipefd[1], deathfd[0]));
   }
   ::close(pipefd[1]);
+  ::close(deathfd[0]);
   std::string line;
   char c;
   while (::read(pipefd[0], &c, 1) == 1 && c != '\n') line.push_back(c);
   ::close(pipefd[0]);
-  const int rc = line.empty() ? 1 : RunPrefill(line);
+  int rc = line.empty() ? 1 : 0;
+  const uint32_t kill_after = absl::GetFlag(FLAGS_kill_prefill_after);
+  if (rc == 0 && kill_after > 0) {
+    // A first prefill in a process of its own, which dies mid-request.
+    const pid_t victim = ::fork();
+    if (victim < 0) return 1;
+    if (victim == 0) ::_exit(RunPrefill(line, kill_after));
+    int status = 0;
+    ::waitpid(victim, &status, 0);
+    const int64_t died = absl::ToUnixNanos(absl::Now());
+    rc = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL &&
+                 ::write(deathfd[1], &died, sizeof died) == sizeof died
+             ? 0
+             : 1;
+  }
+  ::close(deathfd[1]);
+  if (rc == 0) rc = RunPrefill(line);
   if (rc != 0) ::kill(child, SIGTERM);  // it would wait for requests forever
   int status = 0;
   ::waitpid(child, &status, 0);
@@ -354,8 +454,13 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (!absl::GetFlag(FLAGS_verbose)) kvferry::SetLogThreshold(kvferry::LogSeverity::kWarning);
   const std::string role = absl::GetFlag(FLAGS_role);
+  const uint32_t kill_after = absl::GetFlag(FLAGS_kill_prefill_after);
+  if (kill_after > 0 && (role != "both" || kill_after >= absl::GetFlag(FLAGS_layers))) {
+    std::fprintf(stderr, "demo: --kill_prefill_after needs --role=both and fewer than --layers\n");
+    return 2;
+  }
   if (role == "both") return kvferry::RunBoth();
-  if (role == "decode") return kvferry::RunDecode(-1);
+  if (role == "decode") return kvferry::RunDecode(-1, -1);
   if (role == "prefill") {
     if (absl::GetFlag(FLAGS_peer).empty()) {
       std::fprintf(stderr, "demo: --role=prefill needs --peer=HOST:PORT (printed by --role=decode)\n");

@@ -18,6 +18,19 @@ echo "$out"
 grep -q "verified 128/128, 1 request seen cancelled" <<<"$out"
 grep -q "OK: every page arrived intact." <<<"$out"
 
+# A prefill killed mid-request: the decode reports every request failed,
+# says how long it took, and then serves a second prefill.
+out="$("$demo" "${small[@]}" --kill_prefill_after=2)"
+echo "$out"
+grep -q "now it dies (SIGKILL)" <<<"$out"
+grep -q "all 3 requests reported failed .* ms after its death (UNAVAILABLE: the prefill at" <<<"$out"
+grep -q "verified 192/192" <<<"$out"
+grep -q "OK: every page arrived intact." <<<"$out"
+if "$demo" "${small[@]}" --kill_prefill_after=4 2>err.txt >/dev/null; then
+  echo "killing after every layer accepted"; exit 1
+fi
+grep -q -- "--kill_prefill_after needs" err.txt
+
 # Two separate invocations, as on two machines.
 log="$TEST_TMPDIR/decode.log"
 "$demo" --role=decode "${small[@]}" >"$log" 2>&1 &
