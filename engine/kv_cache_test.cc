@@ -1,5 +1,6 @@
 #include "engine/kv_cache.h"
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <set>
@@ -316,6 +317,80 @@ TEST(KvCache, BadRequestsAreRefusedBeforeSending) {
   EXPECT_EQ(told.state, KvReceiver::State::kFailed);
   EXPECT_NE(told.error.message().find("not started"), std::string::npos) << told.error;
   EXPECT_EQ(p.receiver->Poll("never-begun").state, KvReceiver::State::kPending);
+}
+
+std::string Snapshot(const KvPool& pool) {
+  const KvLayout& l = pool.layout();
+  std::string out;
+  for (uint32_t b = 0; b < l.buffer_count(); ++b) out.append(pool.buffer(b), l.buffer_bytes());
+  return out;
+}
+
+// Fencing on whatever transport the engines have (TCP here, verbs inside
+// the Soft-RoCE VM): once the decode fences the prefill instance, nothing
+// it sends lands, over the links it already had or new ones, and its words
+// are refused.
+TEST(KvCache, AFencedPrefillLandsNothingMore) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 9);
+  auto prefill = Engine(), decode = Engine();
+  KvSender::Options so;
+  so.timeout = absl::Seconds(1);
+  so.tell_timeout = absl::Milliseconds(200);
+  auto sender = *KvSender::Create(prefill.get(), src, so);
+  auto receiver = *KvReceiver::Create(decode.get(), dst);
+  const std::string peer = decode->address();
+  ASSERT_TRUE(sender->Send("before", peer, {0, 1}, {0, 1}, "").ok());  // links are up
+  ASSERT_EQ(receiver->Wait("before", absl::Seconds(5))->state, KvReceiver::State::kComplete);
+
+  decode->FencePeer(prefill->engine_id());
+  EXPECT_TRUE(decode->PeerFenced(prefill->engine_id()));
+  const std::string fenced = Snapshot(dst);
+  Fill(src, 10);  // different bytes, so a landing write would show
+  auto h = sender->Begin("after", peer, {2, 3}, {2, 3});
+  if (h.ok()) {
+    (void)sender->SendLayer(*h, 0);
+    (void)sender->SendLayer(*h, 1);
+    EXPECT_FALSE(sender->Finish(*h, "").ok());  // nothing arrived, no word accepted
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_TRUE(Snapshot(dst) == fenced) << "a fenced prefill's write landed";
+  EXPECT_NE(receiver->Poll("after").state, KvReceiver::State::kComplete);
+  // Another prefill is not affected.
+  auto other_engine = Engine();
+  auto other = *KvSender::Create(other_engine.get(), src);
+  ASSERT_TRUE(other->Send("other", peer, {4}, {4}, "").ok());
+  EXPECT_EQ(receiver->Wait("other", absl::Seconds(5))->state, KvReceiver::State::kComplete);
+}
+
+// The time from a prefill's death (its engine gone) to the decode's report
+// of an expected request, on this transport; printed for the record.
+TEST(KvCache, AnExpectedRequestFailsWhenItsPrefillDies) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  auto prefill = Engine(), decode = Engine();
+  KvReceiver::Options ro;
+  ro.peer_timeout = absl::Seconds(1);
+  auto receiver = *KvReceiver::Create(decode.get(), dst, ro);
+  {
+    auto sender = *KvSender::Create(prefill.get(), src);
+    auto h = sender->Begin("orphan", decode->address(), {1}, {1});
+    ASSERT_TRUE(h.ok());
+    ASSERT_TRUE(receiver->Expect("orphan", prefill->address(), prefill->engine_id()).ok());
+    ASSERT_TRUE(sender->SendLayer(*h, 0).ok());
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  prefill.reset();  // dies without a word
+  const absl::Time died = absl::Now();
+  auto st = receiver->Wait("orphan", absl::Seconds(10));
+  const absl::Duration took = absl::Now() - died;
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->state, KvReceiver::State::kFailed);
+  EXPECT_EQ(st->error.code(), absl::StatusCode::kUnavailable) << st->error;
+  EXPECT_LT(took, absl::Seconds(1) + absl::Milliseconds(1500));
+  std::printf("prefill death to the decode's report over %s: %s (peer_timeout 1 s)\n",
+              decode->detection().transport.c_str(), absl::FormatDuration(took).c_str());
 }
 
 TEST(KvCache, APeerFailureFailsOnlyItsRequests) {
