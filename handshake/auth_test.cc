@@ -84,7 +84,12 @@ TEST(Auth, WithoutTheSecretNothingIsAnsweredAndEachAttemptCounts) {
   ASSERT_TRUE(wrong.ok());
   auto bad = (*wrong)->Call(addr, Frame{MessageType::kDescribe, "x"}, absl::Seconds(5));
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kUnauthenticated) << bad.status();
-  EXPECT_EQ((*server_net)->rejected(), 5u);
+  // Five refused attempts. The last one went over the connection its
+  // challenge used (pooled): if that connection broke, the client sent it
+  // once more on a fresh one, which counts again (seen once under ASan in
+  // CI).
+  EXPECT_GE((*server_net)->rejected(), 5u);
+  EXPECT_LE((*server_net)->rejected(), 6u);
 }
 
 TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
