@@ -1449,10 +1449,25 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     run_bytes = 0;
     return queue(std::exchange(run, Job{}));
   };
+  // After refusing a request the link closes once that answer is out (like
+  // an RC responder in the error state): requests behind it are read off the
+  // stream and never executed, so none of them lands after the requester
+  // saw it flushed.
+  bool refusing = false;
   for (;;) {
     DataHeader h;
     error = RecvAll(link->fd.get(), &h, sizeof h);
     if (!error.ok()) break;
+    if (refusing && (h.type == kWriteReq || h.type == kReadReq)) {
+      if ((h.flags & kViaIpc) != 0) {
+        IpcRef skipped;
+        error = RecvAll(link->fd.get(), &skipped, sizeof skipped);
+      } else if (h.type == kWriteReq) {
+        error = Drain(link->fd.get(), h.length);
+      }
+      if (!error.ok()) break;
+      continue;
+    }
     if (h.type == kWriteReq || h.type == kReadReq) {
       absl::Status stream;
       Job answer = Execute(*link, h, &stream);
@@ -1460,6 +1475,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
         error = stream;
         break;
       }
+      refusing = answer.close_after;
       if (h.type == kWriteReq && answer.header.status == 0) {
         // Acknowledged in runs up to the end of the requester's Post: one
         // answer (and one wake-up at the requester) for many WRITEs.
