@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <set>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -71,6 +70,13 @@ std::string ChecksummedBody(const KvPool& pool, const std::vector<PageRun>& runs
   }
   out.append(aux.data(), aux.size());
   return out;
+}
+
+absl::Status CheckRequestId(const std::string& id) {
+  if (id.empty() || id.find(kSep) != std::string::npos) {
+    return absl::InvalidArgumentError("request ids must be non-empty and contain no NUL");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -220,9 +226,7 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
                                                  const std::string& peer,
                                                  absl::Span<const uint32_t> src_pages,
                                                  absl::Span<const uint32_t> dst_pages) {
-  if (request_id.empty() || request_id.find(kSep) != std::string::npos) {
-    return absl::InvalidArgumentError("request ids must be non-empty and contain no NUL");
-  }
+  RETURN_IF_ERROR(CheckRequestId(request_id));
   absl::StatusOr<std::unique_ptr<Request>> r = Prepare(request_id, peer, src_pages, dst_pages);
   if (!r.ok()) {
     // The decode may be expecting it (KvReceiver::Expect): it is told the
@@ -450,16 +454,14 @@ KvReceiver::~KvReceiver() {
 
 absl::Status KvReceiver::Expect(const std::string& request_id, const std::string& prefill,
                                 uint64_t prefill_engine_id) {
-  if (request_id.empty() || request_id.find(kSep) != std::string::npos) {
-    return absl::InvalidArgumentError("request ids must be non-empty and contain no NUL");
-  }
+  RETURN_IF_ERROR(CheckRequestId(request_id));
   absl::StatusOr<net::HostPort> hp = net::ParseHostPort(prefill);
   if (!hp.ok()) return Annotate(hp.status(), "KvReceiver::Expect");
   const std::string peer = hp->ToString();
-  bool watched = false;  // requests from it are pending: its instance is known
+  bool watched;  // requests from it are pending: its instance is known
   {
     MutexLock lock(&mu_);
-    for (const auto& [id, from] : expected_) watched = watched || from == peer;
+    watched = prefills_.count(peer) != 0;
   }
   // A prefill not being watched is asked who it is now (one round trip),
   // unless the caller named the instance, so that a restart later is told
@@ -477,12 +479,13 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     // Its word came first (the prefill was quicker than this call): there
     // is nothing left to watch.
     if (s.state != State::kPending) return absl::OkStatus();
-    auto known = prefills_.find(peer);
-    if (known == prefills_.end() || !watched) {
-      prefills_[peer] = Prefill{instance, now, now + options_.peer_timeout / 4};
-    } else if (prefill_engine_id != 0 && known->second.engine_id == 0) {
+    if (auto again = expected_.find(request_id); again != expected_.end()) Unexpect(again);
+    auto [known, fresh] =
+        prefills_.try_emplace(peer, Prefill{instance, now, now + options_.peer_timeout / 4});
+    if (!fresh && prefill_engine_id != 0 && known->second.engine_id == 0) {
       known->second.engine_id = prefill_engine_id;
     }
+    ++known->second.expected;
     expected_[request_id] = peer;
     start = !watcher_started_ && engine_->clock() == RealClock();
     watcher_started_ = watcher_started_ || start;
@@ -493,7 +496,7 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     if (!t.ok()) {
       MutexLock lock(&mu_);
       watcher_started_ = false;
-      expected_.erase(request_id);
+      if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);
       return t.status();
     }
     watcher_ = std::move(*t);
@@ -524,17 +527,9 @@ void KvReceiver::CheckPrefills() {
   std::vector<std::pair<std::string, Prefill>> due;
   {
     MutexLock lock(&mu_);
-    // Prefills no pending request is expected from are forgotten.
-    std::set<std::string> wanted;
-    for (const auto& [id, peer] : expected_) wanted.insert(peer);
     const absl::Time now = clock->Now();
-    for (auto it = prefills_.begin(); it != prefills_.end();) {
-      if (wanted.count(it->first) == 0) {
-        it = prefills_.erase(it);
-        continue;
-      }
-      if (it->second.next_probe <= now) due.emplace_back(it->first, it->second);
-      ++it;
+    for (const auto& [peer, p] : prefills_) {
+      if (p.next_probe <= now) due.emplace_back(peer, p);
     }
   }
   for (const auto& [peer, p] : due) {
@@ -565,8 +560,7 @@ void KvReceiver::CheckPrefills() {
     auto it = prefills_.find(peer);
     if (it == prefills_.end()) continue;
     if (!dead.ok()) {
-      FailFrom(peer, dead);
-      prefills_.erase(it);
+      FailFrom(peer, dead);  // forgets the prefill with its last request
       continue;
     }
     if (id.ok()) {
@@ -591,9 +585,15 @@ void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
       s.state = State::kFailed;
       s.error = why;
     }
-    it = expected_.erase(it);
+    Unexpect(it++);
   }
   changed_.SignalAll();
+}
+
+void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
+  auto p = prefills_.find(e->second);
+  if (p != prefills_.end() && --p->second.expected == 0) prefills_.erase(p);
+  expected_.erase(e);
 }
 
 void KvReceiver::Absorb(std::vector<Notification> notes) {
@@ -611,10 +611,10 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
       auto from = prefills_.find(e->second);
       if (from != prefills_.end() && from->second.engine_id != 0 &&
           from->second.engine_id != n.engine_id) {
-        ++foreign_words_;
+        ++ignored_words_;
         continue;
       }
-      expected_.erase(e);
+      Unexpect(e);
     }
     Status& s = requests_[parts[2]];
     if (s.state != State::kPending) continue;  // first word wins
@@ -721,7 +721,7 @@ absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,
 
 uint64_t KvReceiver::ignored_words() const {
   MutexLock lock(&mu_);
-  return foreign_words_;
+  return ignored_words_;
 }
 
 uint64_t KvReceiver::checksum_failures() const {
@@ -732,7 +732,7 @@ uint64_t KvReceiver::checksum_failures() const {
 void KvReceiver::Forget(const std::string& request_id) {
   MutexLock lock(&mu_);
   requests_.erase(request_id);
-  expected_.erase(request_id);
+  if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);
 }
 
 std::vector<Notification> KvReceiver::TakeOtherNotifications() {

@@ -251,6 +251,7 @@ class KvReceiver {
     uint64_t engine_id = 0;    // as its first probe answered (0: not yet)
     absl::Time last_answer;    // or when it was first expected
     absl::Time next_probe;
+    uint32_t expected = 0;     // pending requests expected from it (> 0)
   };
   KvReceiver(TransferEngine* engine, KvPool pool, Options options)
       : engine_(engine), pool_(std::move(pool)), options_(options) {}
@@ -259,6 +260,9 @@ class KvReceiver {
   void CheckPrefills();
   void Watch();
   void FailFrom(const std::string& prefill, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops expecting `e`'s request; its prefill is forgotten with the last.
+  void Unexpect(std::map<std::string, std::string>::iterator e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A completion with checksums: the aux payload, or why the pages differ.
   absl::StatusOr<std::string> Verify(const std::string& request_id, absl::string_view body)
@@ -275,9 +279,10 @@ class KvReceiver {
   std::map<std::string, Status> requests_ ABSL_GUARDED_BY(mu_);
   std::vector<Notification> others_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> expected_ ABSL_GUARDED_BY(mu_);  // request -> prefill
+  // The prefills pending expected requests come from, and nothing else.
   std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t foreign_words_ ABSL_GUARDED_BY(mu_) = 0;  // ignored (see Expect)
+  uint64_t ignored_words_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread watcher_;  // with the real clock; simulations check from Wait
 };
 

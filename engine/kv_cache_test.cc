@@ -140,9 +140,9 @@ struct Pair {
   std::unique_ptr<TransferEngine> prefill_engine = Engine(), decode_engine = Engine();
   std::unique_ptr<KvSender> sender;
   std::unique_ptr<KvReceiver> receiver;
-  Pair(KvPool src, KvPool dst) {
-    sender = *KvSender::Create(prefill_engine.get(), std::move(src));
-    receiver = *KvReceiver::Create(decode_engine.get(), std::move(dst));
+  Pair(KvPool src, KvPool dst, KvSender::Options so = {}, KvReceiver::Options ro = {}) {
+    sender = *KvSender::Create(prefill_engine.get(), std::move(src), so);
+    receiver = *KvReceiver::Create(decode_engine.get(), std::move(dst), ro);
   }
 };
 
@@ -223,12 +223,12 @@ TEST(KvCache, ChecksumsDetectACorruptedPage) {
   const KvLayout l{4, false, 16, 128, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
   Fill(src, 5);
-  auto prefill = Engine(), decode = Engine();
   KvSender::Options so;
   so.checksums = true;
-  auto sender = *KvSender::Create(prefill.get(), src, so);
-  auto receiver = *KvReceiver::Create(decode.get(), dst);
-  const std::string peer = decode->address();
+  Pair p(src, dst, so);
+  auto& sender = p.sender;
+  auto& receiver = p.receiver;
+  const std::string peer = p.decode_engine->address();
   std::vector<uint32_t> s = {0, 1, 2, 9}, d = {5, 6, 7, 3};
   ASSERT_TRUE(sender->Send("intact", peer, s, d, std::string("aux\0bytes", 9)).ok());
   auto ok = receiver->Wait("intact", absl::Seconds(10));
@@ -256,7 +256,7 @@ TEST(KvCache, ChecksumsDetectACorruptedPage) {
   KvPool big_src = *KvPool::Allocate(big), big_dst = *KvPool::Allocate(big);
   auto big_decode = Engine();
   auto big_receiver = *KvReceiver::Create(big_decode.get(), big_dst);
-  auto big_sender = *KvSender::Create(prefill.get(), big_src, so);
+  auto big_sender = *KvSender::Create(p.prefill_engine.get(), big_src, so);
   std::vector<uint32_t> all(big.pages);
   for (uint32_t i = 0; i < big.pages; ++i) all[i] = i;
   EXPECT_EQ(big_sender->Begin("huge", big_decode->address(), all, all).status().code(),
@@ -334,12 +334,14 @@ TEST(KvCache, AFencedPrefillLandsNothingMore) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
   Fill(src, 9);
-  auto prefill = Engine(), decode = Engine();
   KvSender::Options so;
   so.timeout = absl::Seconds(1);
   so.tell_timeout = absl::Milliseconds(200);
-  auto sender = *KvSender::Create(prefill.get(), src, so);
-  auto receiver = *KvReceiver::Create(decode.get(), dst);
+  Pair p(src, dst, so);
+  auto& sender = p.sender;
+  auto& receiver = p.receiver;
+  const auto& prefill = p.prefill_engine;
+  const auto& decode = p.decode_engine;
   const std::string peer = decode->address();
   ASSERT_TRUE(sender->Send("before", peer, {0, 1}, {0, 1}, "").ok());  // links are up
   ASSERT_EQ(receiver->Wait("before", absl::Seconds(5))->state, KvReceiver::State::kComplete);
@@ -368,20 +370,19 @@ TEST(KvCache, AFencedPrefillLandsNothingMore) {
 // of an expected request, on this transport; printed for the record.
 TEST(KvCache, AnExpectedRequestFailsWhenItsPrefillDies) {
   const KvLayout l{2, false, 16, 256, 16};
-  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
-  auto prefill = Engine(), decode = Engine();
   KvReceiver::Options ro;
   ro.peer_timeout = absl::Seconds(1);
-  auto receiver = *KvReceiver::Create(decode.get(), dst, ro);
-  {
-    auto sender = *KvSender::Create(prefill.get(), src);
-    auto h = sender->Begin("orphan", decode->address(), {1}, {1});
-    ASSERT_TRUE(h.ok());
-    ASSERT_TRUE(receiver->Expect("orphan", prefill->address(), prefill->engine_id()).ok());
-    ASSERT_TRUE(sender->SendLayer(*h, 0).ok());
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  prefill.reset();  // dies without a word
+  Pair p(*KvPool::Allocate(l), *KvPool::Allocate(l), {}, ro);
+  auto& receiver = p.receiver;
+  const auto& decode = p.decode_engine;
+  auto h = p.sender->Begin("orphan", decode->address(), {1}, {1});
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(
+      receiver->Expect("orphan", p.prefill_engine->address(), p.prefill_engine->engine_id()).ok());
+  ASSERT_TRUE(p.sender->SendLayer(*h, 0).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  p.sender.reset();
+  p.prefill_engine.reset();  // dies without a word
   const absl::Time died = absl::Now();
   auto st = receiver->Wait("orphan", absl::Seconds(10));
   const absl::Duration took = absl::Now() - died;

@@ -52,6 +52,53 @@ bool Unreachable(const absl::Status& s) {
          s.code() == absl::StatusCode::kDeadlineExceeded;
 }
 
+// Link k of a new set: its NIC pair (the local NIC the host's routes say
+// reaches the peer NIC, verbs with rdma_cm; else the NICs in order).
+Link PlanLink(transport::Transport* transport, const transport::EndpointDescription& local,
+              const handshake::EngineDescriptor& d, uint32_t k, absl::Time now) {
+  Link link;
+  link.remote_nic = k % d.nics.size();
+  absl::StatusOr<NicIndex> routed = transport->RouteTo(d.nics[link.remote_nic]);
+  link.local_nic = routed.ok() && *routed < local.nics.size()
+                       ? *routed
+                       : static_cast<NicIndex>(k % local.nics.size());
+  link.progress = now;
+  link.weight = Weight(local.nics[link.local_nic], d.nics[link.remote_nic]);
+  return link;
+}
+
+// The links whose `outcome` is OK. A peer that cannot be reached fails the
+// whole set (closing what came up); one NIC pair failing (a NIC down on
+// either side) costs only that pair.
+absl::StatusOr<std::vector<Link>> KeepWorking(transport::Transport* transport,
+                                              const std::string& peer,
+                                              const std::vector<Link>& links,
+                                              const std::vector<absl::Status>& outcome) {
+  const absl::Status* unreachable = nullptr;
+  const absl::Status* last_error = nullptr;
+  std::vector<Link> up;
+  for (size_t k = 0; k < links.size(); ++k) {
+    if (outcome[k].ok()) {
+      up.push_back(links[k]);
+      continue;
+    }
+    last_error = &outcome[k];
+    if (unreachable == nullptr && Unreachable(outcome[k])) unreachable = &outcome[k];
+  }
+  if (unreachable != nullptr || up.empty()) {
+    for (const Link& l : up) (void)transport->CloseLink(l.id);
+    return Annotate(unreachable != nullptr ? *unreachable : *last_error,
+                    absl::StrCat("connecting to ", peer));
+  }
+  for (size_t k = 0; k < links.size(); ++k) {
+    if (outcome[k].ok()) continue;
+    KVF_LOG(WARNING) << "connecting to " << peer << ": no link from local NIC "
+                     << links[k].local_nic << " to peer NIC " << links[k].remote_nic << ": "
+                     << outcome[k].message();
+  }
+  return up;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
@@ -68,21 +115,12 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
       std::max<uint32_t>({1, links_per_peer, static_cast<uint32_t>(local.nics.size())});
   // Every link's local half first, then one round trip asks the peer for all
   // of them (they come up together instead of one after another).
-  std::vector<Link> links(count);
+  std::vector<Link> links;
   std::vector<absl::Status> outcome(count);
   std::vector<handshake::ConnectRequest> requests;
   std::vector<uint32_t> asked;  // index in `links` of each request
   for (uint32_t k = 0; k < count; ++k) {
-    Link& link = links[k];
-    link.remote_nic = k % d.nics.size();
-    // The local NIC the host's routes say reaches that peer NIC (verbs with
-    // rdma_cm), else the NICs in order.
-    absl::StatusOr<NicIndex> routed = transport->RouteTo(d.nics[link.remote_nic]);
-    link.local_nic = routed.ok() && *routed < local.nics.size()
-                         ? *routed
-                         : static_cast<NicIndex>(k % local.nics.size());
-    link.progress = now;
-    link.weight = Weight(local.nics[link.local_nic], d.nics[link.remote_nic]);
+    Link& link = links.emplace_back(PlanLink(transport, local, d, k, now));
     absl::StatusOr<transport::LinkOffer> offer =
         transport->CreateLink(link.local_nic, d.nics[link.remote_nic]);
     if (!offer.ok()) {
@@ -105,31 +143,7 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
       if (!outcome[k].ok()) (void)transport->CloseLink(links[k].id);
     }
   }
-  // A peer that cannot be reached fails the whole connect; one NIC pair
-  // failing (a NIC down on either side) costs only that pair.
-  const absl::Status* unreachable = nullptr;
-  const absl::Status* last_error = nullptr;
-  std::vector<Link> up;
-  for (uint32_t k = 0; k < count; ++k) {
-    if (outcome[k].ok()) {
-      up.push_back(links[k]);
-      continue;
-    }
-    last_error = &outcome[k];
-    if (unreachable == nullptr && Unreachable(outcome[k])) unreachable = &outcome[k];
-  }
-  if (unreachable != nullptr || up.empty()) {
-    for (const Link& l : up) (void)transport->CloseLink(l.id);
-    return Annotate(unreachable != nullptr ? *unreachable : *last_error,
-                    absl::StrCat("connecting to ", peer));
-  }
-  for (uint32_t k = 0; k < count; ++k) {
-    if (outcome[k].ok()) continue;
-    KVF_LOG(WARNING) << "connecting to " << peer << ": no link from local NIC "
-                     << links[k].local_nic << " to peer NIC " << links[k].remote_nic << ": "
-                     << outcome[k].message();
-  }
-  return up;
+  return KeepWorking(transport, peer, links, outcome);
 }
 
 Link* ChooseLink(std::vector<Link>& links, NicMask near, uint32_t capacity) {

@@ -43,11 +43,6 @@ bool PeerService::Fenced(uint64_t engine_id) const {
   return fenced_.contains(engine_id);
 }
 
-size_t PeerService::TrackedLinks() const {
-  MutexLock lock(&mu_);
-  return tracked_;
-}
-
 absl::Status PeerService::Track(uint64_t engine_id, transport::Transport* t,
                                 transport::LinkId link) {
   {

@@ -56,8 +56,6 @@ class PeerService {
   // Closes the links `engine_id` opened (without fencing it).
   void CloseLinksOf(uint64_t engine_id);
   bool Fenced(uint64_t engine_id) const;
-  // Links accepted for peers and still tracked for fencing (tests).
-  size_t TrackedLinks() const;
 
  private:
   // One link: the accepting transport's parameters.

@@ -4,24 +4,23 @@
 set -euo pipefail
 demo="$TEST_SRCDIR/$TEST_WORKSPACE/tools/demo"
 small=(--layers=4 --pool_pages=32 --requests=3 --pages=8 --host=127.0.0.1)
+# Runs the demo, small, with more flags; its output in $out.
+run() { out="$("$demo" "${small[@]}" "$@")"; echo "$out"; }
 
-out="$("$demo" "${small[@]}")"
-echo "$out"
+run
 grep -q "OK: every page arrived intact." <<<"$out"
 grep -q "verified 192/192" <<<"$out"
 grep -q "3 concurrent requests" <<<"$out"
 grep -q "transport tcp" <<<"$out"
 
 # Cancelling a request mid-way: both processes see it fail, the rest arrive.
-out="$("$demo" "${small[@]}" --cancel_last)"
-echo "$out"
+run --cancel_last
 grep -q "verified 128/128, 1 request seen cancelled" <<<"$out"
 grep -q "OK: every page arrived intact." <<<"$out"
 
 # A prefill killed mid-request: the decode reports every request failed,
 # says how long it took, and then serves a second prefill.
-out="$("$demo" "${small[@]}" --kill_prefill_after=2)"
-echo "$out"
+run --kill_prefill_after=2
 grep -q "now it dies (SIGKILL)" <<<"$out"
 grep -q "all 3 requests reported failed .* ms after its death (UNAVAILABLE: the prefill at" <<<"$out"
 grep -q "verified 192/192" <<<"$out"

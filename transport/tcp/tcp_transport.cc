@@ -852,9 +852,11 @@ void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
 }
 
 bool TcpTransport::HasLink(LinkId id) {
-  ReapDeadPassiveLinks();
+  // A passive link whose reader ended is gone for its peer (it is reaped at
+  // the next AcceptLink).
   MutexLock lock(&mu_);
-  return links_.count(id) != 0;
+  auto it = links_.find(id);
+  return it != links_.end() && !(it->second->passive && it->second->reader_done);
 }
 
 absl::Status TcpTransport::CloseLink(LinkId id) {
