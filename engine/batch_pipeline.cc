@@ -236,6 +236,7 @@ absl::StatusOr<BatchPipeline::PeerView> BatchPipeline::View(SegmentId id) const 
 absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_generation) {
   *changed = false;
   std::string peer;
+  std::vector<std::pair<transport::LinkId, std::string>> old;
   {
     MutexLock lock(&mu_);
     Segment* seg = segments_.Find(id);
@@ -249,8 +250,14 @@ absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_g
     if (seg->generation != generation) return absl::OkStatus();  // someone did it
     seg->state = SegmentState::kRefreshing;
     peer = seg->peer;
+    for (const Link& l : seg->links) {
+      if (!l.peer_closed && !l.peer_params.empty()) old.emplace_back(l.id, l.peer_params);
+    }
   }
-  absl::StatusOr<Path> path = ChoosePath(peer);
+  // The old links' peer halves close first: nothing posted on them lands
+  // after what goes on the new ones (a restarted peer has none of them).
+  absl::Status closed = old.empty() ? absl::OkStatus() : ClosePeerHalves(id, old);
+  absl::StatusOr<Path> path = closed.ok() ? ChoosePath(peer) : closed;
   MutexLock lock(&mu_);
   Segment& seg = *segments_.Find(id);  // not closed: Close refuses while refreshing
   refreshed_.SignalAll();

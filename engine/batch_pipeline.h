@@ -119,10 +119,16 @@ class BatchPipeline {
   // One completion; the slice goes to `refresh` or `repost`, or finishes.
   void Deliver(transport::Completion& done, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues a failed slice for RefreshAndRepost.
-  void QueueRetry(SegmentId segment, uint64_t generation, bool refresh, uint64_t slice)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues a failed slice for RefreshAndRepost; `link` (when not null) is
+  // the failed link whose peer half must close before the slice goes again.
+  void QueueRetry(SegmentId segment, uint64_t generation, bool refresh, uint64_t slice,
+                  const Link* link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshAndRepost();
+  // Asks the peer of `segment` to close its halves of `links` (ids and the
+  // names the peer gave them) and marks them closed; an error when the
+  // peer could not be asked or answered one.
+  absl::Status ClosePeerHalves(SegmentId segment,
+                               const std::vector<std::pair<transport::LinkId, std::string>>& links);
   // `seg`: the slice's segment when the caller has it (saves a lookup).
   void FinishSlice(uint64_t slice_id, absl::Status status, absl::Time now,
                    Segment* seg = nullptr)
@@ -197,6 +203,9 @@ class BatchPipeline {
     uint64_t broken_generation = 0;
     bool refresh = false;
     std::vector<uint64_t> slices;
+    // Failed links whose peer halves close first: a first copy of a slice
+    // still in the network must not land after its second (docs/reliability.md).
+    std::vector<std::pair<transport::LinkId, std::string>> close;
   };
   std::vector<Retry> retry_ ABSL_GUARDED_BY(mu_);
   // When CheckPeers looks next, Unix nanoseconds; read without the lock.

@@ -59,8 +59,12 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
     return;
   }
   s->last_error = done.status;
+  const Link* link = nullptr;
+  for (const Link& l : seg.links) {
+    if (l.id == s->link && !l.peer_closed && !l.peer_params.empty()) link = &l;
+  }
   auto retry = [&](bool refresh) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    QueueRetry(s->segment, seg.generation, refresh, done.cookie);
+    QueueRetry(s->segment, seg.generation, refresh, done.cookie, link);
   };
   if (s->generation < seg.generation) return retry(false);  // its links were replaced
   if (!seg.dead.ok()) return FinishSlice(done.cookie, seg.dead, now, &seg);  // no probe answer
@@ -89,12 +93,48 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
 }
 
 void BatchPipeline::QueueRetry(SegmentId segment, uint64_t generation, bool refresh,
-                               uint64_t slice) {
+                               uint64_t slice, const Link* link) {
   auto it = std::find_if(retry_.begin(), retry_.end(), [&](const Retry& r) {
     return r.segment == segment && r.refresh == refresh;
   });
-  if (it == retry_.end()) it = retry_.insert(retry_.end(), Retry{segment, generation, refresh, {}});
+  if (it == retry_.end()) {
+    it = retry_.insert(retry_.end(), Retry{segment, generation, refresh, {}, {}});
+  }
   it->slices.push_back(slice);
+  if (link != nullptr && std::none_of(it->close.begin(), it->close.end(),
+                                      [&](const auto& c) { return c.first == link->id; })) {
+    it->close.emplace_back(link->id, link->peer_params);
+  }
+}
+
+absl::Status BatchPipeline::ClosePeerHalves(
+    SegmentId segment, const std::vector<std::pair<transport::LinkId, std::string>>& links) {
+  std::string peer;
+  {
+    MutexLock lock(&mu_);
+    const Segment* seg = segments_.Find(segment);
+    if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", segment));
+    peer = seg->peer;
+  }
+  std::vector<std::string> names;
+  for (const auto& l : links) names.push_back(l.second);
+  for (size_t i = 0; i < names.size(); i += handshake::kMaxLinksPerConnect) {
+    const size_t end = std::min(names.size(), i + handshake::kMaxLinksPerConnect);
+    absl::Status closed = client_->CloseLinks(
+        peer, std::vector<std::string>(names.begin() + i, names.begin() + end));
+    if (!closed.ok()) {
+      return Annotate(closed, absl::StrCat("closing the peer's half of ", links.size(),
+                                           " failed link(s) to ", peer,
+                                           ", so that nothing sent on them lands late"));
+    }
+  }
+  MutexLock lock(&mu_);
+  if (Segment* seg = segments_.Find(segment); seg != nullptr) {
+    for (Link& l : seg->links) {
+      for (const auto& c : links) l.peer_closed = l.peer_closed || l.id == c.first;
+    }
+  }
+  return absl::OkStatus();
 }
 
 void BatchPipeline::RefreshAndRepost() {
@@ -106,6 +146,18 @@ void BatchPipeline::RefreshAndRepost() {
   // Refreshes first, so that re-posts go on the new links.
   std::stable_sort(work.begin(), work.end(),
                    [](const Retry& a, const Retry& b) { return a.refresh > b.refresh; });
+  // A slice goes again only once the peer closed the failed link's half:
+  // a first copy still in the network then lands nowhere (a refresh closes
+  // every old link's half itself).
+  for (Retry& r : work) {
+    if (r.refresh || r.close.empty()) continue;
+    const absl::Status closed = ClosePeerHalves(r.segment, r.close);
+    if (closed.ok()) continue;
+    MutexLock lock(&mu_);
+    const absl::Time now = clock_->Now();
+    for (uint64_t sid : r.slices) FinishSlice(sid, closed, now);
+    r.slices.clear();
+  }
   for (Retry& r : work) {
     if (!r.refresh) continue;
     bool changed = false;

@@ -38,6 +38,8 @@ absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClie
     return done;
   }
   link.id = offer.link;
+  link.peer_params = std::move(*params);
+  link.peer_closed = false;
   link.weight = Weight(local_nic_info, peer_nic_info);
   link.failed = false;
   link.repairing = false;
@@ -140,6 +142,7 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
       const uint32_t k = asked[i];
       outcome[k] = answers.ok() ? (*answers)[i].status() : answers.status();
       if (outcome[k].ok()) outcome[k] = transport->CompleteLink(links[k].id, *(*answers)[i]);
+      if (outcome[k].ok()) links[k].peer_params = *(*answers)[i];
       if (!outcome[k].ok()) (void)transport->CloseLink(links[k].id);
     }
   }

@@ -30,6 +30,12 @@ struct Link {
   bool repairing = false;  // a new link for its NIC pair is being built
   // Last sign of life: a completion, or the post that made it busy.
   absl::Time progress;
+  // What the peer answered when it accepted the link: its name there
+  // (handshake kCloseLinks).
+  std::string peer_params;
+  // The peer closed its half (after the link failed): nothing posted on it
+  // can land any more.
+  bool peer_closed = false;
 };
 
 // Builds links to the engine at `peer` described by `d`: at least

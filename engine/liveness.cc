@@ -57,6 +57,10 @@ void BatchPipeline::FindRepairs(absl::Time now, std::vector<Repair>* out) {
 void BatchPipeline::RepairLink(const Repair& r) {
   transport::Transport* t = vias_[r.via].transport;
   const transport::NicInfo local = t->LocalEndpoint().nics.at(r.old.local_nic);
+  // The failed link's half at the peer goes too (a QP there otherwise).
+  if (!r.old.peer_closed && !r.old.peer_params.empty()) {
+    (void)client_->CloseLinks(r.peer, {r.old.peer_params});
+  }
   absl::StatusOr<Link> made = ConnectLink(t, *client_, engine_id_, r.peer, local, r.peer_nic, r.old);
   MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();

@@ -71,6 +71,21 @@ absl::StatusOr<std::vector<absl::StatusOr<std::string>>> PeerClient::ConnectLink
   return one_by_one;
 }
 
+absl::Status PeerClient::CloseLinks(const std::string& peer,
+                                    std::vector<std::string> links) const {
+  absl::StatusOr<Frame> reply = Call(
+      peer,
+      Frame{MessageType::kCloseLinks,
+            handshake::Encode(handshake::CloseLinksRequest{engine_id_, std::move(links)})},
+      MessageType::kCloseLinksReply, timeout_);
+  // A peer from before kCloseLinks refuses the type as unexpected
+  // (kInvalidArgument; this engine never sends it anything malformed).
+  if (!reply.ok() && reply.status().code() == absl::StatusCode::kInvalidArgument) {
+    return absl::OkStatus();
+  }
+  return reply.status();
+}
+
 absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer,
                                            absl::Duration timeout) const {
   ASSIGN_OR_RETURN(Frame reply,

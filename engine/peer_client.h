@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -33,6 +34,11 @@ class PeerClient {
   // peer that predates kConnectLinks is asked one link at a time.
   absl::StatusOr<std::vector<absl::StatusOr<std::string>>> ConnectLinks(
       const std::string& peer, std::vector<handshake::ConnectRequest> requests) const;
+  // Asks the peer to close its halves of links this engine opened, named by
+  // the parameters it answered for them (at most kMaxLinksPerConnect). OK
+  // once they are closed; OK too from a peer that predates kCloseLinks
+  // (it cannot be asked).
+  absl::Status CloseLinks(const std::string& peer, std::vector<std::string> links) const;
   // The engine id that answers at `peer` within `timeout`.
   absl::StatusOr<uint64_t> Probe(const std::string& peer, absl::Duration timeout) const;
   // Delivers a notification, refused by any instance but `target` (0: any).

@@ -1,6 +1,7 @@
 #include "engine/peer_service.h"
 
 #include <algorithm>
+#include <iterator>
 #include <string>
 #include <utility>
 
@@ -43,18 +44,17 @@ bool PeerService::Fenced(uint64_t engine_id) const {
   return fenced_.contains(engine_id);
 }
 
-absl::Status PeerService::Track(uint64_t engine_id, transport::Transport* t,
-                                transport::LinkId link) {
+absl::Status PeerService::Track(uint64_t engine_id, Tracked link) {
   {
     MutexLock lock(&mu_);
     if (!fenced_.contains(engine_id)) {
-      links_by_engine_[engine_id].emplace_back(t, link);
+      links_by_engine_[engine_id].push_back(std::move(link));
       if (++tracked_ > prune_at_) PruneClosedLinks();
       return absl::OkStatus();
     }
   }
   // Fenced while its link was being accepted.
-  (void)t->CloseLink(link);
+  (void)link.transport->CloseLink(link.link);
   return RefuseFenced(engine_id);
 }
 
@@ -65,7 +65,7 @@ void PeerService::PruneClosedLinks() {
   for (auto it = links_by_engine_.begin(); it != links_by_engine_.end();) {
     auto& v = it->second;
     v.erase(std::remove_if(v.begin(), v.end(),
-                           [](const auto& l) { return !l.first->HasLink(l.second); }),
+                           [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
             v.end());
     tracked_ += v.size();
     it = v.empty() ? links_by_engine_.erase(it) : std::next(it);
@@ -88,7 +88,7 @@ void PeerService::Fence(uint64_t engine_id) {
 }
 
 void PeerService::CloseLinksOf(uint64_t engine_id) {
-  std::vector<std::pair<transport::Transport*, transport::LinkId>> links;
+  std::vector<Tracked> links;
   {
     MutexLock lock(&mu_);
     auto it = links_by_engine_.find(engine_id);
@@ -99,7 +99,31 @@ void PeerService::CloseLinksOf(uint64_t engine_id) {
     }
   }
   // Outside the lock: closing a TCP link waits for its reader thread.
-  for (const auto& [t, link] : links) (void)t->CloseLink(link);
+  for (const Tracked& l : links) (void)l.transport->CloseLink(l.link);
+}
+
+Frame PeerService::CloseLinks(const Frame& request) {
+  absl::StatusOr<handshake::CloseLinksRequest> c =
+      handshake::DecodeCloseLinksRequest(request.payload);
+  if (!c.ok()) return ErrorFrame(c.status());
+  const absl::flat_hash_set<std::string> names(c->links.begin(), c->links.end());
+  std::vector<Tracked> close;
+  {
+    MutexLock lock(&mu_);
+    auto it = links_by_engine_.find(c->engine_id);
+    if (it != links_by_engine_.end()) {
+      auto& v = it->second;
+      auto named = std::stable_partition(
+          v.begin(), v.end(), [&](const Tracked& l) { return !names.contains(l.params); });
+      close.assign(std::make_move_iterator(named), std::make_move_iterator(v.end()));
+      v.erase(named, v.end());
+      tracked_ -= close.size();
+      if (v.empty()) links_by_engine_.erase(it);
+    }
+  }
+  // Once this returns, nothing the requester posted on them can land here.
+  for (const Tracked& l : close) (void)l.transport->CloseLink(l.link);
+  return Frame{MessageType::kCloseLinksReply, ""};
 }
 
 absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest& c) {
@@ -113,7 +137,7 @@ absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest&
     absl::StatusOr<transport::LinkOffer> offer =
         t->AcceptLink(c.target_nic, c.requester_nic_info, c.params);
     if (!offer.ok()) return offer.status();
-    RETURN_IF_ERROR(Track(c.engine_id, t, offer->link));
+    RETURN_IF_ERROR(Track(c.engine_id, Tracked{t, offer->link, offer->params}));
     return std::move(offer->params);
   }
   return absl::FailedPreconditionError(
@@ -187,6 +211,8 @@ Frame PeerService::Handle(const Frame& request) {
       return ConnectLinks(request);
     case MessageType::kNotify:
       return Notify(request);
+    case MessageType::kCloseLinks:
+      return CloseLinks(request);
     case MessageType::kProbe: {
       absl::StatusOr<handshake::Probe> p = handshake::DecodeProbe(request.payload);
       if (!p.ok()) return ErrorFrame(p.status());

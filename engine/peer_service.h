@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -43,7 +44,8 @@ class PeerService {
   // server runs them on its event loop.
   static bool MayBlock(handshake::MessageType type) {
     return type == handshake::MessageType::kConnect ||
-           type == handshake::MessageType::kConnectLinks;
+           type == handshake::MessageType::kConnectLinks ||
+           type == handshake::MessageType::kCloseLinks;
   }
   // Answers one request (an error frame for anything malformed).
   handshake::Frame Handle(const handshake::Frame& request);
@@ -63,10 +65,19 @@ class PeerService {
   handshake::Frame Connect(const handshake::Frame& request);
   handshake::Frame ConnectLinks(const handshake::Frame& request);
   handshake::Frame Notify(const handshake::Frame& request);
+  // Closes the named links of the requesting engine (kCloseLinks).
+  handshake::Frame CloseLinks(const handshake::Frame& request);
   absl::Status RefuseFenced(uint64_t engine_id) const;
+  // A link a peer opened, and the parameters this engine answered for it
+  // (the name kCloseLinks uses).
+  struct Tracked {
+    transport::Transport* transport;
+    transport::LinkId link;
+    std::string params;
+  };
   // Remembers that `engine_id` opened `link`; closes it at once (and says
   // so) if that engine was fenced meanwhile.
-  absl::Status Track(uint64_t engine_id, transport::Transport* t, transport::LinkId link);
+  absl::Status Track(uint64_t engine_id, Tracked link);
   void PruneClosedLinks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Tracked links are pruned of closed ones when their count passes this.
@@ -81,8 +92,7 @@ class PeerService {
   const MetadataStore* const metadata_;
 
   mutable Mutex mu_;
-  std::map<uint64_t, std::vector<std::pair<transport::Transport*, transport::LinkId>>>
-      links_by_engine_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::vector<Tracked>> links_by_engine_ ABSL_GUARDED_BY(mu_);
   size_t tracked_ ABSL_GUARDED_BY(mu_) = 0;
   size_t prune_at_ ABSL_GUARDED_BY(mu_) = kPruneAbove;
   absl::flat_hash_set<uint64_t> fenced_ ABSL_GUARDED_BY(mu_);

@@ -76,6 +76,10 @@ const char* MessageTypeName(MessageType type) {
       return "connect-links";
     case MessageType::kConnectLinksReply:
       return "connect-links-reply";
+    case MessageType::kCloseLinks:
+      return "close-links";
+    case MessageType::kCloseLinksReply:
+      return "close-links-reply";
   }
   return "unknown";
 }
@@ -294,6 +298,33 @@ absl::StatusOr<ConnectLinksReply> DecodeConnectLinksReply(absl::string_view payl
     c.links.emplace_back(std::move(refused));
   }
   if (!r.AtEnd()) return Malformed("connect-links-reply");
+  return c;
+}
+
+std::string Encode(const CloseLinksRequest& c) {
+  std::string out;
+  Writer w(&out);
+  w.U64(c.engine_id);
+  w.U32(static_cast<uint32_t>(c.links.size()));
+  for (const std::string& link : c.links) w.Bytes(link);
+  return out;
+}
+
+absl::StatusOr<CloseLinksRequest> DecodeCloseLinksRequest(absl::string_view payload) {
+  Reader r(payload);
+  CloseLinksRequest c;
+  uint32_t count = 0;
+  if (!r.U64(&c.engine_id) || !r.U32(&count)) return Malformed("close-links");
+  if (count == 0 || count > kMaxLinksPerConnect) {
+    return absl::InvalidArgumentError(absl::StrCat("close-links names ", count,
+                                                   " links; 1 to ", kMaxLinksPerConnect,
+                                                   " are allowed"));
+  }
+  c.links.resize(count);
+  for (std::string& link : c.links) {
+    if (!r.Bytes(&link, kMaxStringBytes)) return Malformed("close-links");
+  }
+  if (!r.AtEnd()) return Malformed("close-links");
   return c;
 }
 

@@ -57,8 +57,13 @@ enum class MessageType : uint8_t {
   // answer per link (ConnectLinksReply).
   kConnectLinks = 16,
   kConnectLinksReply = 17,
+  // Close the passive halves of some of the requester's links
+  // (CloseLinksRequest) before it sends their work again elsewhere; the
+  // reply (empty) says they are closed.
+  kCloseLinks = 18,
+  kCloseLinksReply = 19,
 };
-inline constexpr uint8_t kLastMessageType = 17;
+inline constexpr uint8_t kLastMessageType = 19;
 // The most links one kConnectLinks asks for (the engine's links_per_peer
 // and NIC count are capped at 64 too).
 inline constexpr uint32_t kMaxLinksPerConnect = 64;
@@ -115,6 +120,14 @@ struct ConnectLinksReply {
   std::vector<absl::StatusOr<std::string>> links;
 };
 
+// The links are named by the parameters the passive side answered when it
+// accepted them (ConnectReply::params); only links the requesting engine
+// opened are closed, and names that match none are ignored.
+struct CloseLinksRequest {
+  uint64_t engine_id = 0;            // the requester
+  std::vector<std::string> links;    // 1 to kMaxLinksPerConnect
+};
+
 struct Notify {
   uint64_t engine_id = 0;  // the sender
   std::string payload;
@@ -145,6 +158,7 @@ std::string Encode(const ConnectRequest& r);
 std::string Encode(const ConnectReply& r);
 std::string Encode(const ConnectLinksRequest& r);
 std::string Encode(const ConnectLinksReply& r);
+std::string Encode(const CloseLinksRequest& r);
 std::string Encode(const Notify& n);
 std::string Encode(const Probe& p);
 std::string Encode(const MetadataRequest& m);
@@ -157,6 +171,7 @@ absl::StatusOr<ConnectRequest> DecodeConnectRequest(absl::string_view payload);
 absl::StatusOr<ConnectReply> DecodeConnectReply(absl::string_view payload);
 absl::StatusOr<ConnectLinksRequest> DecodeConnectLinksRequest(absl::string_view payload);
 absl::StatusOr<ConnectLinksReply> DecodeConnectLinksReply(absl::string_view payload);
+absl::StatusOr<CloseLinksRequest> DecodeCloseLinksRequest(absl::string_view payload);
 absl::StatusOr<Notify> DecodeNotify(absl::string_view payload);
 absl::StatusOr<Probe> DecodeProbe(absl::string_view payload);
 absl::StatusOr<MetadataRequest> DecodeMetadataRequest(absl::string_view payload);

@@ -182,6 +182,26 @@ TEST(Messages, ConnectLinksRoundTripAndBounds) {
   }
 }
 
+TEST(Messages, CloseLinksRoundTripAndBounds) {
+  CloseLinksRequest c{0x1234, {"qpn=17", std::string("t\0k", 3), ""}};
+  auto d = DecodeCloseLinksRequest(Encode(c));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->engine_id, 0x1234u);
+  EXPECT_EQ(d->links, c.links);
+  EXPECT_EQ(DecodeCloseLinksRequest(Encode(CloseLinksRequest{1, {}})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  CloseLinksRequest many{1, std::vector<std::string>(65, "x")};
+  auto too_many = DecodeCloseLinksRequest(Encode(many));
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.status().message().find("1 to 64"), std::string::npos);
+  const std::string whole = Encode(c);
+  for (size_t len = 0; len < whole.size(); ++len) {
+    EXPECT_FALSE(DecodeCloseLinksRequest(whole.substr(0, len)).ok()) << "cut at " << len;
+  }
+  EXPECT_STREQ(MessageTypeName(MessageType::kCloseLinks), "close-links");
+  EXPECT_STREQ(MessageTypeName(MessageType::kCloseLinksReply), "close-links-reply");
+}
+
 TEST(Messages, EveryTruncationIsAnError) {
   const std::vector<std::string> payloads = {
       Encode(SampleDescriptor()),

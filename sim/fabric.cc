@@ -100,16 +100,21 @@ SimTime Fabric::Send(NicId from, NicId to, uint64_t wire_bytes,
     scheduler_->Trace(uint64_t{0xd0});
     return tx_end;
   }
-  const SimTime rx_start = std::max(tx_start + path, dst.rx_free);
+  const SimTime held = std::max<SimTime>(0, src.held_until - tx_start);  // HoldNic
+  const SimTime rx_start = std::max(tx_start + held + path, dst.rx_free);
   const SimTime arrival =
       std::max(rx_start + SerializationTime(wire_bytes, dst.spec.bits_per_sec),
-               tx_end + path);
+               tx_end + held + path);
   dst.rx_free = arrival;
   Message msg{from, to, std::move(bytes)};
   scheduler_->At(arrival, [this, m = std::move(msg)]() mutable {
     Deliver(std::move(m));
   });
   return tx_end;
+}
+
+void Fabric::HoldNic(NicId nic, absl::Duration d) {
+  nics_[nic].held_until = std::max(nics_[nic].held_until, scheduler_->now() + ToSimTime(d));
 }
 
 void Fabric::Deliver(Message&& msg) {

@@ -110,6 +110,10 @@ class Fabric {
 
   // Faults.
   void SetNicUp(NicId nic, bool up);
+  // Holds what `nic` sends for `d` from now (a stuck transmit queue, a
+  // congested switch port): those messages leave, in order, when the hold
+  // ends. Retransmissions sent meanwhile are held as well.
+  void HoldNic(NicId nic, absl::Duration d);
   void SetNodeUp(NodeId node, bool up);
   bool IsNicUp(NicId nic) const;
   // Cuts every path between a node of `a` and a node of `b` until Heal().
@@ -144,6 +148,7 @@ class Fabric {
     bool up = true;
     SimTime tx_free = 0;
     SimTime rx_free = 0;
+    SimTime held_until = 0;
     Receiver receiver;
   };
 

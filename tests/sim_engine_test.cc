@@ -294,6 +294,36 @@ TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
   EXPECT_EQ(p.prefill->GetNicCounters()[1].slices, nic1_before);
 }
 
+// A WRITE whose link timed out is sent again on another link; its first
+// copy was only held up (a stuck NIC queue) and reaches the peer later,
+// after the same page was written again. The peer closed the failed link's
+// half before the second copy went (handshake close-links), so the late
+// first copy lands nowhere: the page keeps the newer bytes.
+TEST(SimEngineStriping, ALateFirstCopyOfARetriedWriteNeverLands) {
+  NicPair p(29, {0, 0}, 1);
+  ASSERT_TRUE(p.prefill && p.seg != 0);
+  const std::vector<char> first = p.src;
+  p.w.fabric().HoldNic(p.w.data_nic(p.a, 0), absl::Milliseconds(50));
+  auto batch = p.prefill->Submit(p.seg, p.reqs);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto st = p.prefill->Wait(*batch, absl::Seconds(1));
+  ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+  EXPECT_EQ(p.dst, first);
+  ASSERT_GT(p.prefill->GetNicCounters()[0].slices, 0u) << "the first copy did not go on NIC 0";
+  ASSERT_GT(p.prefill->GetCounters().link_failovers, 0u);
+  // The page again, with new bytes, before the held copy is released.
+  for (char& c : p.src) c = static_cast<char>(~c);
+  auto again = p.prefill->Submit(p.seg, p.reqs);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto st2 = p.prefill->Wait(*again, absl::Seconds(1));
+  ASSERT_TRUE(st2.ok() && st2->ok());
+  EXPECT_EQ(p.dst, p.src);
+  ASSERT_LT(p.w.sched().now(), sim::ToSimTime(absl::Milliseconds(50)));
+  // The hold ends: the first copy and its retransmissions arrive.
+  p.w.sched().RunUntil(p.w.sched().now() + sim::ToSimTime(absl::Milliseconds(100)));
+  EXPECT_EQ(p.dst, p.src) << "a late copy of the first write landed after the second";
+}
+
 TEST(SimEngineStriping, ANicThatComesBackIsUsedAgain) {
   NicPair p(23, {0, 0}, 128);
   ASSERT_TRUE(p.prefill && p.seg != 0);

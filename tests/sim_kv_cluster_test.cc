@@ -2,7 +2,7 @@
 // level serving code uses: two prefill and two decode hosts, two data NICs
 // each, engines handshaking over the simulated network, KV-layer requests
 // (KvSender -> KvReceiver) from every prefill to every decode, while the
-// fabric drops and delays packets, fails requests, partitions hosts, takes
+// fabric drops and delays packets (by up to 5 ms), fails requests, partitions hosts, takes
 // NICs down and crashes hosts (a restarted decode engine comes back on a new
 // port with new keys and a new pool). Then everything heals. Checked on
 // every seed:
@@ -47,6 +47,11 @@ using sim::NodeId;
 
 constexpr int kPrefills = 2, kDecodes = 2;
 const KvLayout kLayout{2, false, 4, 256, 64};  // 1 KiB pages, 64 per buffer
+// One message in 50 is delayed by up to this: five times the transport's
+// ack timeout, so links time out and slices go again while their first
+// copies are still on the way, and an aborted request's last writes arrive
+// after the abort.
+const absl::Duration kMaxDelay = absl::Milliseconds(5);
 // A request ends within this much simulated time: the sender's timeout
 // covers the slowest legitimate path (retries, a reconnect, peer_timeout).
 const absl::Duration kRequestBound = absl::Milliseconds(300);
@@ -104,7 +109,7 @@ struct Stats {
 class KvCluster {
  public:
   explicit KvCluster(uint64_t seed)
-      : w_(seed, sim::FaultOptions{{1, 2000}, {1, 50}, absl::Microseconds(50), {1, 400}, {1, 500}}),
+      : w_(seed, sim::FaultOptions{{1, 2000}, {1, 50}, kMaxDelay, {1, 400}, {1, 500}}),
         traffic_(seed ^ 0x5eed) {
     EngineOptions o;
     o.slice_bytes = 4 << 10;

@@ -79,6 +79,31 @@ TEST(SimKv, CancelFailsOnBothSidesAndThePairStaysUsable) {
   EXPECT_EQ(std::memcmp(k.dst.page(3, 0, 3), k.src.page(3, 0, 1), 2 * l.page_bytes()), 0);
 }
 
+// The prefill's NIC holds layer 0's WRITEs (a stuck queue) while the
+// prefill cancels the request: the decode reports it cancelled before they
+// reach it, and when they do, they land nowhere (the decode dropped the
+// prefill's links before reporting).
+TEST(SimKv, WritesHeldPastACancelNeverLand) {
+  const KvLayout l{4, false, 16, 256, 64};
+  KvWorld k(l);
+  k.w.fabric().HoldNic(k.w.data_nic(0, 0), absl::Milliseconds(50));
+  const std::string zero(l.page_bytes(), '\0');
+  auto h = k.sender->Begin("held", k.decode->address(), {1, 2}, {3, 4});
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(k.sender->SendLayer(*h, 0).ok());
+  ASSERT_TRUE(k.sender->Cancel(*h, "preempted").ok());
+  auto st = k.receiver->Wait("held", absl::Seconds(1));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, KvReceiver::State::kFailed);
+  ASSERT_LT(k.w.sched().now(), sim::ToSimTime(absl::Milliseconds(50)))
+      << "reported only after the held writes were released";
+  k.w.sched().RunUntil(sim::ToSimTime(absl::Milliseconds(150)));
+  for (uint32_t kv = 0; kv < 2; ++kv) {
+    EXPECT_EQ(std::memcmp(k.dst.page(0, kv, 3), zero.data(), l.page_bytes()), 0)
+        << "a WRITE of the cancelled request landed after the report";
+  }
+}
+
 // Runs one request with `compute` per layer before each layer is ready;
 // returns the simulated time from the first layer's compute to completion.
 absl::Duration RunRequest(KvWorld& k, const std::vector<uint32_t>& pages,

@@ -113,6 +113,13 @@ void FuzzFrame(const uint8_t* data, size_t size) {
             return true;
           });
       break;
+    case MessageType::kCloseLinks:
+      RoundTrip<CloseLinksRequest>(
+          payload, [](absl::string_view p) { return DecodeCloseLinksRequest(p); },
+          [](const CloseLinksRequest& a, const CloseLinksRequest& b) {
+            return a.engine_id == b.engine_id && a.links == b.links;
+          });
+      break;
     case MessageType::kNotify:
       RoundTrip<Notify>(
           payload, [](absl::string_view p) { return DecodeNotify(p); },

@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
        EncodeFrame(MessageType::kConnectLinksReply,
                    Encode(ConnectLinksReply{
                        {std::string("params"), absl::DeadlineExceededError("no hello")}}))},
+      {"close_links", EncodeFrame(MessageType::kCloseLinks,
+                                  Encode(CloseLinksRequest{7, {"qpn=17 psn=5", "token=9"}}))},
       {"notify", EncodeFrame(MessageType::kNotify, Encode(Notify{9, "request 42 done"}))},
       {"probe", EncodeFrame(MessageType::kProbe, Encode(Probe{9, 77}))},
       {"get_metadata", EncodeFrame(MessageType::kGetMetadata, Encode(MetadataRequest{"kv"}))},
