@@ -49,7 +49,7 @@ class ConfigurationTest(unittest.TestCase):
     def test_every_environment_variable_is_read_somewhere(self):
         sources = "".join(read(p) for p in [
             "base/logging.cc", "cuda/driver.cc", "engine/secret.h", "handshake/auth.h",
-            "python/kvferry_module.cc", "sim/seed.cc", "tests/soak_test.cc",
+            "python/kvferry_module.cc", "python/mooncake_engine.cc", "sim/seed.cc", "tests/soak_test.cc",
             "tools/softroce/vm.sh", "transport/verbs/discovery.cc",
             "transport/verbs/verbs_conformance_test.cc"])
         names = first_column(section(self.config, "Environment variables"))

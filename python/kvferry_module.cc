@@ -28,32 +28,19 @@
 #include "engine/kv_cache.h"
 #include "engine/metrics.h"
 #include "engine/transfer_engine.h"
+#include "python/module_util.h"
+#include "python/mooncake_engine.h"
 
 namespace py = pybind11;
 
 namespace kvferry {
 namespace {
 
-// kvferry.Error, created at import.
-PyObject* g_error = nullptr;
-
-[[noreturn]] void Raise(const absl::Status& s) {
-  py::object error = py::reinterpret_borrow<py::object>(g_error);
-  py::object instance = error(std::string(s.message()));
-  instance.attr("code") = absl::StatusCodeToString(s.code());
-  PyErr_SetObject(g_error, instance.ptr());
-  throw py::error_already_set();
-}
-
-template <typename T>
-T Value(absl::StatusOr<T> v) {
-  if (!v.ok()) Raise(v.status());
-  return *std::move(v);
-}
-
-void Check(const absl::Status& s) {
-  if (!s.ok()) Raise(s);
-}
+using python::Check;
+using python::ParseAccess;
+using python::Raise;
+using python::RunBatch;
+using python::Value;
 
 // Runs `fn` (which returns a Status or StatusOr) with the GIL released.
 template <typename Fn>
@@ -61,193 +48,6 @@ auto Unlocked(Fn&& fn) {
   py::gil_scoped_release release;
   return fn();
 }
-
-// "w" (the default: peers may write, not read), "r", "rw" or "none".
-absl::StatusOr<transport::Access> ParseAccess(const std::string& text) {
-  if (text == "w") return transport::Access::kRemoteWrite;
-  if (text == "r") return transport::Access::kRemoteRead;
-  if (text == "rw") return transport::Access::kRemoteReadWrite;
-  if (text == "none") return transport::Access::kNone;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "access '", text, "': \"w\" (peers may write), \"r\", \"rw\" or \"none\""));
-}
-
-// The Mooncake-compatible surface's default access: "w", or what
-// KVFERRY_REMOTE_ACCESS says (for code that reads peers' buffers, which
-// Mooncake allows on every buffer).
-std::string CompatDefaultAccess() {
-  const char* env = std::getenv("KVFERRY_REMOTE_ACCESS");
-  return env != nullptr && *env != '\0' ? env : "w";
-}
-
-// "host:port" -> (host, port); "host" -> (host, 0).
-void SplitHostPort(const std::string& in, std::string* host, uint16_t* port) {
-  *host = in;
-  *port = 0;
-  const size_t colon = in.rfind(':');
-  if (colon == std::string::npos ||
-      (in.find(']') != std::string::npos && colon < in.find(']'))) {
-    return;
-  }
-  uint32_t p = 0;
-  if (absl::SimpleAtoi(in.substr(colon + 1), &p) && p <= 65535) {
-    *host = in.substr(0, colon);
-    *port = static_cast<uint16_t>(p);
-  }
-}
-
-// Opens (or reuses) the segment to `peer`, runs `requests` as one batch and
-// waits for it, without the GIL. The first failed request's status, naming
-// it.
-absl::Status RunBatch(TransferEngine& engine, const std::string& peer,
-                      const std::vector<TransferRequest>& requests, absl::Duration timeout) {
-  py::gil_scoped_release release;
-  absl::StatusOr<SegmentId> seg = engine.OpenSegment(peer);
-  if (!seg.ok()) return seg.status();
-  absl::StatusOr<BatchId> batch = engine.Submit(*seg, requests);
-  if (!batch.ok()) return batch.status();
-  absl::StatusOr<BatchStatus> st = engine.Wait(*batch, timeout);
-  if (!st.ok()) return st.status();
-  (void)engine.Release(*batch);
-  for (size_t i = 0; i < st->requests.size(); ++i) {
-    if (!st->requests[i].ok()) {
-      return absl::Status(st->requests[i].code(),
-                          absl::StrCat("request ", i, ": ", st->requests[i].message()));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// --------------------------------------------------------------- Mooncake
-
-class MooncakeCompatEngine {
- public:
-  int initialize(const std::string& local_hostname, const std::string& metadata_server,
-                 const std::string& protocol, const std::string& device_name) {
-    if (engine_ != nullptr) return Fail(absl::FailedPreconditionError("already initialized"));
-    if (!metadata_server.empty() && metadata_server != "P2PHANDSHAKE") {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          "metadata server '", metadata_server,
-          "': kvferry needs none; pass \"P2PHANDSHAKE\" (peers are named host:port)")));
-    }
-    EngineOptions o;
-    std::string host;
-    uint16_t port;
-    SplitHostPort(local_hostname, &host, &port);
-    if (host != "localhost") o.local_host = host;
-    else o.local_host = "127.0.0.1";
-    o.port = port;
-    if (protocol == "rdma" || protocol == "tcp") {
-      o.transport = protocol;
-    } else if (!protocol.empty()) {
-      return Fail(absl::InvalidArgumentError(
-          absl::StrCat("protocol '", protocol, "': kvferry speaks \"rdma\" and \"tcp\"")));
-    }
-    for (absl::string_view d : absl::StrSplit(device_name, ',', absl::SkipEmpty())) {
-      o.devices.emplace_back(d);
-    }
-    absl::StatusOr<std::unique_ptr<TransferEngine>> e;
-    {
-      py::gil_scoped_release release;
-      e = TransferEngine::Create(o);
-    }
-    if (!e.ok()) return Fail(e.status());
-    engine_ = std::move(*e);
-    return 0;
-  }
-
-  int get_rpc_port() const {
-    if (engine_ == nullptr) return -1;
-    const std::string a = engine_->address();
-    uint32_t port = 0;
-    return absl::SimpleAtoi(a.substr(a.rfind(':') + 1), &port) ? static_cast<int>(port) : -1;
-  }
-
-  // `location`: Mooncake's "cpu:N", "cuda:N" or "*" (anywhere). Device
-  // memory (a torch tensor's data_ptr()) needs none: the driver says.
-  // `access`: as ParseAccess; empty: CompatDefaultAccess().
-  int register_memory(uintptr_t addr, uint64_t length, const std::string& location,
-                      const std::string& access) {
-    if (!Ready()) return -1;
-    absl::StatusOr<transport::Access> a = ParseAccess(access.empty() ? CompatDefaultAccess() : access);
-    if (!a.ok()) return Fail(a.status());
-    return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length, *a,
-                                          location == "*" ? "" : location));
-  }
-  int unregister_memory(uintptr_t addr) {
-    if (!Ready()) return -1;
-    return Result(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
-  }
-  int batch_register_memory(const std::vector<uintptr_t>& addrs,
-                            const std::vector<uint64_t>& lengths) {
-    if (!Ready()) return -1;
-    if (addrs.size() != lengths.size()) {
-      return Fail(absl::InvalidArgumentError("addresses and lengths differ in count"));
-    }
-    for (size_t i = 0; i < addrs.size(); ++i) {
-      if (register_memory(addrs[i], lengths[i], "", "") != 0) return -1;
-    }
-    return 0;
-  }
-  int batch_unregister_memory(const std::vector<uintptr_t>& addrs) {
-    for (uintptr_t a : addrs) {
-      if (unregister_memory(a) != 0) return -1;
-    }
-    return 0;
-  }
-
-  int transfer_sync_write(const std::string& target, uintptr_t buffer, uint64_t peer_address,
-                          uint64_t length) {
-    return Sync(target, transport::Opcode::kWrite, {buffer}, {peer_address}, {length});
-  }
-  int transfer_sync_read(const std::string& target, uintptr_t buffer, uint64_t peer_address,
-                         uint64_t length) {
-    return Sync(target, transport::Opcode::kRead, {buffer}, {peer_address}, {length});
-  }
-  int batch_transfer_sync_write(const std::string& target, const std::vector<uintptr_t>& buffers,
-                                const std::vector<uint64_t>& peer_addresses,
-                                const std::vector<uint64_t>& lengths) {
-    return Sync(target, transport::Opcode::kWrite, buffers, peer_addresses, lengths);
-  }
-  int batch_transfer_sync_read(const std::string& target, const std::vector<uintptr_t>& buffers,
-                               const std::vector<uint64_t>& peer_addresses,
-                               const std::vector<uint64_t>& lengths) {
-    return Sync(target, transport::Opcode::kRead, buffers, peer_addresses, lengths);
-  }
-
-  std::string get_last_error() const { return last_error_; }
-  std::string get_local_address() const { return engine_ == nullptr ? "" : engine_->address(); }
-
- private:
-  bool Ready() {
-    if (engine_ != nullptr) return true;
-    Fail(absl::FailedPreconditionError("call initialize() first"));
-    return false;
-  }
-  int Fail(const absl::Status& s) {
-    last_error_ = s.ToString();
-    KVF_LOG(WARNING) << "kvferry: " << last_error_;
-    return -1;
-  }
-  int Result(const absl::Status& s) { return s.ok() ? 0 : Fail(s); }
-
-  int Sync(const std::string& target, transport::Opcode op, const std::vector<uintptr_t>& local,
-           const std::vector<uint64_t>& remote, const std::vector<uint64_t>& lengths) {
-    if (!Ready()) return -1;
-    if (local.size() != remote.size() || local.size() != lengths.size()) {
-      return Fail(absl::InvalidArgumentError("buffers, peer addresses and lengths differ in count"));
-    }
-    std::vector<TransferRequest> requests;
-    for (size_t i = 0; i < local.size(); ++i) {
-      requests.push_back({op, reinterpret_cast<void*>(local[i]), remote[i], lengths[i]});
-    }
-    return Result(RunBatch(*engine_, target, requests, absl::Seconds(kTimeoutSeconds)));
-  }
-
-  static constexpr int kTimeoutSeconds = 30;  // Mooncake's MC_TRANSFER_TIMEOUT default
-  std::unique_ptr<TransferEngine> engine_;
-  std::string last_error_;
-};
 
 // --------------------------------------------------------------- Pythonic
 
@@ -359,37 +159,9 @@ PYBIND11_MODULE(kvferry, m) {
   using namespace kvferry;
   m.doc() = "kvferry: zero-configuration KV-cache transfer engine";
   static py::exception<std::runtime_error> error(m, "Error", PyExc_RuntimeError);
-  g_error = error.ptr();
+  python::g_error = error.ptr();
 
-  py::class_<MooncakeCompatEngine>(m, "TransferEngine",
-                                   "Drop-in for mooncake.engine.TransferEngine (P2PHANDSHAKE).")
-      .def(py::init<>())
-      .def("initialize", &MooncakeCompatEngine::initialize, py::arg("local_hostname"),
-           py::arg("metadata_server"), py::arg("protocol"), py::arg("device_name"))
-      .def("get_rpc_port", &MooncakeCompatEngine::get_rpc_port)
-      .def("register_memory", &MooncakeCompatEngine::register_memory, py::arg("buffer_addr"),
-           py::arg("capacity"), py::arg("location") = "*", py::arg("access") = "",
-           "Registers [buffer_addr, +capacity). access: \"w\" (peers may write into it; "
-           "the default, or KVFERRY_REMOTE_ACCESS), \"r\", \"rw\" or \"none\". 0 or -1.")
-      .def("unregister_memory", &MooncakeCompatEngine::unregister_memory, py::arg("buffer_addr"))
-      .def("batch_register_memory", &MooncakeCompatEngine::batch_register_memory,
-           py::arg("buffer_addresses"), py::arg("capacities"))
-      .def("batch_unregister_memory", &MooncakeCompatEngine::batch_unregister_memory,
-           py::arg("buffer_addresses"))
-      .def("transfer_sync_write", &MooncakeCompatEngine::transfer_sync_write,
-           py::arg("target_hostname"), py::arg("buffer"), py::arg("peer_buffer_address"),
-           py::arg("length"))
-      .def("transfer_sync_read", &MooncakeCompatEngine::transfer_sync_read,
-           py::arg("target_hostname"), py::arg("buffer"), py::arg("peer_buffer_address"),
-           py::arg("length"))
-      .def("batch_transfer_sync_write", &MooncakeCompatEngine::batch_transfer_sync_write,
-           py::arg("target_hostname"), py::arg("buffers"), py::arg("peer_buffer_addresses"),
-           py::arg("lengths"))
-      .def("batch_transfer_sync_read", &MooncakeCompatEngine::batch_transfer_sync_read,
-           py::arg("target_hostname"), py::arg("buffers"), py::arg("peer_buffer_addresses"),
-           py::arg("lengths"))
-      .def("get_last_error", &MooncakeCompatEngine::get_last_error)
-      .def("get_local_address", &MooncakeCompatEngine::get_local_address);
+  python::BindMooncake(m);
 
   py::class_<Engine>(m, "Engine", "A kvferry engine; failures raise kvferry.Error.")
       .def(py::init<const std::string&, int, const std::string&, const std::vector<std::string>&,

@@ -1,0 +1,53 @@
+// Helpers shared by the kvferry Python module's files (kvferry_module.cc,
+// mooncake_engine.cc): errors as kvferry.Error, batches run without the GIL,
+// access strings, host:port parsing.
+#ifndef KVFERRY_PYTHON_MODULE_UTIL_H_
+#define KVFERRY_PYTHON_MODULE_UTIL_H_
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/transfer_engine.h"
+
+namespace kvferry {
+namespace python {
+
+// kvferry.Error, set when the module is imported.
+extern PyObject* g_error;
+
+// Raises kvferry.Error (its .code is the status code's name).
+[[noreturn]] void Raise(const absl::Status& s);
+
+template <typename T>
+T Value(absl::StatusOr<T> v) {
+  if (!v.ok()) Raise(v.status());
+  return *std::move(v);
+}
+
+inline void Check(const absl::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+// "w" (peers may write, not read), "r", "rw" or "none".
+absl::StatusOr<transport::Access> ParseAccess(const std::string& text);
+
+// "host:port", "[v6]:port", "[v6]", a bare IPv6 address or a host name ->
+// (host without brackets, port or 0). kInvalidArgument for a malformed
+// bracket or a port out of range.
+absl::Status SplitHostPort(const std::string& in, std::string* host, uint16_t* port);
+
+// Opens (or reuses) the segment to `peer`, runs `requests` as one batch and
+// waits for it, without the GIL. The first failed request's status, naming
+// it.
+absl::Status RunBatch(TransferEngine& engine, const std::string& peer,
+                      const std::vector<TransferRequest>& requests, absl::Duration timeout);
+
+}  // namespace python
+}  // namespace kvferry
+
+#endif  // KVFERRY_PYTHON_MODULE_UTIL_H_

@@ -1,0 +1,696 @@
+// kvferry.TransferEngine: every method of Mooncake's Python TransferEngine
+// (mooncake.engine), with its argument names, defaults and return
+// conventions: 0 on success and a negative number on failure (the reason is
+// logged and kept for get_last_error(), which a later success clears), batch
+// ids from the async calls, Mooncake's fallbacks at initialize ("rdma"
+// without a usable RDMA device becomes TCP, a device that does not exist
+// becomes automatic discovery; each with one warning, both errors under
+// KVFERRY_REQUIRE_RDMA=1 or MC_FORCE_HCA) and the MC_* environment
+// (docs/migrating-from-mooncake.md). The native C++ API keeps its strict
+// errors: all of this lives here.
+#include "python/mooncake_engine.h"
+
+#include <pybind11/stl.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "python/module_util.h"
+#include "transport/verbs/discovery.h"
+
+extern char** environ;
+
+namespace py = pybind11;
+
+namespace kvferry {
+namespace python {
+namespace {
+
+// A notification sent with transfer_sync(..., notify=TransferNotify(name,
+// msg)) travels as this tag, the name, a NUL and the message.
+constexpr absl::string_view kNotifyTag = "\x01mooncake-notify\x01";
+
+// Set, and not "", "0" or "false".
+bool EnvOn(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return false;
+  const std::string s = absl::AsciiStrToLower(v);
+  return !s.empty() && s != "0" && s != "false";
+}
+
+// An integer variable within [lo, hi]; *set false when absent.
+absl::Status EnvInt(const char* name, int64_t lo, int64_t hi, int64_t* out, bool* set) {
+  const char* v = std::getenv(name);
+  *set = v != nullptr;
+  if (v == nullptr) return absl::OkStatus();
+  if (!absl::SimpleAtoi(v, out) || *out < lo || *out > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "='", v, "': an integer from ", lo, " to ", hi, " is expected"));
+  }
+  return absl::OkStatus();
+}
+
+// The MC_* variables kvferry reads (here or in RDMA discovery), and those
+// it accepts without needing them. Any other MC_* variable that is set is
+// named in one warning: Mooncake tuning that kvferry sizes itself.
+const std::set<std::string>& KnownMooncakeVariables() {
+  static const auto* known = new std::set<std::string>{
+      "MC_FORCE_TCP",      "MC_FORCE_HCA",       "MC_GID_INDEX",
+      "MC_TRANSFER_TIMEOUT", "MC_SLICE_SIZE",    "MC_NUM_QP_PER_EP",
+      "MC_HANDSHAKE_CONNECT_TIMEOUT", "MC_TCP_BIND_ADDRESS", "MC_MIN_RPC_PORT",
+      "MC_MAX_RPC_PORT",   "MC_MIN_PRC_PORT",    "MC_MAX_PRC_PORT",
+      "MC_LOG_LEVEL",      "MC_USE_IPV6",        "MC_LEGACY_RPC_PORT_BINDING",
+      "MC_TE_METRIC",      "MC_METADATA_SERVER",
+  };
+  return *known;
+}
+
+// Applies the MC_* variables to `o`; an error names a value out of range.
+absl::Status ApplyMooncakeEnvironment(EngineOptions* o) {
+  int64_t v = 0;
+  bool set = false;
+  RETURN_IF_ERROR(EnvInt("MC_SLICE_SIZE", 4096, int64_t{1} << 30, &v, &set));
+  if (set) o->slice_bytes = static_cast<uint64_t>(v);
+  RETURN_IF_ERROR(EnvInt("MC_NUM_QP_PER_EP", 1, 64, &v, &set));
+  if (set) o->links_per_peer = static_cast<uint32_t>(v);
+  RETURN_IF_ERROR(EnvInt("MC_HANDSHAKE_CONNECT_TIMEOUT", 1, 3599, &v, &set));
+  if (set) o->handshake_timeout = absl::Seconds(v);
+  int64_t lo = o->first_port, hi = o->last_port;
+  for (const char* name : {"MC_MIN_RPC_PORT", "MC_MIN_PRC_PORT"}) {
+    RETURN_IF_ERROR(EnvInt(name, 1, 65535, &v, &set));
+    if (set) {
+      lo = v;
+      break;
+    }
+  }
+  for (const char* name : {"MC_MAX_RPC_PORT", "MC_MAX_PRC_PORT"}) {
+    RETURN_IF_ERROR(EnvInt(name, 1, 65535, &v, &set));
+    if (set) {
+      hi = v;
+      break;
+    }
+  }
+  if (lo > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MC_MIN_RPC_PORT ", lo, " is above MC_MAX_RPC_PORT ", hi));
+  }
+  o->first_port = static_cast<uint16_t>(lo);
+  o->last_port = static_cast<uint16_t>(hi);
+  if (const char* bind = std::getenv("MC_TCP_BIND_ADDRESS"); bind != nullptr && *bind != '\0') {
+    o->bind_host = bind;
+  }
+  if (EnvOn("MC_TE_METRIC")) o->metrics_port = 0;  // Prometheus on a free loopback port
+  if (const char* level = std::getenv("MC_LOG_LEVEL"); level != nullptr) {
+    const std::string l = absl::AsciiStrToLower(level);
+    LogSeverity s;
+    if (!ParseLogSeverity(l == "trace" ? "debug" : l, &s)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "MC_LOG_LEVEL='", level, "': TRACE, INFO, WARNING or ERROR is expected"));
+    }
+    SetLogThreshold(s);
+  }
+  std::vector<std::string> ignored;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const absl::string_view entry(*e);
+    if (!absl::StartsWith(entry, "MC_")) continue;
+    const std::string name(entry.substr(0, entry.find('=')));
+    if (KnownMooncakeVariables().count(name) == 0) ignored.push_back(name);
+  }
+  if (!ignored.empty()) {
+    std::sort(ignored.begin(), ignored.end());
+    KVF_LOG(WARNING) << "kvferry: ignoring Mooncake tuning variable(s) "
+                     << absl::StrJoin(ignored, ", ")
+                     << ": kvferry sizes queues, CQs and workers itself "
+                        "(docs/migrating-from-mooncake.md)";
+  }
+  return absl::OkStatus();
+}
+
+// "host:port" -> the name kvferry's handshake uses for it: an IPv6 host in
+// brackets ("::1:15001" is ambiguous and refused by SplitHostPort's rule
+// that several colons without brackets are an address alone).
+std::string PeerName(const std::string& target) {
+  std::string host;
+  uint16_t port = 0;
+  if (!SplitHostPort(target, &host, &port).ok() || port == 0) return target;
+  if (host.find(':') != std::string::npos) return absl::StrCat("[", host, "]:", port);
+  return absl::StrCat(host, ":", port);
+}
+
+// Mooncake's topology JSON: for each "cpu:N" and "cuda:N", the nearest
+// devices, then the others.
+std::string TopologyJson(const transport::verbs::Discovery& d) {
+  std::set<std::string> locations;
+  for (const auto& port : d.selected) {
+    locations.insert(absl::StrCat("cpu:", std::max(0, port.numa_node)));
+  }
+  for (const auto& gpu : d.gpus) locations.insert(gpu.name);
+  auto list = [](const std::vector<std::string>& names) {
+    std::vector<std::string> quoted;
+    for (const std::string& n : names) quoted.push_back(absl::StrCat("\"", n, "\""));
+    return absl::StrCat("[", absl::StrJoin(quoted, ", "), "]");
+  };
+  std::vector<std::string> entries;
+  for (const std::string& loc : locations) {
+    std::vector<int> distance;
+    absl::StatusOr<std::vector<transport::verbs::SelectedPort>> ports =
+        transport::verbs::NearestPorts(d, loc, &distance);
+    if (!ports.ok() || ports->empty()) continue;
+    std::vector<std::string> near, far;
+    for (size_t i = 0; i < ports->size(); ++i) {
+      auto& bucket = distance[i] == distance[0] ? near : far;
+      if (std::find(near.begin(), near.end(), (*ports)[i].device) == near.end() &&
+          std::find(far.begin(), far.end(), (*ports)[i].device) == far.end()) {
+        bucket.push_back((*ports)[i].device);
+      }
+    }
+    entries.push_back(absl::StrCat("\"", loc, "\": [", list(near), ", ", list(far), "]"));
+  }
+  return absl::StrCat("{", absl::StrJoin(entries, ", "), "}");
+}
+
+}  // namespace
+
+MooncakeEngine::~MooncakeEngine() {
+  // Peers may still write into managed buffers until the engine forgets them.
+  for (const auto& [addr, length] : managed_) {
+    if (engine_ != nullptr) (void)engine_->UnregisterMemory(reinterpret_cast<void*>(addr));
+    munmap(reinterpret_cast<void*>(addr), length);
+  }
+  for (const auto& [id, pending] : batches_) {
+    (void)pending;
+    if (engine_ != nullptr && engine_->Wait(id, absl::Seconds(30)).ok()) (void)engine_->Release(id);
+  }
+}
+
+int MooncakeEngine::initialize(const std::string& local_hostname,
+                               const std::string& metadata_server, const std::string& protocol,
+                               const std::string& device_name) {
+  return initialize_ext(local_hostname, metadata_server, protocol, device_name, "");
+}
+
+absl::StatusOr<std::unique_ptr<TransferEngine>> MooncakeEngine::CreateWithFallbacks(
+    EngineOptions o) {
+  const bool strict = EnvOn("KVFERRY_REQUIRE_RDMA") || EnvOn("MC_FORCE_HCA");
+  auto create = [](const EngineOptions& opts) {
+    py::gil_scoped_release release;
+    return TransferEngine::Create(opts);
+  };
+  absl::StatusOr<std::unique_ptr<TransferEngine>> e = create(o);
+  if (e.ok() || strict || o.transport == "tcp") return e;
+  if (!o.devices.empty()) {
+    KVF_LOG(WARNING) << "kvferry: device(s) '" << absl::StrJoin(o.devices, ",")
+                     << "': " << e.status().message()
+                     << "; using the RDMA devices discovery finds instead (Mooncake's "
+                        "fallback; KVFERRY_REQUIRE_RDMA=1 makes this an error)";
+    o.devices.clear();
+    e = create(o);
+    if (e.ok()) return e;
+  }
+  if (o.transport != "rdma") return e;
+  KVF_LOG(WARNING) << "kvferry: protocol rdma: " << e.status().message()
+                   << "; using TCP instead (Mooncake's fallback; KVFERRY_REQUIRE_RDMA=1 "
+                      "makes this an error)";
+  o.transport = "tcp";
+  return create(o);
+}
+
+int MooncakeEngine::initialize_ext(const std::string& local_hostname,
+                                   const std::string& metadata_server,
+                                   const std::string& protocol, const std::string& device_name,
+                                   const std::string& metadata_type) {
+  Begin();
+  if (engine_ != nullptr) return Fail(absl::FailedPreconditionError("already initialized"));
+  if (!metadata_server.empty() && metadata_server != "P2PHANDSHAKE") {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "metadata server '", metadata_server, "'",
+        metadata_type.empty() ? "" : absl::StrCat(" (", metadata_type, ")"),
+        ": kvferry needs none; pass \"P2PHANDSHAKE\" (peers are named host:port)")));
+  }
+  EngineOptions o;
+  uint16_t port = 0;
+  if (absl::Status s = SplitHostPort(local_hostname, &o.local_host, &port); !s.ok()) {
+    return Fail(s);
+  }
+  if (o.local_host == "localhost") o.local_host = "127.0.0.1";
+  o.port = port;
+  if (absl::Status s = ApplyMooncakeEnvironment(&o); !s.ok()) return Fail(s);
+  if (protocol != "rdma" && protocol != "tcp" && !protocol.empty()) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "protocol '", protocol, "': kvferry speaks \"rdma\" and \"tcp\" (empty: either)")));
+  }
+  o.transport = protocol.empty() ? "auto" : protocol;
+  if (EnvOn("MC_FORCE_TCP")) {
+    if (EnvOn("KVFERRY_REQUIRE_RDMA") || EnvOn("MC_FORCE_HCA")) {
+      return Fail(absl::InvalidArgumentError(
+          "MC_FORCE_TCP contradicts KVFERRY_REQUIRE_RDMA / MC_FORCE_HCA"));
+    }
+    if (o.transport != "tcp") KVF_LOG(WARNING) << "kvferry: MC_FORCE_TCP is set: using TCP";
+    o.transport = "tcp";
+  }
+  for (absl::string_view d : absl::StrSplit(device_name, ',', absl::SkipEmpty())) {
+    o.devices.emplace_back(absl::StripAsciiWhitespace(d));
+  }
+  if (o.transport == "tcp") o.devices.clear();
+  absl::StatusOr<std::unique_ptr<TransferEngine>> e = CreateWithFallbacks(o);
+  if (!e.ok()) return Fail(e.status());
+  engine_ = std::shared_ptr<TransferEngine>(std::move(*e));
+  return 0;
+}
+
+int MooncakeEngine::get_rpc_port() {
+  if (!Ready()) return -1;
+  const std::string a = engine_->address();
+  uint32_t port = 0;
+  return absl::SimpleAtoi(a.substr(a.rfind(':') + 1), &port) ? static_cast<int>(port) : -1;
+}
+
+uintptr_t MooncakeEngine::allocate_managed_buffer(uint64_t length) {
+  if (!Ready()) return 0;
+  if (length == 0) return Fail(absl::InvalidArgumentError("allocate_managed_buffer: length 0")), 0;
+  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    Fail(absl::ResourceExhaustedError(
+        absl::StrCat("allocate_managed_buffer: ", length, " bytes: ", std::strerror(errno))));
+    return 0;
+  }
+  if (register_memory(reinterpret_cast<uintptr_t>(p), length, "*", "") != 0) {
+    munmap(p, length);
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  managed_[reinterpret_cast<uintptr_t>(p)] = length;
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+int MooncakeEngine::free_managed_buffer(uintptr_t buffer_addr, uint64_t length) {
+  Begin();
+  uint64_t size = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = managed_.find(buffer_addr);
+    if (it == managed_.end()) {
+      return Fail(absl::NotFoundError(absl::StrCat(
+          "free_managed_buffer: ", buffer_addr, " is not from allocate_managed_buffer")));
+    }
+    size = it->second;
+    managed_.erase(it);
+  }
+  if (length != size) {
+    KVF_LOG(WARNING) << "kvferry: free_managed_buffer: length " << length
+                     << " differs from the allocation's " << size << "; freeing the allocation";
+  }
+  const absl::Status s = engine_->UnregisterMemory(reinterpret_cast<void*>(buffer_addr));
+  munmap(reinterpret_cast<void*>(buffer_addr), size);
+  return Result(s);
+}
+
+int MooncakeEngine::register_memory(uintptr_t addr, uint64_t length, const std::string& location,
+                                    const std::string& access) {
+  if (!Ready()) return -1;
+  absl::StatusOr<transport::Access> a = ParseAccess(access.empty() ? DefaultAccess() : access);
+  if (!a.ok()) return Fail(a.status());
+  return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length, *a,
+                                        location == "*" ? "" : location));
+}
+
+int MooncakeEngine::unregister_memory(uintptr_t addr) {
+  if (!Ready()) return -1;
+  return Result(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
+}
+
+int MooncakeEngine::batch_register_memory(const std::vector<uintptr_t>& addrs,
+                                          const std::vector<uint64_t>& lengths,
+                                          const std::string& location) {
+  if (!Ready()) return -1;
+  if (addrs.size() != lengths.size()) {
+    return Fail(absl::InvalidArgumentError("addresses and capacities differ in count"));
+  }
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    if (register_memory(addrs[i], lengths[i], location, "") != 0) {
+      for (size_t j = 0; j < i; ++j) (void)engine_->UnregisterMemory(reinterpret_cast<void*>(addrs[j]));
+      return -1;  // none of them stays registered
+    }
+  }
+  return 0;
+}
+
+int MooncakeEngine::batch_unregister_memory(const std::vector<uintptr_t>& addrs) {
+  if (!Ready()) return -1;
+  int result = 0;
+  for (uintptr_t a : addrs) {
+    if (unregister_memory(a) != 0) result = -1;  // the rest are still unregistered
+  }
+  return result;
+}
+
+std::string MooncakeEngine::DefaultAccess() {
+  const char* env = std::getenv("KVFERRY_REMOTE_ACCESS");
+  return env != nullptr && *env != '\0' ? env : "w";
+}
+
+absl::StatusOr<std::vector<TransferRequest>> MooncakeEngine::Requests(
+    Opcode op, const std::vector<uintptr_t>& local, const std::vector<uint64_t>& remote,
+    const std::vector<uint64_t>& lengths) {
+  if (local.size() != remote.size() || local.size() != lengths.size()) {
+    return absl::InvalidArgumentError("buffers, peer addresses and lengths differ in count");
+  }
+  if (local.empty()) return absl::InvalidArgumentError("no buffers to transfer");
+  std::vector<TransferRequest> requests;
+  for (size_t i = 0; i < local.size(); ++i) {
+    requests.push_back({op == Opcode::kWrite ? transport::Opcode::kWrite : transport::Opcode::kRead,
+                        reinterpret_cast<void*>(local[i]), remote[i], lengths[i]});
+  }
+  return requests;
+}
+
+int MooncakeEngine::Sync(const std::string& target, Opcode op, const std::vector<uintptr_t>& local,
+                         const std::vector<uint64_t>& remote,
+                         const std::vector<uint64_t>& lengths, const Notify* notify) {
+  if (!Ready()) return -1;
+  absl::StatusOr<std::vector<TransferRequest>> requests = Requests(op, local, remote, lengths);
+  if (!requests.ok()) return Fail(requests.status());
+  uint64_t bytes = 0;
+  for (uint64_t l : lengths) bytes += l;
+  const std::string peer = PeerName(target);
+  if (absl::Status s = RunBatch(*engine_, peer, *requests, Timeout(bytes)); !s.ok()) return Fail(s);
+  if (notify == nullptr) return 0;
+  const std::string message =
+      absl::StrCat(kNotifyTag, notify->name, std::string(1, '\0'), notify->msg);
+  absl::Status sent;
+  {
+    py::gil_scoped_release release;
+    absl::StatusOr<SegmentId> seg = engine_->OpenSegment(peer);
+    sent = seg.ok() ? engine_->Notify(*seg, message) : seg.status();
+  }
+  return Result(sent);
+}
+
+uint64_t MooncakeEngine::Async(const std::string& target, Opcode op,
+                               const std::vector<uintptr_t>& local,
+                               const std::vector<uint64_t>& remote,
+                               const std::vector<uint64_t>& lengths) {
+  if (!Ready()) return 0;
+  absl::StatusOr<std::vector<TransferRequest>> requests = Requests(op, local, remote, lengths);
+  if (!requests.ok()) return Fail(requests.status()), 0;
+  uint64_t bytes = 0;
+  for (uint64_t l : lengths) bytes += l;
+  absl::StatusOr<BatchId> batch;
+  {
+    py::gil_scoped_release release;
+    absl::StatusOr<SegmentId> seg = engine_->OpenSegment(PeerName(target));
+    batch = seg.ok() ? engine_->Submit(*seg, *requests) : seg.status();
+  }
+  if (!batch.ok()) return Fail(batch.status()), 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  batches_[*batch] = Pending{absl::Now(), Timeout(bytes)};
+  return *batch;
+}
+
+absl::Duration MooncakeEngine::Timeout(uint64_t bytes) const {
+  // Mooncake's: MC_TRANSFER_TIMEOUT (at least 5 s, default 30 s), plus one
+  // second per GiB.
+  int64_t seconds = 30;
+  if (const char* v = std::getenv("MC_TRANSFER_TIMEOUT"); v != nullptr) {
+    seconds = std::max<int64_t>(5, std::atoll(v));
+  }
+  return absl::Seconds(seconds) + absl::Nanoseconds(static_cast<int64_t>(bytes));
+}
+
+int MooncakeEngine::get_batch_transfer_status(const std::vector<uint64_t>& batch_ids) {
+  if (!Ready()) return -1;
+  absl::Status first;
+  for (uint64_t id : batch_ids) {
+    Pending p;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = batches_.find(id);
+      if (it == batches_.end()) {
+        if (first.ok()) first = absl::NotFoundError(absl::StrCat("unknown batch ", id));
+        continue;
+      }
+      p = it->second;
+    }
+    const absl::Duration left = std::max(absl::ZeroDuration(), p.start + p.timeout - absl::Now());
+    absl::StatusOr<BatchStatus> st;
+    {
+      py::gil_scoped_release release;
+      st = engine_->Wait(id, left);
+    }
+    absl::Status s = st.ok() ? absl::OkStatus() : st.status();
+    for (size_t i = 0; s.ok() && i < st->requests.size(); ++i) s = st->requests[i];
+    if (st.ok()) Forget(id);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return Result(first);
+}
+
+uint64_t MooncakeEngine::transfer_submit_write(const std::string& target, uintptr_t buffer,
+                                               uint64_t peer_buffer_address, uint64_t length,
+                                               const std::string& transport_hint) {
+  (void)transport_hint;
+  const uint64_t id = Async(target, Opcode::kWrite, {buffer}, {peer_buffer_address}, {length});
+  return id == 0 ? ~uint64_t{0} : id;  // Mooncake's -1 as a batch_id_t
+}
+
+int MooncakeEngine::transfer_check_status(uint64_t batch_id) {
+  if (!Ready()) return -1;
+  Pending p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = batches_.find(batch_id);
+    if (it == batches_.end()) {
+      return Fail(absl::NotFoundError(absl::StrCat("unknown batch ", batch_id)));
+    }
+    p = it->second;
+  }
+  absl::StatusOr<BatchStatus> st = engine_->Poll(batch_id);
+  if (!st.ok()) return Fail(st.status());
+  if (st->pending > 0) return absl::Now() - p.start > p.timeout ? -2 : 0;
+  Forget(batch_id);
+  for (const absl::Status& s : st->requests) {
+    if (!s.ok()) return Fail(s);
+  }
+  return 1;
+}
+
+void MooncakeEngine::Forget(uint64_t batch_id) {
+  (void)engine_->Release(batch_id);
+  std::lock_guard<std::mutex> lock(mu_);
+  batches_.erase(batch_id);
+}
+
+int MooncakeEngine::write_bytes_to_buffer(uintptr_t dest_address, const py::bytes& src,
+                                          uint64_t length) {
+  Begin();
+  const std::string_view bytes(src);
+  if (length > bytes.size()) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "write_bytes_to_buffer: length ", length, " exceeds the ", bytes.size(), " bytes given")));
+  }
+  std::memcpy(reinterpret_cast<void*>(dest_address), bytes.data(), length);
+  return 0;
+}
+
+py::bytes MooncakeEngine::read_bytes_from_buffer(uintptr_t source_address, uint64_t length) {
+  Begin();
+  return py::bytes(reinterpret_cast<const char*>(source_address), length);
+}
+
+std::string MooncakeEngine::get_local_topology(const std::optional<std::string>& device_name) {
+  Begin();
+  transport::verbs::DiscoveryOptions d;
+  if (device_name.has_value()) {
+    for (absl::string_view n : absl::StrSplit(*device_name, ',', absl::SkipEmpty())) {
+      d.devices.emplace_back(n);
+    }
+  }
+  transport::verbs::ApplyEnvironment(&d);
+  absl::StatusOr<transport::verbs::Discovery> found = transport::verbs::Discover(d);
+  if (!found.ok()) {
+    Fail(found.status());
+    return "{}";
+  }
+  return TopologyJson(*found);
+}
+
+uintptr_t MooncakeEngine::get_first_buffer_address(const std::string& segment_name) {
+  if (!Ready()) return 0;
+  absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> regions;
+  {
+    py::gil_scoped_release release;
+    absl::StatusOr<SegmentId> seg = engine_->OpenSegment(PeerName(segment_name));
+    regions = seg.ok() ? engine_->SegmentRegions(*seg) : seg.status();
+  }
+  if (!regions.ok()) return Fail(regions.status()), 0;
+  if (regions->empty()) {
+    Fail(absl::NotFoundError(absl::StrCat(segment_name, " has registered no memory")));
+    return 0;
+  }
+  return regions->front().addr;
+}
+
+int MooncakeEngine::warmup_efa_segment(const std::string& segment_name) {
+  if (!Ready()) return -1;
+  absl::StatusOr<SegmentId> seg;
+  {
+    py::gil_scoped_release release;
+    seg = engine_->OpenSegment(PeerName(segment_name));  // handshake and links now
+  }
+  return Result(seg.status());
+}
+
+std::vector<MooncakeEngine::Notify> MooncakeEngine::get_notifies() {
+  std::vector<Notify> out;
+  if (!Ready()) return out;
+  for (Notification& n : engine_->TakeNotifications()) {
+    absl::string_view m(n.message);
+    if (absl::ConsumePrefix(&m, kNotifyTag) && m.find('\0') != absl::string_view::npos) {
+      const size_t nul = m.find('\0');
+      out.push_back(Notify{std::string(m.substr(0, nul)), std::string(m.substr(nul + 1))});
+    } else {
+      out.push_back(Notify{"", std::move(n.message)});  // from a native Notify
+    }
+  }
+  return out;
+}
+
+int MooncakeEngine::send_probe(const std::string& peer_server_name) {
+  if (!Ready()) return -1;
+  absl::StatusOr<uint64_t> id;
+  {
+    py::gil_scoped_release release;
+    id = engine_->ProbePeer(PeerName(peer_server_name), absl::Seconds(5));
+  }
+  return Result(id.status());
+}
+
+std::shared_ptr<TransferEngine> MooncakeEngine::get_engine() {
+  Begin();
+  if (engine_ == nullptr) Fail(absl::FailedPreconditionError("call initialize() first"));
+  return engine_;
+}
+
+uintptr_t MooncakeEngine::get_engine_ptr() {
+  Begin();
+  return reinterpret_cast<uintptr_t>(engine_.get());
+}
+
+bool MooncakeEngine::Ready() {
+  Begin();
+  if (engine_ != nullptr) return true;
+  Fail(absl::FailedPreconditionError("call initialize() first"));
+  return false;
+}
+
+int MooncakeEngine::Fail(const absl::Status& s) {
+  last_error_ = s.ToString();
+  KVF_LOG(WARNING) << "kvferry: " << last_error_;
+  return -1;
+}
+
+void BindMooncake(py::module_& m) {
+  using E = MooncakeEngine;
+  for (const char* flag : {"SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_MNNVL", "SUPPORT_INTRA_NVLINK",
+                           "SUPPORT_CUDA"}) {
+    m.attr(flag) = false;  // no stream-ordered *_on_cuda calls, no EFA/HIP/MNNVL transports
+  }
+  py::enum_<E::Opcode> opcode(m, "TransferOpcode", py::arithmetic());
+  opcode.value("Read", E::Opcode::kRead).value("Write", E::Opcode::kWrite).export_values();
+  py::class_<E::Notify>(m, "TransferNotify")
+      .def(py::init<>())
+      .def(py::init<const std::string&, const std::string&>(), py::arg("name"), py::arg("msg"))
+      .def_readwrite("name", &E::Notify::name)
+      .def_readwrite("msg", &E::Notify::msg)
+      .def("__repr__", [](const E::Notify& n) {
+        return absl::StrCat("TransferNotify(name=", py::repr(py::str(n.name)).cast<std::string>(),
+                            ", msg=", py::repr(py::str(n.msg)).cast<std::string>(), ")");
+      });
+  py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(
+      m, "InnerTransferEngine", "The kvferry engine behind a TransferEngine (get_engine()).")
+      .def_property_readonly("address", &TransferEngine::address)
+      .def_property_readonly("transport",
+                             [](const TransferEngine& e) { return e.detection().transport; });
+
+  const auto target = py::arg("target_hostname");
+  const auto hint = py::arg("transport_hint") = "";
+  auto cls = py::class_<E>(m, "TransferEngine",
+                           "Mooncake's Python TransferEngine (mooncake.engine), P2PHANDSHAKE "
+                           "mode: the same methods, arguments and return values.");
+  cls.def(py::init<>())
+      .def("initialize", &E::initialize, py::arg("local_hostname"), py::arg("metadata_server"),
+           py::arg("protocol"), py::arg("device_name"))
+      .def("initialize_ext", &E::initialize_ext, py::arg("local_hostname"),
+           py::arg("metadata_server"), py::arg("protocol"), py::arg("device_name"),
+           py::arg("metadata_type"))
+      .def("get_rpc_port", &E::get_rpc_port)
+      .def("allocate_managed_buffer", &E::allocate_managed_buffer, py::arg("length"))
+      .def("free_managed_buffer", &E::free_managed_buffer, py::arg("buffer_addr"),
+           py::arg("length"))
+      .def("transfer_sync_write", &E::transfer_sync_write, target, py::arg("buffer"),
+           py::arg("peer_buffer_address"), py::arg("length"), hint)
+      .def("transfer_sync_read", &E::transfer_sync_read, target, py::arg("buffer"),
+           py::arg("peer_buffer_address"), py::arg("length"), hint)
+      .def("batch_transfer_sync_write", &E::batch_transfer_sync_write, target, py::arg("buffers"),
+           py::arg("peer_buffer_addresses"), py::arg("lengths"), hint)
+      .def("batch_transfer_sync_read", &E::batch_transfer_sync_read, target, py::arg("buffers"),
+           py::arg("peer_buffer_addresses"), py::arg("lengths"), hint)
+      .def("batch_transfer_async_write", &E::batch_transfer_async_write, target,
+           py::arg("buffers"), py::arg("peer_buffer_addresses"), py::arg("lengths"), hint)
+      .def("batch_transfer_async_read", &E::batch_transfer_async_read, target, py::arg("buffers"),
+           py::arg("peer_buffer_addresses"), py::arg("lengths"), hint)
+      .def("transfer_sync", &E::transfer_sync, target, py::arg("buffer"),
+           py::arg("peer_buffer_address"), py::arg("length"), py::arg("opcode"),
+           py::arg("notify") = nullptr, hint)
+      .def("batch_transfer_sync", &E::batch_transfer_sync, target, py::arg("buffers"),
+           py::arg("peer_buffer_addresses"), py::arg("lengths"), py::arg("opcode"),
+           py::arg("notify") = nullptr, hint)
+      .def("batch_transfer_async", &E::batch_transfer_async, target, py::arg("buffers"),
+           py::arg("peer_buffer_addresses"), py::arg("lengths"), py::arg("opcode"), hint)
+      .def("get_batch_transfer_status", &E::get_batch_transfer_status, py::arg("batch_ids"))
+      .def("transfer_submit_write", &E::transfer_submit_write, target, py::arg("buffer"),
+           py::arg("peer_buffer_address"), py::arg("length"), hint)
+      .def("transfer_check_status", &E::transfer_check_status, py::arg("batch_id"))
+      .def("write_bytes_to_buffer", &E::write_bytes_to_buffer, py::arg("dest_address"),
+           py::arg("src_ptr"), py::arg("length"))
+      .def("read_bytes_from_buffer", &E::read_bytes_from_buffer, py::arg("source_address"),
+           py::arg("length"))
+      .def("register_memory", &E::register_memory, py::arg("buffer_addr"), py::arg("capacity"),
+           py::arg("location") = "*", py::arg("access") = "",
+           "Registers [buffer_addr, +capacity). access (kvferry's): \"w\" (peers may write "
+           "into it; the default, or KVFERRY_REMOTE_ACCESS), \"r\", \"rw\" or \"none\". 0 or -1.")
+      .def("unregister_memory", &E::unregister_memory, py::arg("buffer_addr"))
+      .def("batch_register_memory", &E::batch_register_memory, py::arg("buffer_addresses"),
+           py::arg("capacities"), py::arg("location") = "*")
+      .def("batch_unregister_memory", &E::batch_unregister_memory, py::arg("buffer_addresses"))
+      .def("get_local_topology", &E::get_local_topology, py::arg("device_name") = py::none())
+      .def("get_first_buffer_address", &E::get_first_buffer_address, py::arg("segment_name"))
+      .def("warmup_efa_segment", &E::warmup_efa_segment, py::arg("segment_name"))
+      .def("get_notifies", &E::get_notifies)
+      .def("send_probe", &E::send_probe, py::arg("peer_server_name"))
+      .def("get_engine", &E::get_engine)
+      .def("get_engine_ptr", &E::get_engine_ptr)
+      .def("get_last_error", &E::get_last_error,
+           "kvferry's: why the last call failed; empty after a call that succeeded.")
+      .def("get_local_address", &E::get_local_address);
+  cls.attr("TransferOpcode") = opcode;
+}
+
+}  // namespace python
+}  // namespace kvferry
