@@ -49,7 +49,8 @@ class ConfigurationTest(unittest.TestCase):
     def test_every_environment_variable_is_read_somewhere(self):
         sources = "".join(read(p) for p in [
             "base/logging.cc", "cuda/driver.cc", "engine/secret.h", "handshake/auth.h",
-            "python/kvferry_module.cc", "python/mooncake_engine.cc", "sim/seed.cc", "tests/soak_test.cc",
+            "python/kvferry_module.cc", "python/mooncake_engine.cc", "sim/seed.cc",
+            "tests/soak_test.cc",
             "tools/softroce/vm.sh", "transport/verbs/discovery.cc",
             "transport/verbs/verbs_conformance_test.cc"])
         names = first_column(section(self.config, "Environment variables"))
@@ -72,6 +73,29 @@ class ConfigurationTest(unittest.TestCase):
                 self.assertIn(f"-{flag} ", text, f"{m.group(2)} has no --{flag}")
                 checked += 1
         self.assertGreaterEqual(checked, 30)
+
+
+class MooncakeTest(unittest.TestCase):
+    def setUp(self):
+        self.page = read("docs/migrating-from-mooncake.md")
+        self.source = read("python/mooncake_engine.cc")
+
+    def test_every_method_is_in_the_table(self):
+        methods = re.findall(r'\.def\("(\w+)"', self.source)
+        self.assertGreaterEqual(len(methods), 30)
+        table = section(self.page, "Every method of Mooncake's Python `TransferEngine`")
+        for name in methods:
+            if name.startswith("__") or name in ("get_last_error", "get_local_address"):
+                continue  # kvferry's own, in python.md
+            self.assertRegex(table, r"\| `%s[(`]" % name, name)
+
+    def test_every_variable_read_is_in_the_table(self):
+        known = re.search(r"KnownMooncakeVariables\(\) \{(.*?)\};", self.source, re.S).group(1)
+        names = re.findall(r'"(MC_\w+)"', known)
+        self.assertGreaterEqual(len(names), 15)
+        table = section(self.page, "Environment variables")
+        for name in names:
+            self.assertIn(f"`{name}`", table, name)
 
 
 class LinksTest(unittest.TestCase):

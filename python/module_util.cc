@@ -1,5 +1,7 @@
 #include "python/module_util.h"
 
+#include <arpa/inet.h>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -27,6 +29,15 @@ absl::StatusOr<transport::Access> ParseAccess(const std::string& text) {
       "access '", text, "': \"w\" (peers may write), \"r\", \"rw\" or \"none\""));
 }
 
+namespace {
+
+bool IsIpv6(const std::string& text) {
+  in6_addr addr;
+  return inet_pton(AF_INET6, text.substr(0, text.find('%')).c_str(), &addr) == 1;
+}
+
+}  // namespace
+
 absl::Status SplitHostPort(const std::string& in, std::string* host, uint16_t* port) {
   *host = in;
   *port = 0;
@@ -41,8 +52,19 @@ absl::Status SplitHostPort(const std::string& in, std::string* host, uint16_t* p
     if (close + 1 < in.size()) port_text = in.substr(close + 2);
   } else if (const size_t colon = in.find(':');
              colon != std::string::npos && in.find(':', colon + 1) == std::string::npos) {
-    *host = in.substr(0, colon);  // "host:port"; several colons: a bare IPv6 address
+    *host = in.substr(0, colon);  // "host:port"
     port_text = in.substr(colon + 1);
+  } else if (colon != std::string::npos && !IsIpv6(in)) {
+    // Several colons and not an address: an IPv6 address and a port
+    // without brackets ("fe80::1:15001", as f"{ip}:{port}" builds it),
+    // split at the last colon as Mooncake does.
+    const size_t last = in.rfind(':');
+    if (!IsIpv6(in.substr(0, last))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", in, "' is neither host:port nor an IPv6 address (with a port: [addr]:port)"));
+    }
+    *host = in.substr(0, last);
+    port_text = in.substr(last + 1);
   }
   if (port_text.empty()) return absl::OkStatus();
   uint32_t p = 0;

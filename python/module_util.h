@@ -36,9 +36,11 @@ inline void Check(const absl::Status& s) {
 // "w" (peers may write, not read), "r", "rw" or "none".
 absl::StatusOr<transport::Access> ParseAccess(const std::string& text);
 
-// "host:port", "[v6]:port", "[v6]", a bare IPv6 address or a host name ->
-// (host without brackets, port or 0). kInvalidArgument for a malformed
-// bracket or a port out of range.
+// "host:port", "[v6]:port", "[v6]", a bare IPv6 address, an IPv6 address
+// and a port without brackets when the whole is not an address
+// ("fe80::1:15001", Mooncake's rule), or a host name -> (host without
+// brackets, port or 0). kInvalidArgument for anything else or a port out
+// of range.
 absl::Status SplitHostPort(const std::string& in, std::string* host, uint16_t* port);
 
 // Opens (or reuses) the segment to `peer`, runs `requests` as one batch and
