@@ -27,6 +27,7 @@ batch_register_memory batch_unregister_memory get_local_topology get_first_buffe
 warmup_efa_segment get_notifies send_probe get_engine get_engine_ptr
 """.split()
 SCRIPT = os.path.join(HERE, "mooncake_style", "every_method.py")
+BENCH = os.path.join(HERE, "mooncake_style", "threads_bench.py")
 
 
 def has_rdma():
@@ -190,6 +191,17 @@ class StandInTest(unittest.TestCase):
                                      capture_output=True, text=True, timeout=300)
                 self.assertEqual(out.returncode, 0, host + out.stdout + out.stderr)
                 self.assertIn("every method: OK", out.stdout)
+
+    def test_threads_bench_runs(self):
+        # A smoke run of the benchmark (two rounds): it works, whatever its times.
+        with tempfile.TemporaryDirectory() as d:
+            kvferry_compat.install(d)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, d]),
+                       KVFERRY_LOG_LEVEL="warning")
+            out = subprocess.run([sys.executable, BENCH, "--rounds", "2", "--layer_kib", "16"],
+                                 env=env, capture_output=True, text=True, timeout=300)
+            self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+            self.assertIn("4 threads / 1 thread", out.stdout)
 
     def test_never_shadows_a_real_mooncake(self):
         with tempfile.TemporaryDirectory() as d:
