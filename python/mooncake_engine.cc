@@ -188,14 +188,18 @@ std::string TopologyJson(const transport::verbs::Discovery& d) {
 }  // namespace
 
 MooncakeEngine::~MooncakeEngine() {
-  // Peers may still write into managed buffers until the engine forgets them.
-  for (const auto& [addr, length] : managed_) {
-    if (engine_ != nullptr) (void)engine_->UnregisterMemory(reinterpret_cast<void*>(addr));
-    munmap(reinterpret_cast<void*>(addr), length);
-  }
+  if (engine_ == nullptr) return;
+  // Async batches nobody collected: give them a moment, then let go.
   for (const auto& [id, pending] : batches_) {
     (void)pending;
-    if (engine_ != nullptr && engine_->Wait(id, absl::Seconds(30)).ok()) (void)engine_->Release(id);
+    if (engine_->Wait(id, absl::Seconds(1)).ok()) (void)engine_->Release(id);
+  }
+  // A managed buffer is unmapped only once the engine forgot it (a buffer
+  // still in use stays mapped rather than have a transfer touch freed memory).
+  for (const auto& [addr, length] : managed_) {
+    if (engine_->UnregisterMemory(reinterpret_cast<void*>(addr)).ok()) {
+      munmap(reinterpret_cast<void*>(addr), length);
+    }
   }
 }
 
