@@ -1,8 +1,10 @@
 #include "engine/kv_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -22,14 +24,29 @@ namespace {
 constexpr size_t kMaxAuxBytes = 512 << 10;
 constexpr char kSep = '\0';
 
-// KV-layer notifications, "kv1\0<kind>\0<id>\0<body>": done (body: aux), donc
-// (done with per-page checksums), fail (failed before any write was posted;
-// body: the reason) and abrt (failed after writes were posted: the receiver
-// drops the sender's links before it reports the failure, so that no late
-// copy of them lands afterwards).
-std::string KvMessage(absl::string_view kind, absl::string_view id, absl::string_view body) {
-  return absl::StrCat("kv1", std::string(1, kSep), kind, std::string(1, kSep), id,
-                      std::string(1, kSep), body);
+// KV-layer notifications, "kv2\0<kind>\0<id>\0<token>\0<body>": done
+// (body: aux), donc (done with per-page checksums), fail (failed before any
+// write was posted; body: the reason) and abrt (failed after writes were
+// posted: the receiver drops the sender's links before it reports the
+// failure, so that no late copy of them lands afterwards). <token> (16 hex
+// digits) names the attempt: a word said again, or one from an earlier
+// attempt at a request id the decode has since forgotten and expects again,
+// is recognised and ignored. Receivers still read "kv1" words (no token).
+std::string KvMessage(absl::string_view kind, absl::string_view id, uint64_t token,
+                      absl::string_view body) {
+  const std::string sep(1, kSep);
+  return absl::StrCat("kv2", sep, kind, sep, id, sep, absl::Hex(token, absl::kZeroPad16), sep,
+                      body);
+}
+
+// A fresh attempt token: random per process, then counted.
+uint64_t NewToken() {
+  static std::atomic<uint64_t> next{[] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) ^ rd();
+  }()};
+  const uint64_t t = next.fetch_add(0x9e3779b97f4a7c15ull);
+  return t == 0 ? 1 : t;
 }
 
 // The CRC-32C of page `page` across every buffer of `pool`.
@@ -232,9 +249,11 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
     // The decode may be expecting it (KvReceiver::Expect): it is told the
     // request will not come, as it would be of a failure later.
     (void)Say([&]() -> absl::StatusOr<SegmentId> { return engine_->OpenSegment(peer); }, 0,
-              KvMessage("fail", request_id, absl::StrCat("not started: ", r.status().message())));
+              KvMessage("fail", request_id, NewToken(),
+                        absl::StrCat("not started: ", r.status().message())));
     return r.status();
   }
+  (*r)->token = NewToken();
   MutexLock lock(&mu_);
   const Handle h = ++last_;
   requests_[h] = std::move(*r);
@@ -395,13 +414,13 @@ absl::Status KvSender::Finish(Handle h, const std::string& aux) {
   bool uncertain = false;
   absl::Status data = Drain(*r, &uncertain);
   if (!data.ok()) {
-    (void)Tell(*r, KvMessage(uncertain ? "abrt" : "fail", r->id, data.message()));
+    (void)Tell(*r, KvMessage(uncertain ? "abrt" : "fail", r->id, r->token, data.message()));
     return Annotate(data, absl::StrCat("KV request ", r->id));
   }
   if (options_.checksums) {
-    return Tell(*r, KvMessage("donc", r->id, ChecksummedBody(pool_, r->runs, aux)));
+    return Tell(*r, KvMessage("donc", r->id, r->token, ChecksummedBody(pool_, r->runs, aux)));
   }
-  return Tell(*r, KvMessage("done", r->id, aux));
+  return Tell(*r, KvMessage("done", r->id, r->token, aux));
 }
 
 absl::Status KvSender::Cancel(Handle h, const std::string& reason) {
@@ -415,7 +434,7 @@ absl::Status KvSender::Cancel(Handle h, const std::string& reason) {
   }
   bool uncertain = false;
   (void)Drain(*r, &uncertain);  // writes already posted cannot be recalled; let them land
-  return Tell(*r, KvMessage(uncertain ? "abrt" : "fail", r->id,
+  return Tell(*r, KvMessage(uncertain ? "abrt" : "fail", r->id, r->token,
                             absl::StrCat("cancelled: ", reason)));
 }
 
@@ -598,11 +617,27 @@ void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
 
 void KvReceiver::Absorb(std::vector<Notification> notes) {
   for (Notification& n : notes) {
-    std::vector<std::string> parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 3));
-    if (parts.size() != 4 || parts[0] != "kv1" ||
+    std::vector<std::string> parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 4));
+    uint64_t token = 0;  // none in a "kv1" word
+    if (parts.size() == 5 && parts[0] == "kv2" && parts[3].size() == 16 &&
+        absl::SimpleHexAtoi(parts[3], &token)) {
+      parts[3] = std::move(parts[4]);
+      parts.pop_back();
+    } else if (parts.size() >= 4 && parts[0] == "kv1") {
+      parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 3));
+    } else {
+      parts.clear();
+    }
+    if (parts.size() != 4 ||
         (parts[1] != "done" && parts[1] != "donc" && parts[1] != "fail" &&
          parts[1] != "abrt")) {
       others_.push_back(std::move(n));
+      continue;
+    }
+    // A word about an attempt whose request was finished and forgotten (said
+    // again after a lost reply, or late): not about what is expected now.
+    if (token != 0 && retired_.count({parts[2], token}) != 0) {
+      ++ignored_words_;
       continue;
     }
     // A word for a request expected from another prefill instance (one
@@ -618,6 +653,7 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
     }
     Status& s = requests_[parts[2]];
     if (s.state != State::kPending) continue;  // first word wins
+    if (token != 0) tokens_[parts[2]] = token;
     if (parts[1] == "done") {
       s.state = State::kComplete;
       s.aux = std::move(parts[3]);
@@ -732,6 +768,17 @@ uint64_t KvReceiver::checksum_failures() const {
 void KvReceiver::Forget(const std::string& request_id) {
   MutexLock lock(&mu_);
   requests_.erase(request_id);
+  if (auto t = tokens_.find(request_id); t != tokens_.end()) {
+    // Its attempt's words are ignored from now on (the id may come again).
+    if (retired_.insert({request_id, t->second}).second) {
+      retired_order_.push_back({request_id, t->second});
+      if (retired_order_.size() > kMaxRetired) {
+        retired_.erase(retired_order_.front());
+        retired_order_.pop_front();
+      }
+    }
+    tokens_.erase(t);
+  }
   if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);
 }
 

@@ -23,9 +23,11 @@
 #define KVFERRY_ENGINE_KV_CACHE_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -160,6 +162,7 @@ class KvSender {
     std::vector<bool> sent;          // per layer
     std::vector<BatchId> batches;
     absl::Status error;
+    uint64_t token = 0;  // this attempt, in every word about it
   };
   KvSender(TransferEngine* engine, KvPool pool, Options options)
       : engine_(engine), pool_(std::move(pool)), options_(options) {}
@@ -283,6 +286,13 @@ class KvReceiver {
   std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ignored_words_ ABSL_GUARDED_BY(mu_) = 0;
+  // The attempt whose word finished each request, and the attempts of
+  // requests forgotten since (their words are ignored; the oldest of more
+  // than kMaxRetired are forgotten in turn).
+  static constexpr size_t kMaxRetired = 65536;
+  std::map<std::string, uint64_t> tokens_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<std::string, uint64_t>> retired_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<std::string, uint64_t>> retired_order_ ABSL_GUARDED_BY(mu_);
   std::thread watcher_;  // with the real clock; simulations check from Wait
 };
 

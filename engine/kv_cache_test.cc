@@ -290,6 +290,51 @@ TEST(KvCache, WordsFromAnotherEngineAreIgnoredForAnExpectedRequest) {
   EXPECT_EQ(p.receiver->Wait("early", absl::Seconds(5))->state, KvReceiver::State::kComplete);
 }
 
+// A word said twice (its first reply was lost) or late, about an attempt
+// at a request the decode finished and forgot, never finishes the request
+// the id is reused for. The words are sent raw here, as a sender's retry
+// would resend them.
+TEST(KvCache, AWordFromAForgottenAttemptDoesNotFinishTheIdsReuse) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 9);
+  Pair p(src, dst);
+  const std::string peer = p.decode_engine->address();
+  auto seg = p.prefill_engine->OpenSegment(peer);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  const std::string sep(1, '\0');
+  auto word = [&](const std::string& token, const std::string& aux) {
+    return absl::StrCat("kv2", sep, "done", sep, "r", sep, token, sep, aux);
+  };
+  ASSERT_TRUE(p.prefill_engine->Notify(*seg, word("00000000000000a1", "first")).ok());
+  auto first = p.receiver->Wait("r", absl::Seconds(5));
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->aux, "first");
+  p.receiver->Forget("r");
+  ASSERT_TRUE(p.receiver->Expect("r", p.prefill_engine->address(), p.prefill_engine->engine_id())
+                  .ok());
+  // The first attempt's word again: ignored.
+  ASSERT_TRUE(p.prefill_engine->Notify(*seg, word("00000000000000a1", "first")).ok());
+  EXPECT_EQ(p.receiver->Wait("r", absl::Milliseconds(200)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(p.receiver->ignored_words(), 1u);
+  // The new attempt finishes it, bytes and all.
+  ASSERT_TRUE(p.sender->Send("r", peer, {1, 2}, {3, 4}, "second").ok());
+  auto second = p.receiver->Wait("r", absl::Seconds(5));
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->state, KvReceiver::State::kComplete);
+  EXPECT_EQ(second->aux, "second");
+  EXPECT_TRUE(PagesMatch(src, dst, {1, 2}, {3, 4}));
+  // A sender from before attempt tokens ("kv1" words) is still understood.
+  ASSERT_TRUE(p.prefill_engine
+                  ->Notify(*seg, absl::StrCat("kv1", sep, "fail", sep, "old", sep, "why"))
+                  .ok());
+  auto old = p.receiver->Wait("old", absl::Seconds(5));
+  ASSERT_TRUE(old.ok());
+  EXPECT_EQ(old->state, KvReceiver::State::kFailed);
+  EXPECT_NE(old->error.message().find("why"), std::string::npos);
+}
+
 TEST(KvCache, BadRequestsAreRefusedBeforeSending) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
