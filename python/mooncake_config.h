@@ -1,0 +1,43 @@
+// The Mooncake surface's configuration (kvferry.TransferEngine,
+// mooncake_engine.cc): the MC_* environment variables, the names peers are
+// given by, and the topology JSON get_local_topology returns.
+#ifndef KVFERRY_PYTHON_MOONCAKE_CONFIG_H_
+#define KVFERRY_PYTHON_MOONCAKE_CONFIG_H_
+
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include "absl/status/status.h"
+#include "engine/transfer_engine.h"
+#include "transport/verbs/discovery.h"
+
+namespace kvferry {
+namespace python {
+
+// The variable is set, and not "", "0" or "false" (any case).
+bool EnvOn(const char* name);
+
+// The MC_* variables kvferry reads (here or in RDMA discovery), and those it
+// accepts without needing them. Any other MC_* variable that is set is named
+// in one warning: Mooncake tuning that kvferry sizes itself.
+const std::set<std::string>& KnownMooncakeVariables();
+
+// Applies the MC_* variables to `o` (docs/migrating-from-mooncake.md); an
+// error names a value out of range.
+absl::Status ApplyMooncakeEnvironment(EngineOptions* o);
+
+// A target as Mooncake callers write it ("host:port", "[v6]:port", or an
+// IPv6 address and port without brackets) -> the "host:port" kvferry's
+// handshake uses (IPv6 in brackets); anything else is returned unchanged
+// and fails where it is used.
+std::string PeerName(const std::string& target);
+
+// Mooncake's topology JSON: for each "cpu:N" and "cuda:N", the nearest
+// devices, then the others.
+std::string TopologyJson(const transport::verbs::Discovery& d);
+
+}  // namespace python
+}  // namespace kvferry
+
+#endif  // KVFERRY_PYTHON_MOONCAKE_CONFIG_H_
