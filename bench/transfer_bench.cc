@@ -943,8 +943,11 @@ void PrintLat(const Session& s, uint64_t block, const LatPair& pair) {
 
 absl::StatusOr<std::optional<LatResult>> RefLat(Session& s, uint64_t block) {
   if (s.reference == "none") return std::optional<LatResult>();
+  // Its echo lands past the engine's ping-pong buffers (local + block is
+  // where the peer's WRITEs land): the two never share bytes (the arena
+  // holds three blocks).
   char* a = s.local.data();
-  char* b = s.local.data() + block;
+  char* b = s.local.data() + 2 * block;
   ASSIGN_OR_RETURN(LatResult r, ReferenceLatency(s.reference, a, b, block, s.sink_address));
   return std::optional<LatResult>(r);
 }
