@@ -181,13 +181,16 @@ boot() {
   local name="$1" cpus="$2" netdev="$3" mac="$4" append="$5"
   local nonce; nonce="$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')"
   printf -v "nonce_$name" %s "$nonce"
+  # The console log exists before `tail -f` looks for it (a tail that found
+  # no file yet printed nothing, and the run looked silent but passed).
+  : >"$run/$name.log"
   timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 -nodefaults -no-user-config \
     -machine q35 -cpu qemu64 -m 2G -smp "$cpus" -display none -serial stdio -monitor none \
     -no-reboot -kernel "$cache/vmlinuz" -initrd "$run/initrd" \
     -append "console=ttyS0 quiet panic=-1 tsc=reliable clocksource=tsc kvf_nonce=$nonce $append ${KVFERRY_VM_APPEND:-}" \
     -device isa-debug-exit,iobase=0xf4,iosize=0x04 \
     -netdev "$netdev" -device "virtio-net-pci,netdev=n0,mac=$mac,romfile=" \
-    </dev/null >"$run/$name.log" 2>&1 &
+    </dev/null >>"$run/$name.log" 2>&1 &
 }
 
 # result NAME: the VM's exit status from its marker, or 1 without it.
