@@ -49,6 +49,7 @@ constexpr absl::string_view kNotifyTag = "\x01mooncake-notify\x01";
 
 MooncakeEngine::~MooncakeEngine() {
   if (engine_ == nullptr) return;
+  py::gil_scoped_release release;  // the waits below touch no Python object
   // Async batches nobody collected: give them a moment, then let go.
   for (const auto& [id, pending] : batches_) {
     (void)pending;
@@ -180,9 +181,18 @@ int MooncakeEngine::free_managed_buffer(uintptr_t buffer_addr, uint64_t length) 
     KVF_LOG(WARNING) << "kvferry: free_managed_buffer: length " << length
                      << " differs from the allocation's " << size << "; freeing the allocation";
   }
-  const absl::Status s = engine_->UnregisterMemory(reinterpret_cast<void*>(buffer_addr));
+  absl::Status s;
+  {
+    py::gil_scoped_release release;
+    s = engine_->UnregisterMemory(reinterpret_cast<void*>(buffer_addr));
+  }
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    managed_[buffer_addr] = size;  // still registered (in use): kept, not unmapped
+    return Fail(s);
+  }
   munmap(reinterpret_cast<void*>(buffer_addr), size);
-  return Result(s);
+  return 0;
 }
 
 int MooncakeEngine::register_memory(uintptr_t addr, uint64_t length, const std::string& location,
@@ -190,13 +200,23 @@ int MooncakeEngine::register_memory(uintptr_t addr, uint64_t length, const std::
   if (!Ready()) return -1;
   absl::StatusOr<transport::Access> a = ParseAccess(access.empty() ? DefaultAccess() : access);
   if (!a.ok()) return Fail(a.status());
-  return Result(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length, *a,
-                                        location == "*" ? "" : location));
+  absl::Status s;
+  {
+    py::gil_scoped_release release;  // pinning a large buffer takes a while
+    s = engine_->RegisterMemory(reinterpret_cast<void*>(addr), length, *a,
+                                location == "*" ? "" : location);
+  }
+  return Result(s);
 }
 
 int MooncakeEngine::unregister_memory(uintptr_t addr) {
   if (!Ready()) return -1;
-  return Result(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
+  absl::Status s;
+  {
+    py::gil_scoped_release release;  // waits for peer writes in progress
+    s = engine_->UnregisterMemory(reinterpret_cast<void*>(addr));
+  }
+  return Result(s);
 }
 
 int MooncakeEngine::batch_register_memory(const std::vector<uintptr_t>& addrs,
@@ -344,7 +364,11 @@ int MooncakeEngine::transfer_check_status(uint64_t batch_id) {
     }
     p = it->second;
   }
-  absl::StatusOr<BatchStatus> st = engine_->Poll(batch_id);
+  absl::StatusOr<BatchStatus> st;
+  {
+    py::gil_scoped_release release;  // a poll may drive the engine's retries
+    st = engine_->Poll(batch_id);
+  }
   if (!st.ok()) return Fail(st.status());
   if (st->pending > 0) return absl::Now() - p.start > p.timeout ? -2 : 0;
   Forget(batch_id);
