@@ -75,11 +75,13 @@ class Engine {
   std::string transport() const { return engine_->detection().transport; }
   void register_memory(uintptr_t addr, uint64_t length, const std::string& location,
                        const std::string& access) {
-    Check(engine_->RegisterMemory(reinterpret_cast<void*>(addr), length,
-                                  Value(ParseAccess(access)), location));
+    const transport::Access a = Value(ParseAccess(access));
+    Check(Unlocked([&] {
+      return engine_->RegisterMemory(reinterpret_cast<void*>(addr), length, a, location);
+    }));
   }
   void unregister_memory(uintptr_t addr) {
-    Check(engine_->UnregisterMemory(reinterpret_cast<void*>(addr)));
+    Check(Unlocked([&] { return engine_->UnregisterMemory(reinterpret_cast<void*>(addr)); }));
   }
   // [(op, local, remote, length)] with op "write" or "read"; raises on any
   // failed request (the message names it).
