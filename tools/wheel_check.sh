@@ -51,6 +51,12 @@ if python3 -c 'import socket; s = socket.socket(socket.AF_INET6); s.bind(("::1",
 else
   echo "wheel: no IPv6 loopback here; IPv6 hosts not tried" | tee -a "$log"
 fi
+# SGLang's default protocol is rdma: without an RDMA device it falls back to
+# TCP (one warning), as Mooncake does.
+start=$SECONDS
+(cd "$work" && KVFERRY_LOG_LEVEL=warning timeout 300 venv/bin/python every_method.py \
+  --protocol rdma) >>"$log" 2>&1
+result every_method_rdma_or_its_fallback "$start" $?
 for i in "${!hosts[@]}"; do
   start=$SECONDS
   (cd "$work" && KVFERRY_LOG_LEVEL=warning timeout 300 venv/bin/python every_method.py \
