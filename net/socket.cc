@@ -70,7 +70,7 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text) {
   absl::string_view port;
   if (!text.empty() && text.front() == '[') {
     const size_t close = text.find(']');
-    if (close == absl::string_view::npos) return bad("missing ']'");
+    if (close == absl::string_view::npos) return bad("an IPv6 address in brackets needs its ']'");
     hp.host = std::string(text.substr(1, close - 1));
     absl::string_view rest = text.substr(close + 1);
     if (rest.empty() || rest.front() != ':') return bad("missing port");

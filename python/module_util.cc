@@ -2,7 +2,6 @@
 
 #include <arpa/inet.h>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace py = pybind11;
@@ -31,49 +30,30 @@ absl::StatusOr<transport::Access> ParseAccess(const std::string& text) {
 
 namespace {
 
-bool IsIpv6(const std::string& text) {
+bool IsIpv6(absl::string_view text) {
   in6_addr addr;
-  return inet_pton(AF_INET6, text.substr(0, text.find('%')).c_str(), &addr) == 1;
+  const std::string literal(text.substr(0, text.find('%')));
+  return inet_pton(AF_INET6, literal.c_str(), &addr) == 1;
 }
 
 }  // namespace
 
-absl::Status SplitHostPort(const std::string& in, std::string* host, uint16_t* port) {
-  *host = in;
-  *port = 0;
-  std::string port_text;
-  if (!in.empty() && in[0] == '[') {
-    const size_t close = in.find(']');
-    if (close == std::string::npos || (close + 1 < in.size() && in[close + 1] != ':')) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("'", in, "': an IPv6 address in brackets is \"[addr]\" or \"[addr]:port\""));
-    }
-    *host = in.substr(1, close - 1);
-    if (close + 1 < in.size()) port_text = in.substr(close + 2);
-  } else if (const size_t colon = in.find(':');
-             colon != std::string::npos && in.find(':', colon + 1) == std::string::npos) {
-    *host = in.substr(0, colon);  // "host:port"
-    port_text = in.substr(colon + 1);
-  } else if (colon != std::string::npos && !IsIpv6(in)) {
-    // Several colons and not an address: an IPv6 address and a port
-    // without brackets ("fe80::1:15001", as f"{ip}:{port}" builds it),
-    // split at the last colon as Mooncake does.
-    const size_t last = in.rfind(':');
-    if (!IsIpv6(in.substr(0, last))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", in, "' is neither host:port nor an IPv6 address (with a port: [addr]:port)"));
-    }
-    *host = in.substr(0, last);
-    port_text = in.substr(last + 1);
+absl::StatusOr<net::HostPort> SplitHostPort(const std::string& in) {
+  // The forms without a port: a host name, "[v6]", a bare IPv6 address.
+  if (IsIpv6(in)) return net::HostPort{in, 0};
+  if (in.size() > 2 && in.front() == '[' && in.back() == ']') {
+    return net::HostPort{in.substr(1, in.size() - 2), 0};
   }
-  if (port_text.empty()) return absl::OkStatus();
-  uint32_t p = 0;
-  if (!absl::SimpleAtoi(port_text, &p) || p > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("'", in, "': port '", port_text,
-                                                   "' is not a number from 0 to 65535"));
+  if (in.find(':') == std::string::npos) return net::HostPort{in, 0};
+  absl::StatusOr<net::HostPort> hp = net::ParseHostPort(in);
+  if (hp.ok()) return hp;
+  // An IPv6 address and a port without brackets ("fe80::1:15001", as
+  // f"{ip}:{port}" builds it), split at the last colon as Mooncake does.
+  const size_t last = in.rfind(':');
+  if (in.front() != '[' && IsIpv6(absl::string_view(in).substr(0, last))) {
+    return net::ParseHostPort(absl::StrCat("[", in.substr(0, last), "]", in.substr(last)));
   }
-  *port = static_cast<uint16_t>(p);
-  return absl::OkStatus();
+  return hp.status();
 }
 
 absl::Status RunBatch(TransferEngine& engine, const std::string& peer,

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/transfer_engine.h"
+#include "net/socket.h"
 
 namespace kvferry {
 namespace python {
@@ -36,12 +37,11 @@ inline void Check(const absl::Status& s) {
 // "w" (peers may write, not read), "r", "rw" or "none".
 absl::StatusOr<transport::Access> ParseAccess(const std::string& text);
 
-// "host:port", "[v6]:port", "[v6]", a bare IPv6 address, an IPv6 address
-// and a port without brackets when the whole is not an address
-// ("fe80::1:15001", Mooncake's rule), or a host name -> (host without
-// brackets, port or 0). kInvalidArgument for anything else or a port out
-// of range.
-absl::Status SplitHostPort(const std::string& in, std::string* host, uint16_t* port);
+// net::ParseHostPort's forms ("host:port", "[v6]:port"), plus those Mooncake
+// callers use: no port ("host", "[v6]", a bare IPv6 address: port 0) and an
+// IPv6 address and port without brackets when the whole is not an address
+// ("fe80::1:15001", split at the last colon). kInvalidArgument otherwise.
+absl::StatusOr<net::HostPort> SplitHostPort(const std::string& in);
 
 // Opens (or reuses) the segment to `peer`, runs `requests` as one batch and
 // waits for it, without the GIL. The first failed request's status, naming

@@ -123,11 +123,8 @@ absl::Status ApplyMooncakeEnvironment(EngineOptions* o) {
 }
 
 std::string PeerName(const std::string& target) {
-  std::string host;
-  uint16_t port = 0;
-  if (!SplitHostPort(target, &host, &port).ok() || port == 0) return target;
-  if (host.find(':') != std::string::npos) return absl::StrCat("[", host, "]:", port);
-  return absl::StrCat(host, ":", port);
+  absl::StatusOr<net::HostPort> hp = SplitHostPort(target);
+  return hp.ok() && hp->port != 0 ? hp->ToString() : target;
 }
 
 // Mooncake's topology JSON: for each "cpu:N" and "cuda:N", the nearest

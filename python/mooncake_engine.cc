@@ -109,12 +109,10 @@ int MooncakeEngine::initialize_ext(const std::string& local_hostname,
         ": kvferry needs none; pass \"P2PHANDSHAKE\" (peers are named host:port)")));
   }
   EngineOptions o;
-  uint16_t port = 0;
-  if (absl::Status s = SplitHostPort(local_hostname, &o.local_host, &port); !s.ok()) {
-    return Fail(s);
-  }
-  if (o.local_host == "localhost") o.local_host = "127.0.0.1";
-  o.port = port;
+  absl::StatusOr<net::HostPort> local = SplitHostPort(local_hostname);
+  if (!local.ok()) return Fail(local.status());
+  o.local_host = local->host == "localhost" ? "127.0.0.1" : local->host;
+  o.port = local->port;
   if (absl::Status s = ApplyMooncakeEnvironment(&o); !s.ok()) return Fail(s);
   if (protocol != "rdma" && protocol != "tcp" && !protocol.empty()) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
