@@ -636,7 +636,7 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
     }
     // A word about an attempt whose request was finished and forgotten (said
     // again after a lost reply, or late): not about what is expected now.
-    if (token != 0 && retired_.count({parts[2], token}) != 0) {
+    if (token != 0 && retired_.Contains({parts[2], token})) {
       ++ignored_words_;
       continue;
     }
@@ -770,13 +770,7 @@ void KvReceiver::Forget(const std::string& request_id) {
   requests_.erase(request_id);
   if (auto t = tokens_.find(request_id); t != tokens_.end()) {
     // Its attempt's words are ignored from now on (the id may come again).
-    if (retired_.insert({request_id, t->second}).second) {
-      retired_order_.push_back({request_id, t->second});
-      if (retired_order_.size() > kMaxRetired) {
-        retired_.erase(retired_order_.front());
-        retired_order_.pop_front();
-      }
-    }
+    retired_.Insert({request_id, t->second});
     tokens_.erase(t);
   }
   if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);

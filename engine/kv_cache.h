@@ -23,11 +23,9 @@
 #define KVFERRY_ENGINE_KV_CACHE_H_
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +35,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/mutex.h"
+#include "base/recent_set.h"
 #include "engine/transfer_engine.h"
 
 namespace kvferry {
@@ -291,8 +290,7 @@ class KvReceiver {
   // than kMaxRetired are forgotten in turn).
   static constexpr size_t kMaxRetired = 65536;
   std::map<std::string, uint64_t> tokens_ ABSL_GUARDED_BY(mu_);
-  std::set<std::pair<std::string, uint64_t>> retired_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::pair<std::string, uint64_t>> retired_order_ ABSL_GUARDED_BY(mu_);
+  RecentSet<std::pair<std::string, uint64_t>> retired_ ABSL_GUARDED_BY(mu_){kMaxRetired};
   std::thread watcher_;  // with the real clock; simulations check from Wait
 };
 

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
@@ -41,13 +42,13 @@ absl::Status PeerService::RefuseFenced(uint64_t engine_id) const {
 
 bool PeerService::Fenced(uint64_t engine_id) const {
   MutexLock lock(&mu_);
-  return fenced_.contains(engine_id);
+  return fenced_.Contains(engine_id);
 }
 
 absl::Status PeerService::Track(uint64_t engine_id, Tracked link) {
   {
     MutexLock lock(&mu_);
-    if (!fenced_.contains(engine_id)) {
+    if (!fenced_.Contains(engine_id)) {
       links_by_engine_[engine_id].push_back(std::move(link));
       if (++tracked_ > prune_at_) PruneClosedLinks();
       return absl::OkStatus();
@@ -76,13 +77,7 @@ void PeerService::PruneClosedLinks() {
 void PeerService::Fence(uint64_t engine_id) {
   {
     MutexLock lock(&mu_);
-    if (fenced_.insert(engine_id).second) {
-      fenced_order_.push_back(engine_id);
-      if (fenced_order_.size() > kMaxFenced) {
-        fenced_.erase(fenced_order_.front());
-        fenced_order_.pop_front();
-      }
-    }
+    fenced_.Insert(engine_id);
   }
   CloseLinksOf(engine_id);
 }

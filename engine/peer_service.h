@@ -6,14 +6,13 @@
 #define KVFERRY_ENGINE_PEER_SERVICE_H_
 
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "base/mutex.h"
+#include "base/recent_set.h"
 
 #include "engine/local_regions.h"
 #include "engine/notifications.h"
@@ -95,8 +94,7 @@ class PeerService {
   std::map<uint64_t, std::vector<Tracked>> links_by_engine_ ABSL_GUARDED_BY(mu_);
   size_t tracked_ ABSL_GUARDED_BY(mu_) = 0;
   size_t prune_at_ ABSL_GUARDED_BY(mu_) = kPruneAbove;
-  absl::flat_hash_set<uint64_t> fenced_ ABSL_GUARDED_BY(mu_);
-  std::deque<uint64_t> fenced_order_ ABSL_GUARDED_BY(mu_);
+  RecentSet<uint64_t> fenced_ ABSL_GUARDED_BY(mu_){kMaxFenced};
 };
 
 }  // namespace engine_internal
