@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -37,6 +38,29 @@ std::string KvMessage(absl::string_view kind, absl::string_view id, uint64_t tok
   const std::string sep(1, kSep);
   return absl::StrCat("kv2", sep, kind, sep, id, sep, absl::Hex(token, absl::kZeroPad16), sep,
                       body);
+}
+
+// A KV word as KvMessage writes it (or an older sender's "kv1" word, no
+// token); nullopt for any other notification. Views into `message`.
+struct Word {
+  absl::string_view kind, id, body;
+  uint64_t token = 0;
+};
+std::optional<Word> ParseWord(absl::string_view message) {
+  std::vector<absl::string_view> p = absl::StrSplit(message, absl::MaxSplits(kSep, 3));
+  if (p.size() != 4 || (p[0] != "kv1" && p[0] != "kv2")) return std::nullopt;
+  Word w{p[1], p[2], p[3]};
+  if (p[0] == "kv2") {
+    if (w.body.size() < 17 || w.body[16] != kSep ||
+        !absl::SimpleHexAtoi(w.body.substr(0, 16), &w.token)) {
+      return std::nullopt;
+    }
+    w.body.remove_prefix(17);
+  }
+  if (w.kind != "done" && w.kind != "donc" && w.kind != "fail" && w.kind != "abrt") {
+    return std::nullopt;
+  }
+  return w;
 }
 
 // A fresh attempt token: random per process, then counted.
@@ -617,32 +641,21 @@ void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
 
 void KvReceiver::Absorb(std::vector<Notification> notes) {
   for (Notification& n : notes) {
-    std::vector<std::string> parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 4));
-    uint64_t token = 0;  // none in a "kv1" word
-    if (parts.size() == 5 && parts[0] == "kv2" && parts[3].size() == 16 &&
-        absl::SimpleHexAtoi(parts[3], &token)) {
-      parts[3] = std::move(parts[4]);
-      parts.pop_back();
-    } else if (parts.size() >= 4 && parts[0] == "kv1") {
-      parts = absl::StrSplit(n.message, absl::MaxSplits(kSep, 3));
-    } else {
-      parts.clear();
-    }
-    if (parts.size() != 4 ||
-        (parts[1] != "done" && parts[1] != "donc" && parts[1] != "fail" &&
-         parts[1] != "abrt")) {
+    const std::optional<Word> w = ParseWord(n.message);
+    if (!w.has_value()) {
       others_.push_back(std::move(n));
       continue;
     }
+    const std::string id(w->id);
     // A word about an attempt whose request was finished and forgotten (said
     // again after a lost reply, or late): not about what is expected now.
-    if (token != 0 && retired_.Contains({parts[2], token})) {
+    if (w->token != 0 && retired_.Contains({id, w->token})) {
       ++ignored_words_;
       continue;
     }
     // A word for a request expected from another prefill instance (one
     // that died, or its successor) is not about this request: ignored.
-    if (auto e = expected_.find(parts[2]); e != expected_.end()) {
+    if (auto e = expected_.find(id); e != expected_.end()) {
       auto from = prefills_.find(e->second);
       if (from != prefills_.end() && from->second.engine_id != 0 &&
           from->second.engine_id != n.engine_id) {
@@ -651,14 +664,14 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
       }
       Unexpect(e);
     }
-    Status& s = requests_[parts[2]];
+    Status& s = requests_[id];
     if (s.state != State::kPending) continue;  // first word wins
-    if (token != 0) tokens_[parts[2]] = token;
-    if (parts[1] == "done") {
+    if (w->token != 0) tokens_[id] = w->token;
+    if (w->kind == "done") {
       s.state = State::kComplete;
-      s.aux = std::move(parts[3]);
-    } else if (parts[1] == "donc") {
-      absl::StatusOr<std::string> aux = Verify(parts[2], parts[3]);
+      s.aux = std::string(w->body);
+    } else if (w->kind == "donc") {
+      absl::StatusOr<std::string> aux = Verify(id, w->body);
       s.state = aux.ok() ? State::kComplete : State::kFailed;
       if (aux.ok()) {
         s.aux = std::move(*aux);
@@ -668,9 +681,9 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
     } else {
       // A write the sender gave up on may still be on its way: its links
       // are dropped first, so nothing of it lands after this report.
-      if (parts[1] == "abrt") engine_->DropLinksFrom(n.engine_id);
+      if (w->kind == "abrt") engine_->DropLinksFrom(n.engine_id);
       s.state = State::kFailed;
-      s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", parts[3]));
+      s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", w->body));
     }
   }
 }
