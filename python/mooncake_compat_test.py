@@ -89,7 +89,7 @@ class SurfaceTest(unittest.TestCase):
         self.assertEqual(e.register_memory(addr, 8192, location="cpu:0"), 0)
         self.assertEqual(e.register_memory(addr, 8192, location="*"), -1)  # overlaps
         self.assertIn("overlaps", e.get_last_error())
-        self.assertEqual(e.get_rpc_port() > 0, True)
+        self.assertGreater(e.get_rpc_port(), 0)
         self.assertEqual(e.get_last_error(), "", "a success clears the last error")
         # In-process write to itself with Mooncake's keyword arguments.
         buf[0:4] = b"abcd"
@@ -152,6 +152,9 @@ class FallbackTest(unittest.TestCase):
         r, why, _ = initialize_in_child({"MC_SLICE_SIZE": "lots"}, protocol="tcp")
         self.assertEqual(r, -1)
         self.assertIn("MC_SLICE_SIZE", why)
+        r, why, _ = initialize_in_child({"MC_TRANSFER_TIMEOUT": "30s"}, protocol="tcp")
+        self.assertEqual(r, -1)
+        self.assertIn("MC_TRANSFER_TIMEOUT", why)
         r, why, _ = initialize_in_child({"MC_MIN_RPC_PORT": "16500", "MC_MAX_RPC_PORT": "16400"},
                                         protocol="tcp")
         self.assertEqual(r, -1)

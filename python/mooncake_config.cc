@@ -61,6 +61,13 @@ const std::set<std::string>& KnownMooncakeVariables() {
   return *known;
 }
 
+absl::StatusOr<absl::Duration> TransferTimeout() {
+  int64_t seconds = 30;
+  bool set = false;
+  RETURN_IF_ERROR(EnvInt("MC_TRANSFER_TIMEOUT", 0, 86400, &seconds, &set));
+  return absl::Seconds(std::max<int64_t>(5, seconds));
+}
+
 // Applies the MC_* variables to `o`; an error names a value out of range.
 absl::Status ApplyMooncakeEnvironment(EngineOptions* o) {
   int64_t v = 0;

@@ -9,6 +9,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "engine/transfer_engine.h"
 #include "transport/verbs/discovery.h"
 
@@ -26,6 +28,10 @@ const std::set<std::string>& KnownMooncakeVariables();
 // Applies the MC_* variables to `o` (docs/migrating-from-mooncake.md); an
 // error names a value out of range.
 absl::Status ApplyMooncakeEnvironment(EngineOptions* o);
+
+// MC_TRANSFER_TIMEOUT as Mooncake reads it: seconds, at least 5, default
+// 30; an error for a value that is not a number from 0 to 86400.
+absl::StatusOr<absl::Duration> TransferTimeout();
 
 // A target as Mooncake callers write it ("host:port", "[v6]:port", or an
 // IPv6 address and port without brackets) -> the "host:port" kvferry's

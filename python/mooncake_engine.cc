@@ -114,6 +114,8 @@ int MooncakeEngine::initialize_ext(const std::string& local_hostname,
   o.local_host = local->host == "localhost" ? "127.0.0.1" : local->host;
   o.port = local->port;
   if (absl::Status s = ApplyMooncakeEnvironment(&o); !s.ok()) return Fail(s);
+  absl::StatusOr<absl::Duration> timeout = TransferTimeout();
+  if (!timeout.ok()) return Fail(timeout.status());
   if (protocol != "rdma" && protocol != "tcp" && !protocol.empty()) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "protocol '", protocol, "': kvferry speaks \"rdma\" and \"tcp\" (empty: either)")));
@@ -134,6 +136,7 @@ int MooncakeEngine::initialize_ext(const std::string& local_hostname,
   absl::StatusOr<std::unique_ptr<TransferEngine>> e = CreateWithFallbacks(o);
   if (!e.ok()) return Fail(e.status());
   engine_ = std::shared_ptr<TransferEngine>(std::move(*e));
+  transfer_timeout_ = *timeout;
   return 0;
 }
 
@@ -306,13 +309,8 @@ uint64_t MooncakeEngine::Async(const std::string& target, Opcode op,
 }
 
 absl::Duration MooncakeEngine::Timeout(uint64_t bytes) const {
-  // Mooncake's: MC_TRANSFER_TIMEOUT (at least 5 s, default 30 s), plus one
-  // second per GiB.
-  int64_t seconds = 30;
-  if (const char* v = std::getenv("MC_TRANSFER_TIMEOUT"); v != nullptr) {
-    seconds = std::max<int64_t>(5, std::atoll(v));
-  }
-  return absl::Seconds(seconds) + absl::Nanoseconds(static_cast<int64_t>(bytes));
+  // Mooncake's: MC_TRANSFER_TIMEOUT plus one second per GiB.
+  return transfer_timeout_ + absl::Nanoseconds(static_cast<int64_t>(bytes));
 }
 
 int MooncakeEngine::get_batch_transfer_status(const std::vector<uint64_t>& batch_ids) {

@@ -146,6 +146,7 @@ class MooncakeEngine {
   int Result(const absl::Status& s) { return s.ok() ? 0 : Fail(s); }
 
   std::shared_ptr<TransferEngine> engine_;
+  absl::Duration transfer_timeout_ = absl::Seconds(30);  // MC_TRANSFER_TIMEOUT
   std::string last_error_;  // written with the GIL held
   std::mutex mu_;
   std::map<uint64_t, Pending> batches_;     // async batches not yet collected
