@@ -106,6 +106,25 @@ Driver* Driver::Load(absl::Status* error) {
   optional(f.cuIpcGetMemHandle, "cuIpcGetMemHandle");
   optional(f.cuIpcOpenMemHandle_v2, "cuIpcOpenMemHandle_v2");
   optional(f.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
+  // VMM (CUDA 10.2; cuMemRetainAllocationHandle 11.0): all or none.
+  optional(f.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity");
+  optional(f.cuMemCreate, "cuMemCreate");
+  optional(f.cuMemRelease, "cuMemRelease");
+  optional(f.cuMemAddressReserve, "cuMemAddressReserve");
+  optional(f.cuMemAddressFree, "cuMemAddressFree");
+  optional(f.cuMemMap, "cuMemMap");
+  optional(f.cuMemUnmap, "cuMemUnmap");
+  optional(f.cuMemSetAccess, "cuMemSetAccess");
+  optional(f.cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
+  optional(f.cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
+  optional(f.cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
+  if (f.cuMemGetAllocationGranularity == nullptr || f.cuMemCreate == nullptr ||
+      f.cuMemRelease == nullptr || f.cuMemAddressReserve == nullptr ||
+      f.cuMemAddressFree == nullptr || f.cuMemMap == nullptr || f.cuMemUnmap == nullptr ||
+      f.cuMemSetAccess == nullptr || f.cuMemExportToShareableHandle == nullptr ||
+      f.cuMemImportFromShareableHandle == nullptr) {
+    f.cuMemRetainAllocationHandle = nullptr;  // HasVmm() false
+  }
   if (!missing.empty()) {
     *error = absl::UnavailableError(
         absl::StrCat("no CUDA driver: ", library, " lacks ", missing, " (a driver too old?)"));
@@ -340,6 +359,197 @@ void Driver::IpcClose(void* mapped, int ordinal) const {
   if (fn_.cuIpcCloseMemHandle == nullptr || mapped == nullptr) return;
   Bound bound(this, ordinal);
   (void)fn_.cuIpcCloseMemHandle(reinterpret_cast<api::CUdeviceptr>(mapped));
+}
+
+absl::Status Driver::NoVmm() const {
+  return absl::UnimplementedError(absl::StrCat(
+      "the CUDA driver (version ", version_, ") has no virtual memory management (needs 11.0)"));
+}
+
+bool Driver::IsVmm(const void* addr, int ordinal) const {
+  if (!HasVmm()) return false;
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return false;
+  api::CUmemGenericAllocationHandle h = 0;
+  if (fn_.cuMemRetainAllocationHandle(&h, const_cast<void*>(addr)) != api::kSuccess) return false;
+  (void)fn_.cuMemRelease(h);
+  return true;
+}
+
+absl::StatusOr<Driver::VmmExport> Driver::ExportVmm(const void* addr, uint64_t length,
+                                                    int ordinal) const {
+  if (!HasVmm()) return NoVmm();
+  const auto at = reinterpret_cast<api::CUdeviceptr>(addr);
+  uint64_t types = 0;  // the driver writes 4 or 8 bytes
+  if (fn_.cuPointerGetAttribute(&types, api::kPointerAttributeAllowedHandleTypes, at) ==
+          api::kSuccess &&
+      (types & api::kMemHandleTypePosixFileDescriptor) == 0) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "the VMM memory at %#x was not created exportable as a POSIX fd (allowed handle types "
+        "%#x)",
+        at, types));
+  }
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  VmmExport out;
+  absl::Status failed;
+  for (api::CUdeviceptr p = at; p < at + length && failed.ok();) {
+    api::CUdeviceptr base = 0;
+    size_t size = 0;
+    api::CUmemGenericAllocationHandle h = 0;
+    api::CUresult r = fn_.cuMemGetAddressRange_v2(&base, &size, p);
+    if (r != api::kSuccess || base + size <= p) {
+      failed = r != api::kSuccess ? Error("cuMemGetAddressRange", r)
+                                  : absl::InternalError("an empty VMM mapping");
+      break;
+    }
+    r = fn_.cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(base));
+    if (r != api::kSuccess) {
+      failed = Error("cuMemRetainAllocationHandle", r);
+      break;
+    }
+    int fd = -1;
+    r = fn_.cuMemExportToShareableHandle(&fd, h, api::kMemHandleTypePosixFileDescriptor, 0);
+    (void)fn_.cuMemRelease(h);
+    if (r != api::kSuccess) {
+      failed = Error("cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)", r);
+      if (r == api::kErrorNotSupported) failed = absl::UnimplementedError(failed.message());
+      break;
+    }
+    if (out.chunks.empty()) out.offset = p - base;
+    out.chunks.push_back(VmmChunk{fd, size});
+    p = base + size;
+  }
+  if (!failed.ok()) {
+    for (const VmmChunk& c : out.chunks) ::close(c.fd);
+    return failed;
+  }
+  return out;
+}
+
+absl::StatusOr<void*> Driver::ImportVmm(const std::vector<VmmChunk>& chunks, int ordinal) const {
+  if (!HasVmm()) return NoVmm();
+  uint64_t total = 0;
+  for (const VmmChunk& c : chunks) total += c.size;
+  if (chunks.empty() || total == 0) return absl::InvalidArgumentError("no VMM chunks to map");
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  api::CUdeviceptr base = 0;
+  api::CUresult r = fn_.cuMemAddressReserve(&base, total, 0, 0, 0);
+  if (r != api::kSuccess) return Error("cuMemAddressReserve", r);
+  uint64_t mapped = 0;
+  absl::Status failed;
+  for (const VmmChunk& c : chunks) {
+    api::CUmemGenericAllocationHandle h = 0;
+    r = fn_.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(c.fd)),
+                                           api::kMemHandleTypePosixFileDescriptor);
+    if (r != api::kSuccess) {
+      failed = Error("cuMemImportFromShareableHandle", r);
+      break;
+    }
+    r = fn_.cuMemMap(base + mapped, c.size, 0, h, 0);
+    (void)fn_.cuMemRelease(h);  // the mapping holds the allocation
+    if (r != api::kSuccess) {
+      failed = Error("cuMemMap", r);
+      break;
+    }
+    mapped += c.size;
+  }
+  if (failed.ok()) {
+    api::CUmemAccessDesc access{};
+    access.location.type = api::kMemLocationTypeDevice;
+    access.location.id = ordinal;
+    access.flags = api::kMemAccessFlagsProtReadWrite;
+    r = fn_.cuMemSetAccess(base, total, &access, 1);
+    if (r != api::kSuccess) failed = Error("cuMemSetAccess", r);
+  }
+  if (!failed.ok()) {
+    if (mapped > 0) (void)fn_.cuMemUnmap(base, mapped);
+    (void)fn_.cuMemAddressFree(base, total);
+    return failed;
+  }
+  return reinterpret_cast<void*>(base);
+}
+
+void Driver::VmmUnmap(void* base, uint64_t size, int ordinal) const {
+  if (!HasVmm() || base == nullptr) return;
+  Bound bound(this, ordinal);
+  const auto at = reinterpret_cast<api::CUdeviceptr>(base);
+  (void)fn_.cuMemUnmap(at, size);
+  (void)fn_.cuMemAddressFree(at, size);
+}
+
+absl::StatusOr<uint64_t> Driver::VmmGranularity(int ordinal) const {
+  if (!HasVmm()) return NoVmm();
+  api::CUmemAllocationProp prop{};
+  prop.type = api::kMemAllocationTypePinned;
+  prop.requestedHandleTypes = api::kMemHandleTypePosixFileDescriptor;
+  prop.location.type = api::kMemLocationTypeDevice;
+  prop.location.id = ordinal;
+  size_t granularity = 0;
+  const api::CUresult r = fn_.cuMemGetAllocationGranularity(&granularity, &prop,
+                                                            api::kMemAllocGranularityMinimum);
+  if (r != api::kSuccess) return Error("cuMemGetAllocationGranularity", r);
+  return granularity;
+}
+
+absl::StatusOr<void*> Driver::AllocVmm(int ordinal, uint64_t chunk_bytes, int chunks) const {
+  if (!HasVmm()) return NoVmm();
+  if (chunks <= 0 || chunk_bytes == 0) return absl::InvalidArgumentError("no VMM chunks");
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const uint64_t total = chunk_bytes * static_cast<uint64_t>(chunks);
+  api::CUdeviceptr base = 0;
+  api::CUresult r = fn_.cuMemAddressReserve(&base, total, 0, 0, 0);
+  if (r != api::kSuccess) return Error("cuMemAddressReserve", r);
+  api::CUmemAllocationProp prop{};
+  prop.type = api::kMemAllocationTypePinned;
+  prop.requestedHandleTypes = api::kMemHandleTypePosixFileDescriptor;
+  prop.location.type = api::kMemLocationTypeDevice;
+  prop.location.id = ordinal;
+  uint64_t mapped = 0;
+  absl::Status failed;
+  for (int i = 0; i < chunks && failed.ok(); ++i) {
+    api::CUmemGenericAllocationHandle h = 0;
+    r = fn_.cuMemCreate(&h, chunk_bytes, &prop, 0);
+    if (r != api::kSuccess) {
+      failed = Error("cuMemCreate", r);
+      break;
+    }
+    r = fn_.cuMemMap(base + mapped, chunk_bytes, 0, h, 0);
+    (void)fn_.cuMemRelease(h);
+    if (r != api::kSuccess) {
+      failed = Error("cuMemMap", r);
+      break;
+    }
+    mapped += chunk_bytes;
+  }
+  if (failed.ok()) {
+    api::CUmemAccessDesc access{};
+    access.location.type = api::kMemLocationTypeDevice;
+    access.location.id = ordinal;
+    access.flags = api::kMemAccessFlagsProtReadWrite;
+    r = fn_.cuMemSetAccess(base, total, &access, 1);
+    if (r != api::kSuccess) failed = Error("cuMemSetAccess", r);
+  }
+  if (!failed.ok()) {
+    if (mapped > 0) (void)fn_.cuMemUnmap(base, mapped);
+    (void)fn_.cuMemAddressFree(base, total);
+    return failed;
+  }
+  return reinterpret_cast<void*>(base);
+}
+
+absl::Status Driver::FreeVmm(void* p, uint64_t chunk_bytes, int chunks, int ordinal) const {
+  if (!HasVmm()) return NoVmm();
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const auto at = reinterpret_cast<api::CUdeviceptr>(p);
+  const uint64_t total = chunk_bytes * static_cast<uint64_t>(chunks);
+  api::CUresult r = fn_.cuMemUnmap(at, total);
+  if (r != api::kSuccess) return Error("cuMemUnmap", r);
+  r = fn_.cuMemAddressFree(at, total);
+  return r == api::kSuccess ? absl::OkStatus() : Error("cuMemAddressFree", r);
 }
 
 absl::StatusOr<void*> Driver::CreateStream(int ordinal) const {

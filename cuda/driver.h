@@ -96,6 +96,35 @@ class Driver {
                                 uint64_t* size) const;
   void IpcClose(void* mapped, int ordinal) const;
 
+  // VMM memory (cuMemCreate + cuMemMap: PyTorch's expandable segments),
+  // which has no IPC memory handle. It is mapped in chunks, one allocation
+  // handle each; a chunk is shared as a POSIX fd of its handle.
+  // Whether `addr` lies in VMM memory.
+  bool IsVmm(const void* addr, int ordinal) const;
+  struct VmmChunk {
+    int fd = -1;
+    uint64_t size = 0;
+  };
+  struct VmmExport {
+    std::vector<VmmChunk> chunks;  // the fds are the caller's to close
+    uint64_t offset = 0;           // `addr`'s offset in the first chunk
+  };
+  // Every chunk mapped over [addr, +length), in address order.
+  // kUnimplemented when the memory was not made exportable as a POSIX fd.
+  absl::StatusOr<VmmExport> ExportVmm(const void* addr, uint64_t length, int ordinal) const;
+  // Maps another process's chunks back to back, readable and writable by
+  // device `ordinal`; returns where the first starts. The caller still
+  // closes the fds. VmmUnmap undoes it (`size`: the chunks' sum).
+  absl::StatusOr<void*> ImportVmm(const std::vector<VmmChunk>& chunks, int ordinal) const;
+  void VmmUnmap(void* base, uint64_t size, int ordinal) const;
+  // VMM memory (tests and tools): `chunks` allocations of `chunk_bytes`
+  // each (a multiple of VmmGranularity), mapped back to back and exportable
+  // as POSIX fds, as PyTorch's expandable segments are. FreeVmm takes the
+  // same sizes.
+  absl::StatusOr<uint64_t> VmmGranularity(int ordinal) const;
+  absl::StatusOr<void*> AllocVmm(int ordinal, uint64_t chunk_bytes, int chunks) const;
+  absl::Status FreeVmm(void* p, uint64_t chunk_bytes, int chunks, int ordinal) const;
+
   // A failed call's status: "cuMemcpy: CUDA_ERROR_INVALID_VALUE (1)".
   absl::Status Error(const char* call, api::CUresult r) const;
 
@@ -150,7 +179,20 @@ class Driver {
     api::cuIpcGetMemHandle_t cuIpcGetMemHandle;
     api::cuIpcOpenMemHandle_v2_t cuIpcOpenMemHandle_v2;
     api::cuIpcCloseMemHandle_t cuIpcCloseMemHandle;
+    api::cuMemGetAllocationGranularity_t cuMemGetAllocationGranularity;
+    api::cuMemCreate_t cuMemCreate;
+    api::cuMemRelease_t cuMemRelease;
+    api::cuMemAddressReserve_t cuMemAddressReserve;
+    api::cuMemAddressFree_t cuMemAddressFree;
+    api::cuMemMap_t cuMemMap;
+    api::cuMemUnmap_t cuMemUnmap;
+    api::cuMemSetAccess_t cuMemSetAccess;
+    api::cuMemExportToShareableHandle_t cuMemExportToShareableHandle;
+    api::cuMemImportFromShareableHandle_t cuMemImportFromShareableHandle;
+    api::cuMemRetainAllocationHandle_t cuMemRetainAllocationHandle;
   } fn_{};
+  bool HasVmm() const { return fn_.cuMemRetainAllocationHandle != nullptr && fn_.cuMemMap != nullptr; }
+  absl::Status NoVmm() const;
   mutable Mutex mu_;
   // Primary contexts retained so far, by ordinal (kept for the process).
   mutable std::vector<api::CUcontext> contexts_ ABSL_GUARDED_BY(mu_);

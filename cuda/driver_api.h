@@ -32,6 +32,35 @@ struct CUipcMemHandle {
 };
 constexpr unsigned kIpcMemLazyEnablePeerAccess = 0x1;
 
+// Virtual memory management (cuMemCreate/cuMemMap: PyTorch's expandable
+// segments). A generic allocation handle, and the structs of cuda.h.
+using CUmemGenericAllocationHandle = unsigned long long;  // NOLINT(runtime/int)
+struct CUmemLocation {
+  int type;  // CUmemLocationType
+  int id;    // the device ordinal for kMemLocationTypeDevice
+};
+struct CUmemAccessDesc {
+  CUmemLocation location;
+  int flags;  // CUmemAccess_flags
+};
+struct CUmemAllocationProp {
+  int type;                  // CUmemAllocationType
+  int requestedHandleTypes;  // CUmemAllocationHandleType bits
+  CUmemLocation location;
+  void* win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;  // NOLINT(runtime/int)
+    unsigned char reserved[4];
+  } allocFlags;
+};
+constexpr int kMemAllocationTypePinned = 1;
+constexpr int kMemHandleTypePosixFileDescriptor = 1;
+constexpr int kMemLocationTypeDevice = 1;
+constexpr int kMemAccessFlagsProtReadWrite = 3;
+constexpr int kMemAllocGranularityMinimum = 0;
+
 // CUresult
 constexpr CUresult kSuccess = 0;
 constexpr CUresult kErrorInvalidValue = 1;
@@ -50,6 +79,7 @@ constexpr int kPointerAttributeMemoryType = 2;     // unsigned int (CUmemorytype
 constexpr int kPointerAttributeDeviceOrdinal = 9;  // int
 constexpr int kPointerAttributeRangeStartAddr = 11;  // CUdeviceptr
 constexpr int kPointerAttributeRangeSize = 12;       // size_t
+constexpr int kPointerAttributeAllowedHandleTypes = 14;  // read 8 zeroed bytes, low bits
 
 // CUmemorytype
 constexpr unsigned kMemoryTypeHost = 1;
@@ -99,6 +129,30 @@ using cuIpcOpenMemHandle_v2_t = CUresult (*)(CUdeviceptr* ptr, CUipcMemHandle ha
                                              unsigned flags);
 using cuIpcCloseMemHandle_t = CUresult (*)(CUdeviceptr ptr);
 
+using cuMemGetAllocationGranularity_t = CUresult (*)(size_t* granularity,
+                                                     const CUmemAllocationProp* prop, int option);
+using cuMemCreate_t = CUresult (*)(CUmemGenericAllocationHandle* handle, size_t size,
+                                   const CUmemAllocationProp* prop,
+                                   unsigned long long flags);  // NOLINT
+using cuMemRelease_t = CUresult (*)(CUmemGenericAllocationHandle handle);
+using cuMemAddressReserve_t = CUresult (*)(CUdeviceptr* ptr, size_t size, size_t alignment,
+                                           CUdeviceptr addr, unsigned long long flags);  // NOLINT
+using cuMemAddressFree_t = CUresult (*)(CUdeviceptr ptr, size_t size);
+using cuMemMap_t = CUresult (*)(CUdeviceptr ptr, size_t size, size_t offset,
+                                CUmemGenericAllocationHandle handle,
+                                unsigned long long flags);  // NOLINT
+using cuMemUnmap_t = CUresult (*)(CUdeviceptr ptr, size_t size);
+using cuMemSetAccess_t = CUresult (*)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
+                                      size_t count);
+using cuMemExportToShareableHandle_t = CUresult (*)(void* shareable,
+                                                    CUmemGenericAllocationHandle handle,
+                                                    int handle_type,
+                                                    unsigned long long flags);  // NOLINT
+// `os_handle`: a POSIX fd is passed as its value cast to a pointer.
+using cuMemImportFromShareableHandle_t = CUresult (*)(CUmemGenericAllocationHandle* handle,
+                                                      void* os_handle, int handle_type);
+using cuMemRetainAllocationHandle_t = CUresult (*)(CUmemGenericAllocationHandle* handle,
+                                                   void* addr);
 }  // namespace api
 }  // namespace cuda
 }  // namespace kvferry

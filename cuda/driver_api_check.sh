@@ -34,6 +34,9 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 cat >"$tmp/check.cc" <<'CC'
 #include <cuda.h>
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
 #include "cuda/driver_api.h"
 namespace api = kvferry::cuda::api;
 static_assert(api::kSuccess == CUDA_SUCCESS, "");
@@ -65,6 +68,40 @@ static_assert(sizeof(api::CUdevice) == sizeof(CUdevice), "");
 static_assert(sizeof(api::CUresult) == sizeof(CUresult), "");
 static_assert(sizeof(api::CUipcMemHandle) == sizeof(CUipcMemHandle), "");
 static_assert(api::kIpcMemLazyEnablePeerAccess == CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, "");
+static_assert(api::kPointerAttributeAllowedHandleTypes ==
+              CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, "");
+static_assert(sizeof(api::CUmemGenericAllocationHandle) == sizeof(CUmemGenericAllocationHandle), "");
+static_assert(sizeof(api::CUmemLocation) == sizeof(CUmemLocation), "");
+static_assert(offsetof(api::CUmemLocation, id) == offsetof(CUmemLocation, id), "");
+static_assert(sizeof(api::CUmemAccessDesc) == sizeof(CUmemAccessDesc), "");
+static_assert(offsetof(api::CUmemAccessDesc, flags) == offsetof(CUmemAccessDesc, flags), "");
+static_assert(sizeof(api::CUmemAllocationProp) == sizeof(CUmemAllocationProp), "");
+static_assert(offsetof(api::CUmemAllocationProp, requestedHandleTypes) ==
+              offsetof(CUmemAllocationProp, requestedHandleTypes), "");
+static_assert(offsetof(api::CUmemAllocationProp, location) ==
+              offsetof(CUmemAllocationProp, location), "");
+static_assert(offsetof(api::CUmemAllocationProp, win32HandleMetaData) ==
+              offsetof(CUmemAllocationProp, win32HandleMetaData), "");
+static_assert(offsetof(api::CUmemAllocationProp, allocFlags) ==
+              offsetof(CUmemAllocationProp, allocFlags), "");
+static_assert(api::kMemAllocationTypePinned == CU_MEM_ALLOCATION_TYPE_PINNED, "");
+static_assert(api::kMemHandleTypePosixFileDescriptor ==
+              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, "");
+static_assert(api::kMemLocationTypeDevice == CU_MEM_LOCATION_TYPE_DEVICE, "");
+static_assert(api::kMemAccessFlagsProtReadWrite == CU_MEM_ACCESS_FLAGS_PROT_READWRITE, "");
+static_assert(api::kMemAllocGranularityMinimum == CU_MEM_ALLOC_GRANULARITY_MINIMUM, "");
+// The VMM entry points' parameters, as cuda.h declares them (cuda.h's
+// CUresult is an enum, the project's an int of the same size).
+template <class F> struct Params;
+template <class R, class... A> struct Params<R (*)(A...)> { using type = std::tuple<A...>; };
+#define KVF_SAME_PARAMS(name) \
+  static_assert(std::is_same<Params<api::name##_t>::type, Params<decltype(&name)>::type>::value, #name)
+KVF_SAME_PARAMS(cuMemMap);
+KVF_SAME_PARAMS(cuMemUnmap);
+KVF_SAME_PARAMS(cuMemAddressFree);
+KVF_SAME_PARAMS(cuMemAddressReserve);
+KVF_SAME_PARAMS(cuMemRelease);
+KVF_SAME_PARAMS(cuMemRetainAllocationHandle);
 int main() {}
 CC
 g++ -std=c++17 -fsyntax-only -I"$include" -I"$src" "$tmp/check.cc"

@@ -3,6 +3,9 @@
 #include <dlfcn.h>
 #include <sys/mman.h>
 
+#include <unistd.h>
+
+#include <cstddef>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -36,6 +39,18 @@ TEST(DriverApiTest, ValuesAreTheDriversOwn) {
   EXPECT_EQ(api::kMemRangeHandleTypeDmaBufFd, 1);
   EXPECT_EQ(sizeof(api::CUdeviceptr), 8u);
   EXPECT_EQ(sizeof(api::CUdevice), 4u);
+  EXPECT_EQ(api::kPointerAttributeAllowedHandleTypes, 14);
+  EXPECT_EQ(api::kMemHandleTypePosixFileDescriptor, 1);
+  EXPECT_EQ(api::kMemLocationTypeDevice, 1);
+  EXPECT_EQ(api::kMemAccessFlagsProtReadWrite, 3);
+  EXPECT_EQ(api::kMemAllocationTypePinned, 1);
+  EXPECT_EQ(sizeof(api::CUmemLocation), 8u);
+  EXPECT_EQ(sizeof(api::CUmemAccessDesc), 12u);
+  EXPECT_EQ(offsetof(api::CUmemAccessDesc, flags), 8u);
+  EXPECT_EQ(sizeof(api::CUmemAllocationProp), 32u);
+  EXPECT_EQ(offsetof(api::CUmemAllocationProp, location), 8u);
+  EXPECT_EQ(offsetof(api::CUmemAllocationProp, win32HandleMetaData), 16u);
+  EXPECT_EQ(offsetof(api::CUmemAllocationProp, allocFlags), 24u);
 }
 
 class FakeDriverTest : public ::testing::Test {
@@ -125,6 +140,84 @@ TEST_F(FakeDriverTest, LeavesTheCallersContextAsItWas) {
     ASSERT_TRUE(d_->FreeDevice(*dev, 1).ok());
   }).join();
   EXPECT_EQ(d_->AllocDevice(5, 16).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace kvferry
+
+namespace kvferry {
+namespace cuda {
+namespace {
+
+// VMM memory as PyTorch's expandable segments make it: chunks of their own
+// allocation mapped back to back. It is device memory, has no IPC memory
+// handle, and is shared chunk by chunk as POSIX fds that map it again.
+TEST_F(FakeDriverTest, VmmMemoryIsExportedChunkByChunkAndMapsAgain) {
+  const uint64_t chunk = d_->VmmGranularity(1).value_or(0);
+  ASSERT_GT(chunk, 0u);
+  auto vmm = d_->AllocVmm(1, chunk, 3);
+  ASSERT_TRUE(vmm.ok()) << vmm.status();
+  auto plain = d_->AllocDevice(1, 1 << 20);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(d_->IsVmm(*vmm, 1));
+  EXPECT_TRUE(d_->IsVmm(static_cast<char*>(*vmm) + 2 * chunk + 5, 1));
+  EXPECT_FALSE(d_->IsVmm(*plain, 1));
+  std::vector<char> host(64);
+  EXPECT_FALSE(d_->IsVmm(host.data(), 1));
+  // Classified as device memory across its chunks; no IPC memory handle.
+  auto where = d_->Classify(*vmm, 3 * chunk);
+  ASSERT_TRUE(where.ok()) << where.status();
+  EXPECT_TRUE(where->device);
+  EXPECT_EQ(where->ordinal, 1);
+  EXPECT_FALSE(d_->IpcExportOf(*vmm, 1).ok());
+
+  std::vector<char> pattern(3 * chunk);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<char>(i * 7 + (i >> 20));
+  ASSERT_TRUE(d_->Copy(*vmm, pattern.data(), pattern.size(), 1).ok());
+  // From the middle of the first chunk into the last: three chunks, three fds.
+  char* from = static_cast<char*>(*vmm) + chunk / 2;
+  auto exported = d_->ExportVmm(from, 2 * chunk, 1);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_EQ(exported->chunks.size(), 3u);
+  EXPECT_EQ(exported->offset, chunk / 2);
+  for (const Driver::VmmChunk& c : exported->chunks) {
+    EXPECT_GE(c.fd, 0);
+    EXPECT_EQ(c.size, chunk);
+  }
+  // Mapped again (here in the same process, as another would) on device 0:
+  // the same bytes, through the driver's copies only.
+  auto mapped = d_->ImportVmm(exported->chunks, 0);
+  for (const Driver::VmmChunk& c : exported->chunks) close(c.fd);
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  std::vector<char> got(3 * chunk);
+  ASSERT_TRUE(d_->Copy(got.data(), *mapped, got.size(), 0).ok());
+  EXPECT_TRUE(got == pattern);
+  // Writes through the second mapping land in the first.
+  const char mark[4] = {'v', 'm', 'm', '!'};
+  ASSERT_TRUE(d_->Copy(static_cast<char*>(*mapped) + chunk + 3, mark, 4, 0).ok());
+  char seen[4] = {};
+  ASSERT_TRUE(d_->Copy(seen, static_cast<char*>(*vmm) + chunk + 3, 4, 1).ok());
+  EXPECT_EQ(std::memcmp(seen, mark, 4), 0);
+  d_->VmmUnmap(*mapped, 3 * chunk, 0);
+  // Unmapped and freed: neither device memory nor readable host memory.
+  EXPECT_FALSE(d_->IsVmm(*mapped, 0));
+  EXPECT_FALSE(d_->Classify(*mapped, 4).ok());
+  EXPECT_TRUE(d_->FreeVmm(*vmm, chunk, 3, 1).ok());
+  EXPECT_FALSE(d_->Classify(*vmm, 4).ok());
+  EXPECT_TRUE(d_->FreeDevice(*plain, 1).ok());
+}
+
+TEST_F(FakeDriverTest, ImportingSomethingThatIsNotAnAllocationFails) {
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  auto mapped = d_->ImportVmm({Driver::VmmChunk{pipe_fds[0], 2 << 20}}, 0);
+  EXPECT_FALSE(mapped.ok());
+  EXPECT_NE(mapped.status().message().find("cuMemImportFromShareableHandle"), std::string::npos)
+      << mapped.status();
+  EXPECT_FALSE(d_->ImportVmm({}, 0).ok());
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
 }
 
 }  // namespace

@@ -14,11 +14,17 @@
 //     exporting process, the fd and the allocation, and another process
 //     maps the same pages (through /proc/PID/fd) PROT_NONE plus a private
 //     alias, as for its own device memory.
+//   * virtual memory management (cuMemCreate, cuMemAddressReserve, cuMemMap,
+//     cuMemSetAccess: PyTorch's expandable segments): each allocation is a
+//     memfd of its own, exported as a POSIX fd (a dup of it) that another
+//     process imports; a mapping is PROT_NONE to the CPU like the arena,
+//     and copies fail until cuMemSetAccess made it accessible.
 // Environment: KVFERRY_FAKE_CUDA_DEVICES (default 2),
 // KVFERRY_FAKE_CUDA_PCI ("0000:1B:00.0,..."), KVFERRY_FAKE_CUDA_MIB (arena
 // size, default 256).
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -66,10 +72,27 @@ struct State {
     size_t size;
     char* alias;
     int device;
+    uint64_t handle = 0;      // a VMM mapping of this allocation handle; 0: IPC
+    bool accessible = true;   // VMM: cuMemSetAccess was called
   };
-  std::map<uintptr_t, Import> imports;  // another process's allocation, by address
+  // Another process's allocation (IPC) or a VMM mapping, by address.
+  std::map<uintptr_t, Import> imports;
   uint64_t ipc_opens = 0;               // successful cuIpcOpenMemHandle calls
+  // VMM allocations by handle; each holds a reference per mapping.
+  struct Physical {
+    int fd;
+    size_t size;
+    int device;
+    int handle_types;  // requested at cuMemCreate (bit 1: POSIX fd)
+    int refs;
+  };
+  std::map<uint64_t, Physical> physical;
+  uint64_t last_handle = 0;
+  std::map<uintptr_t, size_t> reservations;  // cuMemAddressReserve'd ranges
+  uint64_t vmm_imports = 0;                  // cuMemImportFromShareableHandle calls
 };
+
+constexpr size_t kGranularity = 2 << 20;  // the VMM granularity, as on NVIDIA GPUs
 
 struct IpcHandle {  // the 64 bytes of a CUipcMemHandle
   uint64_t magic;
@@ -107,14 +130,26 @@ const State::Allocation* Find(const State& s, uintptr_t p, size_t* base_off) {
 }
 
 // Where the copy functions read or write [p, +n): the alias for device
-// memory (which must lie in one live allocation or import), p itself for
-// host memory.
-CUresult Translate(const State& s, uintptr_t p, size_t n, char** out) {
+// memory (which must lie in live allocations, imports or accessible VMM
+// mappings), p itself for host memory. `*run`: how many of the n bytes are
+// contiguous there (VMM mappings next to each other have separate aliases).
+CUresult Translate(const State& s, uintptr_t p, size_t n, char** out, size_t* run) {
+  *run = n;
   auto imp = s.imports.upper_bound(p);
   if (imp != s.imports.begin()) {
     --imp;
     if (p - imp->first < imp->second.size) {
-      if (p - imp->first + n > imp->second.size) return kIllegalAddress;
+      if (!imp->second.accessible) return kIllegalAddress;
+      const size_t left = imp->second.size - (p - imp->first);
+      if (n > left) {
+        // Only VMM memory continues into the next mapping.
+        auto next = std::next(imp);
+        if (imp->second.handle == 0 || next == s.imports.end() ||
+            next->first != imp->first + imp->second.size || next->second.handle == 0) {
+          return kIllegalAddress;
+        }
+        *run = left;
+      }
       *out = imp->second.alias + (p - imp->first);
       return kSuccess;
     }
@@ -251,6 +286,14 @@ CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
     case 9:  // DEVICE_ORDINAL
       *static_cast<int*>(data) = a != nullptr ? a->device : 0;
       return kSuccess;
+    case 14: {  // ALLOWED_HANDLE_TYPES (4 bytes written; callers zero 8)
+      unsigned types = 0;
+      if (a == &imported && std::prev(imp)->second.handle != 0) {
+        types = s.physical.at(std::prev(imp)->second.handle).handle_types;
+      }
+      *static_cast<unsigned*>(data) = types;
+      return kSuccess;
+    }
     default:
       return kInvalidValue;
   }
@@ -329,12 +372,20 @@ CUresult cuMemFreeHost(void* p) {
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
-  char* d;
-  char* from;
-  if (Translate(s, dst, bytes, &d) != kSuccess || Translate(s, src, bytes, &from) != kSuccess) {
-    return kInvalidValue;
+  while (bytes > 0) {
+    char* d;
+    char* from;
+    size_t d_run, from_run;
+    if (Translate(s, dst, bytes, &d, &d_run) != kSuccess ||
+        Translate(s, src, bytes, &from, &from_run) != kSuccess) {
+      return kInvalidValue;
+    }
+    const size_t n = d_run < from_run ? d_run : from_run;
+    std::memmove(d, from, n);
+    dst += n;
+    src += n;
+    bytes -= n;
   }
-  std::memmove(d, from, bytes);
   return kSuccess;
 }
 
@@ -374,7 +425,7 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
   auto it = s.imports.find(ptr);
-  if (it == s.imports.end()) return kInvalidValue;
+  if (it == s.imports.end() || it->second.handle != 0) return kInvalidValue;
   const size_t size = (it->second.size + 4095) / 4096 * 4096;
   munmap(reinterpret_cast<void*>(it->first), size);
   munmap(it->second.alias, size);
@@ -435,6 +486,238 @@ CUresult cuGetErrorName(CUresult error, const char** name) {
   }
   *name = it->second;
   return kSuccess;
+}
+
+
+// Virtual memory management. These need no current context (their docs
+// list no CUDA_ERROR_INVALID_CONTEXT).
+namespace {
+
+bool ValidProp(const State& s, const void* p) {
+  if (p == nullptr) return false;
+  int type, handle_types, loc_type, loc_id;
+  std::memcpy(&type, static_cast<const char*>(p), 4);
+  std::memcpy(&handle_types, static_cast<const char*>(p) + 4, 4);
+  std::memcpy(&loc_type, static_cast<const char*>(p) + 8, 4);
+  std::memcpy(&loc_id, static_cast<const char*>(p) + 12, 4);
+  return type == 1 && loc_type == 1 && loc_id >= 0 && loc_id < s.devices &&
+         (handle_types & ~9) == 0;
+}
+
+void Release(State& s, uint64_t handle) {
+  auto it = s.physical.find(handle);
+  if (it == s.physical.end() || --it->second.refs > 0) return;
+  close(it->second.fd);
+  s.physical.erase(it);
+}
+
+// The VMM mapping holding p, or end().
+std::map<uintptr_t, State::Import>::iterator MappingAt(State& s, uintptr_t p) {
+  auto it = s.imports.upper_bound(p);
+  if (it == s.imports.begin()) return s.imports.end();
+  --it;
+  return p - it->first < it->second.size && it->second.handle != 0 ? it : s.imports.end();
+}
+
+}  // namespace
+
+CUresult cuMemGetAllocationGranularity(size_t* granularity, const void* prop, int option) {
+  KVF_FAKE_READY();
+  if (granularity == nullptr || !ValidProp(s, prop) || option < 0 || option > 1) {
+    return kInvalidValue;
+  }
+  *granularity = kGranularity;
+  return kSuccess;
+}
+
+CUresult cuMemCreate(uint64_t* handle, size_t size, const void* prop,
+                     unsigned long long flags) {  // NOLINT
+  KVF_FAKE_READY();
+  if (handle == nullptr || !ValidProp(s, prop) || flags != 0 || size == 0 ||
+      size % kGranularity != 0) {
+    return kInvalidValue;
+  }
+  int types, device;
+  std::memcpy(&types, static_cast<const char*>(prop) + 4, 4);
+  std::memcpy(&device, static_cast<const char*>(prop) + 12, 4);
+  const std::string name = "kvferry-fake-vmm-" + std::to_string(device);
+  const int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    if (fd >= 0) close(fd);
+    return kOutOfMemory;
+  }
+  *handle = ++s.last_handle;
+  s.physical[*handle] = State::Physical{fd, size, device, types, 1};
+  return kSuccess;
+}
+
+CUresult cuMemRelease(uint64_t handle) {
+  KVF_FAKE_READY();
+  if (s.physical.count(handle) == 0) return kInvalidValue;
+  Release(s, handle);
+  return kSuccess;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {  // NOLINT
+  KVF_FAKE_READY();
+  (void)addr;  // a hint
+  if (ptr == nullptr || size == 0 || size % 4096 != 0 || flags != 0 ||
+      (alignment & (alignment - 1)) != 0) {
+    return kInvalidValue;
+  }
+  // Aligned to the granularity (or more): reserve extra and trim.
+  const size_t align = alignment > kGranularity ? alignment : kGranularity;
+  void* raw = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+  if (raw == MAP_FAILED) return kOutOfMemory;
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(raw) + align - 1) / align * align;
+  if (start > reinterpret_cast<uintptr_t>(raw)) munmap(raw, start - reinterpret_cast<uintptr_t>(raw));
+  const uintptr_t end = reinterpret_cast<uintptr_t>(raw) + size + align;
+  if (end > start + size) munmap(reinterpret_cast<void*>(start + size), end - start - size);
+  s.reservations[start] = size;
+  *ptr = start;
+  return kSuccess;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  KVF_FAKE_READY();
+  auto it = s.reservations.find(ptr);
+  if (it == s.reservations.end() || it->second != size) return kInvalidValue;
+  auto m = s.imports.lower_bound(ptr);
+  if (m != s.imports.end() && m->first < ptr + size) return kInvalidValue;  // still mapped
+  munmap(reinterpret_cast<void*>(ptr), size);
+  s.reservations.erase(it);
+  return kSuccess;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, uint64_t handle,
+                  unsigned long long flags) {  // NOLINT
+  KVF_FAKE_READY();
+  auto ph = s.physical.find(handle);
+  if (ph == s.physical.end() || flags != 0 || size == 0 || size % kGranularity != 0 ||
+      offset % kGranularity != 0 || offset + size > ph->second.size || ptr % kGranularity != 0) {
+    return kInvalidValue;
+  }
+  auto r = s.reservations.upper_bound(ptr);
+  if (r == s.reservations.begin()) return kInvalidValue;
+  --r;
+  if (ptr + size > r->first + r->second) return kInvalidValue;  // outside any reservation
+  auto m = s.imports.lower_bound(ptr);
+  if ((m != s.imports.end() && m->first < ptr + size) ||
+      (m != s.imports.begin() && std::prev(m)->first + std::prev(m)->second.size > ptr)) {
+    return kInvalidValue;  // already mapped
+  }
+  void* va = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED,
+                  ph->second.fd, static_cast<off_t>(offset));
+  void* alias = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, ph->second.fd,
+                     static_cast<off_t>(offset));
+  if (va == MAP_FAILED || alias == MAP_FAILED) return kOutOfMemory;
+  State::Import mapping{size, static_cast<char*>(alias), ph->second.device};
+  mapping.handle = handle;
+  mapping.accessible = false;
+  s.imports[ptr] = mapping;
+  ++ph->second.refs;
+  return kSuccess;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  KVF_FAKE_READY();
+  auto it = s.imports.find(ptr);
+  if (it == s.imports.end() || it->second.handle == 0) return kInvalidValue;
+  for (uintptr_t p = ptr; p < ptr + size;) {  // whole mappings only
+    auto m = s.imports.find(p);
+    if (m == s.imports.end() || m->second.handle == 0 || p + m->second.size > ptr + size) {
+      return kInvalidValue;
+    }
+    p += m->second.size;
+  }
+  for (uintptr_t p = ptr; p < ptr + size;) {
+    auto m = s.imports.find(p);
+    const size_t n = m->second.size;
+    // Back to reserved, inaccessible address space.
+    mmap(reinterpret_cast<void*>(p), n, PROT_NONE,
+         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    munmap(m->second.alias, n);
+    Release(s, m->second.handle);
+    s.imports.erase(m);
+    p += n;
+  }
+  return kSuccess;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void* desc, size_t count) {
+  KVF_FAKE_READY();
+  if (desc == nullptr || count == 0) return kInvalidValue;
+  for (size_t i = 0; i < count; ++i) {
+    int loc_type, loc_id, flags;
+    std::memcpy(&loc_type, static_cast<const char*>(desc) + 12 * i, 4);
+    std::memcpy(&loc_id, static_cast<const char*>(desc) + 12 * i + 4, 4);
+    std::memcpy(&flags, static_cast<const char*>(desc) + 12 * i + 8, 4);
+    if (loc_type != 1 || loc_id < 0 || loc_id >= s.devices || (flags != 1 && flags != 3)) {
+      return kInvalidValue;
+    }
+  }
+  for (uintptr_t p = ptr; p < ptr + size;) {  // every byte mapped
+    auto m = MappingAt(s, p);
+    if (m == s.imports.end()) return kInvalidValue;
+    p = m->first + m->second.size;
+  }
+  for (uintptr_t p = ptr; p < ptr + size;) {
+    auto m = MappingAt(s, p);
+    m->second.accessible = true;
+    p = m->first + m->second.size;
+  }
+  return kSuccess;
+}
+
+CUresult cuMemRetainAllocationHandle(uint64_t* handle, void* addr) {
+  KVF_FAKE_READY();
+  auto m = MappingAt(s, reinterpret_cast<uintptr_t>(addr));
+  if (handle == nullptr || m == s.imports.end()) return kInvalidValue;
+  ++s.physical.at(m->second.handle).refs;
+  *handle = m->second.handle;
+  return kSuccess;
+}
+
+CUresult cuMemExportToShareableHandle(void* shareable, uint64_t handle, int type,
+                                      unsigned long long flags) {  // NOLINT
+  KVF_FAKE_READY();
+  auto ph = s.physical.find(handle);
+  if (shareable == nullptr || ph == s.physical.end() || flags != 0) return kInvalidValue;
+  if (type != 1 || (ph->second.handle_types & 1) == 0) return kNotSupported;
+  const int fd = fcntl(ph->second.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return kOutOfMemory;
+  *static_cast<int*>(shareable) = fd;
+  return kSuccess;
+}
+
+CUresult cuMemImportFromShareableHandle(uint64_t* handle, void* os_handle, int type) {
+  KVF_FAKE_READY();
+  const int fd = static_cast<int>(reinterpret_cast<uintptr_t>(os_handle));
+  if (handle == nullptr || type != 1) return kInvalidValue;
+  // The fd must be one of this fake's allocations: its name says the device.
+  char link[256] = {};
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  if (readlink(path.c_str(), link, sizeof link - 1) <= 0) return kInvalidValue;
+  const char* tag = std::strstr(link, "kvferry-fake-vmm-");
+  struct stat st;
+  if (tag == nullptr || fstat(fd, &st) != 0 || st.st_size <= 0) return kInvalidValue;
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) return kOutOfMemory;
+  *handle = ++s.last_handle;
+  s.physical[*handle] = State::Physical{own, static_cast<size_t>(st.st_size),
+                                        std::atoi(tag + std::strlen("kvferry-fake-vmm-")), 1, 1};
+  ++s.vmm_imports;
+  return kSuccess;
+}
+
+// For tests (not a driver entry point): how many VMM allocations this
+// process imported from another's fds.
+uint64_t kvferry_fake_cuda_vmm_imports() {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.vmm_imports;
 }
 
 // For tests (not a driver entry point): how many IPC handles this process
