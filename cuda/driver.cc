@@ -385,9 +385,7 @@ absl::StatusOr<Driver::VmmExport> Driver::ExportVmm(const void* addr, uint64_t l
           api::kSuccess &&
       (types & api::kMemHandleTypePosixFileDescriptor) == 0) {
     return absl::UnimplementedError(absl::StrFormat(
-        "the VMM memory at %#x was not created exportable as a POSIX fd (allowed handle types "
-        "%#x)",
-        at, types));
+        "it was not created exportable as a POSIX fd (allowed handle types %#x)", types));
   }
   Bound bound(this, ordinal);
   if (!bound.status().ok()) return bound.status();

@@ -99,7 +99,9 @@ class Driver {
   // VMM memory (cuMemCreate + cuMemMap: PyTorch's expandable segments),
   // which has no IPC memory handle. It is mapped in chunks, one allocation
   // handle each; a chunk is shared as a POSIX fd of its handle.
-  // Whether `addr` lies in VMM memory.
+  // Whether the driver has it (CUDA 11.0 and later), and whether `addr`
+  // lies in VMM memory.
+  bool HasVmm() const { return fn_.cuMemRetainAllocationHandle != nullptr; }
   bool IsVmm(const void* addr, int ordinal) const;
   struct VmmChunk {
     int fd = -1;
@@ -191,7 +193,6 @@ class Driver {
     api::cuMemImportFromShareableHandle_t cuMemImportFromShareableHandle;
     api::cuMemRetainAllocationHandle_t cuMemRetainAllocationHandle;
   } fn_{};
-  bool HasVmm() const { return fn_.cuMemRetainAllocationHandle != nullptr && fn_.cuMemMap != nullptr; }
   absl::Status NoVmm() const;
   mutable Mutex mu_;
   // Primary contexts retained so far, by ordinal (kept for the process).

@@ -21,7 +21,8 @@
 //     and copies fail until cuMemSetAccess made it accessible.
 // Environment: KVFERRY_FAKE_CUDA_DEVICES (default 2),
 // KVFERRY_FAKE_CUDA_PCI ("0000:1B:00.0,..."), KVFERRY_FAKE_CUDA_MIB (arena
-// size, default 256).
+// size, default 256), KVFERRY_FAKE_CUDA_VMM_NO_EXPORT=1 (VMM allocations
+// exportable as nothing, whatever was asked).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -539,6 +540,10 @@ CUresult cuMemCreate(uint64_t* handle, size_t size, const void* prop,
   }
   int types, device;
   std::memcpy(&types, static_cast<const char*>(prop) + 4, 4);
+  // As PyTorch with TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0: nothing exportable.
+  if (const char* e = std::getenv("KVFERRY_FAKE_CUDA_VMM_NO_EXPORT"); e != nullptr && *e == '1') {
+    types = 0;
+  }
   std::memcpy(&device, static_cast<const char*>(prop) + 12, 4);
   const std::string name = "kvferry-fake-vmm-" + std::to_string(device);
   const int fd = memfd_create(name.c_str(), MFD_CLOEXEC);

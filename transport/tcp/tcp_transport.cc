@@ -30,6 +30,7 @@
 #include "transport/completion_queue.h"
 #include "transport/link_params.h"
 #include "transport/tcp/hello_acceptor.h"
+#include "transport/tcp/vmm_share.h"
 #include "transport/tcp/wire.h"
 #include "transport/id_window.h"
 
@@ -45,6 +46,7 @@ using tcp_wire::kAckNow;
 using tcp_wire::kReadReq;
 using tcp_wire::kReadResp;
 using tcp_wire::kViaIpc;
+using tcp_wire::kViaVmm;
 using tcp_wire::kWriteAck;
 using tcp_wire::kWriteReq;
 using tcp_wire::PeerParams;
@@ -346,6 +348,9 @@ class TcpTransport final : public Transport {
     // its allocation.
     bool has_ipc = false;
     cuda::Driver::IpcExport ipc{};
+    // VMM device memory (no IPC handle): its export id on this process's
+    // VmmServer, which peers on this host fetch it from; 0: none.
+    uint64_t vmm_id = 0;
   };
   // One connection's use of a region for a peer's request (see RegionEntry);
   // ends when destroyed.
@@ -415,12 +420,14 @@ class TcpTransport final : public Transport {
     // through CUDA IPC (until the peer says it cannot open a handle).
     bool same_host = false;
     bool ipc_ok = true;
+    uint64_t peer_vmm = 0;  // the peer's VMM server (same host only); 0: none
     // The requesters' allocations this end opened (reader thread only), by
     // handle bytes; closed when the reader ends.
     struct Import {
       void* mapped;
       uint64_t size;  // of the allocation: requests must stay inside
       int ordinal;    // opened through this device's context
+      VmmMapping vmm{};  // VMM memory: unmapped, not IpcClose'd
     };
     std::map<std::string, Import> ipc_imports;
   };
@@ -500,7 +507,17 @@ class TcpTransport final : public Transport {
   // The requester's allocation `ref` names, opened on first use (reader).
   // The requester's bytes [ref.offset, +length) in it; kInvalidArgument when
   // they are not inside the allocation.
-  absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, uint64_t length, int device);
+  // `vmm`: the reference names VMM memory, fetched from the peer's
+  // VmmServer.
+  absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, bool vmm, uint64_t length,
+                                  int device);
+  // The VMM server links advertise; 0: none (IPC off, or no VMM in the
+  // driver).
+  uint64_t VmmName() const {
+    if (IpcHost() == 0 || !cuda::Driver::Get()->HasVmm()) return 0;
+    VmmServer* server = VmmServer::Get();
+    return server != nullptr ? server->name() : 0;
+  }
   // The peer could not serve request `id` through IPC: send it again with
   // its bytes, and no more IPC on this link.
   absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)
@@ -633,13 +650,25 @@ absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
   // Device memory is never touched by the CPU: its bytes go through pinned
   // staging buffers (see Staging).
   int device = -1;
+  uint64_t vmm_id = 0;
   absl::StatusOr<cuda::Driver::IpcExport> ipc = absl::UnavailableError("host memory");
   if (const cuda::Driver* driver = cuda::Driver::Get()) {
     ASSIGN_OR_RETURN(cuda::MemoryInfo where, driver->Classify(addr, length));
     if (where.device) {
       device = where.ordinal;
       if (IpcHost() != 0) ipc = driver->IpcExportOf(addr, device);
-      if (IpcHost() != 0 && !ipc.ok()) {
+      if (IpcHost() != 0 && !ipc.ok() && driver->IsVmm(addr, device)) {
+        // VMM memory: peers on this host fetch its chunks as fds, if they
+        // can be exported (tried once here).
+        absl::StatusOr<cuda::Driver::VmmExport> trial = driver->ExportVmm(addr, length, device);
+        if (trial.ok()) {
+          for (const cuda::Driver::VmmChunk& c : trial->chunks) ::close(c.fd);
+          if (VmmServer* server = VmmServer::Get()) vmm_id = server->Add(addr, length, device);
+        } else {
+          KVF_LOG(INFO) << "tcp: VMM device memory at " << addr << " cannot be shared ("
+                        << trial.status().message() << "): peers on this host get it staged";
+        }
+      } else if (IpcHost() != 0 && !ipc.ok()) {
         KVF_LOG(INFO) << "tcp: device memory at " << addr << " has no CUDA IPC handle ("
                       << ipc.status().message() << "): peers on this host get it staged";
       }
@@ -650,6 +679,7 @@ absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
   entry->device = device;
   entry->has_ipc = ipc.ok();
   if (ipc.ok()) entry->ipc = *ipc;
+  entry->vmm_id = vmm_id;
   Region& r = entry->region;
   r.id = ++last_region_;
   r.addr = base;
@@ -680,6 +710,7 @@ absl::Status TcpTransport::UnregisterMemory(RegionId region) {
     entry = std::move(it->second);
     regions_.erase(it);
   }
+  if (entry->vmm_id != 0) VmmServer::Get()->Remove(entry->vmm_id);
   RevokeAndDrain(*entry);
   return absl::OkStatus();
 }
@@ -738,7 +769,7 @@ absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
   if (links_.size() >= options_.max_links) return TooManyLinks();
   link->id = ++last_link_;
   links_[link->id] = link;
-  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost())};
+  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost(), VmmName())};
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
@@ -765,6 +796,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     link->passive = true;
     if (key_ != 0) link->peer_key = InProcessKey(params->key);
     link->same_host = IpcHost() != 0 && params->host == IpcHost();
+    if (link->same_host) link->peer_vmm = params->vmm;
     links_[link->id] = link;
   }
   (void)net::SetNoDelay(link->fd.get());
@@ -774,7 +806,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     links_.erase(link->id);
     return started;
   }
-  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost())};
+  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost(), VmmName())};
 }
 
 absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
@@ -795,6 +827,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     link->state = Link::State::kReady;
     if (key_ != 0) link->peer_key = InProcessKey(params->key);
     link->same_host = IpcHost() != 0 && params->host == IpcHost();
+    if (link->same_host) link->peer_vmm = params->vmm;
   }
   if (absl::Status started = StartLinkThreads(link); !started.ok()) {
     MutexLock lock(&mu_);
@@ -937,6 +970,14 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
       job.ipc_ref.handle = local.ipc.handle;
       job.ipc_ref.offset =
           local.ipc.offset + (reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr);
+    } else if (link.same_host && link.ipc_ok && local.vmm_id != 0 && link.peer_vmm != 0 &&
+               wr.length > 0) {
+      // VMM memory: the peer maps it from this process's VMM server.
+      job.ipc = true;
+      job.header.flags |= kViaIpc | kViaVmm;
+      job.ipc_ref = IpcRef{};
+      std::memcpy(job.ipc_ref.handle.reserved, &local.vmm_id, sizeof local.vmm_id);
+      job.ipc_ref.offset = reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr;
     } else if (wr.opcode == Opcode::kWrite) {
       job.data = wr.local_addr;
       job.device = local.device;
@@ -1262,7 +1303,8 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     if (h.length == 0) {
       // Nothing to move.
     } else if (refused.ok() && via_ipc) {
-      absl::StatusOr<char*> theirs = ImportIpc(link, ipc, h.length, device);
+      absl::StatusOr<char*> theirs =
+          ImportIpc(link, ipc, (h.flags & kViaVmm) != 0, h.length, device);
       if (theirs.status().code() == absl::StatusCode::kInvalidArgument) {
         refused = theirs.status();  // a bad request: refused like one out of bounds
       } else if (!theirs.ok()) {
@@ -1302,17 +1344,28 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   return answer;
 }
 
-absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, uint64_t length,
-                                              int device) {
-  const std::string key(ref.handle.reserved, sizeof ref.handle.reserved);
+absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, bool vmm,
+                                              uint64_t length, int device) {
+  std::string key(ref.handle.reserved, vmm ? sizeof(uint64_t) : sizeof ref.handle.reserved);
+  if (vmm) key.insert(0, "vmm:");
   auto it = link.ipc_imports.find(key);
   if (it == link.ipc_imports.end()) {
     // Opened through this end's device when the target is device memory,
     // else through device 0 (any context maps it).
     const int ordinal = device >= 0 ? device : 0;
-    uint64_t size = 0;
-    ASSIGN_OR_RETURN(void* mapped, cuda::Driver::Get()->IpcOpen(ref.handle, ordinal, &size));
-    it = link.ipc_imports.emplace(key, Link::Import{mapped, size, ordinal}).first;
+    Link::Import imp{};
+    imp.ordinal = ordinal;
+    if (vmm) {
+      if (link.peer_vmm == 0) return absl::UnavailableError("the peer has no VMM server");
+      uint64_t id;
+      std::memcpy(&id, ref.handle.reserved, sizeof id);
+      ASSIGN_OR_RETURN(imp.vmm, FetchVmm(link.peer_vmm, id, ordinal));
+      imp.mapped = imp.vmm.start;
+      imp.size = imp.vmm.length;
+    } else {
+      ASSIGN_OR_RETURN(imp.mapped, cuda::Driver::Get()->IpcOpen(ref.handle, ordinal, &imp.size));
+    }
+    it = link.ipc_imports.emplace(key, imp).first;
   }
   const Link::Import& imp = it->second;
   if (ref.offset > imp.size || length > imp.size - ref.offset) {
@@ -1502,7 +1555,11 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     }
   }
   for (const auto& [handle, imp] : link->ipc_imports) {
-    cuda::Driver::Get()->IpcClose(imp.mapped, imp.ordinal);
+    if (imp.vmm.base != nullptr) {
+      UnmapVmm(imp.vmm);
+    } else {
+      cuda::Driver::Get()->IpcClose(imp.mapped, imp.ordinal);
+    }
   }
   link->ipc_imports.clear();
   MutexLock lock(&mu_);

@@ -28,6 +28,10 @@ constexpr uint16_t kAckNow = 1;  // the last of its Post on the link: answer now
 // responder could not serve (status set: the requester sends it again the
 // ordinary way).
 constexpr uint16_t kViaIpc = 2;
+// With kViaIpc: the IpcRef names VMM memory (no IPC memory handle; its
+// first 8 bytes are an export id of the requester's VMM server, see
+// transport/tcp/vmm_share.h) and its offset is from the region's start.
+constexpr uint16_t kViaVmm = 4;
 
 // A kWriteAck answers a run of WRITEs: ids `id` .. `id + remote_addr - 1`
 // (consecutive on the link, so no READ among them) all landed. An ack that
@@ -46,16 +50,22 @@ static_assert(sizeof(DataHeader) == 40, "wire header size");
 
 // Link parameters (transport/link_params.h): the pairing token and the
 // transport's in-process key (0: no shortcut).
-// and the host's identity (HostId: 0 when CUDA IPC is off).
-enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3 };
-inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host) {
-  return LinkParams("tcp").Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host)
-      .Encode();
+// and the host's identity (HostId: 0 when CUDA IPC is off), and the name of
+// the process's VMM server (optional, absent or 0: none; older peers send
+// none).
+enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3, kVmmField = 4 };
+inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host,
+                                    uint64_t vmm = 0) {
+  LinkParams p("tcp");
+  p.Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host);
+  if (vmm != 0) p.Put(kVmmField, vmm);
+  return p.Encode();
 }
 struct PeerParams {
   uint64_t token = 0;
   uint64_t key = 0;
   uint64_t host = 0;
+  uint64_t vmm = 0;
 };
 inline absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes) {
   ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, "tcp"));
@@ -63,6 +73,7 @@ inline absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes) {
   ASSIGN_OR_RETURN(out.token, p.Get(kTokenField, "pairing token"));
   ASSIGN_OR_RETURN(out.key, p.Get(kKeyField, "in-process key"));
   ASSIGN_OR_RETURN(out.host, p.Get(kHostField, "host identity"));
+  out.vmm = p.Get(kVmmField, "VMM server").value_or(0);
   return out;
 }
 

@@ -1,0 +1,313 @@
+#include "transport/tcp/vmm_share.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "base/thread.h"
+#include "cuda/driver.h"
+
+namespace kvferry {
+namespace transport {
+namespace {
+
+constexpr uint64_t kMagic = 0x31306d6d7666766bull;  // "kvfvmm01"
+constexpr size_t kFdsPerMessage = 64;
+
+struct Request {
+  uint64_t magic;
+  uint64_t id;
+};
+struct Reply {
+  uint32_t code;   // absl::StatusCode; 0: the chunks follow
+  uint32_t count;  // chunks
+  uint64_t offset;  // the region's start in the first chunk
+  uint64_t length;  // the region's length
+  char text[104];   // why not, NUL-terminated
+};
+static_assert(sizeof(Reply) == 128, "VMM reply size");
+
+sockaddr_un Address(uint64_t name, socklen_t* len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  const std::string path = absl::StrFormat("kvferry-vmm-%016x", name);
+  std::memcpy(a.sun_path + 1, path.data(), path.size());  // abstract: leading NUL
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size());
+  return a;
+}
+
+void SetTimeouts(int fd) {
+  timeval tv{};
+  tv.tv_sec = absl::ToInt64Seconds(kVmmTimeout);
+  (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+// Sends `n` bytes and, with the first of them, `fds`.
+absl::Status SendMsg(int fd, const void* data, size_t n, const int* fds, size_t count) {
+  const char* p = static_cast<const char*>(data);
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(count, 1)));
+  while (n > 0) {
+    iovec iov{const_cast<char*>(p), n};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (count > 0) {
+      msg.msg_control = control.data();
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * count);
+      std::memcpy(CMSG_DATA(c), fds, sizeof(int) * count);
+    }
+    const ssize_t sent = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent <= 0) return absl::UnavailableError(absl::StrCat("sendmsg: ", std::strerror(errno)));
+    p += sent;
+    n -= static_cast<size_t>(sent);
+    count = 0;  // delivered with the first byte
+  }
+  return absl::OkStatus();
+}
+
+// Receives exactly `n` bytes; fds that come with them are appended to
+// `fds` (at most `max_fds` in all; more is an error, and they are closed).
+absl::Status RecvMsg(int fd, void* data, size_t n, std::vector<int>* fds, size_t max_fds) {
+  char* p = static_cast<char*>(data);
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * kFdsPerMessage));
+  absl::Status bad;
+  while (n > 0) {
+    iovec iov{p, n};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+    const ssize_t got = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      return absl::UnavailableError(
+          got == 0 ? std::string("the VMM server closed the connection")
+                   : absl::StrCat("recvmsg: ", std::strerror(errno)));
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < k; ++i) {
+        int one;
+        std::memcpy(&one, CMSG_DATA(c) + i * sizeof(int), sizeof one);
+        fds->push_back(one);
+      }
+    }
+    if ((msg.msg_flags & MSG_CTRUNC) != 0) bad = absl::DataLossError("file descriptors were cut");
+    if (fds->size() > max_fds) bad = absl::DataLossError("more file descriptors than chunks");
+    p += got;
+    n -= static_cast<size_t>(got);
+  }
+  return bad;
+}
+
+void CloseAll(const std::vector<int>& fds) {
+  for (int fd : fds) ::close(fd);
+}
+
+}  // namespace
+
+VmmServer* VmmServer::Get() {
+  static VmmServer* server = [] {
+    auto* s = new VmmServer();
+    if (absl::Status started = s->Start(); !started.ok()) {
+      KVF_LOG(WARNING) << "tcp: cannot serve VMM device memory to peers on this host ("
+                       << started.message() << "): they get it staged";
+      delete s;
+      return static_cast<VmmServer*>(nullptr);
+    }
+    return s;
+  }();
+  return server;
+}
+
+absl::Status VmmServer::Start() {
+  listener_ = net::Fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (listener_.get() < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  for (int attempt = 0;; ++attempt) {
+    name_ = net::RandomU64();
+    socklen_t len;
+    const sockaddr_un a = Address(name_, &len);
+    if (::bind(listener_.get(), reinterpret_cast<const sockaddr*>(&a), len) == 0) break;
+    if (errno != EADDRINUSE || attempt == 8) {
+      return absl::UnavailableError(absl::StrCat("bind: ", std::strerror(errno)));
+    }
+  }
+  if (::listen(listener_.get(), 16) != 0) {
+    return absl::UnavailableError(absl::StrCat("listen: ", std::strerror(errno)));
+  }
+  absl::StatusOr<std::thread> t = StartThread("the VMM server", [this] { Serve(); });
+  if (!t.ok()) return t.status();
+  thread_ = std::move(*t);
+  thread_.detach();  // serves until the process ends
+  return absl::OkStatus();
+}
+
+uint64_t VmmServer::Add(const void* addr, uint64_t length, int ordinal) {
+  MutexLock lock(&mu_);
+  uint64_t id;
+  do {
+    id = net::RandomU64();
+  } while (id == 0 || exports_.count(id) > 0);
+  exports_[id] = Export{addr, length, ordinal};
+  return id;
+}
+
+void VmmServer::Remove(uint64_t id) {
+  MutexLock lock(&mu_);
+  exports_.erase(id);
+}
+
+void VmmServer::Serve() {
+  for (;;) {
+    const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE ||
+          errno == ENOBUFS || errno == ENOMEM) {
+        if (errno != EINTR && errno != ECONNABORTED) ::usleep(10000);  // out of fds: later
+        continue;
+      }
+      KVF_LOG(WARNING) << "tcp: the VMM server stops: accept: " << std::strerror(errno);
+      return;
+    }
+    SetTimeouts(fd);
+    Answer(fd);
+    ::close(fd);
+  }
+}
+
+void VmmServer::Answer(int fd) {
+  Reply reply{};
+  auto refuse = [&](absl::StatusCode code, const std::string& why) {
+    reply.code = static_cast<uint32_t>(code);
+    std::snprintf(reply.text, sizeof reply.text, "%s", why.c_str());
+    (void)SendMsg(fd, &reply, sizeof reply, nullptr, 0);
+  };
+  ucred peer{};
+  socklen_t peer_len = sizeof peer;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
+      (peer.uid != ::geteuid() && ::geteuid() != 0)) {
+    return refuse(absl::StatusCode::kPermissionDenied, "VMM memory is shared with the same user only");
+  }
+  Request req{};
+  std::vector<int> none;
+  if (!RecvMsg(fd, &req, sizeof req, &none, 0).ok() || req.magic != kMagic) {
+    CloseAll(none);
+    return refuse(absl::StatusCode::kInvalidArgument, "not a VMM request");
+  }
+  Export e{};
+  {
+    MutexLock lock(&mu_);
+    auto it = exports_.find(req.id);
+    if (it == exports_.end()) {
+      return refuse(absl::StatusCode::kNotFound, "no such VMM export (unregistered?)");
+    }
+    e = it->second;
+  }
+  absl::StatusOr<cuda::Driver::VmmExport> x =
+      cuda::Driver::Get()->ExportVmm(e.addr, e.length, e.ordinal);
+  if (!x.ok()) return refuse(x.status().code(), std::string(x.status().message()));
+  std::vector<int> fds;
+  std::vector<uint64_t> sizes;
+  for (const cuda::Driver::VmmChunk& c : x->chunks) {
+    fds.push_back(c.fd);
+    sizes.push_back(c.size);
+  }
+  if (fds.size() > kMaxVmmChunks) {
+    CloseAll(fds);
+    return refuse(absl::StatusCode::kResourceExhausted, "too many VMM chunks");
+  }
+  reply.count = static_cast<uint32_t>(fds.size());
+  reply.offset = x->offset;
+  reply.length = e.length;
+  absl::Status sent = SendMsg(fd, &reply, sizeof reply, nullptr, 0);
+  if (sent.ok()) sent = SendMsg(fd, sizes.data(), sizes.size() * sizeof(uint64_t), nullptr, 0);
+  for (size_t i = 0; sent.ok() && i < fds.size(); i += kFdsPerMessage) {
+    const size_t k = std::min(kFdsPerMessage, fds.size() - i);
+    const uint32_t n = static_cast<uint32_t>(k);
+    sent = SendMsg(fd, &n, sizeof n, fds.data() + i, k);
+  }
+  CloseAll(fds);  // the receiver has its own copies
+}
+
+absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
+  const cuda::Driver* driver = cuda::Driver::Get();
+  if (driver == nullptr) return absl::UnavailableError("no CUDA driver");
+  net::Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (fd.get() < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  SetTimeouts(fd.get());
+  socklen_t len;
+  const sockaddr_un a = Address(name, &len);
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a), len) != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach the peer's VMM server (another network namespace?): ", std::strerror(errno)));
+  }
+  const Request req{kMagic, id};
+  RETURN_IF_ERROR(SendMsg(fd.get(), &req, sizeof req, nullptr, 0));
+  Reply reply{};
+  std::vector<int> fds;
+  absl::Status got = RecvMsg(fd.get(), &reply, sizeof reply, &fds, 0);
+  if (got.ok() && reply.code != 0) {
+    reply.text[sizeof reply.text - 1] = '\0';
+    got = absl::UnavailableError(absl::StrCat("the peer's VMM server refused: ", reply.text));
+  }
+  if (got.ok() && (reply.count == 0 || reply.count > kMaxVmmChunks)) {
+    got = absl::DataLossError(absl::StrCat("a VMM reply of ", reply.count, " chunks"));
+  }
+  std::vector<uint64_t> sizes;
+  if (got.ok()) {
+    sizes.resize(reply.count);
+    got = RecvMsg(fd.get(), sizes.data(), sizes.size() * sizeof(uint64_t), &fds, 0);
+  }
+  while (got.ok() && fds.size() < reply.count) {
+    uint32_t n = 0;
+    got = RecvMsg(fd.get(), &n, sizeof n, &fds, reply.count);
+  }
+  absl::StatusOr<void*> base = absl::UnavailableError("not mapped");
+  uint64_t total = 0;
+  if (got.ok()) {
+    std::vector<cuda::Driver::VmmChunk> chunks;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      chunks.push_back(cuda::Driver::VmmChunk{fds[i], sizes[i]});
+      total += sizes[i];
+    }
+    if (reply.offset > total || reply.length > total - reply.offset) {
+      got = absl::DataLossError("a VMM reply whose region lies outside its chunks");
+    } else {
+      base = driver->ImportVmm(chunks, ordinal);
+      if (!base.ok()) got = absl::UnavailableError(base.status().message());
+    }
+  }
+  CloseAll(fds);  // the mappings hold the memory
+  RETURN_IF_ERROR(got);
+  VmmMapping m;
+  m.base = *base;
+  m.total = total;
+  m.start = static_cast<char*>(*base) + reply.offset;
+  m.length = reply.length;
+  m.ordinal = ordinal;
+  return m;
+}
+
+void UnmapVmm(const VmmMapping& m) {
+  if (m.base != nullptr) cuda::Driver::Get()->VmmUnmap(m.base, m.total, m.ordinal);
+}
+
+}  // namespace transport
+}  // namespace kvferry

@@ -1,0 +1,85 @@
+// Sharing VMM device memory (cuMemCreate + cuMemMap, as PyTorch's
+// expandable segments allocate) with another process on this host. VMM
+// memory has no CUDA IPC memory handle: each chunk's allocation is exported
+// as a POSIX fd, and fds cross between processes only over a Unix socket
+// (SCM_RIGHTS).
+//
+// The process that registered the memory serves it: one thread, started on
+// first use, answers on an abstract Unix socket "kvferry-vmm-<16 hex
+// digits>" (the digits random; links carry them, VmmServer::name()). A
+// request names an export id (random, 64 bits, given only to the link
+// peers that requests name it to) and gets the region's chunks: their sizes,
+// then their fds. Only a process of the same user (SO_PEERCRED) is answered;
+// one connection at a time, each within `kVmmTimeout`.
+//
+// The importer maps the chunks back to back (cuMemImportFromShareableHandle,
+// cuMemAddressReserve, cuMemMap, cuMemSetAccess) and closes the fds.
+#ifndef KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_
+#define KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/mutex.h"
+#include "net/socket.h"
+
+namespace kvferry {
+namespace transport {
+
+constexpr absl::Duration kVmmTimeout = absl::Seconds(2);
+// At most this many chunks per region (20 MiB chunks: 1.25 TiB).
+constexpr uint32_t kMaxVmmChunks = 1 << 16;
+
+class VmmServer {
+ public:
+  // The process's server, started on first call; null when it cannot start
+  // (the error is logged once).
+  static VmmServer* Get();
+
+  // What links advertise: the random part of the socket's name.
+  uint64_t name() const { return name_; }
+  // Makes device memory [addr, +length) of device `ordinal` fetchable;
+  // returns its export id. Remove ends that (mappings made already stay).
+  uint64_t Add(const void* addr, uint64_t length, int ordinal);
+  void Remove(uint64_t id);
+
+ private:
+  VmmServer() = default;
+  absl::Status Start();
+  void Serve();
+  void Answer(int fd);
+  struct Export {
+    const void* addr;
+    uint64_t length;
+    int ordinal;
+  };
+  uint64_t name_ = 0;
+  net::Fd listener_;
+  Mutex mu_;
+  std::map<uint64_t, Export> exports_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;  // runs for the life of the process
+};
+
+// Another process's VMM region, mapped here.
+struct VmmMapping {
+  void* base = nullptr;  // where the chunks are mapped
+  uint64_t total = 0;    // their sum
+  char* start = nullptr;  // the region's first byte (inside the first chunk)
+  uint64_t length = 0;    // the region's length
+  int ordinal = -1;       // mapped for this device
+};
+
+// Fetches export `id` from the server `name` (on this host) and maps it for
+// device `ordinal`. kUnavailable when it cannot be had (no such server or
+// export, another user, a driver that refuses).
+absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal);
+void UnmapVmm(const VmmMapping& m);
+
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_

@@ -1,0 +1,97 @@
+// The VMM server and FetchVmm through the fake CUDA driver (a process may
+// import its own exports, as another process on the host would).
+#include "transport/tcp/vmm_share.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "cuda/driver.h"
+#include "cuda/testing/fake_driver.h"
+#include "gtest/gtest.h"
+
+namespace kvferry {
+namespace transport {
+namespace {
+
+class VmmShareTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    d_ = cuda::UseFakeDriver();
+    ASSERT_NE(d_, nullptr);
+    server_ = VmmServer::Get();
+    ASSERT_NE(server_, nullptr);
+    chunk_ = d_->VmmGranularity(0).value_or(0);
+    ASSERT_GT(chunk_, 0u);
+    auto base = d_->AllocVmm(0, chunk_, 2);
+    ASSERT_TRUE(base.ok()) << base.status();
+    base_ = static_cast<char*>(*base);
+    pattern_.resize(2 * chunk_);
+    for (size_t i = 0; i < pattern_.size(); ++i) pattern_[i] = static_cast<char>(i * 13 + 5);
+    ASSERT_TRUE(d_->Copy(base_, pattern_.data(), pattern_.size(), 0).ok());
+  }
+  void TearDown() override {
+    if (base_ != nullptr) EXPECT_TRUE(d_->FreeVmm(base_, chunk_, 2, 0).ok());
+  }
+  const cuda::Driver* d_ = nullptr;
+  VmmServer* server_ = nullptr;
+  uint64_t chunk_ = 0;
+  char* base_ = nullptr;
+  std::vector<char> pattern_;
+};
+
+TEST_F(VmmShareTest, AnExportIsMappedWholeAcrossItsChunks) {
+  // A region from the middle of the first chunk into the second.
+  const uint64_t offset = chunk_ - 4096, length = 8192 + 100;
+  const uint64_t id = server_->Add(base_ + offset, length, 0);
+  auto m = FetchVmm(server_->name(), id, 1);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->length, length);
+  EXPECT_EQ(m->total, 2 * chunk_);
+  std::vector<char> got(length);
+  ASSERT_TRUE(d_->Copy(got.data(), m->start, length, 1).ok());
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), pattern_.begin() + offset));
+  UnmapVmm(*m);
+  server_->Remove(id);
+  auto gone = FetchVmm(server_->name(), id, 1);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(gone.status().message().find("no such VMM export"), std::string::npos) << gone.status();
+}
+
+TEST_F(VmmShareTest, UnknownIdsServersAndGarbageAreRefused) {
+  auto unknown = FetchVmm(server_->name(), 12345, 0);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kUnavailable);
+  auto nobody = FetchVmm(server_->name() ^ 1, 12345, 0);
+  EXPECT_EQ(nobody.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(nobody.status().message().find("cannot reach"), std::string::npos) << nobody.status();
+  // Garbage, then a half request and a hang-up: the server answers the next.
+  for (const std::string& junk : {std::string(16, 'x'), std::string(3, 'y')}) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    const std::string path = absl::StrFormat("kvferry-vmm-%016x", server_->name());
+    std::memcpy(a.sun_path + 1, path.data(), path.size());
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a),
+                        static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size())),
+              0);
+    ASSERT_EQ(::write(fd, junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+    if (junk.size() < 16) ::shutdown(fd, SHUT_WR);
+    char reply[128];
+    EXPECT_GT(::read(fd, reply, sizeof reply), 0);  // a refusal, not a hang
+    ::close(fd);
+  }
+  const uint64_t id = server_->Add(base_, chunk_, 0);
+  auto m = FetchVmm(server_->name(), id, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  UnmapVmm(*m);
+  server_->Remove(id);
+}
+
+}  // namespace
+}  // namespace transport
+}  // namespace kvferry
