@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -132,6 +133,7 @@ VmmServer* VmmServer::Get() {
       delete s;
       return static_cast<VmmServer*>(nullptr);
     }
+    std::atexit([] { VmmServer::Get()->Stop(); });
     return s;
   }();
   return server;
@@ -155,8 +157,13 @@ absl::Status VmmServer::Start() {
   absl::StatusOr<std::thread> t = StartThread("the VMM server", [this] { Serve(); });
   if (!t.ok()) return t.status();
   thread_ = std::move(*t);
-  thread_.detach();  // serves until the process ends
   return absl::OkStatus();
+}
+
+void VmmServer::Stop() {
+  stopping_ = true;
+  ::shutdown(listener_.get(), SHUT_RDWR);  // wakes accept()
+  if (thread_.joinable()) thread_.join();
 }
 
 uint64_t VmmServer::Add(const void* addr, uint64_t length, int ordinal) {
@@ -177,6 +184,7 @@ void VmmServer::Remove(uint64_t id) {
 void VmmServer::Serve() {
   for (;;) {
     const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0 && stopping_) return;
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE ||
           errno == ENOBUFS || errno == ENOMEM) {

@@ -17,6 +17,7 @@
 #ifndef KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_
 #define KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -52,6 +53,9 @@ class VmmServer {
   absl::Status Start();
   void Serve();
   void Answer(int fd);
+  // At exit: the thread ends (joined, so that no thread is left inside the
+  // driver while the process goes).
+  void Stop();
   struct Export {
     const void* addr;
     uint64_t length;
@@ -61,7 +65,8 @@ class VmmServer {
   net::Fd listener_;
   Mutex mu_;
   std::map<uint64_t, Export> exports_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;  // runs for the life of the process
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;  // runs until the process exits
 };
 
 // Another process's VMM region, mapped here.
