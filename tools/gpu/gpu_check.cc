@@ -57,18 +57,54 @@ uint64_t DeviceHash(const cuda::Driver* d, const void* p, size_t n, int device) 
   return d->Copy(host.data(), p, n, device).ok() ? Fnv(host) : 0;
 }
 
+// The three paths: staged over TCP (IPC off), cudaMalloc memory through a
+// CUDA IPC handle, and VMM memory (PyTorch's expandable segments) through
+// its chunks' POSIX fds.
+enum class Mode { kStaged, kIpc, kVmm };
+
 // One link: as many connections as the host TCP reference; large slices.
-std::unique_ptr<TransferEngine> Engine(bool cuda_ipc) {
-  return gpu::LoopbackEngine(cuda_ipc, /*links=*/1, /*slice_bytes=*/4 << 20);
+std::unique_ptr<TransferEngine> Engine(Mode mode) {
+  return gpu::LoopbackEngine(mode != Mode::kStaged, /*links=*/1, /*slice_bytes=*/4 << 20);
+}
+
+// Device memory for `bytes`: VMM memory in 20 MiB chunks (PyTorch's large
+// pool), else cuMemAlloc. Free releases it.
+struct DeviceBuffer {
+  void* p = nullptr;
+  uint64_t chunk = 0;
+  int chunks = 0;
+  int device = 0;
+};
+DeviceBuffer Alloc(const cuda::Driver* d, Mode mode, size_t bytes, int device) {
+  DeviceBuffer b;
+  b.device = device;
+  if (mode != Mode::kVmm) {
+    b.p = d->AllocDevice(device, bytes).value_or(nullptr);
+    return b;
+  }
+  const uint64_t g = d->VmmGranularity(device).value_or(0);
+  if (g == 0) return b;
+  b.chunk = ((20 << 20) + g - 1) / g * g;
+  b.chunks = static_cast<int>((bytes + b.chunk - 1) / b.chunk);
+  b.p = d->AllocVmm(device, b.chunk, b.chunks).value_or(nullptr);
+  return b;
+}
+void Free(const cuda::Driver* d, const DeviceBuffer& b) {
+  if (b.p == nullptr) return;
+  if (b.chunks > 0) {
+    (void)d->FreeVmm(b.p, b.chunk, b.chunks, b.device);
+  } else {
+    (void)d->FreeDevice(b.p, b.device);
+  }
 }
 
 // The receiving process: a device buffer registered with an engine (IPC on
 // or off), and a TCP sink for the host-to-host reference. Answers "h" with
 // the hash of its buffer; ends at EOF.
-[[noreturn]] void Receiver(int in, int out, bool cuda_ipc, size_t bytes, int device) {
+[[noreturn]] void Receiver(int in, int out, Mode mode, size_t bytes, int device) {
   const cuda::Driver* d = cuda::Driver::Get();
-  auto engine = d != nullptr ? Engine(cuda_ipc) : nullptr;
-  void* dst = engine != nullptr ? d->AllocDevice(device, bytes).value_or(nullptr) : nullptr;
+  auto engine = d != nullptr ? Engine(mode) : nullptr;
+  void* dst = engine != nullptr ? Alloc(d, mode, bytes, device).p : nullptr;
   if (dst == nullptr || !engine->RegisterMemory(dst, bytes).ok()) {
     WriteLine(out, "error");
     _exit(2);
@@ -114,7 +150,7 @@ struct PathResult {
 // One path: WRITEs of the whole buffer, each verified; the best rate.
 // Runs in a process that has not used CUDA yet (a child of Main): forks the
 // receiver first, as CUDA allows no use across fork().
-PathResult RunPath(bool cuda_ipc, size_t bytes, int rounds, int src_dev, int dst_dev,
+PathResult RunPath(Mode mode, size_t bytes, int rounds, int src_dev, int dst_dev,
                    double* host_tcp_gbps) {
   int to[2], from[2];
   if (pipe(to) != 0 || pipe(from) != 0) return {};
@@ -124,7 +160,7 @@ PathResult RunPath(bool cuda_ipc, size_t bytes, int rounds, int src_dev, int dst
     close(to[1]);
     close(from[0]);
     alarm(240);
-    Receiver(to[0], from[1], cuda_ipc, bytes, dst_dev);
+    Receiver(to[0], from[1], mode, bytes, dst_dev);
   }
   close(to[0]);
   close(from[1]);
@@ -135,14 +171,15 @@ PathResult RunPath(bool cuda_ipc, size_t bytes, int rounds, int src_dev, int dst
   char peer[256];
   unsigned long long remote = 0;  // NOLINT(runtime/int): sscanf's type
   int sink_port = 0;
-  auto engine = Engine(cuda_ipc);
-  void* src = d->AllocDevice(src_dev, bytes).value_or(nullptr);
+  auto engine = Engine(mode);
+  const DeviceBuffer buffer = Alloc(d, mode, bytes, src_dev);
+  void* src = buffer.p;
   std::vector<char> pattern(bytes);
   if (std::sscanf(hello.c_str(), "%255s %llu %d", peer, &remote, &sink_port) == 3 &&
       engine != nullptr && src != nullptr) {
     result.ok = true;
     for (int r = 0; r < rounds && result.ok; ++r) {
-      for (size_t i = 0; i < bytes; i += 8) pattern[i] = static_cast<char>(i / 8 + r * 31 + cuda_ipc);
+      for (size_t i = 0; i < bytes; i += 8) pattern[i] = static_cast<char>(i / 8 + r * 31 + static_cast<int>(mode));
       result.ok = d->Copy(src, pattern.data(), bytes, src_dev).ok() &&
                   (r > 0 || engine->RegisterMemory(src, bytes).ok());
       auto seg = engine->OpenSegment(peer);
@@ -188,7 +225,7 @@ PathResult RunPath(bool cuda_ipc, size_t bytes, int rounds, int src_dev, int dst
     }
   }
   engine.reset();
-  if (src != nullptr) (void)d->FreeDevice(src, src_dev);
+  Free(d, buffer);
   close(to[1]);
   int status = 0;
   waitpid(child, &status, 0);
@@ -272,26 +309,36 @@ int Main() {
   const double d2d = info[2];
   const std::vector<double> staged = InChild([&](std::vector<double>* out) {
     double host_tcp = 0;
-    const PathResult r = RunPath(/*cuda_ipc=*/false, bytes, rounds, src_dev, dst_dev, &host_tcp);
+    const PathResult r = RunPath(Mode::kStaged, bytes, rounds, src_dev, dst_dev, &host_tcp);
     out->push_back(r.best_gbps);
     out->push_back(host_tcp);
     return r.ok;
   });
   Check(!staged.empty(), "device memory between two processes over TCP staging, verified");
   const std::vector<double> ipc = InChild([&](std::vector<double>* out) {
-    const PathResult r = RunPath(/*cuda_ipc=*/true, bytes, rounds, src_dev, dst_dev, nullptr);
+    const PathResult r = RunPath(Mode::kIpc, bytes, rounds, src_dev, dst_dev, nullptr);
     out->push_back(r.best_gbps);
     return r.ok;
   });
   Check(!ipc.empty(), "device memory between two processes over CUDA IPC, verified");
+  const std::vector<double> vmm = InChild([&](std::vector<double>* out) {
+    const PathResult r = RunPath(Mode::kVmm, bytes, rounds, src_dev, dst_dev, nullptr);
+    out->push_back(r.best_gbps);
+    return r.ok;
+  });
+  Check(!vmm.empty(),
+        "VMM device memory (20 MiB chunks) between two processes through POSIX fds, verified");
   const double staged_rate = staged.empty() ? 0 : staged[1];
   const double host_tcp = staged.empty() ? 0 : staged[2];
   const double ipc_rate = ipc.empty() ? 0 : ipc[1];
-  std::printf("rates (best of %d): TCP staging %.2f GB/s, CUDA IPC %.2f GB/s; references in "
-              "this run: host-to-host TCP stream %.2f GB/s, device-to-device cuMemcpy %.2f GB/s\n",
-              rounds, staged_rate, ipc_rate, host_tcp, d2d);
+  const double vmm_rate = vmm.empty() ? 0 : vmm[1];
+  std::printf("rates (best of %d): TCP staging %.2f GB/s, CUDA IPC %.2f GB/s, VMM fds %.2f GB/s; "
+              "references in this run: host-to-host TCP stream %.2f GB/s, device-to-device "
+              "cuMemcpy %.2f GB/s\n",
+              rounds, staged_rate, ipc_rate, vmm_rate, host_tcp, d2d);
   if (host_tcp > 0) std::printf("TCP staging / host TCP stream: %.2f\n", staged_rate / host_tcp);
   if (d2d > 0) std::printf("CUDA IPC / device-to-device cuMemcpy: %.2f\n", ipc_rate / d2d);
+  if (d2d > 0) std::printf("VMM fds / device-to-device cuMemcpy: %.2f\n", vmm_rate / d2d);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

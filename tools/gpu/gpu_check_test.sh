@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# tools/gpu/check.sh and gpu_check against the fake CUDA driver: both
-# paths pass and the summary line is there; without a driver it fails
+# tools/gpu/check.sh and gpu_check against the fake CUDA driver: every
+# path passes and the summary line is there; without a driver it fails
 # clearly.
 set -euo pipefail
 runfiles="$TEST_SRCDIR/$TEST_WORKSPACE"
@@ -12,8 +12,10 @@ out="$("$dir/check.sh" --mib=8 --rounds=2 2>/dev/null)"
 echo "$out"
 grep -q "PASS device memory between two processes over TCP staging, verified" <<<"$out"
 grep -q "PASS device memory between two processes over CUDA IPC, verified" <<<"$out"
+grep -q "PASS VMM device memory (20 MiB chunks) between two processes through POSIX fds, verified" <<<"$out"
 grep -q "TCP staging / host TCP stream: " <<<"$out"
-grep -qx "3 passed, 0 failed" <<<"$out"
+grep -q "VMM fds / device-to-device cuMemcpy: " <<<"$out"
+grep -qx "4 passed, 0 failed" <<<"$out"
 if KVFERRY_CUDA_LIBRARY=/nonexistent/libcuda.so.1 "$dir/check.sh" --mib=1 >"$TEST_TMPDIR/none.txt" 2>&1; then
   echo "passed without a driver"; exit 1
 fi
