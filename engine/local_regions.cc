@@ -26,83 +26,136 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
       return absl::InvalidArgumentError(absl::StrFormat(
           "RegisterMemory: [%#x, +%u) overlaps a registered region", base, length));
     }
-    // Reserved (no regions yet) so that a concurrent overlapping Register fails.
+    // Reserved (no pieces yet) so that a concurrent overlapping Register fails.
     Entry& e = by_addr_[base];
     e.length = length;
     e.access = access;
   }
-  std::vector<transport::Region> regions;
-  absl::Status failed;
+  std::vector<Piece> pieces;
   uint32_t absent = 0;
-  for (size_t i = 0; i < transports_.size(); ++i) {
-    absl::StatusOr<transport::Region> r = transports_[i]->RegisterMemory(addr, length, access);
-    if (!r.ok() && device && i == 0 && transports_.size() > 1 &&
-        r.status().code() == absl::StatusCode::kFailedPrecondition) {
-      KVF_LOG(WARNING) << "RegisterMemory: " << r.status().message()
-                       << "; kept on the fallback transport: peers reached over it can use it, "
-                          "requests over the primary refuse it";
-      absent |= 1;
-      regions.emplace_back();  // id 0
-      continue;
-    }
-    if (!r.ok()) {
-      failed = r.status();
-      break;
-    }
-    regions.push_back(std::move(*r));
-  }
-  if (!failed.ok()) {
-    for (size_t i = 0; i < regions.size(); ++i) {
-      if (regions[i].id != 0) (void)transports_[i]->UnregisterMemory(regions[i].id);
-    }
-  }
+  absl::Status failed = RegisterPieces(base, length, access, device, &pieces, &absent);
   MutexLock lock(&mu_);
   if (!failed.ok()) {
     by_addr_.erase(base);
     return failed;
   }
   Entry& e = by_addr_[base];
-  e.regions = std::move(regions);
+  e.piece_bytes = pieces.front().length;
+  e.pieces = std::move(pieces);
   e.absent = absent;
   e.near = near;
   return absl::OkStatus();
 }
 
+absl::Status LocalRegions::RegisterPieces(uint64_t base, uint64_t length,
+                                          transport::Access access, bool device,
+                                          std::vector<Piece>* pieces, uint32_t* absent) {
+  uint64_t piece_bytes = length;
+  for (transport::Transport* t : transports_) {
+    const uint64_t limit = t->GetLimits().max_region_bytes;
+    if (limit > 0) piece_bytes = std::min(piece_bytes, limit);
+  }
+  if (piece_bytes < length) {
+    KVF_LOG(INFO) << "RegisterMemory: " << length << " bytes registered in "
+                  << (length + piece_bytes - 1) / piece_bytes << " pieces of at most "
+                  << piece_bytes << " (the largest region a transport takes)";
+  }
+  absl::Status failed;
+  for (uint64_t off = 0; off < length && failed.ok(); off += piece_bytes) {
+    Piece& p = pieces->emplace_back();
+    p.addr = base + off;
+    p.length = std::min(piece_bytes, length - off);
+    void* at = reinterpret_cast<void*>(p.addr);
+    for (size_t i = 0; i < transports_.size(); ++i) {
+      if (((*absent >> i) & 1) != 0) {
+        p.regions.emplace_back();  // id 0: not on this transport
+        continue;
+      }
+      absl::StatusOr<transport::Region> r = transports_[i]->RegisterMemory(at, p.length, access);
+      if (!r.ok() && device && i == 0 && off == 0 && transports_.size() > 1 &&
+          r.status().code() == absl::StatusCode::kFailedPrecondition) {
+        KVF_LOG(WARNING) << "RegisterMemory: " << r.status().message()
+                         << "; kept on the fallback transport: peers reached over it can use it, "
+                            "requests over the primary refuse it";
+        *absent |= 1;
+        p.regions.emplace_back();  // id 0
+        continue;
+      }
+      if (!r.ok()) {
+        failed = r.status();
+        break;
+      }
+      p.regions.push_back(std::move(*r));
+    }
+  }
+  if (!failed.ok()) {
+    for (const Piece& p : *pieces) {
+      for (size_t i = 0; i < p.regions.size(); ++i) {
+        if (p.regions[i].id != 0) (void)transports_[i]->UnregisterMemory(p.regions[i].id);
+      }
+    }
+  }
+  return failed;
+}
+
 absl::Status LocalRegions::Unregister(void* addr) {
   const uint64_t base = reinterpret_cast<uintptr_t>(addr);
-  std::vector<transport::RegionId> ids;
+  std::vector<std::vector<transport::RegionId>> ids;  // per piece, per transport
   {
     MutexLock lock(&mu_);
     auto it = by_addr_.find(base);
-    if (it == by_addr_.end() || it->second.regions.empty()) {
+    if (it == by_addr_.end() || it->second.pieces.empty()) {
       return absl::NotFoundError(absl::StrFormat("no registered region starts at %p", addr));
     }
-    for (const transport::Region& r : it->second.regions) ids.push_back(r.id);
+    for (const Piece& p : it->second.pieces) {
+      std::vector<transport::RegionId>& piece_ids = ids.emplace_back();
+      for (const transport::Region& r : p.regions) piece_ids.push_back(r.id);
+    }
   }
   // Outside the lock: a transport may wait for peer writes in progress.
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] == 0) continue;  // gone there already (an earlier call)
-    absl::Status st = transports_[i]->UnregisterMemory(ids[i]);
-    if (!st.ok()) return st;
-    MutexLock lock(&mu_);
-    auto it = by_addr_.find(base);
-    if (it != by_addr_.end() && it->second.regions[i].id == ids[i]) it->second.regions[i].id = 0;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    for (size_t i = 0; i < ids[k].size(); ++i) {
+      if (ids[k][i] == 0) continue;  // gone there already (an earlier call)
+      absl::Status st = transports_[i]->UnregisterMemory(ids[k][i]);
+      if (!st.ok()) return st;
+      MutexLock lock(&mu_);
+      auto it = by_addr_.find(base);
+      if (it != by_addr_.end() && it->second.pieces[k].regions[i].id == ids[k][i]) {
+        it->second.pieces[k].regions[i].id = 0;
+      }
+    }
   }
   MutexLock lock(&mu_);
   auto it = by_addr_.find(base);
-  if (it != by_addr_.end() && !it->second.regions.empty() &&
-      std::all_of(it->second.regions.begin(), it->second.regions.end(),
-                  [](const transport::Region& r) { return r.id == 0; })) {
+  if (it != by_addr_.end() && !it->second.pieces.empty() &&
+      std::all_of(it->second.pieces.begin(), it->second.pieces.end(), [](const Piece& p) {
+        return std::all_of(p.regions.begin(), p.regions.end(),
+                           [](const transport::Region& r) { return r.id == 0; });
+      })) {
     by_addr_.erase(it);
   }
   return absl::OkStatus();
 }
 
-const LocalRegions::Entry* LocalRegions::Lookup(uint64_t addr, uint64_t length) const {
+LocalUse LocalRegions::Entry::Use(uint64_t base, uint64_t addr) const {
+  const size_t k = std::min<size_t>((addr - base) / piece_bytes, pieces.size() - 1);
+  const Piece& p = pieces[k];
+  LocalUse use;
+  for (size_t t = 0; t < p.regions.size() && t < kMaxTransports; ++t) {
+    use.region[t] = p.regions[t].id;
+  }
+  use.near = near;
+  use.until = p.addr + p.length;
+  return use;
+}
+
+const LocalRegions::Entry* LocalRegions::Lookup(uint64_t addr, uint64_t length,
+                                                uint64_t* base) const {
   auto it = by_addr_.upper_bound(addr);
   if (it == by_addr_.begin()) return nullptr;
   --it;
   const Entry& e = it->second;
+  *base = it->first;
   return e.usable() && length > 0 && transport::RangeInside(addr, length, it->first, e.length)
              ? &e
              : nullptr;
@@ -113,30 +166,39 @@ absl::Status LocalRegions::FindAll(absl::Span<const TransferRequest> requests,
   MutexLock lock(&mu_);
   for (size_t i = 0; i < requests.size(); ++i) {
     const TransferRequest& r = requests[i];
-    const Entry* e = Lookup(reinterpret_cast<uintptr_t>(r.local), r.length);
+    const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
+    uint64_t base = 0;
+    const Entry* e = Lookup(at, r.length, &base);
     if (e == nullptr) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "request %u: local buffer [%p, +%u) is %s", i, r.local, r.length,
           r.length == 0 ? "empty" : "not inside memory registered on this engine"));
     }
-    LocalUse use;
-    for (size_t t = 0; t < e->regions.size() && t < kMaxTransports; ++t) {
-      use.region[t] = e->regions[t].id;
-    }
-    use.near = e->near;
-    out->push_back(use);
+    out->push_back(e->Use(base, at));
   }
   return absl::OkStatus();
+}
+
+bool LocalRegions::FindPiece(uint64_t addr, LocalUse* out) const {
+  MutexLock lock(&mu_);
+  uint64_t base = 0;
+  const Entry* e = Lookup(addr, 1, &base);
+  if (e == nullptr) return false;
+  *out = e->Use(base, addr);
+  return true;
 }
 
 std::vector<handshake::RegionDescriptor> LocalRegions::Advertised(size_t index) const {
   std::vector<handshake::RegionDescriptor> out;
   MutexLock lock(&mu_);
   for (const auto& [addr, e] : by_addr_) {
-    if (!e.usable() || index >= e.regions.size() || ((e.absent >> index) & 1) != 0) continue;
-    const transport::Region& r = e.regions[index];
-    if (r.access == transport::Access::kNone) continue;  // private: never advertised
-    out.push_back(handshake::RegionDescriptor{r.addr, r.length, r.access, r.keys});
+    if (!e.usable() || ((e.absent >> index) & 1) != 0) continue;
+    for (const Piece& p : e.pieces) {  // each piece its own region
+      if (index >= p.regions.size()) continue;
+      const transport::Region& r = p.regions[index];
+      if (r.access == transport::Access::kNone) continue;  // private: never advertised
+      out.push_back(handshake::RegionDescriptor{r.addr, r.length, r.access, r.keys});
+    }
   }
   return out;
 }

@@ -28,10 +28,12 @@ using NicMask = uint64_t;
 // Transports an engine holds at most: the primary and a fallback.
 constexpr size_t kMaxTransports = 2;
 
-// A local buffer as a request uses it.
+// A local buffer as a request uses it: the piece of registered memory
+// holding its first byte (see LocalRegions), which ends at `until`.
 struct LocalUse {
   std::array<transport::RegionId, kMaxTransports> region{};  // per transport
   NicMask near = 0;  // NICs of the primary transport
+  uint64_t until = 0;  // the piece's end: slices past it use the next piece
 };
 
 class LocalRegions {
@@ -40,7 +42,9 @@ class LocalRegions {
   explicit LocalRegions(std::vector<transport::Transport*> transports)
       : transports_(std::move(transports)) {}
 
-  // Registers [addr, +length) with every transport (all or none), except
+  // Registers [addr, +length) with every transport (all or none), in pieces
+  // no larger than any transport's Limits::max_region_bytes (a NIC's
+  // max_mr_size), each its own region there and in descriptors; except
   // that GPU memory (`device`) the primary transport's NICs cannot register
   // (kFailedPrecondition: no dma-buf, no nvidia-peermem) stays registered
   // on the others, with a warning; requests over the primary then refuse it.
@@ -54,31 +58,52 @@ class LocalRegions {
   absl::Status Unregister(void* addr);
   // The regions holding each request's local buffer, in order, looked up
   // under one lock; kInvalidArgument naming the first request whose buffer
-  // is empty or outside registered memory.
+  // is empty or outside registered memory. A buffer may span pieces of one
+  // registration: its LocalUse is its first byte's piece.
   absl::Status FindAll(absl::Span<const TransferRequest> requests,
                        std::vector<LocalUse>* out) const;
+  // The piece holding `addr` (for a request's bytes past its first piece);
+  // false when it is no longer registered.
+  bool FindPiece(uint64_t addr, LocalUse* out) const;
   // The regions peers may use through transport `index`, for its descriptor.
   std::vector<handshake::RegionDescriptor> Advertised(size_t index) const;
 
  private:
-  struct Entry {
+  // One piece of a registration, registered on every transport.
+  struct Piece {
+    uint64_t addr = 0;
     uint64_t length = 0;
-    transport::Access access = transport::Access::kNone;
     // Per transport; empty while they register it, an id 0 once one
     // unregistered it.
     std::vector<transport::Region> regions;
+  };
+  struct Entry {
+    uint64_t length = 0;
+    transport::Access access = transport::Access::kNone;
+    std::vector<Piece> pieces;  // in address order; empty while registering
+    uint64_t piece_bytes = 0;   // every piece's length but the last's
     uint32_t absent = 0;  // transports that could not register it (bit i), id 0 there
     NicMask near = 0;
     bool usable() const {
-      if (regions.empty()) return false;
-      for (size_t i = 0; i < regions.size(); ++i) {
-        if (regions[i].id == 0 && ((absent >> i) & 1) == 0) return false;
+      if (pieces.empty()) return false;
+      for (const Piece& p : pieces) {
+        if (p.regions.empty()) return false;
+        for (size_t i = 0; i < p.regions.size(); ++i) {
+          if (p.regions[i].id == 0 && ((absent >> i) & 1) == 0) return false;
+        }
       }
       return true;
     }
+    LocalUse Use(uint64_t base, uint64_t addr) const;
   };
+  // Registers `e`'s pieces of [base, +length) on every transport; on failure
+  // none stays registered.
+  absl::Status RegisterPieces(uint64_t base, uint64_t length, transport::Access access,
+                              bool device, std::vector<Piece>* pieces, uint32_t* absent);
   // The entry holding [addr, +length) that requests may use, or null.
-  const Entry* Lookup(uint64_t addr, uint64_t length) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `*base`: where its registration starts.
+  const Entry* Lookup(uint64_t addr, uint64_t length, uint64_t* base) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const std::vector<transport::Transport*> transports_;
   mutable Mutex mu_;
   std::map<uint64_t, Entry> by_addr_ ABSL_GUARDED_BY(mu_);

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/scratch.h"
 #include "base/status_macros.h"
 #include "engine/batch_pipeline.h"
@@ -15,7 +16,7 @@ using transport::Opcode;
 using transport::WorkRequest;
 
 // Cuts every request into slices that never cross the end of a peer region
-// and checks them all; `why` says what was wrong.
+// or of a local piece, and checks them all; `why` says what was wrong.
 absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
                                        absl::Span<const TransferRequest> requests,
                                        absl::Span<const LocalUse> local,
@@ -31,11 +32,20 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
     }
     const bool write = r.opcode == Opcode::kWrite;
     const handshake::RegionDescriptor* reg = nullptr;
+    LocalUse use = local[i];
     for (uint64_t off = 0; off < r.length;) {
       const uint64_t remote = r.remote + off;
+      const uint64_t at = reinterpret_cast<uintptr_t>(r.local) + off;
       // The region of the previous slice goes on until its end.
       if (reg == nullptr || remote - reg->addr >= reg->length) reg = seg.FindRemote(remote);
+      // Likewise the local piece (memory registered in pieces, see
+      // LocalRegions); a buffer unregistered meanwhile is refused.
+      if (at >= use.until && !regions_->FindPiece(at, &use)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "request %u: local buffer [%p, +%u) is no longer registered", i, r.local, r.length));
+      }
       uint64_t len = std::min<uint64_t>(config_.slice_bytes, r.length - off);
+      len = std::min<uint64_t>(len, use.until - at);
       if (reg != nullptr) len = std::min<uint64_t>(len, reg->addr + reg->length - remote);
       absl::Status bad;
       *why = CheckRegion(seg, reg, remote, len, write, &bad);
@@ -45,7 +55,7 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
       s.segment = id;
       s.opcode = r.opcode;
       s.local = static_cast<char*>(r.local) + off;
-      s.local_use = local[i];
+      s.local_use = use;
       s.remote = remote;
       s.length = len;
       s.retries_left = config_.retries;

@@ -740,6 +740,68 @@ TEST(TransferEngine, AnEngineWithTwoTransportsWaitsOnBoth) {
   EXPECT_EQ(a->GetMetrics().peers[0].transport, "tcp");
 }
 
+// Memory larger than a transport's largest region (a NIC's max_mr_size) is
+// registered in pieces, each its own region in the descriptor; requests
+// across piece boundaries, local and remote (here of different sizes), are
+// cut there and move every byte.
+TEST(TransferEngine, MemoryLargerThanATransportsLargestRegionGoesInPieces) {
+  auto make = [](uint64_t max_region, bool shortcut) {
+    EngineParts parts;
+    transport::TcpTransportOptions t;
+    t.bind_host = "127.0.0.1";
+    t.in_process_shortcut = shortcut;
+    t.max_region_bytes = max_region;
+    parts.transport = *transport::CreateTcpTransport(t);
+    parts.network = handshake::NewTcpNetwork();
+    parts.detection.host = "127.0.0.1";
+    return std::move(*TransferEngine::CreateWith(Local(), std::move(parts)));
+  };
+  for (bool shortcut : {false, true}) {
+    SCOPED_TRACE(shortcut ? "in-process shortcut" : "sockets");
+    auto a = make(1 << 20, shortcut);
+    auto b = make(768 << 10, shortcut);
+    const size_t n = (5 << 20) + 1000;
+    std::vector<char> src = Pattern(n, 29), dst(n, 0), back(n, 0);
+    ASSERT_TRUE(a->RegisterMemory(src.data(), n).ok());
+    ASSERT_TRUE(a->RegisterMemory(back.data(), n).ok());
+    ASSERT_TRUE(b->RegisterMemory(dst.data(), n, transport::Access::kRemoteReadWrite).ok());
+    auto to_b = a->OpenSegment(b->address());
+    ASSERT_TRUE(to_b.ok()) << to_b.status();
+    auto regions = a->SegmentRegions(*to_b);
+    ASSERT_TRUE(regions.ok());
+    EXPECT_EQ(regions->size(), (n + (768 << 10) - 1) / (768 << 10));  // b's pieces
+    // The whole buffer in one request, and one from inside a piece of each.
+    TransferRequest whole{Opcode::kWrite, src.data(), Addr(dst), n};
+    auto batch = a->Submit(*to_b, {&whole, 1});
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    auto st = a->Wait(*batch, absl::Seconds(20));
+    ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+    EXPECT_TRUE(dst == src);
+    const size_t off = (1 << 20) - 333, len = 3 << 20;
+    TransferRequest read{Opcode::kRead, back.data() + off, Addr(dst, off), len};
+    batch = a->Submit(*to_b, {&read, 1});
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    st = a->Wait(*batch, absl::Seconds(20));
+    ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+    EXPECT_TRUE(std::equal(back.begin() + off, back.begin() + off + len, src.begin() + off));
+    EXPECT_EQ(back[off - 1], 0);
+    EXPECT_EQ(back[off + len], 0);
+    // Unregistered: every piece goes, on both ends.
+    ASSERT_TRUE(a->UnregisterMemory(src.data()).ok());
+    EXPECT_EQ(a->Submit(*to_b, {&whole, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(a->RegisterMemory(src.data() + 4096, 1 << 20).ok());  // nothing left over
+    ASSERT_TRUE(b->UnregisterMemory(dst.data()).ok());
+    TransferRequest again{Opcode::kWrite, src.data() + 4096, Addr(dst), 4096};
+    // a's cached descriptor still lists b's pieces: b refuses the WRITE.
+    auto refused = a->Submit(*to_b, {&again, 1});
+    if (refused.ok()) {
+      auto done = a->Wait(*refused, absl::Seconds(20));
+      ASSERT_TRUE(done.ok()) << done.status();
+      EXPECT_FALSE(done->requests[0].ok());
+    }
+  }
+}
+
 TEST(TransferEngine, BadOptionsAndRegistrations) {
   EngineOptions o = Local();
   o.transport = "carrier-pigeon";
