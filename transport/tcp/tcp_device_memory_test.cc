@@ -74,6 +74,9 @@ class TcpDeviceMemoryTest : public ::testing::TestWithParam<Case> {
     ASSERT_NE(d_, nullptr);
     TcpTransportOptions o;
     o.in_process_shortcut = GetParam().shortcut;
+    // Staging under test: with IPC on, device memory would go as an IPC
+    // handle first (which one process cannot open; cuda_ipc_test covers it).
+    o.cuda_ipc = false;
     auto a = CreateTcpTransport(o);
     auto b = CreateTcpTransport(o);
     ASSERT_TRUE(a.ok() && b.ok());
