@@ -490,6 +490,8 @@ CUresult cuGetErrorName(CUresult error, const char** name) {
 }
 
 
+}  // extern "C"
+
 // Virtual memory management. These need no current context (their docs
 // list no CUDA_ERROR_INVALID_CONTEXT).
 namespace {
@@ -521,6 +523,8 @@ std::map<uintptr_t, State::Import>::iterator MappingAt(State& s, uintptr_t p) {
 }
 
 }  // namespace
+
+extern "C" {
 
 CUresult cuMemGetAllocationGranularity(size_t* granularity, const void* prop, int option) {
   KVF_FAKE_READY();
