@@ -1,0 +1,356 @@
+// KvReceiver: the decode side of the KV layer (engine/kv_cache.h).
+#include "engine/kv_cache.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/clock.h"
+#include "base/status_macros.h"
+#include "base/thread.h"
+#include "engine/kv_words.h"
+#include "net/socket.h"
+
+namespace kvferry {
+
+using kv_internal::CheckRequestId;
+using kv_internal::GetU32;
+using kv_internal::PageCrc;
+using kv_internal::ParseWord;
+using kv_internal::Word;
+
+// ---------------------------------------------------------------- receiver
+
+absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* engine,
+                                                              KvPool pool, Options options) {
+  if (options.peer_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("KvReceiver: peer_timeout must be positive");
+  }
+  RETURN_IF_ERROR(pool.Register(*engine, transport::Access::kRemoteWrite));
+  std::vector<std::string> addrs;
+  for (uint32_t b = 0; b < pool.layout().buffer_count(); ++b) {
+    addrs.push_back(absl::StrFormat("%x", reinterpret_cast<uintptr_t>(pool.buffer(b))));
+  }
+  RETURN_IF_ERROR(engine->PublishMetadata(
+      kKvPoolMetadataKey, absl::StrCat(pool.layout().Encode(), "\n", absl::StrJoin(addrs, ","))));
+  return std::unique_ptr<KvReceiver>(new KvReceiver(engine, std::move(pool), options));
+}
+
+KvReceiver::~KvReceiver() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    changed_.SignalAll();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+absl::Status KvReceiver::Expect(const std::string& request_id, const std::string& prefill,
+                                uint64_t prefill_engine_id) {
+  RETURN_IF_ERROR(CheckRequestId(request_id));
+  absl::StatusOr<net::HostPort> hp = net::ParseHostPort(prefill);
+  if (!hp.ok()) return Annotate(hp.status(), "KvReceiver::Expect");
+  const std::string peer = hp->ToString();
+  bool watched;  // requests from it are pending: its instance is known
+  {
+    MutexLock lock(&mu_);
+    watched = prefills_.count(peer) != 0;
+  }
+  // A prefill not being watched is asked who it is now (one round trip),
+  // unless the caller named the instance, so that a restart later is told
+  // from a living instance.
+  uint64_t instance = prefill_engine_id;
+  if (!watched && instance == 0) {
+    absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, options_.peer_timeout / 4);
+    if (id.ok()) instance = *id;
+  }
+  const absl::Time now = engine_->clock()->Now();
+  bool start = false;
+  {
+    MutexLock lock(&mu_);
+    Status& s = requests_[request_id];
+    // Its word came first (the prefill was quicker than this call): there
+    // is nothing left to watch.
+    if (s.state != State::kPending) return absl::OkStatus();
+    if (auto again = expected_.find(request_id); again != expected_.end()) Unexpect(again);
+    auto [known, fresh] =
+        prefills_.try_emplace(peer, Prefill{instance, now, now + options_.peer_timeout / 4});
+    if (!fresh && prefill_engine_id != 0 && known->second.engine_id == 0) {
+      known->second.engine_id = prefill_engine_id;
+    }
+    ++known->second.expected;
+    expected_[request_id] = peer;
+    start = !watcher_started_ && engine_->clock() == RealClock();
+    watcher_started_ = watcher_started_ || start;
+    changed_.SignalAll();
+  }
+  if (start) {
+    absl::StatusOr<std::thread> t = StartThread("a KV receiver's prefill watcher", [this] { Watch(); });
+    if (!t.ok()) {
+      MutexLock lock(&mu_);
+      watcher_started_ = false;
+      if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);
+      return t.status();
+    }
+    watcher_ = std::move(*t);
+  }
+  return absl::OkStatus();
+}
+
+void KvReceiver::Watch() {
+  mu_.Lock();
+  while (!stopping_) {
+    absl::Time next = absl::InfiniteFuture();
+    for (const auto& [peer, p] : prefills_) next = std::min(next, p.next_probe);
+    const absl::Duration wait = next - absl::Now();
+    if (wait > absl::ZeroDuration()) {
+      changed_.WaitWithTimeout(&mu_, std::min(wait, absl::Hours(1)));
+      continue;
+    }
+    mu_.Unlock();
+    CheckPrefills();
+    mu_.Lock();
+  }
+  mu_.Unlock();
+}
+
+void KvReceiver::CheckPrefills() {
+  Clock* clock = engine_->clock();
+  const absl::Duration period = options_.peer_timeout / 4;
+  std::vector<std::pair<std::string, Prefill>> due;
+  {
+    MutexLock lock(&mu_);
+    const absl::Time now = clock->Now();
+    for (const auto& [peer, p] : prefills_) {
+      if (p.next_probe <= now) due.emplace_back(peer, p);
+    }
+  }
+  for (const auto& [peer, p] : due) {
+    const absl::Time start = clock->Now();
+    absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, period);
+    const absl::Time now = clock->Now();
+    absl::Status dead;
+    if (id.ok() && engine_->PeerFenced(*id)) {
+      // Declared failed earlier (and still running): it can deliver nothing
+      // here until it restarts.
+      dead = absl::UnavailableError(absl::StrFormat(
+          "the prefill at %s (engine %#x) was declared failed earlier and is fenced off this "
+          "engine; it must restart",
+          peer, *id));
+    } else if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
+      dead = absl::UnavailableError(absl::StrFormat(
+          "the prefill at %s restarted (engine %#x, now %#x): its requests were lost", peer,
+          p.engine_id, *id));
+    } else if (!id.ok() && now - p.last_answer >= options_.peer_timeout - period) {
+      dead = absl::UnavailableError(absl::StrCat(
+          "the prefill at ", peer, " has not answered for ",
+          absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))), " (",
+          id.status().message(), ")"));
+    }
+    // Fenced before anyone is told: nothing of it lands afterwards.
+    if (!dead.ok() && p.engine_id != 0) engine_->FencePeer(p.engine_id);
+    MutexLock lock(&mu_);
+    auto it = prefills_.find(peer);
+    if (it == prefills_.end()) continue;
+    if (!dead.ok()) {
+      FailFrom(peer, dead);  // forgets the prefill with its last request
+      continue;
+    }
+    if (id.ok()) {
+      it->second.engine_id = *id;
+      it->second.last_answer = now;
+    }
+    it->second.next_probe = start + period;
+  }
+}
+
+void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
+  // What arrived before the fence counts: a request whose completion is
+  // already here is complete.
+  Absorb(engine_->TakeNotifications());
+  for (auto it = expected_.begin(); it != expected_.end();) {
+    if (it->second != prefill) {
+      ++it;
+      continue;
+    }
+    Status& s = requests_[it->first];
+    if (s.state == State::kPending) {
+      s.state = State::kFailed;
+      s.error = why;
+    }
+    Unexpect(it++);
+  }
+  changed_.SignalAll();
+}
+
+void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
+  auto p = prefills_.find(e->second);
+  if (p != prefills_.end() && --p->second.expected == 0) prefills_.erase(p);
+  expected_.erase(e);
+}
+
+void KvReceiver::Absorb(std::vector<Notification> notes) {
+  for (Notification& n : notes) {
+    const std::optional<Word> w = ParseWord(n.message);
+    if (!w.has_value()) {
+      others_.push_back(std::move(n));
+      continue;
+    }
+    const std::string id(w->id);
+    // A word about an attempt whose request was finished and forgotten (said
+    // again after a lost reply, or late): not about what is expected now.
+    if (w->token != 0 && retired_.Contains({id, w->token})) {
+      ++ignored_words_;
+      continue;
+    }
+    // A word for a request expected from another prefill instance (one
+    // that died, or its successor) is not about this request: ignored.
+    if (auto e = expected_.find(id); e != expected_.end()) {
+      auto from = prefills_.find(e->second);
+      if (from != prefills_.end() && from->second.engine_id != 0 &&
+          from->second.engine_id != n.engine_id) {
+        ++ignored_words_;
+        continue;
+      }
+      Unexpect(e);
+    }
+    Status& s = requests_[id];
+    if (s.state != State::kPending) continue;  // first word wins
+    if (w->token != 0) tokens_[id] = w->token;
+    if (w->kind == "done") {
+      s.state = State::kComplete;
+      s.aux = std::string(w->body);
+    } else if (w->kind == "donc") {
+      absl::StatusOr<std::string> aux = Verify(id, w->body);
+      s.state = aux.ok() ? State::kComplete : State::kFailed;
+      if (aux.ok()) {
+        s.aux = std::move(*aux);
+      } else {
+        s.error = aux.status();
+      }
+    } else {
+      // A write the sender gave up on may still be on its way: its links
+      // are dropped first, so nothing of it lands after this report.
+      if (w->kind == "abrt") engine_->DropLinksFrom(n.engine_id);
+      s.state = State::kFailed;
+      s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", w->body));
+    }
+  }
+}
+
+KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
+  std::vector<Notification> notes = engine_->TakeNotifications();
+  MutexLock lock(&mu_);
+  Absorb(std::move(notes));
+  auto it = requests_.find(request_id);
+  return it == requests_.end() ? Status{} : it->second;
+}
+
+absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_id,
+                                                   absl::Duration timeout) {
+  // One waiting thread at a time takes notifications from the engine (in
+  // short slices, so a failure found by the watcher is seen promptly); the
+  // others wait for it to say something changed.
+  constexpr absl::Duration kSlice = absl::Milliseconds(10);
+  Clock* clock = engine_->clock();
+  const bool simulated = clock != RealClock();
+  const absl::Time deadline = clock->Now() + timeout;
+  mu_.Lock();
+  for (;;) {
+    Absorb(engine_->TakeNotifications());
+    auto it = requests_.find(request_id);
+    if (it != requests_.end() && it->second.state != State::kPending) {
+      Status s = it->second;
+      mu_.Unlock();
+      return s;
+    }
+    const absl::Duration left = deadline - clock->Now();
+    if (left <= absl::ZeroDuration()) {
+      mu_.Unlock();
+      return absl::DeadlineExceededError(absl::StrCat(
+          "KV request ", request_id, " still pending after ", absl::FormatDuration(timeout)));
+    }
+    if (pumping_) {
+      changed_.WaitWithTimeout(&mu_, std::min(left, kSlice));
+      continue;
+    }
+    pumping_ = true;
+    mu_.Unlock();
+    if (simulated) CheckPrefills();  // no watcher thread on simulated time
+    absl::StatusOr<Notification> n = engine_->WaitNotification(std::min(left, kSlice));
+    mu_.Lock();
+    pumping_ = false;
+    if (n.ok()) Absorb({std::move(*n)});
+    changed_.SignalAll();
+  }
+}
+
+absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,
+                                               absl::string_view body) {
+  const KvLayout& l = pool_.layout();
+  auto malformed = [&] {
+    return absl::DataLossError(
+        absl::StrCat("KV request ", request_id, ": malformed checksummed completion"));
+  };
+  uint32_t nruns = 0;
+  if (!GetU32(&body, &nruns) || nruns > l.pages) return malformed();
+  std::vector<PageRun> runs(nruns);
+  for (PageRun& r : runs) {
+    if (!GetU32(&body, &r.dst) || !GetU32(&body, &r.count) || r.dst >= l.pages ||
+        r.count > l.pages - r.dst) {
+      return malformed();
+    }
+  }
+  for (const PageRun& r : runs) {
+    for (uint32_t i = 0; i < r.count; ++i) {
+      uint32_t want = 0;
+      if (!GetU32(&body, &want)) return malformed();
+      const uint32_t got = PageCrc(pool_, r.dst + i);
+      if (got != want) {
+        ++checksum_failures_;
+        return absl::DataLossError(absl::StrFormat(
+            "KV request %s: page %u differs from what the sender sent (CRC-32C %08x, expected "
+            "%08x): corrupted in transit",
+            request_id, r.dst + i, got, want));
+      }
+    }
+  }
+  return std::string(body);
+}
+
+uint64_t KvReceiver::ignored_words() const {
+  MutexLock lock(&mu_);
+  return ignored_words_;
+}
+
+uint64_t KvReceiver::checksum_failures() const {
+  MutexLock lock(&mu_);
+  return checksum_failures_;
+}
+
+void KvReceiver::Forget(const std::string& request_id) {
+  MutexLock lock(&mu_);
+  requests_.erase(request_id);
+  if (auto t = tokens_.find(request_id); t != tokens_.end()) {
+    // Its attempt's words are ignored from now on (the id may come again).
+    retired_.Insert({request_id, t->second});
+    tokens_.erase(t);
+  }
+  if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);
+}
+
+std::vector<Notification> KvReceiver::TakeOtherNotifications() {
+  std::vector<Notification> notes = engine_->TakeNotifications();
+  MutexLock lock(&mu_);
+  Absorb(std::move(notes));
+  return std::exchange(others_, {});
+}
+
+}  // namespace kvferry
