@@ -425,11 +425,12 @@ absl::StatusOr<Driver::VmmExport> Driver::ExportVmm(const void* addr, uint64_t l
   return out;
 }
 
-absl::StatusOr<void*> Driver::ImportVmm(const std::vector<VmmChunk>& chunks, int ordinal) const {
-  if (!HasVmm()) return NoVmm();
+absl::StatusOr<void*> Driver::MapChunks(
+    const std::vector<uint64_t>& sizes, int ordinal,
+    absl::FunctionRef<absl::StatusOr<api::CUmemGenericAllocationHandle>(size_t)> handle) const {
   uint64_t total = 0;
-  for (const VmmChunk& c : chunks) total += c.size;
-  if (chunks.empty() || total == 0) return absl::InvalidArgumentError("no VMM chunks to map");
+  for (uint64_t size : sizes) total += size;
+  if (sizes.empty() || total == 0) return absl::InvalidArgumentError("no VMM chunks to map");
   Bound bound(this, ordinal);
   if (!bound.status().ok()) return bound.status();
   api::CUdeviceptr base = 0;
@@ -437,21 +438,19 @@ absl::StatusOr<void*> Driver::ImportVmm(const std::vector<VmmChunk>& chunks, int
   if (r != api::kSuccess) return Error("cuMemAddressReserve", r);
   uint64_t mapped = 0;
   absl::Status failed;
-  for (const VmmChunk& c : chunks) {
-    api::CUmemGenericAllocationHandle h = 0;
-    r = fn_.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(c.fd)),
-                                           api::kMemHandleTypePosixFileDescriptor);
-    if (r != api::kSuccess) {
-      failed = Error("cuMemImportFromShareableHandle", r);
+  for (size_t i = 0; i < sizes.size() && failed.ok(); ++i) {
+    absl::StatusOr<api::CUmemGenericAllocationHandle> h = handle(i);
+    if (!h.ok()) {
+      failed = h.status();
       break;
     }
-    r = fn_.cuMemMap(base + mapped, c.size, 0, h, 0);
-    (void)fn_.cuMemRelease(h);  // the mapping holds the allocation
+    r = fn_.cuMemMap(base + mapped, sizes[i], 0, *h, 0);
+    (void)fn_.cuMemRelease(*h);  // the mapping holds the allocation
     if (r != api::kSuccess) {
       failed = Error("cuMemMap", r);
       break;
     }
-    mapped += c.size;
+    mapped += sizes[i];
   }
   if (failed.ok()) {
     api::CUmemAccessDesc access{};
@@ -467,6 +466,20 @@ absl::StatusOr<void*> Driver::ImportVmm(const std::vector<VmmChunk>& chunks, int
     return failed;
   }
   return reinterpret_cast<void*>(base);
+}
+
+absl::StatusOr<void*> Driver::ImportVmm(const std::vector<VmmChunk>& chunks, int ordinal) const {
+  if (!HasVmm()) return NoVmm();
+  std::vector<uint64_t> sizes;
+  for (const VmmChunk& c : chunks) sizes.push_back(c.size);
+  return MapChunks(sizes, ordinal, [&](size_t i) -> absl::StatusOr<api::CUmemGenericAllocationHandle> {
+    api::CUmemGenericAllocationHandle h = 0;
+    const api::CUresult r = fn_.cuMemImportFromShareableHandle(
+        &h, reinterpret_cast<void*>(static_cast<intptr_t>(chunks[i].fd)),
+        api::kMemHandleTypePosixFileDescriptor);
+    if (r != api::kSuccess) return Error("cuMemImportFromShareableHandle", r);
+    return h;
+  });
 }
 
 void Driver::VmmUnmap(void* base, uint64_t size, int ordinal) const {
@@ -494,48 +507,18 @@ absl::StatusOr<uint64_t> Driver::VmmGranularity(int ordinal) const {
 absl::StatusOr<void*> Driver::AllocVmm(int ordinal, uint64_t chunk_bytes, int chunks) const {
   if (!HasVmm()) return NoVmm();
   if (chunks <= 0 || chunk_bytes == 0) return absl::InvalidArgumentError("no VMM chunks");
-  Bound bound(this, ordinal);
-  if (!bound.status().ok()) return bound.status();
-  const uint64_t total = chunk_bytes * static_cast<uint64_t>(chunks);
-  api::CUdeviceptr base = 0;
-  api::CUresult r = fn_.cuMemAddressReserve(&base, total, 0, 0, 0);
-  if (r != api::kSuccess) return Error("cuMemAddressReserve", r);
   api::CUmemAllocationProp prop{};
   prop.type = api::kMemAllocationTypePinned;
   prop.requestedHandleTypes = api::kMemHandleTypePosixFileDescriptor;
   prop.location.type = api::kMemLocationTypeDevice;
   prop.location.id = ordinal;
-  uint64_t mapped = 0;
-  absl::Status failed;
-  for (int i = 0; i < chunks && failed.ok(); ++i) {
-    api::CUmemGenericAllocationHandle h = 0;
-    r = fn_.cuMemCreate(&h, chunk_bytes, &prop, 0);
-    if (r != api::kSuccess) {
-      failed = Error("cuMemCreate", r);
-      break;
-    }
-    r = fn_.cuMemMap(base + mapped, chunk_bytes, 0, h, 0);
-    (void)fn_.cuMemRelease(h);
-    if (r != api::kSuccess) {
-      failed = Error("cuMemMap", r);
-      break;
-    }
-    mapped += chunk_bytes;
-  }
-  if (failed.ok()) {
-    api::CUmemAccessDesc access{};
-    access.location.type = api::kMemLocationTypeDevice;
-    access.location.id = ordinal;
-    access.flags = api::kMemAccessFlagsProtReadWrite;
-    r = fn_.cuMemSetAccess(base, total, &access, 1);
-    if (r != api::kSuccess) failed = Error("cuMemSetAccess", r);
-  }
-  if (!failed.ok()) {
-    if (mapped > 0) (void)fn_.cuMemUnmap(base, mapped);
-    (void)fn_.cuMemAddressFree(base, total);
-    return failed;
-  }
-  return reinterpret_cast<void*>(base);
+  return MapChunks(std::vector<uint64_t>(chunks, chunk_bytes), ordinal,
+                   [&](size_t) -> absl::StatusOr<api::CUmemGenericAllocationHandle> {
+                     api::CUmemGenericAllocationHandle h = 0;
+                     const api::CUresult r = fn_.cuMemCreate(&h, chunk_bytes, &prop, 0);
+                     if (r != api::kSuccess) return Error("cuMemCreate", r);
+                     return h;
+                   });
 }
 
 absl::Status Driver::FreeVmm(void* p, uint64_t chunk_bytes, int chunks, int ordinal) const {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "base/mutex.h"
 #include "cuda/driver_api.h"
@@ -149,6 +150,13 @@ class Driver {
     absl::Status status_;
   };
   absl::StatusOr<api::CUcontext> Context(int ordinal) const;
+  // Reserves address space for chunks of `sizes`, maps the allocation
+  // handle(i) gives for each back to back (and releases it: the mapping
+  // holds it), makes them readable and writable by `ordinal`; on failure
+  // nothing stays mapped.
+  absl::StatusOr<void*> MapChunks(
+      const std::vector<uint64_t>& sizes, int ordinal,
+      absl::FunctionRef<absl::StatusOr<api::CUmemGenericAllocationHandle>(size_t)> handle) const;
 
   void* handle_ = nullptr;
   std::string library_;
