@@ -1,6 +1,7 @@
 // The check on a real GPU (tools/gpu/check.sh runs it from the bundle
 // tools/gpu/bundle.sh makes): device memory moved between two processes of
-// this host, over TCP staging and over CUDA IPC, verified by hashes of the
+// this host, over TCP staging, over CUDA IPC (cudaMalloc memory) and as
+// VMM memory through POSIX fds, verified by hashes of the
 // bytes read back through the driver; throughput beside a device-to-device
 // cuMemcpy and a host-to-host TCP stream of the same bytes, measured in the
 // same run. Ends with "N passed, N failed".
@@ -348,8 +349,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "moves GPU memory between two processes over TCP staging and CUDA IPC; see "
-      "docs/gpu.md.");
+      "moves GPU memory between two processes over TCP staging, CUDA IPC and VMM "
+      "fds; see docs/gpu.md.");
   absl::ParseCommandLine(argc, argv);
   return kvferry::Main();
 }
