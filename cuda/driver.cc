@@ -59,6 +59,31 @@ absl::Status Driver::LoadError() {
   return *load_error;
 }
 
+void Driver::BindVmm(void* handle, Entry* f) {
+  auto optional = [&](auto& slot, const char* name) {
+    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(::dlsym(handle, name));
+  };
+  // VMM (CUDA 10.2; cuMemRetainAllocationHandle 11.0): all or none.
+  optional(f->cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity");
+  optional(f->cuMemCreate, "cuMemCreate");
+  optional(f->cuMemRelease, "cuMemRelease");
+  optional(f->cuMemAddressReserve, "cuMemAddressReserve");
+  optional(f->cuMemAddressFree, "cuMemAddressFree");
+  optional(f->cuMemMap, "cuMemMap");
+  optional(f->cuMemUnmap, "cuMemUnmap");
+  optional(f->cuMemSetAccess, "cuMemSetAccess");
+  optional(f->cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
+  optional(f->cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
+  optional(f->cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
+  if (f->cuMemGetAllocationGranularity == nullptr || f->cuMemCreate == nullptr ||
+      f->cuMemRelease == nullptr || f->cuMemAddressReserve == nullptr ||
+      f->cuMemAddressFree == nullptr || f->cuMemMap == nullptr || f->cuMemUnmap == nullptr ||
+      f->cuMemSetAccess == nullptr || f->cuMemExportToShareableHandle == nullptr ||
+      f->cuMemImportFromShareableHandle == nullptr) {
+    f->cuMemRetainAllocationHandle = nullptr;  // HasVmm() false
+  }
+}
+
 Driver* Driver::Load(absl::Status* error) {
   const char* named = std::getenv("KVFERRY_CUDA_LIBRARY");
   const std::string library = named != nullptr && *named != '\0' ? named : "libcuda.so.1";
@@ -106,25 +131,7 @@ Driver* Driver::Load(absl::Status* error) {
   optional(f.cuIpcGetMemHandle, "cuIpcGetMemHandle");
   optional(f.cuIpcOpenMemHandle_v2, "cuIpcOpenMemHandle_v2");
   optional(f.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
-  // VMM (CUDA 10.2; cuMemRetainAllocationHandle 11.0): all or none.
-  optional(f.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity");
-  optional(f.cuMemCreate, "cuMemCreate");
-  optional(f.cuMemRelease, "cuMemRelease");
-  optional(f.cuMemAddressReserve, "cuMemAddressReserve");
-  optional(f.cuMemAddressFree, "cuMemAddressFree");
-  optional(f.cuMemMap, "cuMemMap");
-  optional(f.cuMemUnmap, "cuMemUnmap");
-  optional(f.cuMemSetAccess, "cuMemSetAccess");
-  optional(f.cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
-  optional(f.cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
-  optional(f.cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
-  if (f.cuMemGetAllocationGranularity == nullptr || f.cuMemCreate == nullptr ||
-      f.cuMemRelease == nullptr || f.cuMemAddressReserve == nullptr ||
-      f.cuMemAddressFree == nullptr || f.cuMemMap == nullptr || f.cuMemUnmap == nullptr ||
-      f.cuMemSetAccess == nullptr || f.cuMemExportToShareableHandle == nullptr ||
-      f.cuMemImportFromShareableHandle == nullptr) {
-    f.cuMemRetainAllocationHandle = nullptr;  // HasVmm() false
-  }
+  BindVmm(handle, &f);
   if (!missing.empty()) {
     *error = absl::UnavailableError(
         absl::StrCat("no CUDA driver: ", library, " lacks ", missing, " (a driver too old?)"));

@@ -202,6 +202,8 @@ class Driver {
     api::cuMemRetainAllocationHandle_t cuMemRetainAllocationHandle;
   } fn_{};
   absl::Status NoVmm() const;
+  // Looks up the VMM entry points: all, or none (HasVmm() false).
+  static void BindVmm(void* handle, Entry* f);
   mutable Mutex mu_;
   // Primary contexts retained so far, by ordinal (kept for the process).
   mutable std::vector<api::CUcontext> contexts_ ABSL_GUARDED_BY(mu_);

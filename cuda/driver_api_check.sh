@@ -114,7 +114,7 @@ if [[ -z "$stub" ]]; then
 fi
 exports="$(nm -D --defined-only "$stub" | awk '{print $3}')"
 missing=0
-names="$(grep -oE '(bind|optional)\(f\.[A-Za-z0-9_]*, "[A-Za-z0-9_]*"\)' "$src/cuda/driver.cc" |
+names="$(grep -oE '(bind|optional)\(f(\.|->)[A-Za-z0-9_]*, "[A-Za-z0-9_]*"\)' "$src/cuda/driver.cc" |
          sed 's/.*"\(.*\)")/\1/')"
 if [[ "$(wc -w <<<"$names")" -lt 10 ]]; then
   echo "found only $(wc -w <<<"$names") lookups in driver.cc: this check is out of date"

@@ -511,6 +511,10 @@ class TcpTransport final : public Transport {
   // VmmServer.
   absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, bool vmm, uint64_t length,
                                   int device);
+  // Device to device on this host: fills in the IpcRef (and flags) of
+  // `job` when the peer can copy `wr`'s bytes through CUDA itself.
+  static bool ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr,
+                     Job* job);
   // The VMM server links advertise; 0: none (IPC off, or no VMM in the
   // driver).
   uint64_t VmmName() const {
@@ -935,6 +939,28 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   return absl::OkStatus();
 }
 
+bool TcpTransport::ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr,
+                          Job* job) {
+  if (!link.same_host || !link.ipc_ok || wr.length == 0) return false;
+  const uint64_t offset = reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr;
+  if (local.has_ipc) {
+    // cudaMalloc memory: the peer opens the allocation's IPC handle.
+    job->ipc_ref.handle = local.ipc.handle;
+    job->ipc_ref.offset = local.ipc.offset + offset;
+    job->header.flags |= kViaIpc;
+  } else if (local.vmm_id != 0 && link.peer_vmm != 0) {
+    // VMM memory: the peer maps it from this process's VMM server.
+    job->ipc_ref = IpcRef{};
+    std::memcpy(job->ipc_ref.handle.reserved, &local.vmm_id, sizeof local.vmm_id);
+    job->ipc_ref.offset = offset;
+    job->header.flags |= kViaIpc | kViaVmm;
+  } else {
+    return false;
+  }
+  job->ipc = true;
+  return true;
+}
+
 absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
                                       std::vector<Direct>& direct,
                                       std::vector<std::shared_ptr<Link>>& inline_links) {
@@ -963,22 +989,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     job.header.remote_addr = wr.remote_addr;
     job.header.rkey = wr.remote_key;
     job.header.length = wr.length;
-    if (link.same_host && link.ipc_ok && local.has_ipc && wr.length > 0) {
-      // Device to device on this host: the peer copies through CUDA IPC.
-      job.ipc = true;
-      job.header.flags |= kViaIpc;
-      job.ipc_ref.handle = local.ipc.handle;
-      job.ipc_ref.offset =
-          local.ipc.offset + (reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr);
-    } else if (link.same_host && link.ipc_ok && local.vmm_id != 0 && link.peer_vmm != 0 &&
-               wr.length > 0) {
-      // VMM memory: the peer maps it from this process's VMM server.
-      job.ipc = true;
-      job.header.flags |= kViaIpc | kViaVmm;
-      job.ipc_ref = IpcRef{};
-      std::memcpy(job.ipc_ref.handle.reserved, &local.vmm_id, sizeof local.vmm_id);
-      job.ipc_ref.offset = reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr;
-    } else if (wr.opcode == Opcode::kWrite) {
+    if (!ViaIpc(link, local, wr, &job) && wr.opcode == Opcode::kWrite) {
       job.data = wr.local_addr;
       job.device = local.device;
     }
