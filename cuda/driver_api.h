@@ -88,6 +88,8 @@ constexpr unsigned kMemoryTypeArray = 3;
 constexpr unsigned kMemoryTypeUnified = 4;
 
 // CUdevice_attribute
+constexpr int kDeviceAttributeVirtualMemoryManagementSupported = 102;
+constexpr int kDeviceAttributeHandleTypePosixFileDescriptorSupported = 103;
 constexpr int kDeviceAttributeGpuDirectRdmaSupported = 116;
 constexpr int kDeviceAttributeDmaBufSupported = 124;
 

@@ -61,6 +61,10 @@ static_assert(api::kMemoryTypeUnified == CU_MEMORYTYPE_UNIFIED, "");
 static_assert(api::kDeviceAttributeGpuDirectRdmaSupported ==
               CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, "");
 static_assert(api::kDeviceAttributeDmaBufSupported == CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, "");
+static_assert(api::kDeviceAttributeVirtualMemoryManagementSupported ==
+              CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "");
+static_assert(api::kDeviceAttributeHandleTypePosixFileDescriptorSupported ==
+              CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, "");
 static_assert(api::kMemRangeHandleTypeDmaBufFd == CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, "");
 static_assert(api::kMemHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE, "");
 static_assert(sizeof(api::CUdeviceptr) == sizeof(CUdeviceptr), "");

@@ -50,6 +50,7 @@ struct CudaGpu {
   std::string pci;       // lower case
   bool dma_buf = false;  // CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
   bool gpudirect = false;
+  bool vmm_fds = false;  // VMM memory shareable as POSIX fds (to same-host peers)
   std::string nearest;   // the nearest selected RDMA port's device
 };
 
@@ -83,6 +84,10 @@ CudaView ReadCuda(const Discovery& d, const std::string& sysfs_root) {
     g.pci = driver->PciBusId(i).value_or("?");
     g.dma_buf = driver->Attribute(i, cuda::api::kDeviceAttributeDmaBufSupported) == 1;
     g.gpudirect = driver->Attribute(i, cuda::api::kDeviceAttributeGpuDirectRdmaSupported) == 1;
+    g.vmm_fds =
+        driver->HasVmm() &&
+        driver->Attribute(i, cuda::api::kDeviceAttributeVirtualMemoryManagementSupported) == 1 &&
+        driver->Attribute(i, cuda::api::kDeviceAttributeHandleTypePosixFileDescriptorSupported) == 1;
     auto near = transport::verbs::NearestPorts(d, "pci:" + g.pci);
     if (near.ok() && !near->empty()) g.nearest = (*near)[0].device;
     v.gpus.push_back(g);
@@ -96,6 +101,7 @@ std::string CudaJson(const CudaView& v) {
     gpus.push_back(absl::StrCat("{\"ordinal\":", g.ordinal, ",\"pci\":", Quote(g.pci),
                                 ",\"dma_buf\":", g.dma_buf ? "true" : "false",
                                 ",\"gpudirect_rdma\":", g.gpudirect ? "true" : "false",
+                                ",\"vmm_fds\":", g.vmm_fds ? "true" : "false",
                                 ",\"nearest\":", Quote(g.nearest), "}"));
   }
   return absl::StrCat("{\"library\":", Quote(v.library), ",\"version\":", v.version,
@@ -125,6 +131,9 @@ void PrintCudaText(const CudaView& v) {
       std::printf("    RDMA cannot register its memory (no dma-buf, no nvidia-peermem): "
                   "TCP stages it through host memory\n");
     }
+    std::printf("    same-host peers: cudaMalloc memory through CUDA IPC handles, VMM memory "
+                "(expandable segments) %s\n",
+                g.vmm_fds ? "through POSIX fds" : "staged (no VMM POSIX fd handles)");
   }
 }
 

@@ -45,12 +45,14 @@ echo "$gpus"
 grep -q "cuda:0  PCI 0000:65:00.0  dma-buf no" <<<"$gpus"
 grep -q "cuda:1  PCI 0000:1b:00.0" <<<"$gpus"
 grep -q "RDMA cannot register its memory (no dma-buf, no nvidia-peermem)" <<<"$gpus"
+grep -q "VMM memory (expandable segments) through POSIX fds" <<<"$gpus"
 cuda_json="$(KVFERRY_CUDA_LIBRARY="$fake" "$devices" --sysfs_root="$root/sys" --dev_root="$root/dev" --json)"
 python3 - "$cuda_json" <<'PY'
 import json, sys
 c = json.loads(sys.argv[1])["cuda"]
 assert [g["ordinal"] for g in c["gpus"]] == [0, 1], c
 assert c["gpus"][0]["pci"] == "0000:1b:00.0" and c["gpus"][0]["dma_buf"] is False, c
+assert c["gpus"][0]["vmm_fds"] is True, c
 assert c["error"] == "" and c["peermem"] is False, c
 PY
 echo "devices_test: ok"

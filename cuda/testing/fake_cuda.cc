@@ -229,8 +229,8 @@ CUresult cuDeviceGet(int* dev, int ordinal) {
 CUresult cuDeviceGetAttribute(int* value, int attribute, int dev) {
   KVF_FAKE_READY();
   if (dev < 0 || dev >= s.devices) return kInvalidDevice;
-  (void)attribute;
-  *value = 0;  // no dma-buf, no GPUDirect RDMA, ...
+  // VMM with POSIX fd handles (102, 103); no dma-buf, no GPUDirect RDMA, ...
+  *value = attribute == 102 || attribute == 103 ? 1 : 0;
   return kSuccess;
 }
 
