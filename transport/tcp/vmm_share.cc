@@ -151,6 +151,7 @@ absl::Status VmmServer::Start() {
       return absl::UnavailableError(absl::StrCat("bind: ", std::strerror(errno)));
     }
   }
+  pid_ = ::getpid();
   if (::listen(listener_.get(), 16) != 0) {
     return absl::UnavailableError(absl::StrCat("listen: ", std::strerror(errno)));
   }
@@ -161,6 +162,9 @@ absl::Status VmmServer::Start() {
 }
 
 void VmmServer::Stop() {
+  // A forked child (which has no server thread) must leave the parent's
+  // socket alone: shutdown() would stop it for both.
+  if (::getpid() != pid_) return;
   stopping_ = true;
   ::shutdown(listener_.get(), SHUT_RDWR);  // wakes accept()
   if (thread_.joinable()) thread_.join();

@@ -62,6 +62,7 @@ class VmmServer {
     int ordinal;
   };
   uint64_t name_ = 0;
+  int pid_ = 0;  // the process serving
   net::Fd listener_;
   Mutex mu_;
   std::map<uint64_t, Export> exports_ ABSL_GUARDED_BY(mu_);

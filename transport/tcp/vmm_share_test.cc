@@ -4,8 +4,10 @@
 
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -85,6 +87,22 @@ TEST_F(VmmShareTest, UnknownIdsServersAndGarbageAreRefused) {
     EXPECT_GT(::read(fd, reply, sizeof reply), 0);  // a refusal, not a hang
     ::close(fd);
   }
+  const uint64_t id = server_->Add(base_, chunk_, 0);
+  auto m = FetchVmm(server_->name(), id, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  UnmapVmm(*m);
+  server_->Remove(id);
+}
+
+// A forked child that exits normally (running the process's exit handlers)
+// leaves the parent's server serving.
+TEST_F(VmmShareTest, AChildThatExitsLeavesTheServerServing) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) std::exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
   const uint64_t id = server_->Add(base_, chunk_, 0);
   auto m = FetchVmm(server_->name(), id, 0);
   ASSERT_TRUE(m.ok()) << m.status();
