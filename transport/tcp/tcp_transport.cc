@@ -428,7 +428,9 @@ class TcpTransport final : public Transport {
       uint64_t size;  // of the allocation: requests must stay inside
       int ordinal;    // opened through this device's context
       VmmMapping vmm{};  // VMM memory: unmapped, not IpcClose'd
+      uint64_t used = 0;  // when last used (imports_used below)
     };
+    uint64_t imports_used = 0;  // a counter: the reader's requests served by IPC
     std::map<std::string, Import> ipc_imports;
   };
 
@@ -511,6 +513,7 @@ class TcpTransport final : public Transport {
   // VmmServer.
   absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, bool vmm, uint64_t length,
                                   int device);
+  static void CloseImport(const Link::Import& imp);
   // Device to device on this host: fills in the IpcRef (and flags) of
   // `job` when the peer can copy `wr`'s bytes through CUDA itself.
   static bool ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr,
@@ -1355,6 +1358,14 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   return answer;
 }
 
+void TcpTransport::CloseImport(const Link::Import& imp) {
+  if (imp.vmm.base != nullptr) {
+    UnmapVmm(imp.vmm);
+  } else {
+    cuda::Driver::Get()->IpcClose(imp.mapped, imp.ordinal);
+  }
+}
+
 absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, bool vmm,
                                               uint64_t length, int device) {
   std::string key(ref.handle.reserved, vmm ? sizeof(uint64_t) : sizeof ref.handle.reserved);
@@ -1376,8 +1387,17 @@ absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, boo
     } else {
       ASSIGN_OR_RETURN(imp.mapped, cuda::Driver::Get()->IpcOpen(ref.handle, ordinal, &imp.size));
     }
+    if (link.ipc_imports.size() >= std::max<size_t>(options_.max_ipc_imports, 1)) {
+      // The least recently used makes room (the reader is the only user).
+      auto lru = std::min_element(
+          link.ipc_imports.begin(), link.ipc_imports.end(),
+          [](const auto& a, const auto& b) { return a.second.used < b.second.used; });
+      CloseImport(lru->second);
+      link.ipc_imports.erase(lru);
+    }
     it = link.ipc_imports.emplace(key, imp).first;
   }
+  it->second.used = ++link.imports_used;
   const Link::Import& imp = it->second;
   if (ref.offset > imp.size || length > imp.size - ref.offset) {
     return absl::InvalidArgumentError(absl::StrCat("IPC reference [", ref.offset, ", +", length,
@@ -1565,13 +1585,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
       break;
     }
   }
-  for (const auto& [handle, imp] : link->ipc_imports) {
-    if (imp.vmm.base != nullptr) {
-      UnmapVmm(imp.vmm);
-    } else {
-      cuda::Driver::Get()->IpcClose(imp.mapped, imp.ordinal);
-    }
-  }
+  for (const auto& [handle, imp] : link->ipc_imports) CloseImport(imp);
   link->ipc_imports.clear();
   MutexLock lock(&mu_);
   link->reader_done = true;

@@ -65,6 +65,11 @@ struct TcpTransportOptions {
   // cannot open the handle says so; the link then stages device memory
   // over the socket, and the reason is logged.
   bool cuda_ipc = true;
+  // Another process's allocations (IPC handles, VMM regions) a link keeps
+  // mapped at most; past that the least recently used is unmapped (so a
+  // peer that registers and frees memory over and over pins at most this
+  // many of its allocations here).
+  size_t max_ipc_imports = 64;
   // Threads started with the transport for the first links' readers and
   // writers (two per link), so that a new peer's first transfer does not
   // wait for threads to start. Threads of closed links are kept for the
