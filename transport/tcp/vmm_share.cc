@@ -287,20 +287,28 @@ absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
     sizes.resize(reply.count);
     got = RecvMsg(fd.get(), sizes.data(), sizes.size() * sizeof(uint64_t), &fds, 0);
   }
+  // Each receive waits at most kVmmTimeout; the whole reply, at most 5 of
+  // them (a server that trickles it out is given up on).
+  const absl::Time deadline = absl::Now() + 5 * kVmmTimeout;
   while (got.ok() && fds.size() < reply.count) {
     uint32_t n = 0;
     got = RecvMsg(fd.get(), &n, sizeof n, &fds, reply.count);
+    if (got.ok() && fds.size() < reply.count && absl::Now() > deadline) {
+      got = absl::DeadlineExceededError("the VMM server's reply took too long");
+    }
   }
   absl::StatusOr<void*> base = absl::UnavailableError("not mapped");
   uint64_t total = 0;
   if (got.ok()) {
     std::vector<cuda::Driver::VmmChunk> chunks;
+    bool sane = true;
     for (size_t i = 0; i < sizes.size(); ++i) {
       chunks.push_back(cuda::Driver::VmmChunk{fds[i], sizes[i]});
+      sane = sane && sizes[i] > 0 && total + sizes[i] > total;
       total += sizes[i];
     }
-    if (reply.offset > total || reply.length > total - reply.offset) {
-      got = absl::DataLossError("a VMM reply whose region lies outside its chunks");
+    if (!sane || reply.offset > total || reply.length > total - reply.offset) {
+      got = absl::DataLossError("a VMM reply with empty chunks or a region outside them");
     } else {
       base = driver->ImportVmm(chunks, ordinal);
       if (!base.ok()) got = absl::UnavailableError(base.status().message());

@@ -81,7 +81,9 @@ struct VmmMapping {
 
 // Fetches export `id` from the server `name` (on this host) and maps it for
 // device `ordinal`. kUnavailable when it cannot be had (no such server or
-// export, another user, a driver that refuses).
+// export, another user, a driver that refuses), kDataLoss for a reply that
+// makes no sense, kDeadlineExceeded for one that takes over 10 s; never
+// kInvalidArgument (the transport reserves that for bad requests).
 absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal);
 void UnmapVmm(const VmmMapping& m);
 

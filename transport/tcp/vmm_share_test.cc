@@ -2,6 +2,7 @@
 // import its own exports, as another process on the host would).
 #include "transport/tcp/vmm_share.h"
 
+#include <dirent.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -92,6 +94,66 @@ TEST_F(VmmShareTest, UnknownIdsServersAndGarbageAreRefused) {
   ASSERT_TRUE(m.ok()) << m.status();
   UnmapVmm(*m);
   server_->Remove(id);
+}
+
+// A server that answers nonsense (a chunk of zero bytes): refused as such,
+// nothing mapped, every fd it sent closed.
+TEST(VmmFetchTest, ANonsenseReplyIsRefused) {
+  ASSERT_NE(cuda::UseFakeDriver(), nullptr);
+  const uint64_t name = 0x5eedf00d5eedf00dull;
+  const int lfd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  const std::string path = absl::StrFormat("kvferry-vmm-%016x", name);
+  std::memcpy(a.sun_path + 1, path.data(), path.size());
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size());
+  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), len), 0);
+  ASSERT_EQ(::listen(lfd, 1), 0);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  std::thread server([&] {
+    const int c = ::accept(lfd, nullptr, nullptr);
+    char request[16];
+    if (c < 0 || ::read(c, request, sizeof request) != sizeof request) return;
+    struct {
+      uint32_t code, count;
+      uint64_t offset, length;
+      char text[104];
+    } reply{0, 1, 0, 4096, {}};
+    const uint64_t size = 0;  // a chunk of nothing
+    (void)::write(c, &reply, sizeof reply);
+    (void)::write(c, &size, sizeof size);
+    const uint32_t n = 1;
+    iovec iov{const_cast<uint32_t*>(&n), sizeof n};
+    char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cm), &pipe_fds[0], sizeof(int));
+    (void)::sendmsg(c, &msg, 0);
+    ::close(c);
+  });
+  auto open_fds = [] {
+    int n = 0;
+    DIR* d = ::opendir("/proc/self/fd");
+    while (d != nullptr && ::readdir(d) != nullptr) ++n;
+    if (d != nullptr) ::closedir(d);
+    return n;
+  };
+  const int before = open_fds();
+  auto m = FetchVmm(name, 1, 0);
+  server.join();
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+  EXPECT_EQ(open_fds(), before);  // the fd it was sent was closed again
+  ::close(lfd);
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
 }
 
 // A forked child that exits normally (running the process's exit handlers)
