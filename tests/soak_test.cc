@@ -210,7 +210,15 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   }
   ASSERT_GE(base_fds, 0) << "never warmed up";
   EXPECT_LE(end_fds, base_fds + 4);
-  EXPECT_LE(end_rss, base_rss + (32 << 20));
+  // Under ASan freed memory waits in its quarantine (256 MiB) before it is
+  // reused, so RSS grows by up to that much without a leak (LeakSanitizer
+  // checks for leaks at exit there).
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr uint64_t kRssGrowth = uint64_t{256} << 20;
+#else
+  constexpr uint64_t kRssGrowth = uint64_t{32} << 20;
+#endif
+  EXPECT_LE(end_rss, base_rss + kRssGrowth);
 }
 
 }  // namespace
