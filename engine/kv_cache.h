@@ -166,6 +166,8 @@ class KvSender {
   KvSender(TransferEngine* engine, KvPool pool, Options options)
       : engine_(engine), pool_(std::move(pool)), options_(options) {}
   absl::StatusOr<Request*> Find(Handle h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes request `h` from the table and hands it over (kNotFound).
+  absl::StatusOr<std::unique_ptr<Request>> Take(Handle h);
   // Waits for the request's batches; the first failure, if any.
   // *uncertain: writes were posted (a late copy of one may still land).
   absl::Status Drain(Request& r, bool* uncertain);

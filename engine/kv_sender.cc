@@ -198,20 +198,22 @@ absl::Status KvSender::Say(const std::function<absl::StatusOr<SegmentId>()>& seg
   }
 }
 
+absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Take(Handle h) {
+  MutexLock lock(&mu_);
+  auto it = requests_.find(h);
+  if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("unknown KV request ", h));
+  std::unique_ptr<Request> r = std::move(it->second);
+  requests_.erase(it);
+  return r;
+}
+
 absl::Status KvSender::Finish(Handle h, const std::string& aux) {
   if (aux.size() > kMaxAuxBytes) {
     return absl::InvalidArgumentError(absl::StrCat("aux payload of ", aux.size(),
                                                    " bytes exceeds ", kMaxAuxBytes));
   }
   (void)SendAll(h);  // a failure is recorded in the request
-  std::unique_ptr<Request> r;
-  {
-    MutexLock lock(&mu_);
-    auto it = requests_.find(h);
-    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("unknown KV request ", h));
-    r = std::move(it->second);
-    requests_.erase(it);
-  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Request> r, Take(h));
   bool uncertain = false;
   absl::Status data = Drain(*r, &uncertain);
   if (!data.ok()) {
@@ -225,14 +227,7 @@ absl::Status KvSender::Finish(Handle h, const std::string& aux) {
 }
 
 absl::Status KvSender::Cancel(Handle h, const std::string& reason) {
-  std::unique_ptr<Request> r;
-  {
-    MutexLock lock(&mu_);
-    auto it = requests_.find(h);
-    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("unknown KV request ", h));
-    r = std::move(it->second);
-    requests_.erase(it);
-  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Request> r, Take(h));
   bool uncertain = false;
   (void)Drain(*r, &uncertain);  // writes already posted cannot be recalled; let them land
   return Tell(*r, KvMessage(uncertain ? "abrt" : "fail", r->id, r->token,
