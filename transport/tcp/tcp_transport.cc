@@ -30,6 +30,7 @@
 #include "transport/completion_queue.h"
 #include "transport/link_params.h"
 #include "transport/tcp/hello_acceptor.h"
+#include "transport/tcp/stream_reader.h"
 #include "transport/tcp/vmm_share.h"
 #include "transport/tcp/wire.h"
 #include "transport/id_window.h"
@@ -117,24 +118,6 @@ void AfterRecv() { (void)wire_epoch.load(std::memory_order_acquire); }
 void AfterSend() {}
 void AfterRecv() {}
 #endif
-
-// Blocking whole-buffer I/O for the link threads; shutdown() unblocks them.
-absl::Status RecvAll(int fd, void* data, size_t n) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, MSG_WAITALL);
-    if (r > 0) {
-      p += r;
-      n -= static_cast<size_t>(r);
-    } else if (r == 0) {
-      return absl::UnavailableError("peer closed the connection");
-    } else if (errno != EINTR) {
-      return absl::UnavailableError(ErrnoError(errno, "recv").message());
-    }
-  }
-  AfterRecv();
-  return absl::OkStatus();
-}
 
 // Drops the first `skip` bytes of the iovec array (already sent).
 void SkipBytes(iovec*& iov, int& count, size_t skip) {
@@ -229,9 +212,9 @@ class Staging {
     }
     return absl::OkStatus();
   }
-  // Receives n bytes from `fd` into [dst, +n) of CUDA device `device`:
+  // Receives n bytes from `in` into [dst, +n) of CUDA device `device`:
   // chunk k+1 arrives in one buffer while chunk k is copied from the other.
-  absl::Status Recv(int fd, void* dst, uint64_t n, int device) {
+  absl::Status Recv(StreamReader& in, void* dst, uint64_t n, int device) {
     ASSIGN_OR_RETURN(void* stream, Ready(device));
     const cuda::Driver* d = cuda::Driver::Get();
     char* to = static_cast<char*>(dst);
@@ -240,7 +223,8 @@ class Staging {
     absl::Status status;
     for (uint64_t off = 0; off < n && status.ok();) {
       const size_t len = std::min<uint64_t>(kBytes, n - off);
-      status = RecvAll(fd, Half(cur), len);
+      status = in.Read(Half(cur), len);
+      AfterRecv();
       if (pending) {
         const absl::Status copied = d->Synchronize(stream, device);
         if (status.ok()) status = copied;
@@ -280,14 +264,11 @@ class Staging {
   std::vector<void*> streams_;  // by device ordinal
 };
 
-absl::Status Drain(int fd, uint64_t n) {
-  char scratch[16384];
-  while (n > 0) {
-    const size_t chunk = std::min<uint64_t>(n, sizeof scratch);
-    RETURN_IF_ERROR(RecvAll(fd, scratch, chunk));
-    n -= chunk;
-  }
-  return absl::OkStatus();
+// Reads from a link's stream (its reader thread only).
+absl::Status Recv(StreamReader& in, void* dst, size_t n) {
+  absl::Status s = in.Read(dst, n);
+  AfterRecv();
+  return s;
 }
 
 class TcpTransport final : public Transport {
@@ -416,6 +397,8 @@ class TcpTransport final : public Transport {
     // thread only.
     Staging send_stage;
     Staging recv_stage;
+    // What the reader thread receives comes through here (made with fd).
+    std::unique_ptr<StreamReader> in;
     // Both ends on this host with a CUDA driver: device memory may go
     // through CUDA IPC (until the peer says it cannot open a handle).
     bool same_host = false;
@@ -1301,7 +1284,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   IpcRef ipc;
   const bool via_ipc = (h.flags & kViaIpc) != 0;
   if (via_ipc) {
-    *stream_error = RecvAll(link.fd.get(), &ipc, sizeof ipc);
+    *stream_error = Recv(*link.in, &ipc, sizeof ipc);
     if (!stream_error->ok()) return answer;
   }
   absl::Status refused;
@@ -1334,13 +1317,13 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
       }
     } else if (refused.ok() && write) {
       // Straight into a host region: no intermediate buffer.
-      *stream_error = device >= 0 ? link.recv_stage.Recv(link.fd.get(), target, h.length, device)
-                                  : RecvAll(link.fd.get(), target, h.length);
+      *stream_error = device >= 0 ? link.recv_stage.Recv(*link.in, target, h.length, device)
+                                  : Recv(*link.in, target, h.length);
     }
   }
   if (!refused.ok()) {
     ++refused_requests_;
-    if (write && !via_ipc) *stream_error = Drain(link.fd.get(), h.length);
+    if (write && !via_ipc) *stream_error = link.in->Skip(h.length);
     answer.header.status = static_cast<uint8_t>(refused.code());
     answer.text = std::string(refused.message().substr(0, kMaxErrorText));
     answer.close_after = true;  // like an RC responder entering the error state
@@ -1437,7 +1420,7 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   }
   if (h.status != 0) {
     std::string text(std::min(h.text_len, kMaxErrorText), '\0');
-    RETURN_IF_ERROR(RecvAll(link.fd.get(), text.data(), text.size()));
+    RETURN_IF_ERROR(Recv(*link.in, text.data(), text.size()));
     MutexLock lock(&mu_);
     if ((h.flags & kViaIpc) != 0) return ResendStaged(link, wr, h.id, text);
     FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
@@ -1463,8 +1446,8 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
     auto it = regions_.find(wr.local_region);
     if (it != regions_.end()) device = it->second->device;
   }
-  RETURN_IF_ERROR(device >= 0 ? link.recv_stage.Recv(link.fd.get(), wr.local_addr, h.length, device)
-                              : RecvAll(link.fd.get(), wr.local_addr, h.length));
+  RETURN_IF_ERROR(device >= 0 ? link.recv_stage.Recv(*link.in, wr.local_addr, h.length, device)
+                              : Recv(*link.in, wr.local_addr, h.length));
   MutexLock lock(&mu_);
   if (link.outstanding.Erase(h.id)) {
     CompleteLocked(wr, absl::OkStatus());
@@ -1501,6 +1484,7 @@ absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint6
 }
 
 void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
+  link->in = std::make_unique<StreamReader>(link->fd.get());
   absl::Status error;
   // WRITEs executed and not yet acknowledged: one kWriteAck for the run
   // (header.remote_addr counts them). Requests on a link have consecutive
@@ -1542,14 +1526,18 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   bool refusing = false;
   for (;;) {
     DataHeader h;
-    error = RecvAll(link->fd.get(), &h, sizeof h);
+    error = Recv(*link->in, &h, sizeof h);
     if (!error.ok()) break;
+    // Reading ahead pays while payloads are small; a large one would be
+    // copied out of the buffer.
+    const bool payload = (h.type == kWriteReq || h.type == kReadResp) && (h.flags & kViaIpc) == 0;
+    link->in->Prefetch(!payload || h.length < StreamReader::kDirect);
     if (refusing && (h.type == kWriteReq || h.type == kReadReq)) {
       if ((h.flags & kViaIpc) != 0) {
         IpcRef skipped;
-        error = RecvAll(link->fd.get(), &skipped, sizeof skipped);
+        error = Recv(*link->in, &skipped, sizeof skipped);
       } else if (h.type == kWriteReq) {
-        error = Drain(link->fd.get(), h.length);
+        error = link->in->Skip(h.length);
       }
       if (!error.ok()) break;
       continue;

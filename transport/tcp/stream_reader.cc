@@ -1,0 +1,74 @@
+#include "transport/tcp/stream_reader.h"
+
+#include <errno.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/errno_status.h"
+#include "base/status_macros.h"
+
+namespace kvferry {
+namespace transport {
+namespace {
+
+absl::Status RecvError(ssize_t r, int err) {
+  if (r == 0) return absl::UnavailableError("peer closed the connection");
+  return absl::UnavailableError(ErrnoError(err, "recv").message());
+}
+
+}  // namespace
+
+absl::Status StreamReader::Fill(uint64_t wanted) {
+  if (buffer_ == nullptr) buffer_.reset(new char[kCapacity]);
+  head_ = tail_ = 0;
+  const size_t most =
+      prefetch_ ? kCapacity : static_cast<size_t>(std::min<uint64_t>(wanted, kCapacity));
+  for (;;) {
+    const ssize_t r = ::recv(fd_, buffer_.get(), most, 0);
+    if (r > 0) {
+      tail_ = static_cast<size_t>(r);
+      return absl::OkStatus();
+    }
+    if (r < 0 && errno == EINTR) continue;
+    return RecvError(r, errno);
+  }
+}
+
+absl::Status StreamReader::Read(void* dst, size_t n) {
+  char* p = static_cast<char*>(dst);
+  for (;;) {
+    const size_t take = std::min(n, tail_ - head_);
+    if (take > 0) std::memcpy(p, buffer_.get() + head_, take);
+    head_ += take;
+    p += take;
+    n -= take;
+    if (n == 0) return absl::OkStatus();
+    if (n >= kDirect) break;  // the buffer is empty: the rest goes straight in
+    RETURN_IF_ERROR(Fill(n));
+  }
+  while (n > 0) {
+    const ssize_t r = ::recv(fd_, p, n, MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+    } else if (r == 0 || errno != EINTR) {
+      return RecvError(r, errno);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StreamReader::Skip(uint64_t n) {
+  while (n > 0) {
+    if (head_ == tail_) RETURN_IF_ERROR(Fill(n));
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(n, tail_ - head_));
+    head_ += take;
+    n -= take;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace transport
+}  // namespace kvferry

@@ -1,0 +1,58 @@
+// The receiving side of a link's TCP stream, for its reader thread alone.
+// Small messages (headers, small payloads) come out of one buffer that a
+// single recv fills with as much as the socket holds, so a stream of 4 KiB
+// WRITEs costs one system call per buffer rather than two per request;
+// payloads of kDirect bytes or more go straight from the socket into their
+// destination. While the stream carries large payloads the reader takes no
+// more than it was asked for (Prefetch(false)): bytes read ahead into the
+// buffer would be copied out again. Blocking; shutdown() of the socket
+// unblocks it.
+#ifndef KVFERRY_TRANSPORT_TCP_STREAM_READER_H_
+#define KVFERRY_TRANSPORT_TCP_STREAM_READER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+
+namespace kvferry {
+namespace transport {
+
+class StreamReader {
+ public:
+  static constexpr size_t kCapacity = 64 << 10;
+  static constexpr size_t kDirect = 16 << 10;
+
+  explicit StreamReader(int fd) : fd_(fd) {}
+  StreamReader(const StreamReader&) = delete;
+  StreamReader& operator=(const StreamReader&) = delete;
+
+  // Exactly n bytes into [dst, +n). kUnavailable when the peer closed the
+  // connection or recv failed.
+  absl::Status Read(void* dst, size_t n);
+  // Reads and drops n bytes.
+  absl::Status Skip(uint64_t n);
+  // Whether a read from the socket takes what is there (up to kCapacity:
+  // the default) or only what the caller asked for. The caller turns it
+  // off while the messages it reads carry large payloads.
+  void Prefetch(bool on) { prefetch_ = on; }
+  // Bytes received and not yet read out (for tests).
+  size_t Buffered() const { return tail_ - head_; }
+
+ private:
+  // One recv into the (empty) buffer: up to kCapacity bytes when
+  // prefetching, else up to `wanted`.
+  absl::Status Fill(uint64_t wanted);
+
+  const int fd_;
+  std::unique_ptr<char[]> buffer_;  // made on first use
+  size_t head_ = 0;                 // [head_, tail_): received, not read out
+  size_t tail_ = 0;
+  bool prefetch_ = true;
+};
+
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_TCP_STREAM_READER_H_

@@ -1,0 +1,154 @@
+#include "transport/tcp/stream_reader.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvferry {
+namespace transport {
+namespace {
+
+class StreamReaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(0, socketpair(AF_UNIX, SOCK_STREAM, 0, fds_)); }
+  void TearDown() override {
+    for (int fd : fds_) {
+      if (fd >= 0) close(fd);
+    }
+  }
+  void Send(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = write(fds_[1], p, n);
+      ASSERT_GT(w, 0);
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+  int fds_[2] = {-1, -1};
+};
+
+std::vector<char> Pattern(size_t n, int seed) {
+  std::vector<char> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + seed) & 0xff);
+  return v;
+}
+
+// Many small messages sent at once come out whole and in order, from one
+// buffer: after the first read the rest are already received.
+TEST_F(StreamReaderTest, SmallMessagesComeOutOfOneBuffer) {
+  std::vector<char> all;
+  for (int i = 0; i < 8; ++i) {
+    std::vector<char> m = Pattern(40 + i, i);
+    all.insert(all.end(), m.begin(), m.end());
+  }
+  Send(all.data(), all.size());
+  StreamReader in(fds_[0]);
+  size_t off = 0;
+  for (int i = 0; i < 8; ++i) {
+    std::vector<char> got(40 + i);
+    ASSERT_TRUE(in.Read(got.data(), got.size()).ok());
+    EXPECT_EQ(0, std::memcmp(got.data(), all.data() + off, got.size())) << "message " << i;
+    off += got.size();
+    if (i == 0) EXPECT_EQ(all.size() - got.size(), in.Buffered());
+  }
+  EXPECT_EQ(0u, in.Buffered());
+}
+
+// A payload of kDirect bytes or more after a header: the buffered part is
+// copied out first, the rest is read straight into the destination, and
+// what follows it still reads correctly.
+TEST_F(StreamReaderTest, LargePayloadAfterAHeaderGoesStraightIn) {
+  const std::vector<char> header = Pattern(32, 1);
+  const std::vector<char> payload = Pattern(3 * StreamReader::kCapacity + 17, 2);
+  const std::vector<char> trailer = Pattern(24, 3);
+  std::thread sender([&] {
+    Send(header.data(), header.size());
+    Send(payload.data(), payload.size());
+    Send(trailer.data(), trailer.size());
+  });
+  StreamReader in(fds_[0]);
+  std::vector<char> h(header.size()), p(payload.size()), t(trailer.size());
+  ASSERT_TRUE(in.Read(h.data(), h.size()).ok());
+  ASSERT_TRUE(in.Read(p.data(), p.size()).ok());
+  ASSERT_TRUE(in.Read(t.data(), t.size()).ok());
+  sender.join();
+  EXPECT_EQ(header, h);
+  EXPECT_EQ(payload, p);
+  EXPECT_EQ(trailer, t);
+}
+
+// A message that arrives in pieces (each its own recv) is put together.
+TEST_F(StreamReaderTest, MessageArrivingInPiecesIsWhole) {
+  const std::vector<char> m = Pattern(9000, 4);
+  std::thread sender([&] {
+    for (size_t off = 0; off < m.size(); off += 1000) {
+      Send(m.data() + off, std::min<size_t>(1000, m.size() - off));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  StreamReader in(fds_[0]);
+  std::vector<char> got(m.size());
+  ASSERT_TRUE(in.Read(got.data(), got.size()).ok());
+  sender.join();
+  EXPECT_EQ(m, got);
+}
+
+TEST_F(StreamReaderTest, SkipDropsBytesAcrossBuffers) {
+  const std::vector<char> skipped = Pattern(2 * StreamReader::kCapacity + 5, 5);
+  const std::vector<char> kept = Pattern(100, 6);
+  std::thread sender([&] {
+    Send(skipped.data(), skipped.size());
+    Send(kept.data(), kept.size());
+  });
+  StreamReader in(fds_[0]);
+  ASSERT_TRUE(in.Skip(skipped.size()).ok());
+  std::vector<char> got(kept.size());
+  ASSERT_TRUE(in.Read(got.data(), got.size()).ok());
+  sender.join();
+  EXPECT_EQ(kept, got);
+}
+
+// Without prefetching a read takes no more than it was asked for: the bytes
+// behind it stay in the socket (where a large payload goes straight to its
+// destination).
+TEST_F(StreamReaderTest, WithoutPrefetchNothingIsReadAhead) {
+  const std::vector<char> all = Pattern(1000, 8);
+  Send(all.data(), all.size());
+  StreamReader in(fds_[0]);
+  in.Prefetch(false);
+  std::vector<char> got(100);
+  ASSERT_TRUE(in.Read(got.data(), got.size()).ok());
+  EXPECT_EQ(0u, in.Buffered());
+  EXPECT_EQ(0, std::memcmp(got.data(), all.data(), got.size()));
+  in.Prefetch(true);
+  ASSERT_TRUE(in.Read(got.data(), got.size()).ok());
+  EXPECT_EQ(all.size() - 200, in.Buffered());
+  EXPECT_EQ(0, std::memcmp(got.data(), all.data() + 100, got.size()));
+}
+
+// The peer closing mid-message: kUnavailable, for a buffered read, a
+// direct one and a skip.
+TEST_F(StreamReaderTest, PeerClosingMidMessageIsUnavailable) {
+  const std::vector<char> part = Pattern(10, 7);
+  Send(part.data(), part.size());
+  close(fds_[1]);
+  fds_[1] = -1;
+  StreamReader in(fds_[0]);
+  std::vector<char> got(StreamReader::kDirect * 2);
+  absl::Status s = in.Read(got.data(), 20);
+  EXPECT_EQ(absl::StatusCode::kUnavailable, s.code()) << s;
+  EXPECT_NE(std::string::npos, s.message().find("closed")) << s;
+  EXPECT_EQ(absl::StatusCode::kUnavailable, in.Read(got.data(), got.size()).code());
+  EXPECT_EQ(absl::StatusCode::kUnavailable, in.Skip(1).code());
+}
+
+}  // namespace
+}  // namespace transport
+}  // namespace kvferry
