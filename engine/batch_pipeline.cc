@@ -30,7 +30,14 @@ BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
     Via v;
     v.transport = t;
     v.kind = endpoint.kind;
-    v.link_capacity = std::max<uint32_t>(1, t->GetLimits().max_outstanding_per_link);
+    const transport::Limits limits = t->GetLimits();
+    v.link_capacity = std::max<uint32_t>(1, limits.max_outstanding_per_link);
+    v.slice_bytes = config_.slice_bytes != 0               ? config_.slice_bytes
+                    : limits.preferred_request_bytes != 0 ? limits.preferred_request_bytes
+                                                          : kDefaultSliceBytes;
+    if (limits.max_request_bytes != 0) {
+      v.slice_bytes = std::min(v.slice_bytes, limits.max_request_bytes);
+    }
     v.nic_offset = nic_counters_.size();
     for (const transport::NicInfo& nic : endpoint.nics) {
       nic_counters_.push_back(NicCounters{nic.name, 0, 0});

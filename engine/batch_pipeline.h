@@ -36,8 +36,11 @@
 namespace kvferry {
 namespace engine_internal {
 
+// The slice size over a transport that states no preference.
+constexpr uint64_t kDefaultSliceBytes = 64 << 10;
+
 struct PipelineConfig {
-  uint64_t slice_bytes = 64 << 10;
+  uint64_t slice_bytes = 0;  // 0: each transport's preferred request size
   uint32_t retries = 2;
   uint32_t links_per_peer = 2;
   absl::Duration peer_timeout = absl::Seconds(10);
@@ -159,6 +162,7 @@ class BatchPipeline {
     transport::Transport* transport = nullptr;
     std::string kind;
     uint32_t link_capacity = 1;
+    uint64_t slice_bytes = 0;  // the largest slice it gets
     size_t nic_offset = 0;  // its NICs' first index in nic_counters_
   };
   // Which transport a peer goes over, its descriptor for it, the links.

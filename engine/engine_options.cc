@@ -6,7 +6,6 @@ namespace kvferry {
 namespace engine_internal {
 
 absl::Status CheckOptions(const EngineOptions& o) {
-  if (o.slice_bytes == 0) return absl::InvalidArgumentError("slice_bytes must be positive");
   if (o.peer_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("peer_timeout must be positive");
   }

@@ -44,7 +44,7 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
         return absl::InvalidArgumentError(absl::StrFormat(
             "request %u: local buffer [%p, +%u) is no longer registered", i, r.local, r.length));
       }
-      uint64_t len = std::min<uint64_t>(config_.slice_bytes, r.length - off);
+      uint64_t len = std::min<uint64_t>(vias_[seg.via].slice_bytes, r.length - off);
       len = std::min<uint64_t>(len, use.until - at);
       if (reg != nullptr) len = std::min<uint64_t>(len, reg->addr + reg->length - remote);
       absl::Status bad;

@@ -63,7 +63,11 @@ struct EngineOptions {
   // GID index for every RDMA port; -1: MC_GID_INDEX or NCCL_IB_GID_INDEX if
   // set, else the ranked choice (docs/rdma-discovery.md).
   int gid_index = -1;
-  uint64_t slice_bytes = 64 << 10;
+  // Requests are cut into slices of at most this many bytes; 0: the
+  // transport's choice (TCP: 1 MiB, where each slice costs a header and
+  // an answer; RDMA and the simulator: 64 KiB, which stripes a request
+  // over every NIC pair).
+  uint64_t slice_bytes = 0;
   // Links (for TCP: connections) opened to each peer.
   uint32_t links_per_peer = 2;
   absl::Duration connect_timeout = absl::Seconds(5);

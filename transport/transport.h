@@ -176,6 +176,9 @@ struct Limits {
   uint32_t max_outstanding_per_link = 0;
   uint64_t max_request_bytes = 0;
   uint64_t max_region_bytes = 0;
+  // The request size this transport moves best, for an engine that lets
+  // the transport choose its slice size; 0: no preference.
+  uint64_t preferred_request_bytes = 0;
 };
 
 class Transport {

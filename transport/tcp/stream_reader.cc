@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <cstring>
@@ -23,8 +24,7 @@ absl::Status RecvError(ssize_t r, int err) {
 absl::Status StreamReader::Fill(uint64_t wanted) {
   if (buffer_ == nullptr) buffer_.reset(new char[kCapacity]);
   head_ = tail_ = 0;
-  const size_t most =
-      prefetch_ ? kCapacity : static_cast<size_t>(std::min<uint64_t>(wanted, kCapacity));
+  const size_t most = static_cast<size_t>(std::min<uint64_t>(wanted + ahead_, kCapacity));
   for (;;) {
     const ssize_t r = ::recv(fd_, buffer_.get(), most, 0);
     if (r > 0) {
@@ -47,6 +47,30 @@ absl::Status StreamReader::Read(void* dst, size_t n) {
     if (n == 0) return absl::OkStatus();
     if (n >= kDirect) break;  // the buffer is empty: the rest goes straight in
     RETURN_IF_ERROR(Fill(n));
+  }
+  if (ahead_ > 0 && n <= kCapacity) {
+    // Whatever is there, up to the end of the read and `ahead_` bytes
+    // behind it (the next header, say): one system call for both when the
+    // stream is busy. (Not for larger reads: one that returns with part of
+    // the payload costs a second call, and saves little on so many bytes.)
+    if (buffer_ == nullptr) buffer_.reset(new char[kCapacity]);
+    iovec v[2] = {{p, n}, {buffer_.get(), std::min(ahead_, kCapacity)}};
+    msghdr msg{};
+    msg.msg_iov = v;
+    msg.msg_iovlen = 2;
+    ssize_t r;
+    do {
+      r = ::recvmsg(fd_, &msg, 0);
+    } while (r < 0 && errno == EINTR);
+    if (r <= 0) return RecvError(r, errno);
+    head_ = 0;
+    if (static_cast<size_t>(r) >= n) {
+      tail_ = static_cast<size_t>(r) - n;
+      return absl::OkStatus();
+    }
+    tail_ = 0;
+    p += r;
+    n -= static_cast<size_t>(r);
   }
   while (n > 0) {
     const ssize_t r = ::recv(fd_, p, n, MSG_WAITALL);

@@ -3,9 +3,8 @@
 // single recv fills with as much as the socket holds, so a stream of 4 KiB
 // WRITEs costs one system call per buffer rather than two per request;
 // payloads of kDirect bytes or more go straight from the socket into their
-// destination. While the stream carries large payloads the reader takes no
-// more than it was asked for (Prefetch(false)): bytes read ahead into the
-// buffer would be copied out again. Blocking; shutdown() of the socket
+// destination, with (in the same system call, when it is there) what
+// follows them up to ReadAhead bytes. Blocking; shutdown() of the socket
 // unblocks it.
 #ifndef KVFERRY_TRANSPORT_TCP_STREAM_READER_H_
 #define KVFERRY_TRANSPORT_TCP_STREAM_READER_H_
@@ -33,23 +32,25 @@ class StreamReader {
   absl::Status Read(void* dst, size_t n);
   // Reads and drops n bytes.
   absl::Status Skip(uint64_t n);
-  // Whether a read from the socket takes what is there (up to kCapacity:
-  // the default) or only what the caller asked for. The caller turns it
-  // off while the messages it reads carry large payloads.
-  void Prefetch(bool on) { prefetch_ = on; }
+  // How many bytes a read from the socket may take beyond what the caller
+  // asked for, when they are there already (kCapacity, the default: as
+  // much as the buffer holds). While the messages carry large payloads the
+  // caller keeps this to a header: bytes read ahead of a payload are copied
+  // out of the buffer again.
+  void ReadAhead(size_t bytes) { ahead_ = bytes; }
   // Bytes received and not yet read out (for tests).
   size_t Buffered() const { return tail_ - head_; }
 
  private:
-  // One recv into the (empty) buffer: up to kCapacity bytes when
-  // prefetching, else up to `wanted`.
+  // One recv into the (empty) buffer: up to `wanted` bytes and ahead_
+  // more, at most kCapacity.
   absl::Status Fill(uint64_t wanted);
 
   const int fd_;
   std::unique_ptr<char[]> buffer_;  // made on first use
   size_t head_ = 0;                 // [head_, tail_): received, not read out
   size_t tail_ = 0;
-  bool prefetch_ = true;
+  size_t ahead_ = kCapacity;
 };
 
 }  // namespace transport

@@ -115,22 +115,37 @@ TEST_F(StreamReaderTest, SkipDropsBytesAcrossBuffers) {
   EXPECT_EQ(kept, got);
 }
 
-// Without prefetching a read takes no more than it was asked for: the bytes
-// behind it stay in the socket (where a large payload goes straight to its
-// destination).
-TEST_F(StreamReaderTest, WithoutPrefetchNothingIsReadAhead) {
-  const std::vector<char> all = Pattern(1000, 8);
+// A read takes at most ReadAhead bytes beyond what it was asked for: the
+// rest stay in the socket (where a large payload goes straight to its
+// destination). A direct read takes the bytes behind it too.
+TEST_F(StreamReaderTest, ReadAheadBoundsWhatIsTakenBeyondARead) {
+  const size_t big = StreamReader::kDirect * 2;
+  const std::vector<char> all = Pattern(1000 + big + 1000, 8);
   Send(all.data(), all.size());
   StreamReader in(fds_[0]);
-  in.Prefetch(false);
+  in.ReadAhead(0);
   std::vector<char> got(100);
   ASSERT_TRUE(in.Read(got.data(), got.size()).ok());
   EXPECT_EQ(0u, in.Buffered());
   EXPECT_EQ(0, std::memcmp(got.data(), all.data(), got.size()));
-  in.Prefetch(true);
+  in.ReadAhead(50);
   ASSERT_TRUE(in.Read(got.data(), got.size()).ok());
-  EXPECT_EQ(all.size() - 200, in.Buffered());
+  EXPECT_EQ(50u, in.Buffered());
   EXPECT_EQ(0, std::memcmp(got.data(), all.data() + 100, got.size()));
+  in.ReadAhead(0);
+  std::vector<char> rest(800);
+  ASSERT_TRUE(in.Read(rest.data(), rest.size()).ok());
+  EXPECT_EQ(0, std::memcmp(rest.data(), all.data() + 200, rest.size()));
+  EXPECT_EQ(0u, in.Buffered());
+  // 1000 bytes read; a direct read of `big` takes 24 more behind it.
+  in.ReadAhead(24);
+  std::vector<char> payload(big);
+  ASSERT_TRUE(in.Read(payload.data(), payload.size()).ok());
+  EXPECT_EQ(0, std::memcmp(payload.data(), all.data() + 1000, big));
+  EXPECT_EQ(24u, in.Buffered());
+  std::vector<char> tail(1000);
+  ASSERT_TRUE(in.Read(tail.data(), tail.size()).ok());
+  EXPECT_EQ(0, std::memcmp(tail.data(), all.data() + 1000 + big, tail.size()));
 }
 
 // The peer closing mid-message: kUnavailable, for a buffered read, a
