@@ -107,6 +107,11 @@ class BatchPipeline {
   // `via`: the transport the work requests are for.
   bool AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
                  std::vector<transport::WorkRequest>* wrs, absl::Status* bad, size_t* via);
+  // Submit's fast path, under the same lock as the batch's creation: links
+  // for every slice of a new batch when the segment has room for them all
+  // and no backlog (else false, nothing assigned: PostSlices decides).
+  bool AssignNow(Segment& seg, absl::Span<const uint64_t> ids, absl::Time now,
+                 std::vector<transport::WorkRequest>* wrs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AssignLink(Segment& seg, Slice& slice, transport::WorkRequest* wr, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A slice's link has one in flight less (`seg`: the slice's segment).

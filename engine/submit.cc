@@ -115,6 +115,10 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
   std::vector<Slice>& planned = *planned_scratch;
   absl::StatusOr<BatchId> batch;
   absl::Time now;
+  Scratch<WorkRequest> wrs_scratch;
+  std::vector<WorkRequest>& wrs = *wrs_scratch;
+  bool assigned = false;
+  size_t via = 0;
   for (int attempt = 0;; ++attempt) {
     bool refresh = false;
     {
@@ -136,11 +140,18 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
         now = clock_->Now();
         batch = CreateBatch(id, *seg, requests, peer_engine_id, planned, &slice_ids, now);
         if (!batch.ok()) return batch.status();
+        via = seg->via;
+        assigned = AssignNow(*seg, slice_ids, now, &wrs);
         break;
       }
     }
     bool changed;
     RETURN_IF_ERROR(Refresh(id, &changed));
+  }
+  if (assigned && vias_[via].transport->Post(wrs).ok()) return batch;
+  if (assigned) {  // the transport refused: PostSlices knows what to do
+    MutexLock lock(&mu_);
+    for (const WorkRequest& wr : wrs) Unassign(*batches_.FindSlice(wr.cookie), now);
   }
   absl::Status posted = PostSlices(id, slice_ids, now);
   if (!posted.ok()) {
@@ -149,6 +160,22 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
     return posted;
   }
   return batch;
+}
+
+bool BatchPipeline::AssignNow(Segment& seg, absl::Span<const uint64_t> ids, absl::Time now,
+                              std::vector<WorkRequest>* wrs) {
+  if (!seg.backlog.empty()) return false;  // those go first
+  const uint32_t capacity = vias_[seg.via].link_capacity;
+  uint64_t room = 0;
+  for (const Link& l : seg.links) room += l.failed ? 0 : capacity - std::min(capacity, l.inflight);
+  if (room < ids.size()) return false;
+  for (uint64_t sid : ids) {
+    WorkRequest wr;
+    (void)AssignLink(seg, *batches_.FindSlice(sid), &wr, now);  // a link has room
+    wr.cookie = sid;
+    wrs->push_back(wr);
+  }
+  return true;
 }
 
 bool BatchPipeline::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl::Time now) {
