@@ -483,6 +483,20 @@ class TcpTransport final : public Transport {
         absl::StrCat("this transport has its maximum of ", options_.max_links, " links"));
   }
   void ReaderLoop(std::shared_ptr<Link> link);
+  // WRITEs executed and not yet acknowledged: one kWriteAck for the run
+  // (header.remote_addr counts them). Requests on a link have consecutive
+  // ids and any other request flushes the run first, so a run is always
+  // consecutive.
+  struct AckRun {
+    Job job;
+    uint64_t bytes = 0;
+  };
+  // The reader's part for one request of the peer: executes it (or, after
+  // a refusal, reads it off the stream) and queues or gathers its answer.
+  absl::Status Serve(Link& link, const DataHeader& h, AckRun& run, bool* refusing);
+  // Hands an answer to the writer. kCancelled once the link is stopping.
+  absl::Status QueueAnswer(Link& link, Job job);
+  absl::Status FlushRun(Link& link, AckRun& run);
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
   // must be closed after them (a refused request).
@@ -1489,48 +1503,72 @@ absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint6
   return absl::OkStatus();
 }
 
+absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
+  // Not sent from the reader's thread: the reader is the responder's busy
+  // thread, and answering from it measured slower than handing off.
+  MutexLock lock(&mu_);
+  if (link.stopping) return absl::CancelledError("the link is closing");
+  // A peer keeps at most its max_outstanding_per_link requests unanswered,
+  // so a legitimate one never has more answers waiting here than that
+  // (plus what the writer is sending). One that sends on without reading
+  // its answers would grow this queue without bound: it loses the link.
+  if (++link.queued_answers > kAnswerQueueFactor * options_.max_outstanding_per_link) {
+    ++dropped_readers_;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the peer sent more than ", kAnswerQueueFactor * options_.max_outstanding_per_link,
+        " requests without reading their answers"));
+  }
+  if (link.jobs.empty()) link.jobs_from = 0;  // not a Post's
+  link.jobs.push_back(std::move(job));
+  link.cv.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::Status TcpTransport::FlushRun(Link& link, AckRun& run) {
+  if (run.job.header.remote_addr == 0) return absl::OkStatus();
+  run.bytes = 0;
+  return QueueAnswer(link, std::exchange(run.job, Job{}));
+}
+
+absl::Status TcpTransport::Serve(Link& link, const DataHeader& h, AckRun& run, bool* refusing) {
+  if (*refusing) {
+    // After refusing a request the link closes once that answer is out
+    // (like an RC responder in the error state): requests behind it are
+    // read off the stream and never executed, so none of them lands after
+    // the requester saw it flushed.
+    if ((h.flags & kViaIpc) != 0) {
+      IpcRef skipped;
+      return Recv(*link.in, &skipped, sizeof skipped);
+    }
+    return h.type == kWriteReq ? link.in->Skip(h.length) : absl::OkStatus();
+  }
+  absl::Status stream;
+  Job answer = Execute(link, h, &stream);
+  RETURN_IF_ERROR(stream);
+  *refusing = answer.close_after;
+  if (h.type != kWriteReq || answer.header.status != 0) {
+    RETURN_IF_ERROR(FlushRun(link, run));
+    return QueueAnswer(link, std::move(answer));
+  }
+  // Acknowledged in runs up to the end of the requester's Post: one answer
+  // (and one wake-up at the requester) for many WRITEs.
+  if (run.job.header.remote_addr == 0) {
+    run.job.header.type = kWriteAck;
+    run.job.header.id = h.id;
+  }
+  ++run.job.header.remote_addr;
+  run.bytes += h.length;
+  const bool more = run.job.header.remote_addr < kMaxAckRun && run.bytes < kMaxAckRunBytes &&
+                    (h.flags & kAckNow) == 0;
+  return more ? absl::OkStatus() : FlushRun(link, run);
+}
+
 void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   link->in = std::make_unique<StreamReader>(link->fd.get());
   absl::Status error;
-  // WRITEs executed and not yet acknowledged: one kWriteAck for the run
-  // (header.remote_addr counts them). Requests on a link have consecutive
-  // ids and any other request flushes the run first, so a run is always
-  // consecutive.
-  Job run;
-  uint64_t run_bytes = 0;
-  // Hands an answer to the writer; false once the link is stopping. (Not
-  // sent from this thread: the reader is the responder's busy thread, and
-  // answering from it measured slower than handing off.)
-  auto queue = [&](Job job) {
-    MutexLock lock(&mu_);
-    if (link->stopping) return false;
-    // A peer keeps at most its max_outstanding_per_link requests unanswered,
-    // so a legitimate one never has more answers waiting here than that
-    // (plus what the writer is sending). One that sends on without reading
-    // its answers would grow this queue without bound: it loses the link.
-    if (++link->queued_answers > kAnswerQueueFactor * options_.max_outstanding_per_link) {
-      ++dropped_readers_;
-      error = absl::ResourceExhaustedError(absl::StrCat(
-          "the peer sent more than ", kAnswerQueueFactor * options_.max_outstanding_per_link,
-          " requests without reading their answers"));
-      return false;
-    }
-    if (link->jobs.empty()) link->jobs_from = 0;  // not a Post's
-    link->jobs.push_back(std::move(job));
-    link->cv.SignalAll();
-    return true;
-  };
-  auto flush_run = [&] {
-    if (run.header.remote_addr == 0) return true;
-    run_bytes = 0;
-    return queue(std::exchange(run, Job{}));
-  };
-  // After refusing a request the link closes once that answer is out (like
-  // an RC responder in the error state): requests behind it are read off the
-  // stream and never executed, so none of them lands after the requester
-  // saw it flushed.
+  AckRun run;
   bool refusing = false;
-  for (;;) {
+  while (error.ok()) {
     DataHeader h;
     error = Recv(*link->in, &h, sizeof h);
     if (!error.ok()) break;
@@ -1539,45 +1577,12 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     const bool payload = (h.type == kWriteReq || h.type == kReadResp) && (h.flags & kViaIpc) == 0;
     link->in->ReadAhead(payload && h.length >= StreamReader::kDirect ? sizeof h
                                                                      : StreamReader::kCapacity);
-    if (refusing && (h.type == kWriteReq || h.type == kReadReq)) {
-      if ((h.flags & kViaIpc) != 0) {
-        IpcRef skipped;
-        error = Recv(*link->in, &skipped, sizeof skipped);
-      } else if (h.type == kWriteReq) {
-        error = link->in->Skip(h.length);
-      }
-      if (!error.ok()) break;
-      continue;
-    }
     if (h.type == kWriteReq || h.type == kReadReq) {
-      absl::Status stream;
-      Job answer = Execute(*link, h, &stream);
-      if (!stream.ok()) {
-        error = stream;
-        break;
-      }
-      refusing = answer.close_after;
-      if (h.type == kWriteReq && answer.header.status == 0) {
-        // Acknowledged in runs up to the end of the requester's Post: one
-        // answer (and one wake-up at the requester) for many WRITEs.
-        if (run.header.remote_addr == 0) {
-          run.header.type = kWriteAck;
-          run.header.id = h.id;
-        }
-        ++run.header.remote_addr;
-        run_bytes += h.length;
-        const bool more = run.header.remote_addr < kMaxAckRun && run_bytes < kMaxAckRunBytes &&
-                          (h.flags & kAckNow) == 0;
-        if (!more && !flush_run()) break;
-        continue;
-      }
-      if (!flush_run() || !queue(std::move(answer))) break;
+      error = Serve(*link, h, run, &refusing);
     } else if (h.type == kWriteAck || h.type == kReadResp) {
       error = OnAnswer(*link, h);
-      if (!error.ok()) break;
     } else {
       error = absl::DataLossError(absl::StrCat("unknown message type ", h.type));
-      break;
     }
   }
   for (const auto& [handle, imp] : link->ipc_imports) CloseImport(imp);
