@@ -102,7 +102,12 @@ class BatchPipeline {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Posts slices of segment `id`; those that find no room wait in its
   // backlog. `now`: the caller's reading of the clock.
-  absl::Status PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now);
+  // `assigned` (when not null): work requests for every slice, on links
+  // already assigned (AssignNow) for transport `via`: posted as they are
+  // first, assigned again only for a retry.
+  absl::Status PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
+                          std::vector<transport::WorkRequest>* assigned = nullptr,
+                          size_t via = 0);
   // Assigns links to the slices under the lock; false when no link is usable.
   // `via`: the transport the work requests are for.
   bool AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,

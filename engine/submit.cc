@@ -148,12 +148,7 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
     bool changed;
     RETURN_IF_ERROR(Refresh(id, &changed));
   }
-  if (assigned && vias_[via].transport->Post(wrs).ok()) return batch;
-  if (assigned) {  // the transport refused: PostSlices knows what to do
-    MutexLock lock(&mu_);
-    for (const WorkRequest& wr : wrs) Unassign(*batches_.FindSlice(wr.cookie), now);
-  }
-  absl::Status posted = PostSlices(id, slice_ids, now);
+  absl::Status posted = PostSlices(id, slice_ids, now, assigned ? &wrs : nullptr, via);
   if (!posted.ok()) {
     MutexLock lock(&mu_);
     batches_.Recycle(*batch);  // nothing of it runs; the caller gets no id
@@ -281,15 +276,18 @@ void BatchPipeline::FailAll(absl::Span<const uint64_t> ids, const absl::Status& 
 }
 
 absl::Status BatchPipeline::PostSlices(SegmentId id, absl::Span<const uint64_t> ids,
-                                       absl::Time now) {
+                                       absl::Time now, std::vector<WorkRequest>* assigned,
+                                       size_t via) {
+  Scratch<WorkRequest> wrs_scratch;
+  std::vector<WorkRequest>& wrs = assigned != nullptr ? *assigned : *wrs_scratch;
   bool rebuilt = false;
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt > 0) now = clock_->Now();
-    Scratch<WorkRequest> wrs_scratch;
-    std::vector<WorkRequest>& wrs = *wrs_scratch;
     absl::Status bad;
-    size_t via = 0;
-    if (!AssignAll(id, ids, now, &wrs, &bad, &via)) {
+    const bool preassigned = assigned != nullptr;
+    assigned = nullptr;  // the caller's links serve once; a retry assigns again
+    if (!preassigned) wrs.clear();
+    if (!preassigned && !AssignAll(id, ids, now, &wrs, &bad, &via)) {
       // Every link failed: rebuild them once (a dead peer fails the slices).
       bool changed;
       absl::Status refreshed =

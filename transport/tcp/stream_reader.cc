@@ -22,7 +22,6 @@ absl::Status RecvError(ssize_t r, int err) {
 }  // namespace
 
 absl::Status StreamReader::Fill(uint64_t wanted) {
-  if (buffer_ == nullptr) buffer_.reset(new char[kCapacity]);
   head_ = tail_ = 0;
   const size_t most = static_cast<size_t>(std::min<uint64_t>(wanted + ahead_, kCapacity));
   for (;;) {
@@ -53,7 +52,6 @@ absl::Status StreamReader::Read(void* dst, size_t n) {
     // behind it (the next header, say): one system call for both when the
     // stream is busy. (Not for larger reads: one that returns with part of
     // the payload costs a second call, and saves little on so many bytes.)
-    if (buffer_ == nullptr) buffer_.reset(new char[kCapacity]);
     iovec v[2] = {{p, n}, {buffer_.get(), std::min(ahead_, kCapacity)}};
     msghdr msg{};
     msg.msg_iov = v;

@@ -23,7 +23,7 @@ class StreamReader {
   static constexpr size_t kCapacity = 64 << 10;
   static constexpr size_t kDirect = 16 << 10;
 
-  explicit StreamReader(int fd) : fd_(fd) {}
+  explicit StreamReader(int fd) : fd_(fd), buffer_(new char[kCapacity]) {}
   StreamReader(const StreamReader&) = delete;
   StreamReader& operator=(const StreamReader&) = delete;
 
@@ -47,7 +47,7 @@ class StreamReader {
   absl::Status Fill(uint64_t wanted);
 
   const int fd_;
-  std::unique_ptr<char[]> buffer_;  // made on first use
+  const std::unique_ptr<char[]> buffer_;
   size_t head_ = 0;                 // [head_, tail_): received, not read out
   size_t tail_ = 0;
   size_t ahead_ = kCapacity;

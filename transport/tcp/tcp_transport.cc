@@ -119,6 +119,13 @@ void AfterSend() {}
 void AfterRecv() {}
 #endif
 
+// Reads from a link's stream (its reader thread only).
+absl::Status ReadStream(StreamReader& in, void* dst, size_t n) {
+  absl::Status s = in.Read(dst, n);
+  AfterRecv();
+  return s;
+}
+
 // Drops the first `skip` bytes of the iovec array (already sent).
 void SkipBytes(iovec*& iov, int& count, size_t skip) {
   while (count > 0 && skip >= iov->iov_len) {
@@ -223,8 +230,7 @@ class Staging {
     absl::Status status;
     for (uint64_t off = 0; off < n && status.ok();) {
       const size_t len = std::min<uint64_t>(kBytes, n - off);
-      status = in.Read(Half(cur), len);
-      AfterRecv();
+      status = ReadStream(in, Half(cur), len);
       if (pending) {
         const absl::Status copied = d->Synchronize(stream, device);
         if (status.ok()) status = copied;
@@ -264,13 +270,6 @@ class Staging {
   std::vector<void*> streams_;  // by device ordinal
 };
 
-// Reads from a link's stream (its reader thread only).
-absl::Status Recv(StreamReader& in, void* dst, size_t n) {
-  absl::Status s = in.Read(dst, n);
-  AfterRecv();
-  return s;
-}
-
 constexpr uint64_t kPreferredRequestBytes = 1 << 20;
 
 class TcpTransport final : public Transport {
@@ -283,8 +282,8 @@ class TcpTransport final : public Transport {
   EndpointDescription LocalEndpoint() const override;
   Limits GetLimits() const override {
     // Each request costs a header, its share of a system call, an answer and
-    // a completion: measured (docs/performance.md), 1 MiB requests move 1 MiB
-    // blocks at 0.91 of a raw stream where 64 KiB ones reached 0.63.
+    // a completion: 1 MiB blocks moved at 0.88-0.94 of a raw stream in 1 MiB
+    // requests, 0.62-0.76 in 64 KiB ones (docs/performance.md).
     return Limits{options_.max_outstanding_per_link, options_.max_request_bytes,
                   options_.max_region_bytes,
                   std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes)};
@@ -1304,7 +1303,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   IpcRef ipc;
   const bool via_ipc = (h.flags & kViaIpc) != 0;
   if (via_ipc) {
-    *stream_error = Recv(*link.in, &ipc, sizeof ipc);
+    *stream_error = ReadStream(*link.in, &ipc, sizeof ipc);
     if (!stream_error->ok()) return answer;
   }
   absl::Status refused;
@@ -1338,7 +1337,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     } else if (refused.ok() && write) {
       // Straight into a host region: no intermediate buffer.
       *stream_error = device >= 0 ? link.recv_stage.Recv(*link.in, target, h.length, device)
-                                  : Recv(*link.in, target, h.length);
+                                  : ReadStream(*link.in, target, h.length);
     }
   }
   if (!refused.ok()) {
@@ -1440,7 +1439,7 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   }
   if (h.status != 0) {
     std::string text(std::min(h.text_len, kMaxErrorText), '\0');
-    RETURN_IF_ERROR(Recv(*link.in, text.data(), text.size()));
+    RETURN_IF_ERROR(ReadStream(*link.in, text.data(), text.size()));
     MutexLock lock(&mu_);
     if ((h.flags & kViaIpc) != 0) return ResendStaged(link, wr, h.id, text);
     FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
@@ -1467,7 +1466,7 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
     if (it != regions_.end()) device = it->second->device;
   }
   RETURN_IF_ERROR(device >= 0 ? link.recv_stage.Recv(*link.in, wr.local_addr, h.length, device)
-                              : Recv(*link.in, wr.local_addr, h.length));
+                              : ReadStream(*link.in, wr.local_addr, h.length));
   MutexLock lock(&mu_);
   if (link.outstanding.Erase(h.id)) {
     CompleteLocked(wr, absl::OkStatus());
@@ -1538,7 +1537,7 @@ absl::Status TcpTransport::Serve(Link& link, const DataHeader& h, AckRun& run, b
     // the requester saw it flushed.
     if ((h.flags & kViaIpc) != 0) {
       IpcRef skipped;
-      return Recv(*link.in, &skipped, sizeof skipped);
+      return ReadStream(*link.in, &skipped, sizeof skipped);
     }
     return h.type == kWriteReq ? link.in->Skip(h.length) : absl::OkStatus();
   }
@@ -1570,7 +1569,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   bool refusing = false;
   while (error.ok()) {
     DataHeader h;
-    error = Recv(*link->in, &h, sizeof h);
+    error = ReadStream(*link->in, &h, sizeof h);
     if (!error.ok()) break;
     // Reading ahead pays while payloads are small; a large one would be
     // copied out of the buffer: then only the next header is read ahead.
