@@ -16,7 +16,12 @@
 //        batches in flight per thread, for --duration seconds, --bytes, or
 //        --iters requests; MiB/s (2^20 bytes, as perftest), GB/s, ops/s and
 //        the time of a batch (p50/p99/p999). A progress line per second on
-//        runs longer than one.
+//        runs longer than one. A batch's blocks are adjacent, so the engine
+//        moves them in shared slices (up to the slice size); --scatter
+//        leaves a block-sized gap after each, so that every request is a
+//        slice of its own (the memcpy reference copies the same blocks; the
+//        socket reference streams the same number of bytes in one run per
+//        connection either way).
 //   lat: ping-pong like ib_write_lat: the initiator WRITEs `block` bytes, the
 //        target sees them land and WRITEs them back; half the round trip is
 //        the one-way latency (p50/p99/p999).
@@ -83,6 +88,9 @@ ABSL_FLAG(uint32_t, port, 0, "target: handshake port (0: first free from 15000)"
 ABSL_FLAG(uint64_t, block, 64 << 10, "bytes per request");
 ABSL_FLAG(uint32_t, batch, 64, "bw mode: requests per batch (two batches in flight per thread)");
 ABSL_FLAG(uint32_t, threads, 1, "bw mode: submitting threads");
+ABSL_FLAG(bool, scatter, false,
+          "bw mode: every other block on both ends (no two requests adjacent, so each is a "
+          "slice of its own; adjacent ones share slices)");
 ABSL_FLAG(uint32_t, links, 2,
           "links the engine opens to the peer (EngineOptions::links_per_peer); the socket "
           "reference opens as many connections (or one per thread, if more)");
@@ -251,10 +259,14 @@ absl::StatusOr<BwResult> DriveBandwidth(Mover& m, int threads, uint32_t batch, u
   return r;
 }
 
+// The distance between the starts of a batch's blocks: the block itself, or
+// twice it with --scatter.
+uint64_t BwStride(uint64_t block) { return absl::GetFlag(FLAGS_scatter) ? 2 * block : block; }
+
 // Where a thread's batches go: thread t, half h uses bytes
-// [(2t+h)*batch*block, +batch*block) of both buffers.
+// [(2t+h)*batch*stride, +batch*stride) of both buffers.
 uint64_t BwSpan(int threads, uint32_t batch, uint64_t block) {
-  return uint64_t(threads) * 2 * batch * block;
+  return uint64_t(threads) * 2 * batch * BwStride(block);
 }
 
 class EngineMover : public Mover {
@@ -264,7 +276,7 @@ class EngineMover : public Mover {
       : e_(e), seg_(seg), reqs_(threads * 2), ids_(threads * 2) {
     for (int i = 0; i < threads * 2; ++i) {
       for (uint32_t j = 0; j < batch; ++j) {
-        const uint64_t off = (uint64_t(i) * batch + j) * block;
+        const uint64_t off = (uint64_t(i) * batch + j) * BwStride(block);
         reqs_[i].push_back({write ? Opcode::kWrite : Opcode::kRead, local + off, remote + off, block});
       }
     }
@@ -297,9 +309,10 @@ class MemcpyMover : public Mover {
   MemcpyMover(char* src, char* dst, uint32_t batch, uint64_t block)
       : src_(src), dst_(dst), batch_(batch), block_(block) {}
   absl::Status Start(int tid, int half) override {
-    const uint64_t base = (uint64_t(2 * tid + half) * batch_) * block_;
+    const uint64_t stride = BwStride(block_);
+    const uint64_t base = (uint64_t(2 * tid + half) * batch_) * stride;
     for (uint32_t j = 0; j < batch_; ++j) {
-      std::memcpy(dst_ + base + j * block_, src_ + base + j * block_, block_);
+      std::memcpy(dst_ + base + j * stride, src_ + base + j * stride, block_);
     }
     return absl::OkStatus();
   }

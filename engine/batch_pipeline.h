@@ -95,6 +95,12 @@ class BatchPipeline {
                           absl::Span<const TransferRequest> requests,
                           absl::Span<const LocalUse> local, std::vector<Slice>* planned,
                           SliceCheck* why) const;
+  // Appends request `r` (whose local piece is `local`) to `last`, a slice
+  // of whole requests, when its bytes follow the slice's on both ends, in
+  // the same local piece and peer region, and the slice stays within the
+  // slice size; false (nothing changed) otherwise.
+  bool Extend(const Segment& seg, const TransferRequest& r, const LocalUse& local,
+              Slice* last) const;
   absl::StatusOr<BatchId> CreateBatch(SegmentId id, Segment& seg,
                                       absl::Span<const TransferRequest> requests,
                                       uint64_t peer_engine_id, std::vector<Slice>& planned,

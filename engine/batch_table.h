@@ -19,7 +19,11 @@ namespace engine_internal {
 
 struct Slice {
   BatchId batch = 0;
+  // A part of request `request`, or (`requests` > 1) requests [request,
+  // request + requests) whole: adjacent requests whose bytes follow each
+  // other on both ends travel as one slice (see PlanSlices).
   size_t request = 0;
+  uint32_t requests = 1;
   SegmentId segment = 0;
   transport::Opcode opcode = transport::Opcode::kWrite;
   void* local = nullptr;

@@ -26,19 +26,20 @@ void BatchPipeline::FinishSlice(uint64_t sid, absl::Status status, absl::Time no
   Batch* batch = batches_.Find(s.batch);
   if (batch == nullptr) return;
   if (status.ok()) ++batch->landed;
-  if (!status.ok() && batch->status[s.request].ok()) batch->status[s.request] = std::move(status);
-  if (--batch->slices_left[s.request] != 0) return;
-  if (--batch->pending == 0) pump_.Wake();  // its waiter may sleep
-  if (seg == nullptr) return;
-  PeerMetrics& m = seg->metrics;
-  m.latency.Record(now - batch->submitted);
-  const absl::Status& result = batch->status[s.request];
-  if (result.ok()) {
-    ++m.requests_ok;
-    (batch->op[s.request] == Opcode::kWrite ? m.bytes_written : m.bytes_read) +=
-        batch->length[s.request];
-  } else {
-    ++m.errors[absl::StatusCodeToString(result.code())];
+  for (size_t k = s.request; k < s.request + s.requests; ++k) {
+    if (!status.ok() && batch->status[k].ok()) batch->status[k] = status;
+    if (--batch->slices_left[k] != 0) continue;
+    if (--batch->pending == 0) pump_.Wake();  // its waiter may sleep
+    if (seg == nullptr) continue;
+    PeerMetrics& m = seg->metrics;
+    m.latency.Record(now - batch->submitted);
+    const absl::Status& result = batch->status[k];
+    if (result.ok()) {
+      ++m.requests_ok;
+      (batch->op[k] == Opcode::kWrite ? m.bytes_written : m.bytes_read) += batch->length[k];
+    } else {
+      ++m.errors[absl::StatusCodeToString(result.code())];
+    }
   }
 }
 

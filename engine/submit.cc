@@ -8,12 +8,30 @@
 #include "base/status_macros.h"
 #include "engine/batch_pipeline.h"
 #include "engine/retry_policy.h"
+#include "transport/checks.h"
 
 namespace kvferry {
 namespace engine_internal {
 
 using transport::Opcode;
 using transport::WorkRequest;
+
+bool BatchPipeline::Extend(const Segment& seg, const TransferRequest& r, const LocalUse& local,
+                           Slice* last) const {
+  const uint64_t end = last->length + r.length;
+  if (r.opcode != last->opcode || r.length == 0 || end > vias_[seg.via].slice_bytes ||
+      r.local != static_cast<char*>(last->local) + last->length ||
+      r.remote != last->remote + last->length || local.region != last->local_use.region ||
+      reinterpret_cast<uintptr_t>(last->local) + end > last->local_use.until) {
+    return false;
+  }
+  // The same peer region (whose access the first request was checked for).
+  const handshake::RegionDescriptor& reg = seg.descriptor.regions[last->region];
+  if (!transport::RangeInside(last->remote, end, reg.addr, reg.length)) return false;
+  last->length = end;
+  ++last->requests;
+  return true;
+}
 
 // Cuts every request into slices that never cross the end of a peer region
 // or of a local piece, and checks them all; `why` says what was wrong.
@@ -22,6 +40,7 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
                                        absl::Span<const LocalUse> local,
                                        std::vector<Slice>* planned, SliceCheck* why) const {
   const auto& regions = seg.descriptor.regions;
+  bool whole = false;  // planned->back() holds whole requests only
   for (size_t i = 0; i < requests.size(); ++i) {
     const TransferRequest& r = requests[i];
     if (local[i].region[seg.via] == 0) {
@@ -31,6 +50,7 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
           " is reached over ", vias_[seg.via].kind));
     }
     const bool write = r.opcode == Opcode::kWrite;
+    if (whole && Extend(seg, r, local[i], &planned->back())) continue;
     const handshake::RegionDescriptor* reg = nullptr;
     LocalUse use = local[i];
     for (uint64_t off = 0; off < r.length;) {
@@ -62,6 +82,7 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
       s.checked = seg.generation + 1;
       s.region = static_cast<uint32_t>(reg - regions.data());
       planned->push_back(s);
+      whole = off == 0 && len == r.length;
       off += len;
     }
   }
@@ -96,7 +117,7 @@ absl::StatusOr<BatchId> BatchPipeline::CreateBatch(SegmentId id, Segment& seg,
   seg.last_used = now;
   for (Slice& s : planned) {
     s.batch = batch_id;
-    ++b->slices_left[s.request];
+    for (size_t k = s.request; k < s.request + s.requests; ++k) ++b->slices_left[k];
     slice_ids->push_back(batches_.AddSlice(s));
   }
   return batch_id;

@@ -150,6 +150,77 @@ TEST(TransferEngine, SliceSizeIsTheTransportsUnlessNamed) {
   }
 }
 
+// Requests whose bytes follow each other on both ends travel as one slice
+// (up to the slice size), never across a peer region's end or between a
+// WRITE and a READ; each request still gets its own status.
+TEST(TransferEngine, AdjacentRequestsShareSlices) {
+  constexpr uint64_t kSlice = 64 << 10, kPage = 4 << 10, kHalf = 256 << 10;
+  std::vector<char> src = Pattern(2 * kHalf, 5);
+  std::vector<char> dst(2 * kHalf, 0);
+  auto decode = MakeEngine();
+  ASSERT_TRUE(decode);
+  // Two peer regions that touch: dst[0, kHalf) and dst[kHalf, 2 kHalf).
+  const transport::Access rw = transport::Access::kRemoteReadWrite;
+  ASSERT_TRUE(decode->RegisterMemory(dst.data(), kHalf, rw).ok());
+  ASSERT_TRUE(decode->RegisterMemory(dst.data() + kHalf, kHalf, rw).ok());
+  EngineOptions o = Local();
+  o.slice_bytes = kSlice;
+  auto prefill = MakeEngine(o);
+  ASSERT_TRUE(prefill);
+  ASSERT_TRUE(prefill->RegisterMemory(src.data(), src.size()).ok());
+  auto seg = prefill->OpenSegment(decode->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  uint64_t slices_before = 0;
+  // Moves `reqs` and returns how many slices they took.
+  auto run = [&](const std::vector<TransferRequest>& reqs) -> uint64_t {
+    auto batch = prefill->Submit(*seg, reqs);
+    EXPECT_TRUE(batch.ok()) << batch.status();
+    if (!batch.ok()) return 0;
+    auto status = prefill->Wait(*batch, absl::Seconds(10));
+    EXPECT_TRUE(status.ok()) << status.status();
+    if (!status.ok()) return 0;
+    EXPECT_EQ(status->succeeded, reqs.size());
+    EXPECT_EQ(status->pending, 0u);
+    const uint64_t now = prefill->GetMetrics().peers.at(0).slices;
+    const uint64_t used = now - slices_before;
+    slices_before = now;
+    return used;
+  };
+  auto pages = [&](uint64_t first, uint64_t count, uint64_t stride, Opcode op) {
+    std::vector<TransferRequest> reqs;
+    for (uint64_t k = 0; k < count; ++k) {
+      const uint64_t off = first + k * stride;
+      reqs.push_back({op, src.data() + off, Addr(dst, off), kPage});
+    }
+    return reqs;
+  };
+  // 16 adjacent pages: one slice; 32: two (64 KiB each).
+  EXPECT_EQ(run(pages(0, 16, kPage, Opcode::kWrite)), 1u);
+  EXPECT_EQ(run(pages(0, 32, kPage, Opcode::kWrite)), 2u);
+  EXPECT_EQ(std::vector<char>(dst.begin(), dst.begin() + 32 * kPage),
+            std::vector<char>(src.begin(), src.begin() + 32 * kPage));
+  // Pages with gaps: one slice each.
+  EXPECT_EQ(run(pages(0, 8, 2 * kPage, Opcode::kWrite)), 8u);
+  // Adjacent pages on both sides of the peer regions' boundary: two slices.
+  EXPECT_EQ(run(pages(kHalf - 2 * kPage, 4, kPage, Opcode::kWrite)), 2u);
+  // A WRITE then a READ of the next bytes: two slices. The READ brings
+  // back what the first WRITEs put there.
+  std::vector<TransferRequest> mixed = pages(0, 2, kPage, Opcode::kWrite);
+  std::fill(src.begin() + 2 * kPage, src.begin() + 3 * kPage, 'z');
+  mixed.push_back({Opcode::kRead, src.data() + 2 * kPage, Addr(dst, 2 * kPage), kPage});
+  EXPECT_EQ(run(mixed), 2u);
+  EXPECT_EQ(src, Pattern(2 * kHalf, 5));
+  // A request larger than a slice is cut as before, and the adjacent page
+  // after it goes in a slice of its own.
+  std::vector<TransferRequest> big = {
+      {Opcode::kWrite, src.data() + kHalf, Addr(dst, kHalf), kSlice + kPage},
+      {Opcode::kWrite, src.data() + kHalf + kSlice + kPage, Addr(dst, kHalf + kSlice + kPage),
+       kPage}};
+  EXPECT_EQ(run(big), 3u);
+  EXPECT_EQ(std::vector<char>(dst.begin() + kHalf, dst.begin() + kHalf + kSlice + 2 * kPage),
+            std::vector<char>(src.begin() + kHalf, src.begin() + kHalf + kSlice + 2 * kPage));
+}
+
 TEST(TransferEngine, OutOfRegionRequestsAreRefusedBeforeAnythingIsSent) {
   auto a = MakeEngine();
   auto b = MakeEngine();
