@@ -33,11 +33,13 @@ engine() {
   echo "BENCH $r $name ${v:-nan}"
 }
 
+# The engine's bw runs use --scatter: one work request per block, as
+# perftest and UCX post them (adjacent blocks would share slices).
 r=1
 while [ "$r" -le "$ROUNDS" ]; do
   pair ib_write_bw '$1 == 65536 {print $4}' \
     /usr/bin/ib_write_bw $PT -s 65536 -n 2000 -- /usr/bin/ib_write_bw $PT -s 65536 -n 2000 127.0.0.1
-  engine engine_write_bw --mode=bw --block=65536 --batch=64 --iters=2000
+  engine engine_write_bw --mode=bw --block=65536 --batch=64 --iters=2000 --scatter
   pair ucx_put_bw '/^Final:/ {print $6}' \
     /usr/bin/ucx_perftest -p 13337 -t ucp_put_bw -s 65536 -n 2000 -- \
     /usr/bin/ucx_perftest 127.0.0.1 -p 13337 -t ucp_put_bw -s 65536 -n 2000
@@ -49,6 +51,6 @@ while [ "$r" -le "$ROUNDS" ]; do
     /usr/bin/ucx_perftest 127.0.0.1 -p 13338 -t ucp_put_lat -s 8 -n 2000
   pair ib_write_bw_4k '$1 == 4096 {print $4}' \
     /usr/bin/ib_write_bw $PT -s 4096 -n 5000 -- /usr/bin/ib_write_bw $PT -s 4096 -n 5000 127.0.0.1
-  engine engine_write_bw_4k --mode=bw --block=4096 --batch=64 --iters=5000
+  engine engine_write_bw_4k --mode=bw --block=4096 --batch=64 --iters=5000 --scatter
   r=$((r + 1))
 done
