@@ -135,6 +135,13 @@ class BatchPipeline {
   // completions.cc
   // Waits in the transport up to `timeout` and delivers what completed.
   void Pump(absl::Duration timeout);
+  // Delivers what the transports have now, without waiting; false when
+  // they had nothing. Any number of threads at once (see CompletionPump).
+  bool PollNow();
+  // Makes the pump's driver return from its wait in the transports.
+  void InterruptWaits();
+  // Completions taken from the transports per call.
+  static constexpr size_t kPollBatch = 64;
   // One completion; the slice goes to `refresh` or `repost`, or finishes.
   void Deliver(transport::Completion& done, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -208,6 +215,7 @@ class BatchPipeline {
   Mutex event_mu_;
   CondVar event_cv_;
   uint64_t events_ ABSL_GUARDED_BY(event_mu_) = 0;
+  bool interrupted_ ABSL_GUARDED_BY(event_mu_) = false;  // see InterruptWaits
 
   mutable Mutex mu_;
   CondVar refreshed_;  // a refresh finished
@@ -217,7 +225,8 @@ class BatchPipeline {
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   // Slices whose link failed, by segment: refreshed first, or just re-posted
   // (their links were replaced already). Filled by Deliver, emptied by
-  // RefreshAndRepost on the same thread (the pump's driver).
+  // RefreshAndRepost on the thread whose turn the pump's is (its driver, or
+  // a poller that found no driver: see PollNow).
   struct Retry {
     SegmentId segment = 0;
     uint64_t broken_generation = 0;

@@ -26,6 +26,13 @@ bool CompletionPump::TryDrive(absl::FunctionRef<void()> drive) {
   return true;
 }
 
+bool CompletionPump::Delivered() {
+  MutexLock lock(&mu_);
+  epoch_.fetch_add(1);
+  if (sleepers_.load(std::memory_order_acquire) > 0) cv_.SignalAll();
+  return driving_;
+}
+
 void CompletionPump::Wake() {
   if (sleepers_.load(std::memory_order_acquire) == 0) return;
   MutexLock lock(&mu_);
@@ -34,7 +41,8 @@ void CompletionPump::Wake() {
 }
 
 bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
-                           absl::FunctionRef<void(absl::Time)> drive) {
+                           absl::FunctionRef<void(absl::Time)> drive,
+                           absl::FunctionRef<bool()> poll) {
   for (;;) {
     const uint64_t seen = epoch_.load();
     // Counted as a sleeper before looking, so a Wake after the look is not
@@ -43,6 +51,12 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
     if (ready()) {
       sleepers_.fetch_sub(1, std::memory_order_acq_rel);
       return true;
+    }
+    // What the transport has now, without waiting (and without the
+    // driver's turn: several threads may do this at once).
+    if (poll()) {
+      sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+      continue;
     }
     if (clock_->Now() >= deadline) {
       sleepers_.fetch_sub(1, std::memory_order_acq_rel);

@@ -1,9 +1,13 @@
-// Who drives the transport's completions. Threads waiting for their batches
-// take turns: one at a time (the driver) waits in the transport and
-// delivers every completion it gets, until its own wait is over; the others
-// look for ~20 us, then sleep until something finishes (Wake) or the driver
-// leaves, and one of them takes over. No thread sleeps on a timer while its
-// batch is done.
+// Who drives the transport's completions. A thread waiting for its batch
+// first takes what the transport has without waiting (poll; any number of
+// threads at once: a completion goes to whichever thread finds it first).
+// When there is nothing, threads take turns at waiting in the transport:
+// one at a time (the driver) waits there and delivers every completion it
+// gets, until its own wait is over; the others look for ~20 us, then sleep
+// until something finishes (Wake) or the driver leaves, and one of them
+// takes over. A poller that delivered something while a driver waits in the
+// transport interrupts that wait (Delivered), so the driver looks at its
+// batch again. No thread sleeps on a timer while its batch is done.
 #ifndef KVFERRY_ENGINE_COMPLETION_PUMP_H_
 #define KVFERRY_ENGINE_COMPLETION_PUMP_H_
 
@@ -22,13 +26,20 @@ class CompletionPump {
  public:
   explicit CompletionPump(Clock* clock) : clock_(clock) {}
 
-  // Returns true once ready() holds, false at `deadline`. Meanwhile, when
-  // no other thread drives, calls drive(deadline) (which waits in the
-  // transport and delivers completions, calling Wake for what finished);
-  // otherwise sleeps until Wake, the driver leaving, or the deadline.
-  // ready() is never called with the pump's lock held.
+  // Returns true once ready() holds, false at `deadline`. Meanwhile calls
+  // poll() (which delivers what the transport has without waiting, calling
+  // Delivered when it delivered something, and returns whether it did);
+  // when that finds nothing and no other thread drives, drive(deadline)
+  // (which waits in the transport and delivers completions, calling Wake
+  // for what finished); otherwise sleeps until Wake, the driver leaving, or
+  // the deadline. ready() and poll() are never called with the pump's lock
+  // held.
   bool Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
-             absl::FunctionRef<void(absl::Time)> drive);
+             absl::FunctionRef<void(absl::Time)> drive, absl::FunctionRef<bool()> poll);
+  // A poller delivered completions: waiters look again. Returns whether a
+  // driver is waiting in the transport meanwhile (the caller interrupts
+  // that wait: what it waits for may be among what was delivered).
+  bool Delivered();
   // Runs drive() if no other thread drives; false when one does.
   bool TryDrive(absl::FunctionRef<void()> drive);
   // Something finished: sleeping waiters look again. Cheap when none sleeps.

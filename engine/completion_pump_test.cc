@@ -31,6 +31,9 @@ class Event {
   bool set_ = false;
 };
 
+// A poll that finds nothing in the transport.
+bool kNothing() { return false; }
+
 // A thread whose wait another thread satisfies is woken by Wake while the
 // driver is still inside the transport: it never waits out a timer (the
 // deadline here is an hour; without the wake-up the test times out).
@@ -46,13 +49,15 @@ TEST(CompletionPump, WaiterIsWokenWhileAnotherThreadDrives) {
                              driving.Notify();
                              release_driver.WaitForNotification();  // "in the transport"
                              driver_ready = true;
-                           }));
+                           },
+                           kNothing));
   });
   driving.WaitForNotification();
   std::atomic<bool> returned{false};
   std::thread waiter([&] {
     EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Now() + absl::Hours(1),
-                           [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; }));
+                           [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; },
+                           kNothing));
     returned = true;
   });
   waiter_ready = true;  // its batch completed, collected by the driver
@@ -77,7 +82,8 @@ TEST(CompletionPump, WaiterTakesOverWhenTheDriverLeaves) {
                  driving.Notify();
                  release_driver.WaitForNotification();
                  first_done = true;
-               });
+               },
+               kNothing);
   });
   driving.WaitForNotification();
   std::thread second([&] {
@@ -85,7 +91,8 @@ TEST(CompletionPump, WaiterTakesOverWhenTheDriverLeaves) {
                [&](absl::Time) {
                  ++second_drove;
                  second_done = true;
-               });
+               },
+               kNothing);
   });
   release_driver.Notify();
   first.join();
@@ -100,9 +107,62 @@ TEST(CompletionPump, DeadlinePassesWithoutReady) {
                           [&](absl::Time until) {
                             ++drives;
                             absl::SleepFor(std::max(absl::ZeroDuration(), until - absl::Now()));
-                          }));
+                          },
+                          kNothing));
   EXPECT_GE(drives, 1);
   EXPECT_TRUE(pump.TryDrive([] {}));
+}
+
+// What a poll finds is delivered without the driver's turn: the waiter
+// never drives, and returns while another thread drives.
+TEST(CompletionPump, PollDeliversWithoutDriving) {
+  CompletionPump pump(RealClock());
+  EXPECT_FALSE(pump.Delivered());  // no driver
+  bool ready = false;
+  int polls = 0;
+  EXPECT_TRUE(pump.Await([&] { return ready; }, absl::Now() + absl::Hours(1),
+                         [&](absl::Time) { ADD_FAILURE() << "drove"; },
+                         [&] {
+                           ++polls;
+                           ready = true;  // "its completion was in the transport"
+                           pump.Delivered();
+                           return true;
+                         }));
+  EXPECT_EQ(polls, 1);
+}
+
+// A poller that delivered what the driver waits for learns that a driver
+// waits (and interrupts its wait in the transport): the driver returns
+// without another completion coming.
+TEST(CompletionPump, PollerInterruptsTheDriversWait) {
+  CompletionPump pump(RealClock());
+  Event driving, interrupted;
+  std::atomic<bool> driver_ready{false}, waiter_ready{false};
+  std::thread driver([&] {
+    EXPECT_TRUE(pump.Await([&] { return driver_ready.load(); }, absl::Now() + absl::Hours(1),
+                           [&](absl::Time) {
+                             driving.Notify();
+                             interrupted.WaitForNotification();  // "in the transport"
+                           },
+                           kNothing));
+  });
+  driving.WaitForNotification();
+  std::atomic<int> interrupts{0};
+  EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Now() + absl::Hours(1),
+                         [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; },
+                         [&] {
+                           // Takes both completions, the driver's and its own.
+                           driver_ready = true;
+                           waiter_ready = true;
+                           if (pump.Delivered()) {
+                             ++interrupts;
+                             interrupted.Notify();
+                           }
+                           return true;
+                         }));
+  driver.join();  // returns: without the interrupt it would wait for ever
+  EXPECT_EQ(interrupts.load(), 1);
+  EXPECT_FALSE(pump.Delivered());  // the driver left
 }
 
 }  // namespace

@@ -202,7 +202,10 @@ size_t BatchPipeline::WaitAll(absl::Span<Completion> out, absl::Duration timeout
     // The transports' notifiers bump events_ after queueing completions.
     MutexLock lock(&event_mu_);
     event_cv_.AwaitWithDeadline(&event_mu_, FastNow() + timeout,
-                                [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return events_ != seen; });
+                                [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                  return events_ != seen || interrupted_;
+                                });
+    interrupted_ = false;
   }
   return poll();
 }
@@ -211,7 +214,7 @@ void BatchPipeline::Pump(absl::Duration timeout) {
   // A per-thread buffer: 64 completions built and destroyed on every call
   // were a sixth of the cost of a one-request batch. Only the pump's driver
   // runs this, so it never nests.
-  constexpr size_t kDone = 64;
+  constexpr size_t kDone = kPollBatch;
   thread_local std::unique_ptr<Completion[]> buffer(new Completion[kDone]);
   Completion* done = buffer.get();
   const size_t n = WaitAll(absl::MakeSpan(done, kDone), timeout);
@@ -226,6 +229,39 @@ void BatchPipeline::Pump(absl::Duration timeout) {
   DrainBacklogs();
   // Not while completions are still pouring in: they are signs of life.
   if (n < kDone) CheckPeers(now);
+}
+
+bool BatchPipeline::PollNow() {
+  thread_local std::unique_ptr<Completion[]> buffer(new Completion[kPollBatch]);
+  Completion* done = buffer.get();
+  size_t n = 0;
+  for (const Via& v : vias_) {
+    n += v.transport->PollCompletions(absl::MakeSpan(done + n, kPollBatch - n));
+  }
+  if (n == 0) return false;
+  const absl::Time now = clock_->Now();
+  bool retries;
+  {
+    MutexLock lock(&mu_);
+    for (size_t i = 0; i < n; ++i) Deliver(done[i], now);
+    retries = !retry_.empty();
+  }
+  if (pump_.Delivered()) {
+    // The driver may be waiting for one of these: it looks again (and
+    // takes the retries, if any).
+    InterruptWaits();
+  } else if (retries) {
+    pump_.TryDrive([this] { RefreshAndRepost(); });
+  }
+  DrainBacklogs();
+  return true;
+}
+
+void BatchPipeline::InterruptWaits() {
+  if (vias_.size() == 1) return vias_[0].transport->InterruptWait();
+  MutexLock lock(&event_mu_);
+  interrupted_ = true;
+  event_cv_.SignalAll();
 }
 
 absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
@@ -256,9 +292,12 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
   // peers; completions wake it at once.
   const absl::Duration check = config_.peer_timeout / 4;
   const absl::Time deadline = clock_->Now() + timeout;
-  const bool done = pump_.Await(ready, deadline, [&](absl::Time until) {
-    Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
-  });
+  const bool done = pump_.Await(
+      ready, deadline,
+      [&](absl::Time until) {
+        Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
+      },
+      [&] { return PollNow(); });
   if (!known) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   if (done) return absl::OkStatus();
   MutexLock lock(&mu_);

@@ -233,6 +233,13 @@ class Transport {
   // (wall time on real transports, simulated time on sim).
   virtual size_t WaitCompletions(absl::Span<Completion> out,
                                  absl::Duration timeout) = 0;
+  // Makes a thread waiting in WaitCompletions return now, with what it has
+  // (possibly nothing); when none waits, the next WaitCompletions call
+  // returns at once. For callers that poll from several threads: one that
+  // took completions another thread may be waiting for wakes it with this.
+  // A transport whose WaitCompletions never waits in real time (the
+  // simulated one) needs nothing here.
+  virtual void InterruptWait() {}
   // For a caller that waits on several transports at once: `notify` is
   // called after completions are queued (from the transport's threads,
   // possibly with its locks held: it must only signal, never call back

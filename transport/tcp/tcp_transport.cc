@@ -301,6 +301,7 @@ class TcpTransport final : public Transport {
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  void InterruptWait() override;
   std::vector<std::pair<std::string, uint64_t>> RefusedInput() const override {
     const HelloAcceptorStats s = acceptor_->stats();
     return {{"data_connection_bad_hello", s.bad_hellos},
@@ -579,6 +580,7 @@ class TcpTransport final : public Transport {
 
   Mutex mu_;
   CondVar cq_cv_;
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;  // see InterruptWait
   LinkId last_link_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_post_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<LinkId, std::shared_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
@@ -1609,10 +1611,17 @@ size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration 
   {
     MutexLock lock(&mu_);
     cq_cv_.AwaitWithDeadline(&mu_, FastNow() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return !cq_.empty();
+      return !cq_.empty() || interrupted_;
     });
+    interrupted_ = false;
   }
   return PollCompletions(out);
+}
+
+void TcpTransport::InterruptWait() {
+  MutexLock lock(&mu_);
+  interrupted_ = true;
+  cq_cv_.SignalAll();
 }
 
 }  // namespace

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <atomic>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "cuda/driver.h"
 #include "sim/prng.h"
 #include "transport/in_process.h"
@@ -167,6 +170,31 @@ TEST_P(TransportConformanceTest, WriteMovesBytesAndNothingElse) {
   EXPECT_TRUE(SameBytes(dst.bytes.data(), before.data(), dst.guard));
   EXPECT_TRUE(SameBytes(dst.data() + dst.size(), before.data() + dst.guard + dst.size(),
                         dst.guard));
+}
+
+// InterruptWait ends a thread's wait in WaitCompletions at once; with no
+// thread waiting, it ends the next wait (once).
+TEST_P(TransportConformanceTest, InterruptWaitEndsAWait) {
+  Pair p = MakePair();
+  std::vector<Completion> out(4);
+  p.a->InterruptWait();
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(p.a->WaitCompletions(absl::MakeSpan(out), absl::Seconds(60)), 0u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  // Used up: the next wait runs its course (on the transport's clock).
+  const absl::Time before = harness_->clock()->Now();
+  EXPECT_EQ(p.a->WaitCompletions(absl::MakeSpan(out), absl::Milliseconds(100)), 0u);
+  EXPECT_GE(harness_->clock()->Now() - before, absl::Milliseconds(90));
+  // A thread already waiting.
+  std::atomic<size_t> got{99};
+  const absl::Time waiting = absl::Now();
+  std::thread waiter(
+      [&] { got = p.a->WaitCompletions(absl::MakeSpan(out), absl::Seconds(60)); });
+  absl::SleepFor(absl::Milliseconds(50));
+  p.a->InterruptWait();
+  waiter.join();
+  EXPECT_EQ(got.load(), 0u);
+  EXPECT_LT(absl::Now() - waiting, absl::Seconds(20));
 }
 
 TEST_P(TransportConformanceTest, ReadMovesBytes) {

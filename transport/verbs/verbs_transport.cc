@@ -134,6 +134,7 @@ class VerbsTransport final : public Transport {
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  void InterruptWait() override;
   bool SetCompletionNotifier(std::function<void()> notify) override {
     MutexLock lock(&mu_);
     const bool had = static_cast<bool>(notify_);
@@ -243,6 +244,8 @@ class VerbsTransport final : public Transport {
   // while some thread sleeps: a thread that polls the CQs itself needs no
   // wake-up, and the poller's wake-ups would only steal its CPU.
   std::atomic<int> sleepers_{0};
+  // Set by InterruptWait: the next (or current) WaitCompletions returns.
+  std::atomic<bool> interrupted_{false};
 
   Mutex mu_;
   CondVar cq_cv_;
@@ -862,7 +865,7 @@ size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duratio
   // Poll the CQs from this thread for a moment (see busy_poll), then sleep.
   const absl::Time spin_until = FastNow() + std::min(timeout, options_.busy_poll);
   while (FastNow() < spin_until) {
-    bool any = false;
+    bool any = interrupted_.exchange(false);
     for (Nic& nic : nics_) any = Drain(nic.cq.get()) || any;
     if (any) return PollCompletions(out);
   }
@@ -875,11 +878,18 @@ size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duratio
   if (!any) {
     MutexLock lock(&mu_);
     cq_cv_.AwaitWithDeadline(&mu_, FastNow() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return !cq_.empty();
+      return !cq_.empty() || interrupted_.load();
     });
   }
+  interrupted_.store(false);
   --sleepers_;
   return PollCompletions(out);
+}
+
+void VerbsTransport::InterruptWait() {
+  MutexLock lock(&mu_);  // a waiter checks the flag under it before sleeping
+  interrupted_.store(true);
+  cq_cv_.SignalAll();
 }
 
 }  // namespace
