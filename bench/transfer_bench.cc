@@ -91,9 +91,10 @@ ABSL_FLAG(uint32_t, threads, 1, "bw mode: submitting threads");
 ABSL_FLAG(bool, scatter, false,
           "bw mode: every other block on both ends (no two requests adjacent, so each is a "
           "slice of its own; adjacent ones share slices)");
-ABSL_FLAG(uint32_t, links, 2,
-          "links the engine opens to the peer (EngineOptions::links_per_peer); the socket "
-          "reference opens as many connections (or one per thread, if more)");
+ABSL_FLAG(uint32_t, links, 0,
+          "links the engine opens to the peer (EngineOptions::links_per_peer; 0: the "
+          "transport's choice); the socket reference opens as many connections as the engine "
+          "did (or one per thread, if more)");
 ABSL_FLAG(double, duration, 0, "seconds to run each measure (0: --bytes or --iters)");
 ABSL_FLAG(uint64_t, bytes, 0, "bw mode: bytes to move (0: --iters)");
 ABSL_FLAG(uint64_t, iters, 2000, "requests (bw) or round trips (lat) measured");
@@ -781,6 +782,13 @@ std::string RoundsNote() {
   return rounds > 1 ? absl::StrCat(" (median of ", rounds, " alternating rounds)") : "";
 }
 
+// The links the initiator's engine has to the target (its metrics).
+int EngineLinks(const Session& s) {
+  uint32_t links = 1;
+  for (const PeerMetrics& p : s.initiator->GetMetrics().peers) links = std::max(links, p.links);
+  return static_cast<int>(links);
+}
+
 absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threads,
                                                            uint32_t batch, uint64_t block,
                                                            bool write) {
@@ -794,7 +802,7 @@ absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threa
     m = std::make_unique<MemcpyMover>(write ? a : b, write ? b : a, batch, block);
   } else {
     ASSIGN_OR_RETURN(m, SocketMover::Connect(s.sink_address, s.local.data(), threads, batch, block,
-                                             static_cast<int>(absl::GetFlag(FLAGS_links))));
+                                             EngineLinks(s)));
   }
   ASSIGN_OR_RETURN(BwResult r, DriveBandwidth(*m, threads, batch, block, s.reference));
   return std::optional<BwResult>(r);
@@ -900,11 +908,11 @@ void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const Bw
                 ref ? ref->gb_s() : 0.0, ratio, std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
     return;
   }
-  std::printf("%s %llu B x %.0f over %s, %d thread(s): %.2f MiB/s (%.3f GB/s), %.0f ops/s; "
-              "batch of %u: p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
+  std::printf("%s %llu B x %.0f over %s (%d link(s)), %d thread(s): %.2f MiB/s (%.3f GB/s), "
+              "%.0f ops/s; batch of %u: p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
               write ? "WRITE" : "READ", static_cast<unsigned long long>(r.block), r.requests,
-              transport.c_str(), threads, r.mib_s(), r.gb_s(), r.ops_s(), batch, r.batch_us.p50,
-              r.batch_us.p99, r.batch_us.p999);
+              transport.c_str(), EngineLinks(s), threads, r.mib_s(), r.gb_s(), r.ops_s(), batch,
+              r.batch_us.p50, r.batch_us.p99, r.batch_us.p999);
   if (ref) {
     std::printf("  reference %s: %.3f GB/s, %.0f ops/s; ratio engine/%s %.2f%s\n",
                 s.reference.c_str(), ref->gb_s(), ref->ops_s(), s.reference.c_str(), ratio,

@@ -38,6 +38,9 @@ BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
     if (limits.max_request_bytes != 0) {
       v.slice_bytes = std::min(v.slice_bytes, limits.max_request_bytes);
     }
+    v.links = config_.links_per_peer != 0   ? config_.links_per_peer
+              : limits.preferred_links != 0 ? limits.preferred_links
+                                            : kDefaultLinks;
     v.nic_offset = nic_counters_.size();
     for (const transport::NicInfo& nic : endpoint.nics) {
       nic_counters_.push_back(NicCounters{nic.name, 0, 0});
@@ -71,7 +74,7 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::Connect(const std::string& pe
   Path p;
   p.via = via;
   ASSIGN_OR_RETURN(p.links, ConnectLinks(vias_[via].transport, *client_, engine_id_, peer, d,
-                                         config_.links_per_peer, clock_->Now()));
+                                         vias_[via].links, clock_->Now()));
   p.descriptor = std::move(d);
   return p;
 }
@@ -315,8 +318,11 @@ std::vector<PeerMetrics> BatchPipeline::Peers() const {
   std::vector<PeerMetrics> out;
   {
     MutexLock lock(&mu_);
-    const_cast<SegmentTable&>(segments_).ForEach(
-        [&](SegmentId, Segment& seg) { out.push_back(seg.metrics); });
+    const_cast<SegmentTable&>(segments_).ForEach([&](SegmentId, Segment& seg) {
+      out.push_back(seg.metrics);
+      out.back().links = 0;
+      for (const Link& l : seg.links) out.back().links += l.failed ? 0 : 1;
+    });
   }
   std::sort(out.begin(), out.end(),
             [](const PeerMetrics& a, const PeerMetrics& b) { return a.peer < b.peer; });

@@ -38,11 +38,13 @@ namespace engine_internal {
 
 // The slice size over a transport that states no preference.
 constexpr uint64_t kDefaultSliceBytes = 64 << 10;
+// Links per peer over a transport that states no preference.
+constexpr uint32_t kDefaultLinks = 2;
 
 struct PipelineConfig {
   uint64_t slice_bytes = 0;  // 0: each transport's preferred request size
   uint32_t retries = 2;
-  uint32_t links_per_peer = 2;
+  uint32_t links_per_peer = 0;  // 0: each transport's preferred link count
   absl::Duration peer_timeout = absl::Seconds(10);
   absl::Duration idle_segment_timeout = absl::Minutes(10);
 };
@@ -186,6 +188,7 @@ class BatchPipeline {
     std::string kind;
     uint32_t link_capacity = 1;
     uint64_t slice_bytes = 0;  // the largest slice it gets
+    uint32_t links = 0;        // links it opens per peer (at least one per NIC)
     size_t nic_offset = 0;  // its NICs' first index in nic_counters_
   };
   // Which transport a peer goes over, its descriptor for it, the links.

@@ -12,8 +12,8 @@ absl::Status CheckOptions(const EngineOptions& o) {
   if (o.idle_segment_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("idle_segment_timeout must be positive");
   }
-  if (o.links_per_peer == 0 || o.links_per_peer > 64) {
-    return absl::InvalidArgumentError("links_per_peer must be 1 to 64");
+  if (o.links_per_peer > 64) {
+    return absl::InvalidArgumentError("links_per_peer must be 1 to 64 (0: the transport's choice)");
   }
   if (o.port == 0 && (o.first_port == 0 || o.last_port < o.first_port)) {
     return absl::InvalidArgumentError(

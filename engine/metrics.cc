@@ -99,6 +99,8 @@ void WritePeerCounters(Writer& w, const std::vector<PeerMetrics>& peers) {
     w.Sample("kvferry_peer_transport", Label("peer", p.peer) + "," + Label("transport", p.transport),
              1);
   }
+  w.Family("kvferry_peer_links", "gauge", "Links open to the peer (failed ones not counted).");
+  for (const PeerMetrics& p : peers) w.Sample("kvferry_peer_links", Label("peer", p.peer), p.links);
   w.Family("kvferry_bytes_total", "counter", "Bytes moved by successful requests.");
   for (const PeerMetrics& p : peers) {
     w.Sample("kvferry_bytes_total", Label("peer", p.peer) + ",op=\"write\"", p.bytes_written);

@@ -48,6 +48,7 @@ struct PeerMetrics {
   uint64_t slices = 0;               // posted, re-posts included
   uint64_t retries = 0;              // slices re-posted after a failure
   uint64_t reconnects = 0;           // times its links were rebuilt
+  uint32_t links = 0;                // links to it now, failed ones not counted
   std::map<std::string, uint64_t> errors;  // failed requests by status code
   LatencyHistogram latency;
 };

@@ -107,6 +107,9 @@ TEST(Metrics, EndpointServesCountersThatMoveWithTraffic) {
     const std::string text = Get((*a)->metrics_address(), "/metrics");
     EXPECT_EQ(Sample(text, "kvferry_requests_total" + peer + "}"), round * kCount);
     EXPECT_EQ(Sample(text, "kvferry_peer_transport" + peer + ",transport=\"tcp\"}"), 1);
+    EXPECT_EQ(Sample(text, "kvferry_peer_links" + peer + "}"),
+              (*a)->GetMetrics().peers.at(0).links);
+    EXPECT_GE(Sample(text, "kvferry_peer_links" + peer + "}"), 1);
     EXPECT_EQ(Sample(text, "kvferry_requests_ok_total" + peer + "}"), round * kCount);
     EXPECT_EQ(Sample(text, "kvferry_bytes_total" + peer + ",op=\"write\"}"),
               round * kCount * kBlock);

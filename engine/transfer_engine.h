@@ -68,8 +68,11 @@ struct EngineOptions {
   // an answer; RDMA and the simulator: 64 KiB, which stripes a request
   // over every NIC pair).
   uint64_t slice_bytes = 0;
-  // Links (for TCP: connections) opened to each peer.
-  uint32_t links_per_peer = 2;
+  // Links (for TCP: connections) opened to each peer, at least one per local
+  // NIC; 0: the transport's choice (TCP: 1 on a host where this process may
+  // run on fewer than 4 CPUs, where each link's two threads would crowd
+  // them, else 2; RDMA and the simulator: 2).
+  uint32_t links_per_peer = 0;
   absl::Duration connect_timeout = absl::Seconds(5);
   absl::Duration handshake_timeout = absl::Seconds(10);
   // Re-posts of a slice after a link or peer failure.

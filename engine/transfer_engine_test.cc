@@ -1,4 +1,5 @@
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -7,6 +8,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <sched.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -219,6 +222,31 @@ TEST(TransferEngine, AdjacentRequestsShareSlices) {
   EXPECT_EQ(run(big), 3u);
   EXPECT_EQ(std::vector<char>(dst.begin() + kHalf, dst.begin() + kHalf + kSlice + 2 * kPage),
             std::vector<char>(src.begin() + kHalf, src.begin() + kHalf + kSlice + 2 * kPage));
+}
+
+// Links per peer: the transport's choice unless named. Over TCP one link on
+// a host where this process may use fewer than 4 CPUs (each link keeps two
+// threads busy at each end), else two; over RDMA (inside the Soft-RoCE VM)
+// two. At least one per local NIC either way.
+TEST(TransferEngine, LinkCountIsTheTransportsUnlessNamed) {
+  const bool rdma = std::getenv("KVFERRY_REQUIRE_RDMA") != nullptr;
+  cpu_set_t cpus;
+  ASSERT_EQ(sched_getaffinity(0, sizeof cpus, &cpus), 0);
+  auto decode = MakeEngine();
+  ASSERT_TRUE(decode);
+  for (uint32_t named : {0u, 3u}) {
+    EngineOptions o = Local();
+    o.links_per_peer = named;
+    auto prefill = MakeEngine(o);
+    ASSERT_TRUE(prefill);
+    auto seg = prefill->OpenSegment(decode->address());
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    const uint32_t nics = static_cast<uint32_t>(prefill->GetMetrics().nics.size());
+    const uint32_t chosen = named != 0 ? named : rdma ? 2 : CPU_COUNT(&cpus) < 4 ? 1 : 2;
+    const EngineMetrics m = prefill->GetMetrics();
+    ASSERT_EQ(m.peers.size(), 1u);
+    EXPECT_EQ(m.peers[0].links, std::max(chosen, nics)) << "links_per_peer " << named;
+  }
 }
 
 TEST(TransferEngine, OutOfRegionRequestsAreRefusedBeforeAnythingIsSent) {
@@ -921,7 +949,7 @@ TEST(TransferEngine, BadOptionsAndRegistrations) {
   o.devices = {"no_such_nic0"};
   EXPECT_EQ(TransferEngine::Create(o).status().code(), absl::StatusCode::kNotFound);
   o = Local();
-  o.links_per_peer = 0;
+  o.links_per_peer = 65;
   EXPECT_EQ(TransferEngine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
   auto e = MakeEngine();
   std::vector<char> buf(4096);

@@ -179,6 +179,9 @@ struct Limits {
   // The request size this transport moves best, for an engine that lets
   // the transport choose its slice size; 0: no preference.
   uint64_t preferred_request_bytes = 0;
+  // The links per peer it moves data best over, for an engine that lets the
+  // transport choose; 0: no preference.
+  uint32_t preferred_links = 0;
 };
 
 class Transport {

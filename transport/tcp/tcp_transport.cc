@@ -1,5 +1,6 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -76,6 +77,13 @@ static_assert(sizeof(IpcRef) == 72, "wire IPC reference size");
 
 // This host's identity (its kernel's boot id, which the containers on a
 // host share): links between two transports on one host may use CUDA IPC.
+// The CPUs this process may run on (its affinity mask: taskset, cpusets).
+uint32_t UsableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<uint32_t>(CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 uint64_t HostId() {
   static const uint64_t id = [] {
     FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
@@ -283,10 +291,13 @@ class TcpTransport final : public Transport {
   Limits GetLimits() const override {
     // Each request costs a header, its share of a system call, an answer and
     // a completion: 1 MiB blocks moved at 0.88-0.94 of a raw stream in 1 MiB
-    // requests, 0.62-0.76 in 64 KiB ones (docs/performance.md).
+    // requests, 0.62-0.76 in 64 KiB ones (docs/performance.md). Each link
+    // keeps two threads busy at each end: on a host with few CPUs one link
+    // moved more than two (docs/performance.md).
     return Limits{options_.max_outstanding_per_link, options_.max_request_bytes,
                   options_.max_region_bytes,
-                  std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes)};
+                  std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes),
+                  UsableCpus() < 4 ? 1u : 2u};
   }
   absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
                                         Access access) override;
