@@ -1,0 +1,152 @@
+// The TCP transport: each link's writer thread (requests and answers out,
+// several per sendmsg) and reader thread (requests served, answers taken).
+#include "transport/tcp/tcp_transport_internal.h"
+
+namespace kvferry {
+namespace transport {
+namespace tcp_internal {
+
+void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
+  std::vector<Job> jobs;  // swapped with the link's queue: no allocation once warm
+  std::vector<Job> rest;  // the part of an inline send the socket did not take
+  for (;;) {
+    jobs.clear();
+    rest.clear();
+    size_t skip = 0;
+    {
+      MutexLock lock(&mu_);
+      while (((link->jobs.empty() && !link->inline_rest) || link->writer_busy) &&
+             !link->stopping) {
+        link->cv.Wait(&mu_);
+      }
+      if (link->stopping) return;
+      if (link->inline_rest) {
+        rest.swap(link->inline_jobs);
+        skip = link->inline_sent;
+        link->inline_rest = false;
+      }
+      jobs.swap(link->jobs);  // everything queued
+      link->queued_answers = 0;
+      link->writer_busy = true;
+    }
+    bool close_after = false;
+    absl::Status sent;
+    if (!rest.empty()) sent = SendJobs(*link, absl::MakeSpan(rest), &close_after, skip);
+    // Up to kMaxJobsPerSend messages per sendmsg.
+    for (size_t i = 0; i < jobs.size() && sent.ok() && !close_after; i += kMaxJobsPerSend) {
+      sent = SendJobs(*link,
+                      absl::MakeSpan(jobs).subspan(i, std::min(kMaxJobsPerSend, jobs.size() - i)),
+                      &close_after);
+    }
+    {
+      MutexLock lock(&mu_);
+      link->writer_busy = false;
+      link->cv.SignalAll();
+    }
+    if (!sent.ok() || close_after) {
+      // The reader sees the connection end and fails the link.
+      ::shutdown(link->fd.get(), sent.ok() ? SHUT_WR : SHUT_RDWR);
+      return;
+    }
+  }
+}
+
+absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after,
+                                    size_t skip) {
+  iovec iov[3 * kMaxJobsPerSend];
+  int n = 0;
+  // A READ answer sends region bytes: the region may have been unregistered
+  // since the request was checked, so check again, and keep it registered
+  // while its bytes go out (a RegionUse; no lock is held while sending).
+  std::vector<RegionUse> uses;
+  {
+    for (Job& job : jobs) {
+      if (job.read_answer) {
+        char* source = nullptr;
+        DataHeader request = job.header;
+        request.type = kReadReq;
+        absl::StatusOr<RegionUse> use =
+            UseRemote(request, /*write=*/false, link.fd.get(), &source, &job.device);
+        if (!use.ok()) {
+          job.header.status = static_cast<uint8_t>(use.status().code());
+          job.header.length = 0;
+          job.text = std::string(use.status().message().substr(0, kMaxErrorText));
+          job.data = nullptr;
+          job.read_answer = false;
+          job.close_after = true;  // nothing after a refusal: the connection closes
+        } else {
+          job.data = source;
+          uses.push_back(std::move(*use));
+        }
+      }
+    }
+  }
+  {
+    for (Job& job : jobs) {
+      job.header.text_len = static_cast<uint32_t>(job.text.size());
+      iov[n++] = {&job.header, sizeof job.header};
+      if (!job.text.empty()) iov[n++] = {job.text.data(), job.text.size()};
+      if (job.ipc) iov[n++] = {&job.ipc_ref, sizeof job.ipc_ref};
+      if (job.data != nullptr && job.header.length > 0 && job.device >= 0) {
+        // Device memory: what is gathered goes first, then the bytes
+        // through the staging buffer. (Never in an inline rest: skip
+        // covers host jobs only.)
+        iovec* first = iov;
+        SkipBytes(first, n, skip);
+        skip = 0;
+        RETURN_IF_ERROR(SendAll(link.fd.get(), first, n));
+        n = 0;
+        RETURN_IF_ERROR(
+            link.send_stage.Send(link.fd.get(), job.data, job.header.length, job.device));
+      } else if (job.data != nullptr && job.header.length > 0) {
+        iov[n++] = {const_cast<void*>(job.data), job.header.length};
+      }
+      if (job.close_after) {
+        *close_after = job.close_after;
+        break;  // nothing after a refusal: the connection closes
+      }
+    }
+    iovec* first = iov;
+    SkipBytes(first, n, skip);
+    return SendAll(link.fd.get(), first, n);
+  }
+}
+
+
+void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
+  link->in = std::make_unique<StreamReader>(link->fd.get());
+  absl::Status error;
+  AckRun run;
+  bool refusing = false;
+  while (error.ok()) {
+    DataHeader h;
+    error = ReadStream(*link->in, &h, sizeof h);
+    if (!error.ok()) break;
+    // Reading ahead pays while payloads are small; a large one would be
+    // copied out of the buffer: then only the next header is read ahead.
+    const bool payload = (h.type == kWriteReq || h.type == kReadResp) && (h.flags & kViaIpc) == 0;
+    link->in->ReadAhead(payload && h.length >= StreamReader::kDirect ? sizeof h
+                                                                     : StreamReader::kCapacity);
+    if (h.type == kWriteReq || h.type == kReadReq) {
+      error = Serve(*link, h, run, &refusing);
+    } else if (h.type == kWriteAck || h.type == kReadResp) {
+      error = OnAnswer(*link, h);
+    } else {
+      error = absl::DataLossError(absl::StrCat("unknown message type ", h.type));
+    }
+  }
+  for (const auto& [handle, imp] : link->ipc_imports) CloseImport(imp);
+  link->ipc_imports.clear();
+  MutexLock lock(&mu_);
+  link->reader_done = true;
+  // Closed here (CloseLink, destruction) or already failed: nothing to do.
+  if (link->stopping) return;
+  FailLink(*link,
+           absl::UnavailableError(absl::StrCat("connection to peer lost on link ",
+                                               link->id, ": ", error.message())),
+           link->outstanding.empty() ? 0 : link->outstanding.first());
+}
+
+}  // namespace tcp_internal
+}  // namespace transport
+}  // namespace kvferry

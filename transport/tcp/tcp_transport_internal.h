@@ -1,0 +1,420 @@
+// The TCP transport's class, shared by the files that implement it:
+//   tcp_transport.cc     lifecycle, regions, links, completions;
+//   tcp_requester.cc     posting requests (the socket, inline from the
+//                        posting thread, or copied in-process) and their
+//                        answers;
+//   tcp_responder.cc     executing a peer's requests and queueing answers;
+//   tcp_link_threads.cc  each link's writer and reader threads;
+//   tcp_io.{h,cc}        socket I/O and the device-memory staging buffers.
+// Internal to transport/tcp: users include tcp_transport.h.
+#ifndef KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_INTERNAL_H_
+#define KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_INTERNAL_H_
+
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "base/clock.h"
+#include "base/errno_status.h"
+#include "base/logging.h"
+#include "base/mutex.h"
+#include "base/scratch.h"
+#include "base/status_macros.h"
+#include "base/thread_cache.h"
+#include "cuda/driver.h"
+#include "transport/checks.h"
+#include "transport/completion_queue.h"
+#include "transport/id_window.h"
+#include "transport/link_params.h"
+#include "transport/tcp/hello_acceptor.h"
+#include "transport/tcp/stream_reader.h"
+#include "transport/tcp/tcp_io.h"
+#include "transport/tcp/tcp_transport.h"
+#include "transport/tcp/vmm_share.h"
+#include "transport/tcp/wire.h"
+
+namespace kvferry {
+namespace transport {
+namespace tcp_internal {
+
+using tcp_wire::DataHeader;
+using tcp_wire::DecodeLinkParams;
+using tcp_wire::EncodeLinkParams;
+using tcp_wire::kAckNow;
+using tcp_wire::kReadReq;
+using tcp_wire::kReadResp;
+using tcp_wire::kViaIpc;
+using tcp_wire::kViaVmm;
+using tcp_wire::kWriteAck;
+using tcp_wire::kWriteReq;
+using tcp_wire::PeerParams;
+
+constexpr uint32_t kMaxErrorText = 1024;
+// The writer sends up to this many queued messages with one sendmsg.
+constexpr size_t kMaxJobsPerSend = 64;
+// A Post on an idle link of at most this many bytes is sent by the posting
+// thread itself (no hand-off to the writer thread).
+constexpr uint64_t kInlineSendBytes = 16 << 10;
+// A responder acknowledges WRITEs in runs: up to the last request of each
+// Post on the link (kAckNow), and at most this many requests or bytes.
+constexpr uint64_t kMaxAckRun = 32;
+constexpr uint64_t kMaxAckRunBytes = 1 << 20;
+// Answers a responder queues for one link before it drops a peer that does
+// not read them, in units of max_outstanding_per_link.
+constexpr uint32_t kAnswerQueueFactor = 2;
+
+// The requester's device memory of a kViaIpc request: its allocation's IPC
+// handle and the offset of the request's bytes in it.
+struct IpcRef {
+  cuda::api::CUipcMemHandle handle;
+  uint64_t offset = 0;
+};
+static_assert(sizeof(IpcRef) == 72, "wire IPC reference size");
+
+// The CPUs this process may run on (its affinity mask: taskset, cpusets).
+uint32_t UsableCpus();
+// This host's identity (its kernel's boot id, which the containers on a
+// host share): links between two transports on one host may use CUDA IPC.
+uint64_t HostId();
+
+constexpr uint64_t kPreferredRequestBytes = 1 << 20;
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(TcpTransportOptions options) : options_(std::move(options)) {}
+  ~TcpTransport() override;
+
+  absl::Status Start();
+
+  EndpointDescription LocalEndpoint() const override;
+  Limits GetLimits() const override {
+    // Each request costs a header, its share of a system call, an answer and
+    // a completion: 1 MiB blocks moved at 0.88-0.94 of a raw stream in 1 MiB
+    // requests, 0.62-0.76 in 64 KiB ones (docs/performance.md). Each link
+    // keeps two threads busy at each end: on a host with few CPUs one link
+    // moved more than two (docs/performance.md).
+    return Limits{options_.max_outstanding_per_link, options_.max_request_bytes,
+                  options_.max_region_bytes,
+                  std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes),
+                  UsableCpus() < 4 ? 1u : 2u};
+  }
+  absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
+                                        Access access) override;
+  absl::Status UnregisterMemory(RegionId region) override;
+  absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic,
+                                       const NicInfo& peer_nic) override;
+  absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
+                                       absl::string_view peer_params) override;
+  absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
+  absl::Status CloseLink(LinkId link) override;
+  bool HasLink(LinkId link) override;
+  absl::Status Post(absl::Span<const WorkRequest> batch) override;
+  size_t PollCompletions(absl::Span<Completion> out) override;
+  size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  void InterruptWait() override;
+  std::vector<std::pair<std::string, uint64_t>> RefusedInput() const override {
+    const HelloAcceptorStats s = acceptor_->stats();
+    return {{"data_connection_bad_hello", s.bad_hellos},
+            {"data_connection_duplicate_token", s.duplicate_tokens},
+            {"data_connection_evicted", s.evicted},
+            {"data_connection_expired", s.expired},
+            {"data_accept_paused", s.accept_pauses},
+            {"data_request_refused", refused_requests_.load()},
+            {"data_peer_dropped_unread_answers", dropped_readers_.load()}};
+  }
+  bool SetCompletionNotifier(std::function<void()> notify) override {
+    MutexLock lock(&mu_);
+    notify_ = std::move(notify);
+    return true;
+  }
+
+ private:
+  struct RegionEntry : std::enable_shared_from_this<RegionEntry> {
+    Region region;
+    std::atomic<uint64_t> local_uses{0};
+    // Connections moving a peer's request's bytes into or out of the region
+    // now (no regions lock is held across that network I/O), and whether
+    // it was unregistered: UnregisterMemory waits for them (RevokeAndDrain).
+    Mutex use_mu;
+    CondVar use_cv;
+    bool revoked ABSL_GUARDED_BY(use_mu) = false;
+    std::vector<int> using_fds ABSL_GUARDED_BY(use_mu);
+    int device = -1;  // the CUDA device it lies on; -1: host memory
+    // Device memory with a CUDA IPC handle (cudaMalloc memory): a peer on
+    // this host copies it through IPC. `ipc.offset`: the region's start in
+    // its allocation.
+    bool has_ipc = false;
+    cuda::Driver::IpcExport ipc{};
+    // VMM device memory (no IPC handle): its export id on this process's
+    // VmmServer, which peers on this host fetch it from; 0: none.
+    uint64_t vmm_id = 0;
+  };
+  // One connection's use of a region for a peer's request (see RegionEntry);
+  // ends when destroyed.
+  class RegionUse {
+   public:
+    RegionUse() = default;
+    RegionUse(std::shared_ptr<RegionEntry> entry, int fd) : entry_(std::move(entry)), fd_(fd) {}
+    RegionUse(RegionUse&& o) noexcept : entry_(std::move(o.entry_)), fd_(o.fd_) {}
+    RegionUse& operator=(RegionUse&&) = delete;
+    ~RegionUse() {
+      if (entry_ == nullptr) return;
+      MutexLock lock(&entry_->use_mu);
+      auto& fds = entry_->using_fds;
+      fds.erase(std::find(fds.begin(), fds.end(), fd_));
+      if (fds.empty()) entry_->use_cv.SignalAll();
+    }
+
+   private:
+    std::shared_ptr<RegionEntry> entry_;
+    int fd_ = -1;
+  };
+  // Something for a link's writer to send.
+  struct Job {
+    DataHeader header;
+    const void* data = nullptr;  // request data (WRITE) from a pinned local buffer
+    std::string text;            // error text of a refused request
+    bool read_answer = false;    // send region bytes, re-checked under the lock
+    bool close_after = false;    // the responder refused: close the connection
+    int device = -1;  // data lies on this CUDA device: sent through a staging buffer
+    bool ipc = false;  // header.flags has kViaIpc: ipc_ref follows the header
+    IpcRef ipc_ref;
+  };
+  struct Link {
+    using State = LinkState;  // transport/checks.h
+    LinkId id = 0;
+    // The peer's in-process key when it lives in this process (shortcut).
+    uint64_t peer_key = 0;
+    uint32_t direct_busy = 0;  // shortcut copies running on this link
+    uint32_t idle_waiters = 0;  // threads in WaitLinkIdle
+    net::Fd fd;
+    State state = State::kPending;
+    uint64_t token = 0;
+    IdWindow<WorkRequest> outstanding;  // by request id, handed out in sequence
+    std::vector<Job> jobs;  // the writer takes them all at once
+    uint64_t jobs_from = 0;  // the Post whose jobs started `jobs`
+    // Sent by the posting thread while the writer was idle (writer_busy is
+    // set meanwhile). What the socket
+    // did not take at once (inline_rest) the writer sends first, from byte
+    // inline_sent on.
+    std::vector<Job> inline_jobs;
+    size_t inline_sent = 0;
+    bool inline_rest = false;
+    bool stopping = false;
+    bool writer_busy = false;
+    bool passive = false;      // made by AcceptLink
+    bool reader_done = false;  // the reader thread has returned
+    uint32_t queued_answers = 0;  // answers in `jobs` (reader and writer, under mu_)
+    CondVar cv;  // jobs arrived / stopping / writer idle
+    ThreadCache::Task reader;
+    ThreadCache::Task writer;
+    // Pinned host buffers for device memory, made on first use: the
+    // writer's (sending) and the reader's (receiving), each used by its own
+    // thread only.
+    Staging send_stage;
+    Staging recv_stage;
+    // What the reader thread receives comes through here (made with fd).
+    std::unique_ptr<StreamReader> in;
+    // Both ends on this host with a CUDA driver: device memory may go
+    // through CUDA IPC (until the peer says it cannot open a handle).
+    bool same_host = false;
+    bool ipc_ok = true;
+    uint64_t peer_vmm = 0;  // the peer's VMM server (same host only); 0: none
+    // The requesters' allocations this end opened (reader thread only), by
+    // handle bytes; closed when the reader ends.
+    struct Import {
+      void* mapped;
+      uint64_t size;  // of the allocation: requests must stay inside
+      int ordinal;    // opened through this device's context
+      VmmMapping vmm{};  // VMM memory: unmapped, not IpcClose'd
+      uint64_t used = 0;  // when last used (imports_used below)
+    };
+    uint64_t imports_used = 0;  // a counter: the reader's requests served by IPC
+    std::map<std::string, Import> ipc_imports;
+  };
+
+  // The process's TCP transports by in-process key. Held shared while a
+  // shortcut copy runs, so a transport is not destroyed under it.
+  struct Registry {
+    SharedMutex mu;
+    struct Entry {
+      TcpTransport* transport;
+      pid_t pid;  // a child made by fork() inherits entries that are not its own
+    };
+    absl::flat_hash_map<uint64_t, Entry> by_key ABSL_GUARDED_BY(mu);
+  };
+  // `key` if a transport of this process has it, else 0 (no shortcut).
+  static uint64_t InProcessKey(uint64_t key) {
+    if (key == 0) return 0;
+    Registry& r = registry();
+    ReaderMutexLock lock(&r.mu);
+    auto it = r.by_key.find(key);
+    return it != r.by_key.end() && it->second.pid == ::getpid() ? key : 0;
+  }
+  static Registry& registry() {
+    static Registry* r = new Registry;
+    return *r;
+  }
+  // A request on a link whose peer is in this process.
+  struct Direct {
+    std::shared_ptr<Link> link;
+    uint64_t rid = 0;
+    WorkRequest wr;
+    int local_device = -1;  // the local buffer's CUDA device, -1: host
+    bool run = false;  // still outstanding when the copies began
+    absl::Status status;
+  };
+  absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct,
+                          std::vector<std::shared_ptr<Link>>& inline_links);
+  // If `link` is idle (writer not busy, nothing queued before `post`),
+  // claims it for the calling thread: its jobs move to inline_jobs.
+  bool ClaimInline(Link& link, uint64_t post) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends a claimed link's inline_jobs without blocking; a rest goes to
+  // the writer. Clears writer_busy.
+  void SendInline(const std::shared_ptr<Link>& link);
+  // Copies the bytes of each request and completes it, taking each lock
+  // once for the lot. It holds the regions lock of whichever peer the
+  // current request goes to, switching as the peer changes: beyond what
+  // the thread-safety analysis can follow, so it is not analysed.
+  void RunDirect(std::vector<Direct>& direct) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Waits until no shortcut copy or send uses the link's requests.
+  void WaitLinkIdle(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++link.idle_waiters;
+    while (link.writer_busy || link.direct_busy > 0) link.cv.Wait(&mu_);
+    --link.idle_waiters;
+  }
+
+  // Runs the link's reader and writer on warm threads (threads_). On a
+  // refusal the link fails (its connection is shut down) and the error
+  // returned.
+  absl::Status StartLinkThreads(const std::shared_ptr<Link>& link);
+  absl::Status TooManyLinks() const {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this transport has its maximum of ", options_.max_links, " links"));
+  }
+  void ReaderLoop(std::shared_ptr<Link> link);
+  // WRITEs executed and not yet acknowledged: one kWriteAck for the run
+  // (header.remote_addr counts them). Requests on a link have consecutive
+  // ids and any other request flushes the run first, so a run is always
+  // consecutive.
+  struct AckRun {
+    Job job;
+    uint64_t bytes = 0;
+  };
+  // The reader's part for one request of the peer: executes it (or, after
+  // a refusal, reads it off the stream) and queues or gathers its answer.
+  absl::Status Serve(Link& link, const DataHeader& h, AckRun& run, bool* refusing);
+  // Hands an answer to the writer. kCancelled once the link is stopping.
+  absl::Status QueueAnswer(Link& link, Job job);
+  absl::Status FlushRun(Link& link, AckRun& run);
+  void WriterLoop(std::shared_ptr<Link> link);
+  // Sends `jobs` with one sendmsg. Sets *close_after when the connection
+  // must be closed after them (a refused request).
+  // `skip`: bytes of them already sent.
+  absl::Status SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after, size_t skip = 0);
+  // Responder side: executes a peer's request; returns the answer to send.
+  Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
+  // The host identity links advertise for CUDA IPC; 0: IPC off (no CUDA
+  // driver, or TcpTransportOptions::cuda_ipc false).
+  uint64_t IpcHost() const {
+    return options_.cuda_ipc && cuda::Driver::Get() != nullptr ? HostId() : 0;
+  }
+  // The requester's allocation `ref` names, opened on first use (reader).
+  // The requester's bytes [ref.offset, +length) in it; kInvalidArgument when
+  // they are not inside the allocation.
+  // `vmm`: the reference names VMM memory, fetched from the peer's
+  // VmmServer.
+  absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, bool vmm, uint64_t length,
+                                  int device);
+  static void CloseImport(const Link::Import& imp);
+  // Device to device on this host: fills in the IpcRef (and flags) of
+  // `job` when the peer can copy `wr`'s bytes through CUDA itself.
+  static bool ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr,
+                     Job* job);
+  // The VMM server links advertise; 0: none (IPC off, or no VMM in the
+  // driver).
+  uint64_t VmmName() const {
+    if (IpcHost() == 0 || !cuda::Driver::Get()->HasVmm()) return 0;
+    VmmServer* server = VmmServer::Get();
+    return server != nullptr ? server->name() : 0;
+  }
+  // The peer could not serve request `id` through IPC: send it again with
+  // its bytes, and no more IPC on this link.
+  absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckRemote(const DataHeader& h, bool write, char** target, int* device = nullptr)
+      ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
+  // CheckRemote, and marks connection `fd` as using the region until the
+  // returned RegionUse ends; refused once the region is unregistered.
+  absl::StatusOr<RegionUse> UseRemote(const DataHeader& h, bool write, int fd, char** target,
+                                      int* device);
+  // After a region left the tables: waits for the peers' requests moving
+  // its bytes; past a grace period it shuts their connections down (a
+  // stalled peer fails its own link, never blocks the caller for long).
+  static void RevokeAndDrain(RegionEntry& entry);
+  // Requester side: an answer to one of our requests.
+  absl::Status OnAnswer(Link& link, const DataHeader& h);
+  void FailLink(Link& link, absl::Status first, uint64_t first_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StopAndJoin(const std::shared_ptr<Link>& link);
+  // Closes accepted links whose connection has ended and which have nothing
+  // outstanding: the peer that made them is gone or reconnected, and
+  // nobody here holds their id (the engine never posts on them).
+  void ReapDeadPassiveLinks();
+  // Wakes threads in WaitCompletions and calls the notifier, once per run
+  // of completions.
+  void WakeWaiters() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues a completion; the caller wakes waiters (WakeWaiters) once.
+  void CompleteLocked(const WorkRequest& wr, absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateLocked(const WorkRequest& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
+      ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
+
+  const TcpTransportOptions options_;
+  net::ListeningSocket listener_;
+  std::string advertised_;
+  std::unique_ptr<HelloAcceptor> acceptor_;
+  std::atomic<uint64_t> refused_requests_{0};  // out of bounds, bad key, no right
+  std::atomic<uint64_t> dropped_readers_{0};   // peers that read none of their answers
+  // Link readers and writers; declared before the links so that it is
+  // destroyed after they are stopped.
+  ThreadCache threads_{"tcp link", 16};
+  std::atomic<bool> stopping_{false};
+  uint64_t key_ = 0;  // in-process key, 0 without the shortcut
+
+  SharedMutex regions_mu_;
+  RegionId last_region_ ABSL_GUARDED_BY(regions_mu_) = 0;
+  absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_
+      ABSL_GUARDED_BY(regions_mu_);
+  absl::flat_hash_map<RemoteKey, RegionEntry*> by_key_ ABSL_GUARDED_BY(regions_mu_);
+
+  Mutex mu_;
+  CondVar cq_cv_;
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;  // see InterruptWait
+  LinkId last_link_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_post_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<LinkId, std::shared_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
+  CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> notify_ ABSL_GUARDED_BY(mu_);  // SetCompletionNotifier
+};
+
+}  // namespace tcp_internal
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_TCP_TCP_TRANSPORT_INTERNAL_H_
