@@ -155,6 +155,27 @@ void TcpTransport::SendInline(const std::shared_ptr<Link>& link) {
   link->cv.SignalAll();  // the writer (rest, jobs queued meanwhile) and idle waiters
 }
 
+absl::Status TcpTransport::CopyDirect(TcpTransport& peer, const Direct& d) {
+  DataHeader h;
+  h.remote_addr = d.wr.remote_addr;
+  h.rkey = d.wr.remote_key;
+  h.length = d.wr.length;
+  char* remote = nullptr;
+  const bool write = d.wr.opcode == Opcode::kWrite;
+  int remote_device = -1;
+  RETURN_IF_ERROR(peer.CheckRemote(h, write, &remote, &remote_device));
+  void* dst = write ? static_cast<void*>(remote) : d.wr.local_addr;
+  const void* src = write ? static_cast<const void*>(d.wr.local_addr) : remote;
+  if (d.local_device < 0 && remote_device < 0) {
+    std::memcpy(dst, src, d.wr.length);
+    return absl::OkStatus();
+  }
+  // Device memory on either end: the driver's copy (device to device stays
+  // on the GPUs).
+  return cuda::Driver::Get()->Copy(dst, src, d.wr.length,
+                                   d.local_device >= 0 ? d.local_device : remote_device);
+}
+
 void TcpTransport::RunDirect(std::vector<Direct>& direct) {
   {
     MutexLock lock(&mu_);
@@ -183,25 +204,7 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
         d.status = absl::UnavailableError("the peer transport in this process is gone");
         continue;
       }
-      DataHeader h;
-      h.remote_addr = d.wr.remote_addr;
-      h.rkey = d.wr.remote_key;
-      h.length = d.wr.length;
-      char* remote = nullptr;
-      const bool write = d.wr.opcode == Opcode::kWrite;
-      int remote_device = -1;
-      d.status = peer->CheckRemote(h, write, &remote, &remote_device);  // its lock is held
-      if (!d.status.ok()) continue;
-      void* dst = write ? static_cast<void*>(remote) : d.wr.local_addr;
-      const void* src = write ? static_cast<const void*>(d.wr.local_addr) : remote;
-      if (d.local_device < 0 && remote_device < 0) {
-        std::memcpy(dst, src, d.wr.length);
-      } else {
-        // Device memory on either end: the driver's copy (device to device
-        // stays on the GPUs).
-        d.status = cuda::Driver::Get()->Copy(
-            dst, src, d.wr.length, d.local_device >= 0 ? d.local_device : remote_device);
-      }
+      d.status = CopyDirect(*peer, d);  // its regions' lock is held
     }
     if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
   }
@@ -263,25 +266,27 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
 }
 
 
-absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
-  if (h.type == kWriteAck && h.status == 0) {
-    // A run of WRITEs, all landed.
-    if (h.remote_addr == 0 || h.remote_addr > options_.max_outstanding_per_link) {
-      return absl::DataLossError(absl::StrCat("WRITE ack for ", h.remote_addr, " requests"));
-    }
-    MutexLock lock(&mu_);
-    for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
-      const WorkRequest* wr = link.outstanding.Find(id);
-      if (wr == nullptr) {
-        if (link.stopping) break;  // closed or failed here meanwhile
-        return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
-      }
-      CompleteLocked(*wr, absl::OkStatus());
-      link.outstanding.Erase(id);
-    }
-    WakeWaiters();
-    return absl::OkStatus();
+absl::Status TcpTransport::OnWriteAcks(Link& link, const DataHeader& h) {
+  // A run of WRITEs, all landed: requests [h.id, + h.remote_addr).
+  if (h.remote_addr == 0 || h.remote_addr > options_.max_outstanding_per_link) {
+    return absl::DataLossError(absl::StrCat("WRITE ack for ", h.remote_addr, " requests"));
   }
+  MutexLock lock(&mu_);
+  for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
+    const WorkRequest* wr = link.outstanding.Find(id);
+    if (wr == nullptr) {
+      if (link.stopping) break;  // closed or failed here meanwhile
+      return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
+    }
+    CompleteLocked(*wr, absl::OkStatus());
+    link.outstanding.Erase(id);
+  }
+  WakeWaiters();
+  return absl::OkStatus();
+}
+
+absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
+  if (h.type == kWriteAck && h.status == 0) return OnWriteAcks(link, h);
   WorkRequest wr;
   {
     MutexLock lock(&mu_);

@@ -292,6 +292,10 @@ class TcpTransport final : public Transport {
   // current request goes to, switching as the peer changes: beyond what
   // the thread-safety analysis can follow, so it is not analysed.
   void RunDirect(std::vector<Direct>& direct) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // One of them: checked against `peer`'s regions (whose lock the caller
+  // holds for reading) and copied.
+  static absl::Status CopyDirect(TcpTransport& peer, const Direct& d)
+      ABSL_SHARED_LOCKS_REQUIRED(peer.regions_mu_);
   // Waits until no shortcut copy or send uses the link's requests.
   void WaitLinkIdle(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ++link.idle_waiters;
@@ -369,6 +373,7 @@ class TcpTransport final : public Transport {
   static void RevokeAndDrain(RegionEntry& entry);
   // Requester side: an answer to one of our requests.
   absl::Status OnAnswer(Link& link, const DataHeader& h);
+  absl::Status OnWriteAcks(Link& link, const DataHeader& h);  // a run of landed WRITEs
   void FailLink(Link& link, absl::Status first, uint64_t first_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StopAndJoin(const std::shared_ptr<Link>& link);

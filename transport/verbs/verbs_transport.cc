@@ -226,6 +226,29 @@ class VerbsTransport final : public Transport {
   bool Drain(ibv_cq* cq);
   // Fails requests older than request_timeout (see the options).
   void ExpireOld();
+  // RegisterMemory's parts: one NIC's registration of [addr, +length)
+  // (device memory by dma-buf first, then plain), and every NIC's.
+  struct Registration {
+    void* addr = nullptr;
+    uint64_t length = 0;
+    int flags = 0;
+    int device = -1;  // CUDA device ordinal; -1: host memory
+    const absl::StatusOr<cuda::Driver::DmaBuf>* dmabuf = nullptr;  // device memory only
+  };
+  absl::StatusOr<ibv::Mr> RegisterOn(size_t nic, const Registration& r) const;
+  std::vector<absl::StatusOr<ibv::Mr>> RegisterOnEveryNic(const Registration& r);
+  // Post's parts: the batch checked whole; one link's chain of work
+  // requests (`chain`: indices of `batch`) built and accounted; a chain the
+  // QP refused (from `bad` on) failed, and the QP put in error.
+  absl::Status ValidateLocked(absl::Span<const WorkRequest> batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ChainLocked(Link& link, absl::Span<const WorkRequest> batch, absl::Span<const size_t> chain,
+                   std::vector<ibv_send_wr>& swrs, std::vector<ibv_sge>& sges, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailChainLocked(Link& link, absl::Span<const WorkRequest> batch,
+                       absl::Span<const size_t> chain, std::vector<ibv_send_wr>& swrs,
+                       const ibv_send_wr* bad, const absl::Status& posted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One work completion: it and the requests posted before it on its QP.
@@ -327,6 +350,53 @@ EndpointDescription VerbsTransport::LocalEndpoint() const {
   return d;
 }
 
+absl::StatusOr<ibv::Mr> VerbsTransport::RegisterOn(size_t i, const Registration& r) const {
+  const std::string& name = nics_[i].port.device;
+  if (r.device < 0) return ibv::RegMr(nics_[i].pd.get(), r.addr, r.length, r.flags, name);
+  absl::Status by_dmabuf = r.dmabuf->status();
+  if (r.dmabuf->ok()) {
+    absl::StatusOr<ibv::Mr> mr =
+        ibv::RegDmaBufMr(nics_[i].pd.get(), (*r.dmabuf)->offset, r.length,
+                         reinterpret_cast<uintptr_t>(r.addr), (*r.dmabuf)->fd, r.flags, name);
+    if (mr.ok()) return mr;
+    by_dmabuf = mr.status();
+  }
+  absl::StatusOr<ibv::Mr> mr = ibv::RegMr(nics_[i].pd.get(), r.addr, r.length, r.flags, name);
+  if (mr.ok()) return mr;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cannot register memory of CUDA device ", r.device, " on ", name, ": by dma-buf: ",
+      by_dmabuf.message(), "; by ibv_reg_mr: ", mr.status().message(),
+      ". Enable one: dma-buf (CUDA driver 11.7+, Linux 5.12+, rdma-core 34+, a GPU and NIC "
+      "that support it) or the nvidia-peermem kernel module"));
+}
+
+std::vector<absl::StatusOr<ibv::Mr>> VerbsTransport::RegisterOnEveryNic(const Registration& r) {
+  // One registration per NIC. Registering pins and maps every page once per
+  // NIC, which for a large buffer takes long: with several NICs they
+  // register in parallel, one thread each.
+  std::vector<absl::StatusOr<ibv::Mr>> mrs;
+  for (size_t i = 0; i < nics_.size(); ++i) mrs.emplace_back(absl::UnknownError("not registered"));
+  if (nics_.size() > 1 && r.length >= options_.parallel_registration_bytes) {
+    std::vector<std::thread> threads;
+    for (size_t i = 1; i < nics_.size(); ++i) {
+      absl::StatusOr<std::thread> t =
+          StartThread("a registration", [this, &mrs, &r, i] { mrs[i] = RegisterOn(i, r); });
+      if (t.ok()) {
+        threads.push_back(std::move(*t));
+      } else {
+        mrs[i] = RegisterOn(i, r);  // no thread to spare: this one does it
+      }
+    }
+    mrs[0] = RegisterOn(0, r);
+    for (std::thread& t : threads) t.join();
+  } else {
+    for (size_t i = 0; i < nics_.size() && (i == 0 || mrs[i - 1].ok()); ++i) {
+      mrs[i] = RegisterOn(i, r);
+    }
+  }
+  return mrs;
+}
+
 absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t length,
                                                       Access access) {
   if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
@@ -351,48 +421,9 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
       dmabuf = driver->ExportDmaBuf(addr, length, device);
     }
   }
-  // One registration per NIC. Registering pins and maps every page once per
-  // NIC, which for a large buffer takes long: with several NICs they
-  // register in parallel, one thread each.
-  std::vector<absl::StatusOr<ibv::Mr>> mrs;
-  for (size_t i = 0; i < nics_.size(); ++i) mrs.emplace_back(absl::UnknownError("not registered"));
-  auto register_on = [&](size_t i) {
-    const std::string& name = nics_[i].port.device;
-    if (device < 0) {
-      mrs[i] = ibv::RegMr(nics_[i].pd.get(), addr, length, flags, name);
-      return;
-    }
-    absl::Status by_dmabuf = dmabuf->status();
-    if (dmabuf->ok()) {
-      mrs[i] = ibv::RegDmaBufMr(nics_[i].pd.get(), (*dmabuf)->offset, length,
-                                reinterpret_cast<uintptr_t>(addr), (*dmabuf)->fd, flags, name);
-      if (mrs[i].ok()) return;
-      by_dmabuf = mrs[i].status();
-    }
-    mrs[i] = ibv::RegMr(nics_[i].pd.get(), addr, length, flags, name);
-    if (mrs[i].ok()) return;
-    mrs[i] = absl::FailedPreconditionError(absl::StrCat(
-        "cannot register memory of CUDA device ", device, " on ", name, ": by dma-buf: ",
-        by_dmabuf.message(), "; by ibv_reg_mr: ", mrs[i].status().message(),
-        ". Enable one: dma-buf (CUDA driver 11.7+, Linux 5.12+, rdma-core 34+, a GPU and NIC "
-        "that support it) or the nvidia-peermem kernel module"));
-  };
-  if (nics_.size() > 1 && length >= options_.parallel_registration_bytes) {
-    std::vector<std::thread> threads;
-    for (size_t i = 1; i < nics_.size(); ++i) {
-      absl::StatusOr<std::thread> t =
-          StartThread("a registration", [&register_on, i] { register_on(i); });
-      if (t.ok()) {
-        threads.push_back(std::move(*t));
-      } else {
-        register_on(i);  // no thread to spare: this one does it
-      }
-    }
-    register_on(0);
-    for (std::thread& t : threads) t.join();
-  } else {
-    for (size_t i = 0; i < nics_.size() && (i == 0 || mrs[i - 1].ok()); ++i) register_on(i);
-  }
+  const Registration what{addr, length, flags, device,
+                          dmabuf.has_value() ? &*dmabuf : nullptr};
+  std::vector<absl::StatusOr<ibv::Mr>> mrs = RegisterOnEveryNic(what);
   // The MRs hold their own reference to the dma-buf.
   if (dmabuf.has_value() && dmabuf->ok()) ::close((*dmabuf)->fd);
   // Any failure: the others deregister as `mrs` goes.
@@ -629,8 +660,7 @@ absl::Status VerbsTransport::CloseLink(LinkId id) {
   return absl::OkStatus();
 }
 
-absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
-  MutexLock lock(&mu_);
+absl::Status VerbsTransport::ValidateLocked(absl::Span<const WorkRequest> batch) {
   for (const WorkRequest& wr : batch) {
     auto link = links_.find(wr.link);
     RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
@@ -644,9 +674,75 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
                                                         wr.remote_key));
     }
   }
-  RETURN_IF_ERROR(CheckLinkCapacity(
+  return CheckLinkCapacity(
       batch, [this](LinkId id) ABSL_NO_THREAD_SAFETY_ANALYSIS { return links_.at(id)->outstanding; },
-      options_.max_outstanding_per_link));
+      options_.max_outstanding_per_link);
+}
+
+void VerbsTransport::ChainLocked(Link& link, absl::Span<const WorkRequest> batch,
+                                 absl::Span<const size_t> chain, std::vector<ibv_send_wr>& swrs,
+                                 std::vector<ibv_sge>& sges, absl::Time now) {
+  for (size_t n = 0; n < chain.size(); ++n) {
+    const size_t i = chain[n];
+    const WorkRequest& wr = batch[i];
+    RegionState& region = *regions_.at(wr.local_region);
+    ibv_sge& sge = sges[i];
+    sge = ibv_sge{};
+    sge.addr = reinterpret_cast<uintptr_t>(wr.local_addr);
+    sge.length = static_cast<uint32_t>(wr.length);
+    sge.lkey = region.mrs[link.nic]->lkey;
+    ibv_send_wr& swr = swrs[i];
+    swr = ibv_send_wr{};
+    swr.wr_id = ++last_wr_;
+    swr.sg_list = wr.length > 0 ? &sge : nullptr;
+    swr.num_sge = wr.length > 0 ? 1 : 0;
+    swr.opcode = wr.opcode == Opcode::kWrite ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
+    // Only the chain's last one is signaled (selective signaling, see Link).
+    swr.send_flags = n + 1 == chain.size() ? IBV_SEND_SIGNALED : 0;
+    // Small WRITEs inline: the payload is copied into the work request
+    // now, so the NIC fetches nothing (a DMA read saved per request).
+    if (wr.opcode == Opcode::kWrite && wr.length > 0 && wr.length <= link.max_inline) {
+      swr.send_flags |= IBV_SEND_INLINE;
+    }
+    swr.wr.rdma.remote_addr = wr.remote_addr;
+    swr.wr.rdma.rkey = static_cast<uint32_t>(wr.remote_key);
+    if (n > 0) swrs[chain[n - 1]].next = &swr;
+    ++region.local_uses;
+    ++link.outstanding;
+    link.Push(swr.wr_id);
+    pending_.emplace(swr.wr_id, Pending{wr.link, wr, now});
+  }
+}
+
+void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> batch,
+                                     absl::Span<const size_t> chain,
+                                     std::vector<ibv_send_wr>& swrs, const ibv_send_wr* bad,
+                                     const absl::Status& posted) {
+  // Validated before, so this is the QP failing: the requests from `bad`
+  // on were not posted; report each of them.
+  bool failed = false;
+  for (const size_t i : chain) {
+    ibv_send_wr& swr = swrs[i];
+    failed = failed || &swr == bad || bad == nullptr;
+    if (!failed) continue;
+    pending_.erase(swr.wr_id);
+    --link.outstanding;
+    --link.count;  // the ring's newest entries are this chain's tail
+    // The link is put in error below: retryable on a new one.
+    CompleteLocked(batch[i], absl::UnavailableError(posted.message()));
+  }
+  // The chain's posted head is unsignaled and its signaled tail was
+  // refused: put the QP in error so that its requests flush (errors always
+  // complete) instead of waiting for a completion that never comes.
+  link.state = Link::State::kError;
+  if (absl::Status reset = ibv::ResetToError(link.qp.get()); !reset.ok()) {
+    KVF_LOG(WARNING) << "verbs: " << reset;
+  }
+}
+
+absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(ValidateLocked(batch));
   // One ibv_post_send (one doorbell) per link: the batch's requests for a
   // link are chained. Each request is its own work request and completion,
   // so failures stay per request.
@@ -668,59 +764,12 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   for (size_t k = 0; k < order.size();) {
     Link& link = *links_.at(batch[order[k]].link);
     size_t end = k;
-    for (; end < order.size() && batch[order[end]].link == link.id; ++end) {
-      const size_t i = order[end];
-      const WorkRequest& wr = batch[i];
-      RegionState& region = *regions_.at(wr.local_region);
-      ibv_sge& sge = sges[i];
-      sge = ibv_sge{};
-      sge.addr = reinterpret_cast<uintptr_t>(wr.local_addr);
-      sge.length = static_cast<uint32_t>(wr.length);
-      sge.lkey = region.mrs[link.nic]->lkey;
-      ibv_send_wr& swr = swrs[i];
-      swr = ibv_send_wr{};
-      swr.wr_id = ++last_wr_;
-      swr.sg_list = wr.length > 0 ? &sge : nullptr;
-      swr.num_sge = wr.length > 0 ? 1 : 0;
-      swr.opcode = wr.opcode == Opcode::kWrite ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
-      swr.send_flags = 0;  // the chain's last one is signaled below
-      // Small WRITEs inline: the payload is copied into the work request
-      // now, so the NIC fetches nothing (a DMA read saved per request).
-      if (wr.opcode == Opcode::kWrite && wr.length > 0 && wr.length <= link.max_inline) {
-        swr.send_flags |= IBV_SEND_INLINE;
-      }
-      swr.wr.rdma.remote_addr = wr.remote_addr;
-      swr.wr.rdma.rkey = static_cast<uint32_t>(wr.remote_key);
-      if (end > k) swrs[order[end - 1]].next = &swr;
-      ++region.local_uses;
-      ++link.outstanding;
-      link.Push(swr.wr_id);
-      pending_.emplace(swr.wr_id, Pending{wr.link, wr, now});
-    }
-    swrs[order[end - 1]].send_flags |= IBV_SEND_SIGNALED;
+    while (end < order.size() && batch[order[end]].link == link.id) ++end;
+    const absl::Span<const size_t> chain(order.data() + k, end - k);
+    ChainLocked(link, batch, chain, swrs, sges, now);
     ibv_send_wr* bad = nullptr;
-    if (absl::Status posted = ibv::PostSend(link.qp.get(), &swrs[order[k]], &bad); !posted.ok()) {
-      // Validated above, so this is the QP failing: the requests from `bad`
-      // on were not posted; report each of them.
-      bool failed = false;
-      for (size_t j = k; j < end; ++j) {
-        ibv_send_wr& swr = swrs[order[j]];
-        failed = failed || &swr == bad || bad == nullptr;
-        if (!failed) continue;
-        pending_.erase(swr.wr_id);
-        --link.outstanding;
-        --link.count;  // the ring's newest entries are this chain's tail
-        // The link is put in error below: retryable on a new one.
-        CompleteLocked(batch[order[j]], absl::UnavailableError(posted.message()));
-      }
-      // The chain's posted head is unsignaled and its signaled tail was
-      // refused: put the QP in error so that its requests flush (errors
-      // always complete) instead of waiting for a completion that never
-      // comes.
-      link.state = Link::State::kError;
-      if (absl::Status reset = ibv::ResetToError(link.qp.get()); !reset.ok()) {
-        KVF_LOG(WARNING) << "verbs: " << reset;
-      }
+    if (absl::Status posted = ibv::PostSend(link.qp.get(), &swrs[chain[0]], &bad); !posted.ok()) {
+      FailChainLocked(link, batch, chain, swrs, bad, posted);
     }
     k = end;
   }
