@@ -258,6 +258,37 @@ void VmmServer::Answer(int fd) {
   CloseAll(fds);  // the receiver has its own copies
 }
 
+namespace {
+
+// A VMM server's reply on `fd`: the header, the chunks' sizes, then their
+// descriptors (into `fds`, which the caller closes, also on error).
+absl::Status ReceiveReply(int fd, Reply* reply, std::vector<uint64_t>* sizes,
+                          std::vector<int>* fds) {
+  RETURN_IF_ERROR(RecvMsg(fd, reply, sizeof *reply, fds, 0));
+  if (reply->code != 0) {
+    reply->text[sizeof reply->text - 1] = '\0';
+    return absl::UnavailableError(absl::StrCat("the peer's VMM server refused: ", reply->text));
+  }
+  if (reply->count == 0 || reply->count > kMaxVmmChunks) {
+    return absl::DataLossError(absl::StrCat("a VMM reply of ", reply->count, " chunks"));
+  }
+  sizes->resize(reply->count);
+  RETURN_IF_ERROR(RecvMsg(fd, sizes->data(), sizes->size() * sizeof(uint64_t), fds, 0));
+  // Each receive waits at most kVmmTimeout; the whole reply, at most 5 of
+  // them (a server that trickles it out is given up on).
+  const absl::Time deadline = absl::Now() + 5 * kVmmTimeout;
+  while (fds->size() < reply->count) {
+    uint32_t n = 0;
+    RETURN_IF_ERROR(RecvMsg(fd, &n, sizeof n, fds, reply->count));
+    if (fds->size() < reply->count && absl::Now() > deadline) {
+      return absl::DeadlineExceededError("the VMM server's reply took too long");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
   const cuda::Driver* driver = cuda::Driver::Get();
   if (driver == nullptr) return absl::UnavailableError("no CUDA driver");
@@ -274,29 +305,8 @@ absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
   RETURN_IF_ERROR(SendMsg(fd.get(), &req, sizeof req, nullptr, 0));
   Reply reply{};
   std::vector<int> fds;
-  absl::Status got = RecvMsg(fd.get(), &reply, sizeof reply, &fds, 0);
-  if (got.ok() && reply.code != 0) {
-    reply.text[sizeof reply.text - 1] = '\0';
-    got = absl::UnavailableError(absl::StrCat("the peer's VMM server refused: ", reply.text));
-  }
-  if (got.ok() && (reply.count == 0 || reply.count > kMaxVmmChunks)) {
-    got = absl::DataLossError(absl::StrCat("a VMM reply of ", reply.count, " chunks"));
-  }
   std::vector<uint64_t> sizes;
-  if (got.ok()) {
-    sizes.resize(reply.count);
-    got = RecvMsg(fd.get(), sizes.data(), sizes.size() * sizeof(uint64_t), &fds, 0);
-  }
-  // Each receive waits at most kVmmTimeout; the whole reply, at most 5 of
-  // them (a server that trickles it out is given up on).
-  const absl::Time deadline = absl::Now() + 5 * kVmmTimeout;
-  while (got.ok() && fds.size() < reply.count) {
-    uint32_t n = 0;
-    got = RecvMsg(fd.get(), &n, sizeof n, &fds, reply.count);
-    if (got.ok() && fds.size() < reply.count && absl::Now() > deadline) {
-      got = absl::DeadlineExceededError("the VMM server's reply took too long");
-    }
-  }
+  absl::Status got = ReceiveReply(fd.get(), &reply, &sizes, &fds);
   absl::StatusOr<void*> base = absl::UnavailableError("not mapped");
   uint64_t total = 0;
   if (got.ok()) {

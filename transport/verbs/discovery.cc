@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/status_macros.h"
 
 namespace kvferry {
 namespace transport {
@@ -271,6 +272,62 @@ void ApplyEnvironment(DiscoveryOptions* options) {
   }
 }
 
+namespace {
+
+// Every device the filter names exists and has an ACTIVE port.
+absl::Status CheckNamed(const Filter& filter, const std::vector<DeviceInfo>& devices) {
+  for (const Filter::Entry& e : filter.allow) {
+    auto dev = std::find_if(devices.begin(), devices.end(),
+                            [&](const DeviceInfo& x) { return x.name == e.device; });
+    if (dev == devices.end()) {
+      return absl::NotFoundError(absl::StrCat("RDMA device '", e.device,
+                                              "' does not exist; available: ",
+                                              Available(devices)));
+    }
+    const bool active = std::any_of(dev->ports.begin(), dev->ports.end(), [&](const PortInfo& p) {
+      return (e.port == 0 || p.port == e.port) && Unusable(*dev, p).empty();
+    });
+    if (!active) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "RDMA device '", e.device, e.port ? absl::StrCat(":", e.port) : "",
+          "' has no usable ACTIVE port; available: ", Available(devices)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The GID port `where` uses: the one the options name, else the best
+// ranked (lower rank, then the port's own netdev, then the lowest index);
+// `why` says which and why.
+absl::StatusOr<const GidInfo*> ChooseGid(const PortInfo& p, const DiscoveryOptions& options,
+                                         const std::string& where, std::string* why) {
+  const GidInfo* gid = nullptr;
+  if (options.gid_index >= 0) {
+    for (const GidInfo& g : p.gids) {
+      if (g.index == static_cast<uint32_t>(options.gid_index)) gid = &g;
+    }
+    if (gid == nullptr) {
+      std::vector<std::string> have;
+      for (const GidInfo& g : p.gids) have.push_back(absl::StrCat(g.index));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GID index ", options.gid_index, " (from ", options.gid_index_source,
+          ") does not exist on ", where, "; it has ", absl::StrJoin(have, ", ")));
+    }
+    *why = absl::StrCat("GID ", gid->index, " set by ", options.gid_index_source);
+    return gid;
+  }
+  for (const GidInfo& g : p.gids) {
+    if (gid == nullptr || g.rank < gid->rank ||
+        (g.rank == gid->rank && gid->foreign && !g.foreign)) {
+      gid = &g;
+    }
+  }
+  *why = absl::StrCat("GID ", gid->index, ": ", gid->why);
+  return gid;
+}
+
+}  // namespace
+
 absl::StatusOr<Discovery> Discover(const DiscoveryOptions& options) {
   Discovery d;
   const fs::path root = options.sysfs_root;
@@ -280,24 +337,7 @@ absl::StatusOr<Discovery> Discover(const DiscoveryOptions& options) {
   d.gpus = ReadGpus(root);
   absl::StatusOr<Filter> filter = ParseFilter(options.devices);
   if (!filter.ok()) return filter.status();
-  // Every named device must exist and have an ACTIVE port.
-  for (const Filter::Entry& e : filter->allow) {
-    auto dev = std::find_if(d.devices.begin(), d.devices.end(),
-                            [&](const DeviceInfo& x) { return x.name == e.device; });
-    if (dev == d.devices.end()) {
-      return absl::NotFoundError(absl::StrCat("RDMA device '", e.device,
-                                              "' does not exist; available: ",
-                                              Available(d.devices)));
-    }
-    const bool active = std::any_of(dev->ports.begin(), dev->ports.end(), [&](const PortInfo& p) {
-      return (e.port == 0 || p.port == e.port) && Unusable(*dev, p).empty();
-    });
-    if (!active) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "RDMA device '", e.device, e.port ? absl::StrCat(":", e.port) : "",
-          "' has no usable ACTIVE port; available: ", Available(d.devices)));
-    }
-  }
+  RETURN_IF_ERROR(CheckNamed(*filter, d.devices));
   for (const DeviceInfo& dev : d.devices) {
     for (const PortInfo& p : dev.ports) {
       const std::string where = absl::StrCat(dev.name, ":", p.port);
@@ -313,30 +353,8 @@ absl::StatusOr<Discovery> Discover(const DiscoveryOptions& options) {
         d.notes.push_back(absl::StrCat(where, " skipped: ", why));
         continue;
       }
-      const GidInfo* gid = nullptr;
       std::string why;
-      if (options.gid_index >= 0) {
-        for (const GidInfo& g : p.gids) {
-          if (g.index == static_cast<uint32_t>(options.gid_index)) gid = &g;
-        }
-        if (gid == nullptr) {
-          std::vector<std::string> have;
-          for (const GidInfo& g : p.gids) have.push_back(absl::StrCat(g.index));
-          return absl::InvalidArgumentError(absl::StrCat(
-              "GID index ", options.gid_index, " (from ", options.gid_index_source,
-              ") does not exist on ", where, "; it has ", absl::StrJoin(have, ", ")));
-        }
-        why = absl::StrCat("GID ", gid->index, " set by ", options.gid_index_source);
-      } else {
-        for (const GidInfo& g : p.gids) {
-          // Lower rank, then the port's own netdev, then the lowest index.
-          if (gid == nullptr || g.rank < gid->rank ||
-              (g.rank == gid->rank && gid->foreign && !g.foreign)) {
-            gid = &g;
-          }
-        }
-        why = absl::StrCat("GID ", gid->index, ": ", gid->why);
-      }
+      ASSIGN_OR_RETURN(const GidInfo* gid, ChooseGid(p, options, where, &why));
       SelectedPort s;
       s.device = dev.name;
       s.port = p.port;
