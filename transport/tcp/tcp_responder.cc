@@ -17,6 +17,26 @@ absl::Status TcpTransport::CheckRemote(const DataHeader& h, bool write, char** t
   return absl::OkStatus();
 }
 
+absl::Status TcpTransport::ServeViaIpc(Link& link, const DataHeader& h, const IpcRef& ipc,
+                                       char* target, int device, Job* answer, bool* unserved) {
+  const bool write = h.type == kWriteReq;
+  absl::StatusOr<char*> theirs = ImportIpc(link, ipc, (h.flags & kViaVmm) != 0, h.length, device);
+  if (theirs.status().code() == absl::StatusCode::kInvalidArgument) {
+    return theirs.status();  // a bad request: refused like one out of bounds
+  }
+  if (!theirs.ok()) {
+    // Not served here: the requester sends it again, staged.
+    *unserved = true;
+    answer->header.flags = kViaIpc;
+    answer->header.status = static_cast<uint8_t>(absl::StatusCode::kUnimplemented);
+    answer->text = std::string(theirs.status().message().substr(0, kMaxErrorText));
+    return absl::OkStatus();
+  }
+  // Device to device on the GPUs (NVLink or PCIe); the CPU copies nothing.
+  return cuda::Driver::Get()->Copy(write ? target : *theirs, write ? *theirs : target, h.length,
+                                   device >= 0 ? device : 0);
+}
+
 TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
                                         absl::Status* stream_error) {
   const bool write = h.type == kWriteReq;
@@ -42,21 +62,9 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     if (h.length == 0) {
       // Nothing to move.
     } else if (refused.ok() && via_ipc) {
-      absl::StatusOr<char*> theirs =
-          ImportIpc(link, ipc, (h.flags & kViaVmm) != 0, h.length, device);
-      if (theirs.status().code() == absl::StatusCode::kInvalidArgument) {
-        refused = theirs.status();  // a bad request: refused like one out of bounds
-      } else if (!theirs.ok()) {
-        // Not served here: the requester sends it again, staged.
-        answer.header.flags = kViaIpc;
-        answer.header.status = static_cast<uint8_t>(absl::StatusCode::kUnimplemented);
-        answer.text = std::string(theirs.status().message().substr(0, kMaxErrorText));
-        return answer;
-      } else {
-        // Device to device on the GPUs (NVLink or PCIe); the CPU copies nothing.
-        refused = cuda::Driver::Get()->Copy(write ? target : *theirs, write ? *theirs : target,
-                                            h.length, device >= 0 ? device : 0);
-      }
+      bool unserved = false;
+      refused = ServeViaIpc(link, h, ipc, target, device, &answer, &unserved);
+      if (unserved) return answer;
     } else if (refused.ok() && write) {
       // Straight into a host region: no intermediate buffer.
       *stream_error = device >= 0 ? link.recv_stage.Recv(*link.in, target, h.length, device)

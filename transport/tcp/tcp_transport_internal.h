@@ -343,6 +343,12 @@ class TcpTransport final : public Transport {
   // they are not inside the allocation.
   // `vmm`: the reference names VMM memory, fetched from the peer's
   // VmmServer.
+  // A request whose bytes are in the requester's device memory (kViaIpc),
+  // copied GPU to GPU into or out of `target` (on `device`): OK when
+  // copied, the error that refuses it, or OK with *unserved when this end
+  // cannot map the requester's memory (`answer` then asks for it staged).
+  absl::Status ServeViaIpc(Link& link, const DataHeader& h, const IpcRef& ipc, char* target,
+                           int device, Job* answer, bool* unserved);
   absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, bool vmm, uint64_t length,
                                   int device);
   static void CloseImport(const Link::Import& imp);
