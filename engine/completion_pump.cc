@@ -43,6 +43,7 @@ void CompletionPump::Wake() {
 bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
                            absl::FunctionRef<void(absl::Time)> drive,
                            absl::FunctionRef<bool()> poll) {
+  int polled = 0;  // rounds in which poll() delivered something
   for (;;) {
     const uint64_t seen = epoch_.load();
     // Counted as a sleeper before looking, so a Wake after the look is not
@@ -53,9 +54,12 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
       return true;
     }
     // What the transport has now, without waiting (and without the
-    // driver's turn: several threads may do this at once).
+    // driver's turn: several threads may do this at once). Other threads'
+    // completions may keep coming: the deadline still holds (looked at
+    // from the second round on; the first costs no clock reading).
     if (poll()) {
       sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+      if (polled++ > 0 && clock_->Now() >= deadline) return ready();
       continue;
     }
     if (clock_->Now() >= deadline) {

@@ -165,6 +165,24 @@ TEST(CompletionPump, PollerInterruptsTheDriversWait) {
   EXPECT_FALSE(pump.Delivered());  // the driver left
 }
 
+// Completions of other batches that keep coming do not keep a waiter past
+// its deadline (without the bound this test never returns).
+TEST(CompletionPump, DeadlineHoldsWhilePollsDeliverOthers) {
+  CompletionPump pump(RealClock());
+  int polls = 0;
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(pump.Await([] { return false; }, absl::Now() + absl::Milliseconds(20),
+                          [&](absl::Time) { ADD_FAILURE() << "drove"; },
+                          [&] {
+                            ++polls;
+                            pump.Delivered();  // someone else's completion
+                            return true;
+                          }));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(20));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_GT(polls, 1);
+}
+
 }  // namespace
 }  // namespace engine_internal
 }  // namespace kvferry
