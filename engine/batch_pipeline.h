@@ -140,6 +140,11 @@ class BatchPipeline {
   // Delivers what the transports have now, without waiting; false when
   // they had nothing. Any number of threads at once (see CompletionPump).
   bool PollNow();
+  // What every transport has now, without waiting.
+  size_t PollAll(absl::Span<transport::Completion> out);
+  // Delivers `done` (completed at `now`) under the lock; true when slices
+  // wait for a retry.
+  bool DeliverAll(absl::Span<transport::Completion> done, absl::Time now);
   // Makes the pump's driver return from its wait in the transports.
   void InterruptWaits();
   // Completions taken from the transports per call.

@@ -191,12 +191,7 @@ size_t BatchPipeline::WaitAll(absl::Span<Completion> out, absl::Duration timeout
     MutexLock lock(&event_mu_);
     seen = events_;
   }
-  auto poll = [&] {
-    size_t n = 0;
-    for (const Via& v : vias_) n += v.transport->PollCompletions(out.subspan(n));
-    return n;
-  };
-  size_t n = poll();
+  size_t n = PollAll(out);
   if (n > 0 || timeout <= absl::ZeroDuration()) return n;
   {
     // The transports' notifiers bump events_ after queueing completions.
@@ -207,7 +202,19 @@ size_t BatchPipeline::WaitAll(absl::Span<Completion> out, absl::Duration timeout
                                 });
     interrupted_ = false;
   }
-  return poll();
+  return PollAll(out);
+}
+
+size_t BatchPipeline::PollAll(absl::Span<Completion> out) {
+  size_t n = 0;
+  for (const Via& v : vias_) n += v.transport->PollCompletions(out.subspan(n));
+  return n;
+}
+
+bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now) {
+  MutexLock lock(&mu_);
+  for (Completion& c : done) Deliver(c, now);
+  return !retry_.empty();
 }
 
 void BatchPipeline::Pump(absl::Duration timeout) {
@@ -219,13 +226,7 @@ void BatchPipeline::Pump(absl::Duration timeout) {
   Completion* done = buffer.get();
   const size_t n = WaitAll(absl::MakeSpan(done, kDone), timeout);
   const absl::Time now = clock_->Now();  // one reading for every completion
-  bool retries;
-  {
-    MutexLock lock(&mu_);
-    for (size_t i = 0; i < n; ++i) Deliver(done[i], now);
-    retries = !retry_.empty();
-  }
-  if (retries) RefreshAndRepost();
+  if (DeliverAll(absl::MakeSpan(done, n), now)) RefreshAndRepost();
   DrainBacklogs();
   // Not while completions are still pouring in: they are signs of life.
   if (n < kDone) CheckPeers(now);
@@ -234,18 +235,9 @@ void BatchPipeline::Pump(absl::Duration timeout) {
 bool BatchPipeline::PollNow() {
   thread_local std::unique_ptr<Completion[]> buffer(new Completion[kPollBatch]);
   Completion* done = buffer.get();
-  size_t n = 0;
-  for (const Via& v : vias_) {
-    n += v.transport->PollCompletions(absl::MakeSpan(done + n, kPollBatch - n));
-  }
+  const size_t n = PollAll(absl::MakeSpan(done, kPollBatch));
   if (n == 0) return false;
-  const absl::Time now = clock_->Now();
-  bool retries;
-  {
-    MutexLock lock(&mu_);
-    for (size_t i = 0; i < n; ++i) Deliver(done[i], now);
-    retries = !retry_.empty();
-  }
+  const bool retries = DeliverAll(absl::MakeSpan(done, n), clock_->Now());
   if (pump_.Delivered()) {
     // The driver may be waiting for one of these: it looks again (and
     // takes the retries, if any).
