@@ -38,13 +38,14 @@ class PeerService {
   // the primary): NICs and the regions they may use. kNotFound when this
   // engine has no such transport.
   absl::StatusOr<handshake::EngineDescriptor> Describe(absl::string_view kind) const;
-  // Whether answering a request of `type` may wait (accepting a link waits
-  // for its data connection); the others answer at once, and the handshake
-  // server runs them on its event loop.
-  static bool MayBlock(handshake::MessageType type) {
-    return type == handshake::MessageType::kConnect ||
-           type == handshake::MessageType::kConnectLinks ||
-           type == handshake::MessageType::kCloseLinks;
+  // Whether answering a request of `type` may wait: closing links waits
+  // for their threads, accepting links waits where a transport's AcceptLink
+  // may (`accept_waits`, see transport::Limits). The others answer at once,
+  // and the handshake server runs them on its event loop.
+  static bool MayBlock(handshake::MessageType type, bool accept_waits) {
+    const bool accept = type == handshake::MessageType::kConnect ||
+                        type == handshake::MessageType::kConnectLinks;
+    return (accept && accept_waits) || type == handshake::MessageType::kCloseLinks;
   }
   // Answers one request (an error frame for anything malformed).
   handshake::Frame Handle(const handshake::Frame& request);

@@ -315,8 +315,10 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   serve.port = options.port;
   serve.first_port = options.first_port;
   serve.last_port = options.last_port;
-  serve.may_block = [](const handshake::Frame& f) {
-    return engine_internal::PeerService::MayBlock(f.type);
+  const bool accept_waits = parts.transport->GetLimits().accept_waits ||
+                            (parts.fallback != nullptr && parts.fallback->GetLimits().accept_waits);
+  serve.may_block = [accept_waits](const handshake::Frame& f) {
+    return engine_internal::PeerService::MayBlock(f.type, accept_waits);
   };
   const int metrics_port = options.metrics_port;
   const std::string metrics_host = options.metrics_host;

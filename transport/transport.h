@@ -182,6 +182,11 @@ struct Limits {
   // The links per peer it moves data best over, for an engine that lets the
   // transport choose; 0: no preference.
   uint32_t preferred_links = 0;
+  // Whether AcceptLink may wait (for the peer's connection, or on the NIC).
+  // False: it returns promptly, and the handshake answers link requests on
+  // its event loop instead of handing them to a handler thread (two thread
+  // hand-offs fewer per new peer).
+  bool accept_waits = true;
 };
 
 class Transport {

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -15,6 +16,7 @@
 #include "base/log_limiter.h"
 #include "base/logging.h"
 #include "base/mutex.h"
+#include "base/recent_set.h"
 #include "net/event_loop.h"
 
 namespace kvferry {
@@ -22,6 +24,12 @@ namespace transport {
 
 namespace {
 constexpr absl::Duration kSweepEvery = absl::Milliseconds(250);
+
+absl::Status RefusedError() {
+  return absl::PermissionDeniedError(
+      "the peer's data connection was refused: its hello does not match this end's secret "
+      "(give every engine the same secret)");
+}
 
 std::string HelloTag(uint64_t token, const std::string& secret) {
   char bytes[8];
@@ -51,6 +59,11 @@ struct HelloAcceptor::State {
     net::Fd fd;
     absl::Time arrived;
   };
+  // A claim made before its connection's hello arrived (ClaimOrAwait).
+  struct Awaited {
+    absl::Time deadline;
+    Delivery deliver;
+  };
 
   int listener = -1;
   HelloAcceptorOptions options;
@@ -61,9 +74,15 @@ struct HelloAcceptor::State {
   Mutex mu;
   CondVar cv;
   absl::flat_hash_map<uint64_t, Waiting> waiting ABSL_GUARDED_BY(mu);  // by token
+  absl::flat_hash_map<uint64_t, Awaited> awaited ABSL_GUARDED_BY(mu);  // by token
+  // Tokens of hellos refused for their magic or tag, so that a claim made
+  // after the refusal fails at once (bounded: the latest max_pending).
+  RecentSet<uint64_t> refused ABSL_GUARDED_BY(mu);
+  explicit State(size_t max_refused) : refused(max_refused) {}
 
   std::atomic<uint64_t> arriving_count{0};
-  std::atomic<uint64_t> accepted{0}, bad{0}, duplicates{0}, evicted{0}, expired{0}, pauses{0};
+  std::atomic<uint64_t> accepted{0}, bad{0}, duplicates{0}, evicted{0}, expired{0}, pauses{0},
+      claims_expired{0};
   LogLimiter log_limit;
 
   void Warn(const std::string& what) {
@@ -84,7 +103,25 @@ struct HelloAcceptor::State {
     arriving_count -= arriving.erase(fd);
   }
   void Sweep();
+  // A hello that carried `token` was refused: its claim, made or to come,
+  // fails.
+  void Refuse(uint64_t token);
 };
+
+void HelloAcceptor::State::Refuse(uint64_t token) {
+  Delivery deliver;
+  {
+    MutexLock lock(&mu);
+    auto claim = awaited.find(token);
+    if (claim == awaited.end()) {
+      refused.Insert(token);
+      return;
+    }
+    deliver = std::move(claim->second.deliver);
+    awaited.erase(claim);
+  }
+  deliver(RefusedError());
+}
 
 void HelloAcceptor::State::Admit(net::Fd fd) {
   ++accepted;
@@ -150,6 +187,7 @@ void HelloAcceptor::State::OnReadable(int fd) {
                "secret, or plain where it has one (give every engine the same secret)"
              : "dropped a data connection without a valid hello");
     Drop(fd);
+    Refuse(token);
     return;
   }
   if (a.got < want) return;
@@ -158,6 +196,7 @@ void HelloAcceptor::State::OnReadable(int fd) {
     ++bad;
     Warn("dropped a data connection whose hello does not prove the secret");
     Drop(fd);
+    Refuse(token);
     return;
   }
   // The connection leaves the loop: from now on its link's threads own it,
@@ -171,14 +210,24 @@ void HelloAcceptor::State::OnReadable(int fd) {
   net::Fd conn = std::move(a.fd);
   arriving.erase(it);
   --arriving_count;
-  MutexLock lock(&mu);
-  if (waiting.contains(token)) {
-    ++duplicates;
-    Warn("refused a data connection whose token is already waiting");
-    return;  // closes `conn`; the first keeps its place
+  Delivery deliver;
+  {
+    MutexLock lock(&mu);
+    if (waiting.contains(token)) {
+      ++duplicates;
+      Warn("refused a data connection whose token is already waiting");
+      return;  // closes `conn`; the first keeps its place
+    }
+    auto claim = awaited.find(token);
+    if (claim == awaited.end()) {
+      waiting.emplace(token, Waiting{std::move(conn), absl::Now()});
+      cv.SignalAll();
+      return;
+    }
+    deliver = std::move(claim->second.deliver);
+    awaited.erase(claim);
   }
-  waiting.emplace(token, Waiting{std::move(conn), absl::Now()});
-  cv.SignalAll();
+  deliver(std::move(conn));  // outside the lock: it takes its owner's
 }
 
 void HelloAcceptor::State::Sweep() {
@@ -191,6 +240,7 @@ void HelloAcceptor::State::Sweep() {
     ++bad;
     Drop(fd);
   }
+  std::vector<Delivery> late;
   {
     MutexLock lock(&mu);
     for (auto it = waiting.begin(); it != waiting.end();) {
@@ -201,7 +251,16 @@ void HelloAcceptor::State::Sweep() {
         waiting.erase(stale);
       }
     }
+    for (auto it = awaited.begin(); it != awaited.end();) {
+      auto stale = it++;
+      if (now > stale->second.deadline) {
+        ++claims_expired;
+        late.push_back(std::move(stale->second.deliver));
+        awaited.erase(stale);
+      }
+    }
   }
+  for (Delivery& d : late) d(absl::UnavailableError("the peer's data connection never arrived"));
   sweep_timer = loop->After(kSweepEvery, [this] { Sweep(); });
 }
 
@@ -209,7 +268,7 @@ HelloAcceptor::HelloAcceptor(std::unique_ptr<State> state) : state_(std::move(st
 
 absl::StatusOr<std::unique_ptr<HelloAcceptor>> HelloAcceptor::Start(
     int listener, HelloAcceptorOptions options) {
-  auto s = std::make_unique<State>();
+  auto s = std::make_unique<State>(options.max_pending);
   s->listener = listener;
   s->options = options;
   absl::StatusOr<std::unique_ptr<net::EventLoop>> loop = net::EventLoop::Start("tcp data port");
@@ -242,6 +301,7 @@ HelloAcceptor::~HelloAcceptor() {
   st->loop.reset();
   MutexLock lock(&st->mu);
   st->waiting.clear();
+  st->awaited.clear();  // their owners are going away too: nothing delivered
 }
 
 absl::StatusOr<net::Fd> HelloAcceptor::Claim(uint64_t token, absl::Time deadline) {
@@ -256,6 +316,23 @@ absl::StatusOr<net::Fd> HelloAcceptor::Claim(uint64_t token, absl::Time deadline
   return std::move(node.mapped().fd);
 }
 
+absl::StatusOr<net::Fd> HelloAcceptor::ClaimOrAwait(uint64_t token, absl::Time deadline,
+                                                    Delivery deliver) {
+  State* st = state_.get();
+  MutexLock lock(&st->mu);
+  if (auto node = st->waiting.extract(token)) return std::move(node.mapped().fd);
+  if (st->refused.Contains(token)) return RefusedError();
+  if (st->awaited.contains(token)) {
+    return absl::AlreadyExistsError("a link already waits for this connection");
+  }
+  if (st->awaited.size() >= st->options.max_pending) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        st->options.max_pending, " links wait for their data connections already"));
+  }
+  st->awaited.emplace(token, State::Awaited{deadline, std::move(deliver)});
+  return net::Fd();
+}
+
 HelloAcceptorStats HelloAcceptor::stats() const {
   State* st = state_.get();
   HelloAcceptorStats s;
@@ -264,9 +341,11 @@ HelloAcceptorStats HelloAcceptor::stats() const {
   s.duplicate_tokens = st->duplicates;
   s.evicted = st->evicted;
   s.expired = st->expired;
+  s.claims_expired = st->claims_expired;
   s.accept_pauses = st->pauses;
   MutexLock lock(&st->mu);
   s.pending = st->waiting.size() + st->arriving_count;
+  s.claims = st->awaited.size();
   return s;
 }
 

@@ -10,12 +10,15 @@
 //   - a second connection with a token already waiting is refused, and the
 //     first is kept;
 //   - at the descriptor limit the listener pauses instead of spinning.
+//   - at most `max_pending` claims wait for their connection (ClaimOrAwait),
+//     each until its deadline.
 // Refusals are counted and logged at most once a second.
 #ifndef KVFERRY_TRANSPORT_TCP_HELLO_ACCEPTOR_H_
 #define KVFERRY_TRANSPORT_TCP_HELLO_ACCEPTOR_H_
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -53,6 +56,8 @@ struct HelloAcceptorStats {
   uint64_t duplicate_tokens = 0;
   uint64_t evicted = 0;          // at the cap
   uint64_t expired = 0;          // never claimed
+  uint64_t claims = 0;           // claims waiting for their connection now
+  uint64_t claims_expired = 0;   // claims whose connection never came
   uint64_t accept_pauses = 0;
 };
 
@@ -65,6 +70,14 @@ class HelloAcceptor {
   // The connection whose hello carried `token` (in blocking mode), waiting
   // for it until `deadline`. kUnavailable when none arrives.
   absl::StatusOr<net::Fd> Claim(uint64_t token, absl::Time deadline);
+  // Claims without waiting: the connection when its hello is in (and
+  // `deliver` is never called), else an invalid Fd, and `deliver` gets the
+  // connection on the acceptor's thread when its hello arrives, or
+  // kUnavailable if none does by `deadline`. `deliver` is never called once
+  // the acceptor is destroyed. kResourceExhausted when `max_pending` claims
+  // wait already.
+  using Delivery = std::function<void(absl::StatusOr<net::Fd>)>;
+  absl::StatusOr<net::Fd> ClaimOrAwait(uint64_t token, absl::Time deadline, Delivery deliver);
   HelloAcceptorStats stats() const;
 
  private:

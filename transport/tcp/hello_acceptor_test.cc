@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "base/mutex.h"
 #include "gtest/gtest.h"
 #include "net/socket.h"
 
@@ -134,6 +135,113 @@ TEST(HelloAcceptorTest, ADuplicateTokenIsRefusedAndTheFirstKept) {
   ASSERT_EQ(::send(fd->get(), "x", 1, MSG_NOSIGNAL), 1);
   char c;
   EXPECT_TRUE(net::ReadFull(first.get(), &c, 1, absl::Now() + absl::Seconds(2)).ok());
+}
+
+// What a ClaimOrAwait delivery brought, once it came.
+struct Delivered {
+  Mutex mu;
+  CondVar cv;
+  bool came = false;
+  absl::StatusOr<net::Fd> fd = absl::UnknownError("nothing delivered");
+  HelloAcceptor::Delivery Sink() {
+    return [this](absl::StatusOr<net::Fd> got) {
+      MutexLock lock(&mu);
+      fd = std::move(got);
+      came = true;
+      cv.SignalAll();
+    };
+  }
+  bool Await(absl::Duration within) {
+    MutexLock lock(&mu);
+    return cv.AwaitWithDeadline(&mu, absl::Now() + within, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return came;
+    });
+  }
+};
+
+// A claim made before the hello: nothing waits; the connection is handed
+// over when its hello arrives. A claim made after it gets it at once.
+TEST(HelloAcceptorTest, AClaimBeforeTheHelloGetsTheConnectionWhenItArrives) {
+  Port p = Open({});
+  Delivered later;
+  auto now = p.acceptor->ClaimOrAwait(7, absl::Now() + absl::Seconds(10), later.Sink());
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_FALSE(now->valid());
+  EXPECT_EQ(p.acceptor->stats().claims, 1u);
+  EXPECT_EQ(p.acceptor->ClaimOrAwait(7, absl::Now() + absl::Seconds(10), later.Sink())
+                .status()
+                .code(),
+            absl::StatusCode::kAlreadyExists);
+  net::Fd client = Dial(p);
+  SayHello(client.get(), 7);
+  ASSERT_TRUE(later.Await(absl::Seconds(5)));
+  ASSERT_TRUE(later.fd.ok()) << later.fd.status();
+  ASSERT_EQ(::send(later.fd->get(), "x", 1, MSG_NOSIGNAL), 1);
+  char c;
+  EXPECT_TRUE(net::ReadFull(client.get(), &c, 1, absl::Now() + absl::Seconds(2)).ok());
+  EXPECT_EQ(p.acceptor->stats().claims, 0u);
+
+  net::Fd first = Dial(p);
+  SayHello(first.get(), 8);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (p.acceptor->stats().pending != 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  Delivered unused;
+  auto at_once = p.acceptor->ClaimOrAwait(8, absl::Now() + absl::Seconds(10), unused.Sink());
+  ASSERT_TRUE(at_once.ok()) << at_once.status();
+  EXPECT_TRUE(at_once->valid());
+  EXPECT_FALSE(unused.Await(absl::Milliseconds(100)));
+}
+
+// Claims whose connection never comes end at their deadline (counted);
+// at most max_pending wait; an acceptor destroyed delivers nothing.
+TEST(HelloAcceptorTest, AwaitedClaimsExpireAndAreCapped) {
+  HelloAcceptorOptions o;
+  o.max_pending = 2;
+  Port p = Open(o);
+  Delivered one, two, three;
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(1, absl::Now() + absl::Milliseconds(100), one.Sink()).ok());
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(2, absl::Now() + absl::Milliseconds(100), two.Sink()).ok());
+  EXPECT_EQ(p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink())
+                .status()
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+  for (Delivered* d : {&one, &two}) {
+    ASSERT_TRUE(d->Await(absl::Seconds(5)));
+    EXPECT_EQ(d->fd.status().code(), absl::StatusCode::kUnavailable) << d->fd.status();
+  }
+  EXPECT_EQ(p.acceptor->stats().claims_expired, 2u);
+  EXPECT_EQ(p.acceptor->stats().claims, 0u);
+  // Room again; then the acceptor goes away with the claim waiting.
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink()).ok());
+  p.acceptor.reset();
+  EXPECT_FALSE(three.Await(absl::Milliseconds(100)));
+}
+
+// A hello refused for its secret fails the claim for its token, whether
+// the claim came first or after.
+TEST(HelloAcceptorTest, ARefusedHelloFailsItsClaim) {
+  HelloAcceptorOptions o;
+  o.secret = "0123456789abcdef-secret";
+  Port p = Open(o);
+  Delivered first;
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(4, absl::Now() + absl::Seconds(10), first.Sink()).ok());
+  net::Fd a = Dial(p);
+  const std::string wrong = EncodeHello(4, "another-secret-0123456789");
+  ASSERT_TRUE(net::WriteFull(a.get(), wrong.data(), wrong.size(), absl::Now() + absl::Seconds(2))
+                  .ok());
+  ASSERT_TRUE(first.Await(absl::Seconds(5)));
+  EXPECT_EQ(first.fd.status().code(), absl::StatusCode::kPermissionDenied) << first.fd.status();
+
+  net::Fd b = Dial(p);
+  SayHello(b.get(), 5);  // plain where a secret is needed
+  EXPECT_TRUE(Closed(b.get(), absl::Seconds(2)));
+  Delivered after;
+  EXPECT_EQ(p.acceptor->ClaimOrAwait(5, absl::Now() + absl::Seconds(10), after.Sink())
+                .status()
+                .code(),
+            absl::StatusCode::kPermissionDenied);
 }
 
 TEST(HelloAcceptorTest, AWrongMagicIsDropped) {

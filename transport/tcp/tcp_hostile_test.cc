@@ -104,6 +104,63 @@ TEST(TcpHostile, APeerStalledMidWriteHoldsNoLock) {
   EXPECT_TRUE(Closed(stalled.get(), absl::Seconds(2)));
 }
 
+// AcceptLink never waits for the link's connection: a link accepted before
+// its hello arrives is attached when it does and serves; one whose
+// connection never comes ends after the connect timeout (counted).
+TEST(TcpHostile, ALinkAcceptedBeforeItsConnectionServesOnceItArrives) {
+  TcpTransportOptions o;
+  o.connect_timeout = absl::Milliseconds(300);
+  auto b = CreateTcpTransport(o);
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE((*b)->GetLimits().accept_waits);
+  std::vector<char> target(4096, 0), src(4096, 'h');
+  auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(r.ok());
+  const uint64_t token = 0xacce97;
+  auto offer = (*b)->AcceptLink(0, NicInfo{}, tcp_wire::EncodeLinkParams(token, 0, 0));
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  EXPECT_TRUE((*b)->HasLink(offer->link));
+  auto never = (*b)->AcceptLink(0, NicInfo{}, tcp_wire::EncodeLinkParams(token + 1, 0, 0));
+  ASSERT_TRUE(never.ok()) << never.status();
+
+  auto hp = net::ParseHostPort((*b)->LocalEndpoint().nics[0].address);
+  ASSERT_TRUE(hp.ok());
+  auto fd = net::Connect(*hp, absl::Seconds(2));
+  ASSERT_TRUE(fd.ok());
+  const std::string hello = EncodeHello(token, "");
+  ASSERT_TRUE(net::WriteFull(fd->get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2))
+                  .ok());
+  DataHeader h;
+  h.type = tcp_wire::kWriteReq;
+  h.flags = tcp_wire::kAckNow;
+  h.id = 1;
+  h.remote_addr = r->addr;
+  h.rkey = r->keys[0];
+  h.length = src.size();
+  ASSERT_TRUE(net::WriteFull(fd->get(), &h, sizeof h, absl::Now() + absl::Seconds(2)).ok());
+  ASSERT_TRUE(net::WriteFull(fd->get(), src.data(), src.size(), absl::Now() + absl::Seconds(2)).ok());
+  DataHeader answer;
+  ASSERT_TRUE(net::ReadFull(fd->get(), &answer, sizeof answer, absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_EQ(answer.type, tcp_wire::kWriteAck);
+  EXPECT_EQ(answer.status, 0);
+  EXPECT_EQ(target, src);
+
+  // The other one's connection never comes: it ends, and is counted.
+  auto never_came = [&] {
+    for (const auto& [reason, count] : (*b)->RefusedInput()) {
+      if (reason == "data_connection_never_came") return count;
+    }
+    return uint64_t{0};
+  };
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  while ((never_came() == 0 || (*b)->HasLink(never->link)) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(never_came(), 1u);
+  EXPECT_FALSE((*b)->HasLink(never->link));
+  EXPECT_TRUE((*b)->HasLink(offer->link));
+}
+
 TEST(TcpHostile, AZeroLengthRequestMustNameAValidKey) {
   auto b = CreateTcpTransport({});
   ASSERT_TRUE(b.ok());

@@ -232,13 +232,10 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   if (!params.ok()) return Annotate(params.status(), "AcceptLink");
   const uint64_t token = params->token;
   ReapDeadPassiveLinks();
-  absl::StatusOr<net::Fd> fd = acceptor_->Claim(token, absl::Now() + options_.connect_timeout);
-  if (!fd.ok()) return Annotate(fd.status(), "AcceptLink");
   auto link = std::make_shared<Link>();
   {
     MutexLock lock(&mu_);
     if (links_.size() >= options_.max_links) return TooManyLinks();
-    link->fd = std::move(*fd);
     link->token = token;
     link->id = ++last_link_;
     link->state = Link::State::kReady;
@@ -248,14 +245,42 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     if (link->same_host) link->peer_vmm = params->vmm;
     links_[link->id] = link;
   }
-  (void)net::SetNoDelay(link->fd.get());
-  (void)net::SetKeepAlive(link->fd.get(), options_.dead_peer_timeout);
-  if (absl::Status started = StartLinkThreads(link); !started.ok()) {
+  // Never waits: the requester sent its hello before asking, so the
+  // connection is usually in; if not, it is attached when it arrives, and
+  // the link ends if it does not come within the connect timeout.
+  std::weak_ptr<Link> later = link;
+  absl::StatusOr<net::Fd> fd = acceptor_->ClaimOrAwait(
+      token, absl::Now() + options_.connect_timeout, [this, later](absl::StatusOr<net::Fd> fd) {
+        if (std::shared_ptr<Link> l = later.lock()) (void)Attach(l, std::move(fd));
+      });
+  absl::Status attached =
+      !fd.ok() ? fd.status() : fd->valid() ? Attach(link, std::move(*fd)) : absl::OkStatus();
+  if (!attached.ok()) {
     MutexLock lock(&mu_);
     links_.erase(link->id);
-    return started;
+    return Annotate(attached, "AcceptLink");
   }
   return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost(), VmmName())};
+}
+
+absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::StatusOr<net::Fd> fd) {
+  {
+    MutexLock lock(&mu_);
+    if (!fd.ok() || link->stopping) {
+      link->reader_done = true;  // no reader will run: gone for its peer
+      return fd.ok() ? absl::CancelledError("the link was closed") : fd.status();
+    }
+    link->fd = std::move(*fd);
+    link->attaching = true;
+  }
+  (void)net::SetNoDelay(link->fd.get());
+  (void)net::SetKeepAlive(link->fd.get(), options_.dead_peer_timeout);
+  absl::Status started = StartLinkThreads(link);
+  MutexLock lock(&mu_);
+  link->attaching = false;
+  if (!started.ok()) link->reader_done = true;
+  link->cv.SignalAll();
+  return started;
 }
 
 absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
@@ -327,6 +352,7 @@ void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
     MutexLock lock(&mu_);
     link->stopping = true;
     link->cv.SignalAll();
+    while (link->attaching) link->cv.Wait(&mu_);
   }
   ::shutdown(link->fd.get(), SHUT_RDWR);
   link->reader.Join();

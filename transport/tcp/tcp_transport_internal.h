@@ -111,7 +111,8 @@ class TcpTransport final : public Transport {
     return Limits{options_.max_outstanding_per_link, options_.max_request_bytes,
                   options_.max_region_bytes,
                   std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes),
-                  UsableCpus() < 4 ? 1u : 2u};
+                  UsableCpus() < 4 ? 1u : 2u,
+                  /*accept_waits=*/false};
   }
   absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
                                         Access access) override;
@@ -133,6 +134,7 @@ class TcpTransport final : public Transport {
             {"data_connection_duplicate_token", s.duplicate_tokens},
             {"data_connection_evicted", s.evicted},
             {"data_connection_expired", s.expired},
+            {"data_connection_never_came", s.claims_expired},
             {"data_accept_paused", s.accept_pauses},
             {"data_request_refused", refused_requests_.load()},
             {"data_peer_dropped_unread_answers", dropped_readers_.load()}};
@@ -218,6 +220,9 @@ class TcpTransport final : public Transport {
     bool stopping = false;
     bool writer_busy = false;
     bool passive = false;      // made by AcceptLink
+    // A passive link's connection is being attached (Attach): its fd and
+    // threads are set outside the lock, and StopAndJoin waits for that.
+    bool attaching = false;
     bool reader_done = false;  // the reader thread has returned
     uint32_t queued_answers = 0;  // answers in `jobs` (reader and writer, under mu_)
     CondVar cv;  // jobs arrived / stopping / writer idle
@@ -307,6 +312,11 @@ class TcpTransport final : public Transport {
   // refusal the link fails (its connection is shut down) and the error
   // returned.
   absl::Status StartLinkThreads(const std::shared_ptr<Link>& link);
+  // Gives passive `link` its connection and starts its threads; when the
+  // connection never came (`fd` an error) or the link was closed meanwhile,
+  // the link ends (reaped by the next AcceptLink). AcceptLink calls it, or
+  // the hello acceptor's thread once the connection arrives.
+  absl::Status Attach(const std::shared_ptr<Link>& link, absl::StatusOr<net::Fd> fd);
   absl::Status TooManyLinks() const {
     return absl::ResourceExhaustedError(
         absl::StrCat("this transport has its maximum of ", options_.max_links, " links"));
