@@ -115,6 +115,22 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string&
       return p;
     }
   }
+  // An engine with TCP alone offers its links with the request for the
+  // peer's TCP descriptor: one round trip for both (DescribeWithLinks).
+  if (vias_.size() == 1 && vias_[0].kind == "tcp") {
+    absl::StatusOr<DescribedLinks> quick = DescribeWithLinks(
+        vias_[0].transport, *client_, engine_id_, peer, "tcp", vias_[0].links, clock_->Now());
+    // No TCP at the peer (kNotFound): the usual choice below says so.
+    if (!quick.ok() && quick.status().code() != absl::StatusCode::kNotFound) {
+      return quick.status();
+    }
+    if (quick.ok() && quick->links.status().code() != absl::StatusCode::kUnimplemented) {
+      if (!quick->links.ok()) return quick->links.status();
+      Path p{0, std::move(quick->descriptor), std::move(*quick->links),
+             "both ends have tcp"};
+      return p;
+    }
+  }
   ASSIGN_OR_RETURN(handshake::EngineDescriptor theirs, client_->Describe(peer));
   const std::string& their_kind = theirs.transport_kind;
   const bool same_primary = their_kind == vias_[0].kind;

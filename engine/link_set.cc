@@ -149,6 +149,76 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
   return KeepWorking(transport, peer, links, outcome);
 }
 
+namespace {
+
+// Offers `count` links of `transport`'s only NIC (closed again on failure).
+absl::StatusOr<std::vector<transport::LinkOffer>> OfferLinks(transport::Transport* transport,
+                                                             uint32_t count) {
+  std::vector<transport::LinkOffer> offers;
+  for (uint32_t k = 0; k < count; ++k) {
+    absl::StatusOr<transport::LinkOffer> offer = transport->OfferLink(0);
+    if (!offer.ok()) {
+      for (const transport::LinkOffer& o : offers) (void)transport->CloseLink(o.link);
+      return offer.status();
+    }
+    offers.push_back(std::move(*offer));
+  }
+  return offers;
+}
+
+}  // namespace
+
+absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport,
+                                                 const PeerClient& client, uint64_t engine_id,
+                                                 const std::string& peer, const std::string& kind,
+                                                 uint32_t links_per_peer, absl::Time now) {
+  const transport::EndpointDescription local = transport->LocalEndpoint();
+  absl::StatusOr<std::vector<transport::LinkOffer>> offers =
+      local.nics.size() == 1 ? OfferLinks(transport, std::max<uint32_t>(1, links_per_peer))
+                             : absl::UnimplementedError("several local NICs");
+  if (!offers.ok()) {
+    DescribedLinks plain;
+    ASSIGN_OR_RETURN(plain.descriptor, client.Describe(peer, kind));
+    return plain;
+  }
+  std::vector<handshake::ConnectRequest> requests;
+  for (const transport::LinkOffer& o : *offers) {
+    requests.push_back(handshake::ConnectRequest{engine_id, 0, local.nics[0], 0, o.params});
+  }
+  std::vector<Link> links;
+  std::vector<absl::Status> outcome;
+  absl::StatusOr<PeerClient::Described> described = client.DescribeAndConnect(
+      peer, kind, std::move(requests), [&](const handshake::EngineDescriptor& d) {
+        if (d.transport_kind != kind || d.nics.size() != 1) return false;
+        for (uint32_t k = 0; k < offers->size(); ++k) {
+          Link& link = links.emplace_back(PlanLink(transport, local, d, k, now));
+          link.id = (*offers)[k].link;
+          outcome.push_back(transport->ConnectOffered(link.id, d.nics[0]));
+        }
+        return true;
+      });
+  absl::StatusOr<PeerClient::LinkAnswers> answers =
+      described.ok() ? std::move(described->links) : described.status();
+  // A peer that refuses kConnectLinks as a whole (malformed or unknown to
+  // it): the caller asks again the usual way.
+  const bool refused = !answers.ok() && (answers.status().code() == absl::StatusCode::kDataLoss ||
+                                         answers.status().code() ==
+                                             absl::StatusCode::kInvalidArgument);
+  if (refused) links.clear();
+  for (size_t k = 0; k < links.size(); ++k) {
+    if (outcome[k].ok()) outcome[k] = answers.ok() ? (*answers)[k].status() : answers.status();
+    if (outcome[k].ok()) outcome[k] = transport->CompleteLink(links[k].id, *(*answers)[k]);
+    if (outcome[k].ok()) links[k].peer_params = *(*answers)[k];
+  }
+  for (size_t k = 0; k < offers->size(); ++k) {
+    if (k >= links.size() || !outcome[k].ok()) (void)transport->CloseLink((*offers)[k].link);
+  }
+  RETURN_IF_ERROR(described.status());
+  DescribedLinks out{std::move(described->descriptor)};
+  if (!links.empty()) out.links = KeepWorking(transport, peer, links, outcome);
+  return out;
+}
+
 Link* ChooseLink(std::vector<Link>& links, NicMask near, uint32_t capacity) {
   Link* best = nullptr;
   Link* best_far = nullptr;

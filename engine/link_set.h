@@ -47,6 +47,22 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
                                                const handshake::EngineDescriptor& d,
                                                uint32_t links_per_peer, absl::Time now);
 
+// The peer's descriptor for `kind` and links to it, in one handshake round
+// trip: for a transport with one NIC whose links can be offered before the
+// peer is described (Transport::OfferLink), the offers travel with the
+// request for the descriptor, and each link connects once the descriptor is
+// in. `links` is kUnimplemented when the transport cannot offer early, or
+// the peer's descriptor is not one NIC of `kind` (the caller builds links
+// the usual way then, from `descriptor`); any other error as ConnectLinks.
+struct DescribedLinks {
+  handshake::EngineDescriptor descriptor;
+  absl::StatusOr<std::vector<Link>> links = absl::UnimplementedError("not offered");
+};
+absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport,
+                                                 const PeerClient& client, uint64_t engine_id,
+                                                 const std::string& peer, const std::string& kind,
+                                                 uint32_t links_per_peer, absl::Time now);
+
 // One link from `link.local_nic` to the peer's `link.remote_nic` (the other
 // fields of `link` are kept); kUnavailable etc. from the handshake or the
 // transport, nothing left open on failure.

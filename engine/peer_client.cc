@@ -12,28 +12,78 @@ namespace engine_internal {
 using handshake::Frame;
 using handshake::MessageType;
 
-absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request,
-                                       MessageType expected, absl::Duration timeout) const {
-  const MessageType sent = request.type;
-  ASSIGN_OR_RETURN(Frame reply, network_->Call(peer, request, timeout));
-  if (reply.type != expected) {
+absl::StatusOr<Frame> PeerClient::Expect(const std::string& peer, MessageType sent,
+                                         absl::StatusOr<Frame> reply, MessageType expected) {
+  if (reply.ok() && reply->type != expected) {
     return absl::DataLossError(absl::StrCat("peer ", peer, " answered ",
                                             handshake::MessageTypeName(sent), " with ",
-                                            handshake::MessageTypeName(reply.type)));
+                                            handshake::MessageTypeName(reply->type)));
   }
   return reply;
 }
 
-absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::string& peer,
-                                                                 const std::string& kind) const {
-  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kDescribe, kind},
-                                     MessageType::kDescriptor, timeout_));
+absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request,
+                                       MessageType expected, absl::Duration timeout) const {
+  const MessageType sent = request.type;
+  return Expect(peer, sent, network_->Call(peer, request, timeout), expected);
+}
+
+absl::StatusOr<handshake::EngineDescriptor> PeerClient::DecodeDescriptor(const Frame& reply) {
   ASSIGN_OR_RETURN(handshake::EngineDescriptor d, handshake::DecodeDescriptor(reply.payload));
   std::sort(d.regions.begin(), d.regions.end(),
             [](const handshake::RegionDescriptor& a, const handshake::RegionDescriptor& b) {
               return a.addr < b.addr;
             });
   return d;
+}
+
+absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::string& peer,
+                                                                 const std::string& kind) const {
+  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kDescribe, kind},
+                                     MessageType::kDescriptor, timeout_));
+  return DecodeDescriptor(reply);
+}
+
+absl::StatusOr<PeerClient::LinkAnswers> PeerClient::DecodeLinks(const std::string& peer,
+                                                                const Frame& reply,
+                                                                size_t count) {
+  ASSIGN_OR_RETURN(handshake::ConnectLinksReply answer,
+                   handshake::DecodeConnectLinksReply(reply.payload));
+  if (answer.links.size() != count) {
+    return absl::DataLossError(absl::StrCat("peer ", peer, " answered ", answer.links.size(),
+                                            " of ", count, " links"));
+  }
+  return std::move(answer.links);
+}
+
+absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
+    const std::string& peer, const std::string& kind,
+    std::vector<handshake::ConnectRequest> requests,
+    absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor) const {
+  const size_t count = requests.size();
+  std::vector<Frame> frames = {
+      Frame{MessageType::kDescribe, kind},
+      Frame{MessageType::kConnectLinks,
+            handshake::Encode(handshake::ConnectLinksRequest{std::move(requests)})}};
+  absl::StatusOr<Described> out = absl::UnknownError("no reply");
+  network_->CallPipelined(peer, frames, timeout_, [&](size_t i, absl::StatusOr<Frame> reply) {
+    if (i == 0) {
+      reply = Expect(peer, MessageType::kDescribe, std::move(reply), MessageType::kDescriptor);
+      absl::StatusOr<handshake::EngineDescriptor> d =
+          reply.ok() ? DecodeDescriptor(*reply) : reply.status();
+      if (!d.ok()) {
+        out = d.status();
+        return false;
+      }
+      out = Described{std::move(*d)};
+      return on_descriptor(out->descriptor);
+    }
+    reply = Expect(peer, MessageType::kConnectLinks, std::move(reply),
+                   MessageType::kConnectLinksReply);
+    out->links = reply.ok() ? DecodeLinks(peer, *reply, count) : reply.status();
+    return true;
+  });
+  return out;
 }
 
 absl::StatusOr<std::string> PeerClient::Connect(const std::string& peer,
@@ -44,22 +94,14 @@ absl::StatusOr<std::string> PeerClient::Connect(const std::string& peer,
   return std::move(answer.params);
 }
 
-absl::StatusOr<std::vector<absl::StatusOr<std::string>>> PeerClient::ConnectLinks(
+absl::StatusOr<PeerClient::LinkAnswers> PeerClient::ConnectLinks(
     const std::string& peer, std::vector<handshake::ConnectRequest> requests) const {
   const size_t count = requests.size();
   handshake::ConnectLinksRequest batch{std::move(requests)};
   absl::StatusOr<Frame> reply =
       Call(peer, Frame{MessageType::kConnectLinks, handshake::Encode(batch)},
            MessageType::kConnectLinksReply, timeout_);
-  if (reply.ok()) {
-    ASSIGN_OR_RETURN(handshake::ConnectLinksReply answer,
-                     handshake::DecodeConnectLinksReply(reply->payload));
-    if (answer.links.size() != count) {
-      return absl::DataLossError(absl::StrCat("peer ", peer, " answered ", answer.links.size(),
-                                              " of ", count, " links"));
-    }
-    return std::move(answer.links);
-  }
+  if (reply.ok()) return DecodeLinks(peer, *reply, count);
   // An engine from before kConnectLinks refuses the type as malformed or
   // unexpected (kDataLoss, kInvalidArgument); anything else is the answer.
   if (reply.status().code() != absl::StatusCode::kDataLoss &&

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "handshake/messages.h"
@@ -32,8 +33,23 @@ class PeerClient {
                                       const handshake::ConnectRequest& request) const;
   // Several links in one round trip: one answer per request, in order. A
   // peer that predates kConnectLinks is asked one link at a time.
-  absl::StatusOr<std::vector<absl::StatusOr<std::string>>> ConnectLinks(
-      const std::string& peer, std::vector<handshake::ConnectRequest> requests) const;
+  using LinkAnswers = std::vector<absl::StatusOr<std::string>>;
+  absl::StatusOr<LinkAnswers> ConnectLinks(const std::string& peer,
+                                           std::vector<handshake::ConnectRequest> requests) const;
+  // Describe(peer, kind) and kConnectLinks for links offered before the
+  // description, pipelined: one round trip where the network can. Once the
+  // descriptor is in, `on_descriptor` runs before the links' answers are
+  // read (the requester connects the links there); returning false leaves
+  // them unread. `links` is kAborted then, and the peer's own error when it
+  // refuses kConnectLinks as a whole.
+  struct Described {
+    handshake::EngineDescriptor descriptor;
+    absl::StatusOr<LinkAnswers> links = absl::AbortedError("not asked");
+  };
+  absl::StatusOr<Described> DescribeAndConnect(
+      const std::string& peer, const std::string& kind,
+      std::vector<handshake::ConnectRequest> requests,
+      absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor) const;
   // Asks the peer to close its halves of links this engine opened, named by
   // the parameters it answered for them (at most kMaxLinksPerConnect). OK
   // once they are closed; OK too from a peer that predates kCloseLinks
@@ -53,6 +69,15 @@ class PeerClient {
   absl::StatusOr<handshake::Frame> Call(const std::string& peer, handshake::Frame request,
                                         handshake::MessageType expected,
                                         absl::Duration timeout) const;
+  // A reply's type checked against what `sent` expects (kDataLoss if not).
+  static absl::StatusOr<handshake::Frame> Expect(const std::string& peer,
+                                                 handshake::MessageType sent,
+                                                 absl::StatusOr<handshake::Frame> reply,
+                                                 handshake::MessageType expected);
+  static absl::StatusOr<handshake::EngineDescriptor> DecodeDescriptor(
+      const handshake::Frame& reply);
+  static absl::StatusOr<LinkAnswers> DecodeLinks(const std::string& peer,
+                                                 const handshake::Frame& reply, size_t count);
   handshake::Network* const network_;
   const uint64_t engine_id_;
   const absl::Duration timeout_;

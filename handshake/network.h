@@ -64,6 +64,20 @@ class Network {
   // `timeout`.
   virtual absl::StatusOr<Frame> Call(const std::string& peer, const Frame& request,
                                      absl::Duration timeout) = 0;
+  // Each request's reply (or its error, as Call returns it), handed to
+  // `on_reply` in order; `on_reply` returns false to leave the rest
+  // unanswered. A network that can sends them all on one connection before
+  // reading the first reply, so that they cost one round trip and the
+  // handling of a reply overlaps the next one's flight; after a broken
+  // connection the rest get nothing. This default makes one Call after
+  // another, `timeout` each.
+  using ReplyFn = std::function<bool(size_t index, absl::StatusOr<Frame> reply)>;
+  virtual void CallPipelined(const std::string& peer, const std::vector<Frame>& requests,
+                             absl::Duration timeout, const ReplyFn& on_reply) {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (!on_reply(i, Call(peer, requests[i], timeout))) return;
+    }
+  }
 };
 
 // An error reply frame carrying `status`.

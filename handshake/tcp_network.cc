@@ -22,11 +22,6 @@ namespace handshake {
 
 namespace {
 
-absl::Status WriteFrame(int fd, const Frame& f, absl::Time deadline) {
-  const std::string bytes = EncodeFrame(f.type, f.payload);
-  return net::WriteFull(fd, bytes.data(), bytes.size(), deadline);
-}
-
 absl::StatusOr<Frame> ReadFrame(int fd, uint32_t max_bytes, absl::Time deadline) {
   char header[kFrameHeaderBytes];
   RETURN_IF_ERROR(net::ReadFull(fd, header, sizeof header, deadline));
@@ -65,45 +60,77 @@ class TcpNetwork final : public Network {
 
   absl::StatusOr<Frame> Call(const std::string& peer, const Frame& request,
                              absl::Duration timeout) override {
+    absl::StatusOr<Frame> answer = absl::UnavailableError("no reply");
+    CallPipelined(peer, {request}, timeout, [&](size_t, absl::StatusOr<Frame> reply) {
+      answer = std::move(reply);
+      return true;
+    });
+    return answer;
+  }
+
+  void CallPipelined(const std::string& peer, const std::vector<Frame>& requests,
+                     absl::Duration timeout, const ReplyFn& on_reply) override {
+    if (requests.empty()) return;
     const absl::Time deadline = absl::Now() + timeout;
-    ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer));
+    absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
+    if (!hp.ok()) {
+      on_reply(0, hp.status());
+      return;
+    }
+    std::string bytes;
+    for (const Frame& f : requests) bytes += EncodeFrame(f.type, f.payload);
     // An idle pooled connection may have been closed by the peer meanwhile;
-    // such a failure is retried once on a fresh connection.
+    // such a failure before the first reply is retried once on a fresh
+    // connection.
     for (int attempt = 0; attempt < 2; ++attempt) {
       net::Fd fd = TakeIdle(peer);
       const bool pooled = fd.valid();
       if (!pooled) {
-        absl::StatusOr<net::Fd> fresh = net::Connect(hp, deadline - absl::Now());
+        absl::StatusOr<net::Fd> fresh = net::Connect(*hp, deadline - absl::Now());
         if (!fresh.ok()) {
-          return absl::UnavailableError(absl::StrCat(
-              "handshake with ", peer, " failed: ", fresh.status().message()));
+          on_reply(0, absl::UnavailableError(absl::StrCat("handshake with ", peer, " failed: ",
+                                                          fresh.status().message())));
+          return;
         }
         fd = std::move(*fresh);
         (void)net::SetNoDelay(fd.get());
       }
-      absl::Status sent = WriteFrame(fd.get(), request, deadline);
-      absl::StatusOr<Frame> reply =
-          sent.ok() ? ReadFrame(fd.get(), options_.max_frame_bytes, deadline)
-                    : absl::StatusOr<Frame>(sent);
-      if (!reply.ok()) {
-        if (pooled && reply.status().code() == absl::StatusCode::kUnavailable) continue;
-        if (reply.status().code() == absl::StatusCode::kDeadlineExceeded) {
-          return absl::DeadlineExceededError(absl::StrCat(
-              "handshake with ", peer, ": no reply to ", MessageTypeName(request.type),
-              " within ", absl::FormatDuration(timeout)));
+      const absl::Status sent = net::WriteFull(fd.get(), bytes.data(), bytes.size(), deadline);
+      bool retry = false;
+      for (size_t i = 0; i < requests.size() && !retry; ++i) {
+        absl::StatusOr<Frame> reply = sent.ok()
+                                          ? ReadFrame(fd.get(), options_.max_frame_bytes, deadline)
+                                          : absl::StatusOr<Frame>(sent);
+        if (!reply.ok()) {
+          retry = i == 0 && pooled && reply.status().code() == absl::StatusCode::kUnavailable;
+          if (retry) continue;
+          on_reply(i, Failed(peer, requests[i].type, reply.status(), timeout));
+          return;
         }
-        return absl::Status(reply.status().code(),
-                            absl::StrCat("handshake with ", peer, ": ",
-                                         reply.status().message()));
+        const bool more = on_reply(i, reply->type == MessageType::kError
+                                          ? absl::StatusOr<Frame>(DecodeError(reply->payload))
+                                          : std::move(reply));
+        if (!more && i + 1 < requests.size()) return;  // the rest unread: not reused
       }
+      if (retry) continue;
       PutIdle(peer, std::move(fd));
-      if (reply->type == MessageType::kError) return DecodeError(reply->payload);
-      return reply;
+      return;
     }
-    return absl::UnavailableError(absl::StrCat("handshake with ", peer, " failed"));
+    on_reply(0, absl::UnavailableError(absl::StrCat("handshake with ", peer, " failed")));
   }
 
  private:
+  // A failed exchange's error, naming the peer.
+  static absl::Status Failed(const std::string& peer, MessageType type, const absl::Status& s,
+                             absl::Duration timeout) {
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+      return absl::DeadlineExceededError(absl::StrCat("handshake with ", peer, ": no reply to ",
+                                                      MessageTypeName(type), " within ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    return absl::Status(s.code(), absl::StrCat("handshake with ", peer, ": ", s.message()));
+  }
+
   net::Fd TakeIdle(const std::string& peer) {
     MutexLock lock(&mu_);
     auto it = idle_.find(peer);

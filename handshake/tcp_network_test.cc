@@ -1,8 +1,12 @@
 #include "handshake/tcp_network.h"
 
+#include <sys/socket.h>
+
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "gtest/gtest.h"
@@ -47,6 +51,74 @@ TEST(TcpNetwork, CallGetsTheReplyAndErrorsAsStatus) {
                                absl::Seconds(2));
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(refused.status().message(), "only probes here");
+}
+
+// Pipelined requests go out together before any reply is read: a peer
+// that answers only once it has both requests still answers both (one
+// after the other would wait forever for the first reply). An error reply
+// comes as its status, in its place.
+TEST(TcpNetwork, PipelinedRequestsTravelTogether) {
+  auto listener = net::Listen("127.0.0.1", 0, {0, 0});
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  const std::string address = absl::StrCat("127.0.0.1:", listener->address.port());
+  std::thread peer([&] {
+    const int fd = ::accept(listener->fd.get(), nullptr, nullptr);
+    ASSERT_GE(fd, 0);
+    net::Fd conn(fd);
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    std::vector<uint64_t> nonces;
+    for (int i = 0; i < 2; ++i) {
+      char header[kFrameHeaderBytes];
+      ASSERT_TRUE(net::ReadFull(fd, header, sizeof header, deadline).ok());
+      auto h = ParseFrameHeader(absl::string_view(header, sizeof header), 1 << 20);
+      ASSERT_TRUE(h.ok()) << h.status();
+      std::string payload(h->payload_bytes, '\0');
+      ASSERT_TRUE(net::ReadFull(fd, payload.data(), payload.size(), deadline).ok());
+      nonces.push_back(DecodeProbe(payload)->nonce);
+    }
+    const std::string replies =
+        EncodeFrame(MessageType::kProbeReply, Encode(Probe{9, nonces[0]})) +
+        EncodeFrame(MessageType::kError, EncodeError(absl::NotFoundError("second refused")));
+    ASSERT_TRUE(net::WriteFull(fd, replies.data(), replies.size(), deadline).ok());
+  });
+  auto network = NewTcpNetwork();
+  std::vector<absl::StatusOr<Frame>> got;
+  network->CallPipelined(address,
+                         {Frame{MessageType::kProbe, Encode(Probe{1, 41})},
+                          Frame{MessageType::kProbe, Encode(Probe{1, 42})}},
+                         absl::Seconds(5), [&](size_t i, absl::StatusOr<Frame> reply) {
+                           EXPECT_EQ(i, got.size());
+                           got.push_back(std::move(reply));
+                           return true;
+                         });
+  peer.join();
+  ASSERT_EQ(got.size(), 2u);
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  EXPECT_EQ(DecodeProbe(got[0]->payload)->nonce, 41u);
+  EXPECT_EQ(got[1].status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(got[1].status().message(), "second refused");
+}
+
+// A caller that stops after the first reply gets no more; the server
+// answers the next call on a fresh connection.
+TEST(TcpNetwork, APipelineStopsWhereTheCallerSays) {
+  auto network = NewTcpNetwork();
+  auto server = network->Serve(Loopback(), EchoHandler);
+  ASSERT_TRUE(server.ok()) << server.status();
+  int calls = 0;
+  network->CallPipelined((*server)->address(),
+                         {Frame{MessageType::kProbe, Encode(Probe{1, 1})},
+                          Frame{MessageType::kProbe, Encode(Probe{1, 2})}},
+                         absl::Seconds(5), [&](size_t, absl::StatusOr<Frame> reply) {
+                           EXPECT_TRUE(reply.ok()) << reply.status();
+                           ++calls;
+                           return false;
+                         });
+  EXPECT_EQ(calls, 1);
+  auto next = network->Call((*server)->address(), Frame{MessageType::kProbe, Encode(Probe{1, 3})},
+                            absl::Seconds(2));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(DecodeProbe(next->payload)->nonce, 3u);
 }
 
 TEST(TcpNetwork, Ipv6Loopback) {

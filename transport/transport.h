@@ -217,6 +217,21 @@ class Transport {
       absl::string_view peer_params) = 0;
   virtual absl::Status CompleteLink(LinkId link,
                                     absl::string_view peer_params) = 0;
+  // CreateLink in two steps, for a transport whose offer does not depend on
+  // the peer NIC (TCP): OfferLink makes the local half without touching the
+  // network, so that the offer can travel with the request for the peer's
+  // description; ConnectOffered reaches `peer_nic` once it is known (before
+  // CompleteLink, and before or after the peer's AcceptLink). The default
+  // (kUnimplemented): the offer needs the peer NIC; use CreateLink.
+  virtual absl::StatusOr<LinkOffer> OfferLink(NicIndex local_nic) {
+    (void)local_nic;
+    return absl::UnimplementedError("this transport's link offers depend on the peer NIC");
+  }
+  virtual absl::Status ConnectOffered(LinkId link, const NicInfo& peer_nic) {
+    (void)link;
+    (void)peer_nic;
+    return absl::UnimplementedError("this transport's link offers depend on the peer NIC");
+  }
   // The local NIC that reaches `peer_nic` by this host's routes, when the
   // transport can tell (verbs, through rdma_cm); otherwise an error saying
   // why, and the caller pairs NICs by its own rule.

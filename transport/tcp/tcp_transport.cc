@@ -194,31 +194,69 @@ absl::StatusOr<TcpTransport::RegionUse> TcpTransport::UseRemote(const DataHeader
   return RegionUse(std::move(entry), fd);
 }
 
-absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
-                                                   const NicInfo& peer_nic) {
-  if (local_nic != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
-  }
-  absl::StatusOr<net::HostPort> peer = net::ParseHostPort(peer_nic.address);
+namespace {
+
+absl::StatusOr<net::HostPort> TcpNicAddress(const NicInfo& nic) {
+  absl::StatusOr<net::HostPort> peer = net::ParseHostPort(nic.address);
   if (!peer.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("not a TCP NIC address: ", peer.status().message()));
   }
-  ASSIGN_OR_RETURN(net::Fd fd, net::Connect(*peer, options_.connect_timeout));
-  RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
-  RETURN_IF_ERROR(net::SetKeepAlive(fd.get(), options_.dead_peer_timeout));
-  const uint64_t token = net::RandomU64();
-  const std::string hello = EncodeHello(token, options_.secret);
-  RETURN_IF_ERROR(net::WriteFull(fd.get(), hello.data(), hello.size(),
-                                 absl::Now() + options_.connect_timeout));
+  return peer;
+}
+
+}  // namespace
+
+absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
+                                                   const NicInfo& peer_nic) {
+  RETURN_IF_ERROR(TcpNicAddress(peer_nic).status());
+  ASSIGN_OR_RETURN(LinkOffer offer, OfferLink(local_nic));
+  if (absl::Status connected = ConnectOffered(offer.link, peer_nic); !connected.ok()) {
+    (void)CloseLink(offer.link);
+    return connected;
+  }
+  return offer;
+}
+
+absl::StatusOr<LinkOffer> TcpTransport::OfferLink(NicIndex local_nic) {
+  if (local_nic != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
+  }
   auto link = std::make_shared<Link>();
-  link->fd = std::move(fd);
-  link->token = token;
+  link->token = net::RandomU64();
   MutexLock lock(&mu_);
   if (links_.size() >= options_.max_links) return TooManyLinks();
   link->id = ++last_link_;
   links_[link->id] = link;
-  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost(), VmmName())};
+  return LinkOffer{link->id, EncodeLinkParams(link->token, key_, IpcHost(), VmmName())};
+}
+
+absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
+  ASSIGN_OR_RETURN(net::HostPort peer, TcpNicAddress(peer_nic));
+  uint64_t token = 0;
+  {
+    MutexLock lock(&mu_);
+    auto it = links_.find(id);
+    if (it == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
+    const Link& link = *it->second;
+    if (link.passive || link.state != Link::State::kPending || link.fd.valid()) {
+      return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already connected"));
+    }
+    token = link.token;
+  }
+  ASSIGN_OR_RETURN(net::Fd fd, net::Connect(peer, options_.connect_timeout));
+  RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
+  RETURN_IF_ERROR(net::SetKeepAlive(fd.get(), options_.dead_peer_timeout));
+  const std::string hello = EncodeHello(token, options_.secret);
+  RETURN_IF_ERROR(net::WriteFull(fd.get(), hello.data(), hello.size(),
+                                 absl::Now() + options_.connect_timeout));
+  MutexLock lock(&mu_);
+  auto it = links_.find(id);
+  if (it == links_.end() || it->second->stopping || it->second->fd.valid()) {
+    return absl::CancelledError(absl::StrCat("link ", id, " was closed meanwhile"));
+  }
+  it->second->fd = std::move(fd);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
@@ -292,6 +330,10 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     link = it->second;
     if (link->state != Link::State::kPending) {
       return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
+    }
+    if (!link->fd.valid()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("link ", id, " has no connection yet (ConnectOffered first)"));
     }
     absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
     if (!params.ok()) return Annotate(params.status(), "CompleteLink");

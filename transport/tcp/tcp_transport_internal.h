@@ -117,6 +117,8 @@ class TcpTransport final : public Transport {
   absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
                                         Access access) override;
   absl::Status UnregisterMemory(RegionId region) override;
+  absl::StatusOr<LinkOffer> OfferLink(NicIndex local_nic) override;
+  absl::Status ConnectOffered(LinkId link, const NicInfo& peer_nic) override;
   absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic,
                                        const NicInfo& peer_nic) override;
   absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
