@@ -127,7 +127,7 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string&
     if (quick.ok() && quick->links.status().code() != absl::StatusCode::kUnimplemented) {
       if (!quick->links.ok()) return quick->links.status();
       Path p{0, std::move(quick->descriptor), std::move(*quick->links),
-             "both ends have tcp"};
+             "this engine has only tcp; the peer has it too"};
       return p;
     }
   }

@@ -476,7 +476,9 @@ TEST(TransferEngine, UnauthenticatedClientsReceiveNoKeys) {
   std::vector<char> src = Pattern(65536, 5), dst(65536, 0);
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
 
-  auto stranger = MakeEngine();  // no secret
+  EngineOptions plain = Local();  // no secret
+  plain.transport = "tcp";       // (the count below, also where RDMA is)
+  auto stranger = MakeEngine(plain);
   auto seg = stranger->OpenSegment(b->address());
   EXPECT_EQ(seg.status().code(), absl::StatusCode::kUnauthenticated) << seg.status();
   EXPECT_NE(seg.status().message().find("secret"), std::string::npos);
