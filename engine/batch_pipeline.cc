@@ -120,8 +120,10 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string&
   if (vias_.size() == 1 && vias_[0].kind == "tcp") {
     absl::StatusOr<DescribedLinks> quick = DescribeWithLinks(
         vias_[0].transport, *client_, engine_id_, peer, "tcp", vias_[0].links, clock_->Now());
-    // No TCP at the peer (kNotFound): the usual choice below says so.
-    if (!quick.ok() && quick.status().code() != absl::StatusCode::kNotFound) {
+    // No TCP at the peer (kNotFound): the usual choice below says so; a
+    // transport that cannot offer links early (kUnimplemented) takes it too.
+    if (!quick.ok() && quick.status().code() != absl::StatusCode::kNotFound &&
+        quick.status().code() != absl::StatusCode::kUnimplemented) {
       return quick.status();
     }
     if (quick.ok() && quick->links.status().code() != absl::StatusCode::kUnimplemented) {

@@ -176,11 +176,7 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
   absl::StatusOr<std::vector<transport::LinkOffer>> offers =
       local.nics.size() == 1 ? OfferLinks(transport, std::max<uint32_t>(1, links_per_peer))
                              : absl::UnimplementedError("several local NICs");
-  if (!offers.ok()) {
-    DescribedLinks plain;
-    ASSIGN_OR_RETURN(plain.descriptor, client.Describe(peer, kind));
-    return plain;
-  }
+  RETURN_IF_ERROR(offers.status());  // kUnimplemented: the usual way
   std::vector<handshake::ConnectRequest> requests;
   for (const transport::LinkOffer& o : *offers) {
     requests.push_back(handshake::ConnectRequest{engine_id, 0, local.nics[0], 0, o.params});

@@ -51,9 +51,10 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
 // trip: for a transport with one NIC whose links can be offered before the
 // peer is described (Transport::OfferLink), the offers travel with the
 // request for the descriptor, and each link connects once the descriptor is
-// in. `links` is kUnimplemented when the transport cannot offer early, or
-// the peer's descriptor is not one NIC of `kind` (the caller builds links
-// the usual way then, from `descriptor`); any other error as ConnectLinks.
+// in. kUnimplemented when the transport cannot offer early (or has several
+// NICs); `links` is kUnimplemented when the peer's descriptor is not one
+// NIC of `kind` or the peer refuses connect-links (the caller builds links
+// the usual way then); any other error as ConnectLinks.
 struct DescribedLinks {
   handshake::EngineDescriptor descriptor;
   absl::StatusOr<std::vector<Link>> links = absl::UnimplementedError("not offered");
