@@ -122,6 +122,14 @@ TEST(TcpHostile, ALinkAcceptedBeforeItsConnectionServesOnceItArrives) {
   EXPECT_TRUE((*b)->HasLink(offer->link));
   auto never = (*b)->AcceptLink(0, NicInfo{}, tcp_wire::EncodeLinkParams(token + 1, 0, 0));
   ASSERT_TRUE(never.ok()) << never.status();
+  // Either end may post on a link: on one still waiting for its connection
+  // the request waits too, and fails when the connection never comes.
+  std::vector<char> spare(64, 's');
+  auto rs = (*b)->RegisterMemory(spare.data(), spare.size(), Access::kNone);
+  ASSERT_TRUE(rs.ok());
+  WorkRequest stranded{Opcode::kWrite, never->link, rs->id, spare.data(), spare.size(),
+                       0x1000, 1, 77};
+  ASSERT_TRUE((*b)->Post({&stranded, 1}).ok());
 
   auto hp = net::ParseHostPort((*b)->LocalEndpoint().nics[0].address);
   ASSERT_TRUE(hp.ok());
@@ -159,6 +167,10 @@ TEST(TcpHostile, ALinkAcceptedBeforeItsConnectionServesOnceItArrives) {
   EXPECT_EQ(never_came(), 1u);
   EXPECT_FALSE((*b)->HasLink(never->link));
   EXPECT_TRUE((*b)->HasLink(offer->link));
+  Completion c;
+  ASSERT_EQ((*b)->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
+  EXPECT_EQ(c.cookie, 77u);
+  EXPECT_EQ(c.status.code(), absl::StatusCode::kUnavailable) << c.status;
 }
 
 TEST(TcpHostile, AZeroLengthRequestMustNameAValidKey) {

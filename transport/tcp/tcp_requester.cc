@@ -23,7 +23,7 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   // Links idle when this Post came: their requests go from this thread.
   Scratch<std::shared_ptr<Link>> inline_links;
   RETURN_IF_ERROR(PostLocked(batch, *direct, *inline_links));
-  for (const std::shared_ptr<Link>& link : *inline_links) SendInline(link);
+  for (const std::shared_ptr<Link>& link : *inline_links) SendInline(*link);
   inline_links->clear();  // drop the references now, not at the next Post
   if (!direct->empty()) RunDirect(*direct);
   return absl::OkStatus();
@@ -108,8 +108,10 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
 }
 
 bool TcpTransport::ClaimInline(Link& link, uint64_t post) {
-  if (link.writer_busy || link.inline_rest || link.stopping || link.jobs_from != post ||
-      link.jobs.size() > kMaxJobsPerSend) {
+  // (A passive link whose connection has not arrived yet keeps its jobs
+  // queued: its writer sends them once it is attached.)
+  if (!link.fd.valid() || link.writer_busy || link.inline_rest || link.stopping ||
+      link.jobs_from != post || link.jobs.size() > kMaxJobsPerSend) {
     return false;
   }
   uint64_t bytes = 0;
@@ -127,11 +129,11 @@ bool TcpTransport::ClaimInline(Link& link, uint64_t post) {
   return true;
 }
 
-void TcpTransport::SendInline(const std::shared_ptr<Link>& link) {
+void TcpTransport::SendInline(Link& link) {
   iovec iov[2 * kMaxJobsPerSend];
   int n = 0;
   size_t total = 0;
-  for (Job& job : link->inline_jobs) {  // requests only: no READ answers, no text
+  for (Job& job : link.inline_jobs) {  // requests and plain answers: no READ data, no text
     iov[n++] = {&job.header, sizeof job.header};
     total += sizeof job.header;
     if (job.data != nullptr && job.header.length > 0) {
@@ -140,19 +142,19 @@ void TcpTransport::SendInline(const std::shared_ptr<Link>& link) {
     }
   }
   size_t sent = 0;
-  const absl::Status st = SendIov(link->fd.get(), iov, n, /*wait=*/false, &sent);
+  const absl::Status st = SendIov(link.fd.get(), iov, n, /*wait=*/false, &sent);
   MutexLock lock(&mu_);
-  link->writer_busy = false;
+  link.writer_busy = false;
   if (!st.ok()) {
-    link->inline_jobs.clear();
-    ::shutdown(link->fd.get(), SHUT_RDWR);  // the reader sees it and fails the link
+    link.inline_jobs.clear();
+    ::shutdown(link.fd.get(), SHUT_RDWR);  // the reader sees it and fails the link
   } else if (sent < total) {
-    link->inline_sent = sent;  // the writer sends the rest first
-    link->inline_rest = true;
+    link.inline_sent = sent;  // the writer sends the rest first
+    link.inline_rest = true;
   } else {
-    link->inline_jobs.clear();
+    link.inline_jobs.clear();
   }
-  link->cv.SignalAll();  // the writer (rest, jobs queued meanwhile) and idle waiters
+  link.cv.SignalAll();  // the writer (rest, jobs queued meanwhile) and idle waiters
 }
 
 absl::Status TcpTransport::CopyDirect(TcpTransport& peer, const Direct& d) {

@@ -142,10 +142,30 @@ absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, boo
 
 
 absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
-  // Not sent from the reader's thread: the reader is the responder's busy
-  // thread, and answering from it measured slower than handing off.
-  MutexLock lock(&mu_);
-  if (link.stopping) return absl::CancelledError("the link is closing");
+  // Sent by the writer thread while requests keep coming: the reader is the
+  // responder's busy thread, and answering from it measured slower than
+  // handing off. When no request waits behind this one (nothing more
+  // received) and the writer is idle, the reader sends a plain answer
+  // itself, without blocking (a rest goes to the writer): one thread
+  // hand-off less for a lone request.
+  const bool lone = link.in->Buffered() == 0 && !job.read_answer && job.text.empty() &&
+                    !job.close_after && !job.ipc && job.device < 0;
+  {
+    MutexLock lock(&mu_);
+    if (link.stopping) return absl::CancelledError("the link is closing");
+    if (!lone || !link.jobs.empty() || link.writer_busy || link.inline_rest) {
+      return QueueAnswerLocked(link, std::move(job));
+    }
+    link.writer_busy = true;
+    link.inline_jobs.clear();
+    link.inline_jobs.push_back(std::move(job));
+    link.inline_sent = 0;
+  }
+  SendInline(link);
+  return absl::OkStatus();
+}
+
+absl::Status TcpTransport::QueueAnswerLocked(Link& link, Job job) {
   // A peer keeps at most its max_outstanding_per_link requests unanswered,
   // so a legitimate one never has more answers waiting here than that
   // (plus what the writer is sending). One that sends on without reading

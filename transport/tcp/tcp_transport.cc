@@ -305,7 +305,9 @@ absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::Statu
   {
     MutexLock lock(&mu_);
     if (!fd.ok() || link->stopping) {
-      link->reader_done = true;  // no reader will run: gone for its peer
+      // No reader will run: gone for its peer; what was posted on it fails.
+      if (!fd.ok()) FailLink(*link, fd.status(), 0);
+      link->reader_done = true;
       return fd.ok() ? absl::CancelledError("the link was closed") : fd.status();
     }
     link->fd = std::move(*fd);
@@ -316,7 +318,10 @@ absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::Statu
   absl::Status started = StartLinkThreads(link);
   MutexLock lock(&mu_);
   link->attaching = false;
-  if (!started.ok()) link->reader_done = true;
+  if (!started.ok()) {
+    FailLink(*link, started, 0);
+    link->reader_done = true;
+  }
   link->cv.SignalAll();
   return started;
 }

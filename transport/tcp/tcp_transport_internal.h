@@ -293,7 +293,7 @@ class TcpTransport final : public Transport {
   bool ClaimInline(Link& link, uint64_t post) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends a claimed link's inline_jobs without blocking; a rest goes to
   // the writer. Clears writer_busy.
-  void SendInline(const std::shared_ptr<Link>& link);
+  void SendInline(Link& link);
   // Copies the bytes of each request and completes it, taking each lock
   // once for the lot. It holds the regions lock of whichever peer the
   // current request goes to, switching as the peer changes: beyond what
@@ -337,6 +337,7 @@ class TcpTransport final : public Transport {
   absl::Status Serve(Link& link, const DataHeader& h, AckRun& run, bool* refusing);
   // Hands an answer to the writer. kCancelled once the link is stopping.
   absl::Status QueueAnswer(Link& link, Job job);
+  absl::Status QueueAnswerLocked(Link& link, Job job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FlushRun(Link& link, AckRun& run);
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
