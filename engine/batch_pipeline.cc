@@ -99,6 +99,24 @@ bool OnThisHost(const std::string& peer) {
 
 }  // namespace
 
+absl::StatusOr<std::optional<BatchPipeline::Path>> BatchPipeline::OneRoundTrip(
+    const std::string& peer) const {
+  absl::StatusOr<DescribedLinks> quick = DescribeWithLinks(
+      vias_[0].transport, *client_, engine_id_, peer, "tcp", vias_[0].links, clock_->Now());
+  // No TCP at the peer (kNotFound): the usual choice says so; a transport
+  // that cannot offer links early (kUnimplemented) takes it too.
+  if (!quick.ok() && quick.status().code() != absl::StatusCode::kNotFound &&
+      quick.status().code() != absl::StatusCode::kUnimplemented) {
+    return quick.status();
+  }
+  if (!quick.ok() || quick->links.status().code() == absl::StatusCode::kUnimplemented) {
+    return std::nullopt;
+  }
+  if (!quick->links.ok()) return quick->links.status();
+  return Path{0, std::move(quick->descriptor), std::move(*quick->links),
+              "this engine has only tcp; the peer has it too"};
+}
+
 absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string& peer) const {
   // A peer on this host of a GPU host: TCP, whose links copy device memory
   // GPU to GPU through CUDA IPC, not through the NIC (host memory goes over
@@ -115,23 +133,9 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string&
       return p;
     }
   }
-  // An engine with TCP alone offers its links with the request for the
-  // peer's TCP descriptor: one round trip for both (DescribeWithLinks).
   if (vias_.size() == 1 && vias_[0].kind == "tcp") {
-    absl::StatusOr<DescribedLinks> quick = DescribeWithLinks(
-        vias_[0].transport, *client_, engine_id_, peer, "tcp", vias_[0].links, clock_->Now());
-    // No TCP at the peer (kNotFound): the usual choice below says so; a
-    // transport that cannot offer links early (kUnimplemented) takes it too.
-    if (!quick.ok() && quick.status().code() != absl::StatusCode::kNotFound &&
-        quick.status().code() != absl::StatusCode::kUnimplemented) {
-      return quick.status();
-    }
-    if (quick.ok() && quick->links.status().code() != absl::StatusCode::kUnimplemented) {
-      if (!quick->links.ok()) return quick->links.status();
-      Path p{0, std::move(quick->descriptor), std::move(*quick->links),
-             "this engine has only tcp; the peer has it too"};
-      return p;
-    }
+    ASSIGN_OR_RETURN(std::optional<Path> quick, OneRoundTrip(peer));
+    if (quick.has_value()) return std::move(*quick);
   }
   ASSIGN_OR_RETURN(handshake::EngineDescriptor theirs, client_->Describe(peer));
   const std::string& their_kind = theirs.transport_kind;

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -204,6 +205,10 @@ class BatchPipeline {
     std::string why;
   };
   absl::StatusOr<Path> ChoosePath(const std::string& peer) const;
+  // An engine with TCP alone offers its links with the request for the
+  // peer's TCP descriptor: one round trip for both (DescribeWithLinks).
+  // Nullopt when the usual choice must be made.
+  absl::StatusOr<std::optional<Path>> OneRoundTrip(const std::string& peer) const;
   absl::StatusOr<Path> Connect(const std::string& peer, size_t via,
                                handshake::EngineDescriptor d) const;
   void ExpireIdle(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -40,6 +40,18 @@ void CompletionPump::Wake() {
   cv_.SignalAll();
 }
 
+void CompletionPump::AwaitEpochPast(uint64_t seen, absl::Time deadline) {
+  // Real time: only real threads wait for another. A completion usually
+  // comes within microseconds: look for a while before sleeping (a sleep
+  // and its wake-up cost more than that).
+  const absl::Time spin_until = FastNow() + kSpin;
+  while (epoch_.load() == seen && FastNow() < spin_until) std::this_thread::yield();
+  MutexLock lock(&mu_);
+  cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return epoch_.load() != seen;
+  });
+}
+
 bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
                            absl::FunctionRef<void(absl::Time)> drive,
                            absl::FunctionRef<bool()> poll) {
@@ -79,17 +91,7 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
         another_drives = true;
       }
     }
-    if (another_drives) {
-      // Real time: only real threads wait for another. A completion usually
-      // comes within microseconds: look for a while before sleeping (a
-      // sleep and its wake-up cost more than that).
-      const absl::Time spin_until = FastNow() + kSpin;
-      while (epoch_.load() == seen && FastNow() < spin_until) std::this_thread::yield();
-      MutexLock lock(&mu_);
-      cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return epoch_.load() != seen;
-      });
-    }
+    if (another_drives) AwaitEpochPast(seen, deadline);
     sleepers_.fetch_sub(1, std::memory_order_acq_rel);
     if (!claimed) continue;
     // Drives until its own wait is over; hands over only then (a hand-over

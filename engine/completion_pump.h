@@ -48,6 +48,9 @@ class CompletionPump {
  private:
   bool Claim();
   void Leave();
+  // A waiter whose batch another thread drives: until the epoch is past
+  // `seen` (a completion delivered, or the driver left) or `deadline`.
+  void AwaitEpochPast(uint64_t seen, absl::Time deadline);
   // How long a waiter whose batch another thread drives looks before it
   // sleeps.
   static constexpr absl::Duration kSpin = absl::Microseconds(20);

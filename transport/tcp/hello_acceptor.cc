@@ -103,6 +103,9 @@ struct HelloAcceptor::State {
     arriving_count -= arriving.erase(fd);
   }
   void Sweep();
+  // A connection whose hello carried `token`: to the claim that waits for
+  // it, else kept for one (a second one with a waiting token is closed).
+  void HandOver(uint64_t token, net::Fd conn);
   // A hello that carried `token` was refused: its claim, made or to come,
   // fails.
   void Refuse(uint64_t token);
@@ -210,6 +213,10 @@ void HelloAcceptor::State::OnReadable(int fd) {
   net::Fd conn = std::move(a.fd);
   arriving.erase(it);
   --arriving_count;
+  HandOver(token, std::move(conn));
+}
+
+void HelloAcceptor::State::HandOver(uint64_t token, net::Fd conn) {
   Delivery deliver;
   {
     MutexLock lock(&mu);

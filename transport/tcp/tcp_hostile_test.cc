@@ -41,6 +41,18 @@ net::Fd PairRawPeer(Transport& t) {
   return std::move(*fd);
 }
 
+// A WRITE request of `length` bytes into region `r`, acknowledged at once.
+DataHeader WriteHeader(const Region& r, uint64_t length) {
+  DataHeader h;
+  h.type = tcp_wire::kWriteReq;
+  h.flags = tcp_wire::kAckNow;
+  h.id = 1;
+  h.remote_addr = r.addr;
+  h.rkey = r.keys[0];
+  h.length = length;
+  return h;
+}
+
 // True when the transport has shut `fd`'s connection down within `within`.
 bool Closed(int fd, absl::Duration within) {
   timeval tv{static_cast<time_t>(absl::ToInt64Seconds(within)) + 1, 0};
@@ -67,13 +79,7 @@ TEST(TcpHostile, APeerStalledMidWriteHoldsNoLock) {
   ASSERT_TRUE(r.ok() && r2.ok() && r3.ok());
 
   net::Fd stalled = PairRawPeer(**b);
-  DataHeader h;
-  h.type = tcp_wire::kWriteReq;
-  h.flags = tcp_wire::kAckNow;
-  h.id = 1;
-  h.remote_addr = r->addr;
-  h.rkey = r->keys[0];
-  h.length = target.size();
+  const DataHeader h = WriteHeader(*r, target.size());
   ASSERT_TRUE(net::WriteFull(stalled.get(), &h, sizeof h, absl::Now() + absl::Seconds(2)).ok());
   ASSERT_TRUE(net::WriteFull(stalled.get(), src.data(), 1000, absl::Now() + absl::Seconds(2)).ok());
   absl::SleepFor(absl::Milliseconds(50));  // the responder is now inside the WRITE's bytes
@@ -138,13 +144,7 @@ TEST(TcpHostile, ALinkAcceptedBeforeItsConnectionServesOnceItArrives) {
   const std::string hello = EncodeHello(token, "");
   ASSERT_TRUE(net::WriteFull(fd->get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2))
                   .ok());
-  DataHeader h;
-  h.type = tcp_wire::kWriteReq;
-  h.flags = tcp_wire::kAckNow;
-  h.id = 1;
-  h.remote_addr = r->addr;
-  h.rkey = r->keys[0];
-  h.length = src.size();
+  const DataHeader h = WriteHeader(*r, src.size());
   ASSERT_TRUE(net::WriteFull(fd->get(), &h, sizeof h, absl::Now() + absl::Seconds(2)).ok());
   ASSERT_TRUE(net::WriteFull(fd->get(), src.data(), src.size(), absl::Now() + absl::Seconds(2)).ok());
   DataHeader answer;
