@@ -189,8 +189,8 @@ void HelloAcceptor::State::OnReadable(int fd) {
              ? "dropped a data connection: its hello is authenticated where this engine has no "
                "secret, or plain where it has one (give every engine the same secret)"
              : "dropped a data connection without a valid hello");
+    Refuse(token);  // first: a claim made once the peer sees the close fails
     Drop(fd);
-    Refuse(token);
     return;
   }
   if (a.got < want) return;
@@ -198,8 +198,8 @@ void HelloAcceptor::State::OnReadable(int fd) {
       !SameTag(absl::string_view(a.hello + kHelloBytes, 32), HelloTag(token, options.secret))) {
     ++bad;
     Warn("dropped a data connection whose hello does not prove the secret");
-    Drop(fd);
     Refuse(token);
+    Drop(fd);
     return;
   }
   // The connection leaves the loop: from now on its link's threads own it,
@@ -352,6 +352,7 @@ HelloAcceptorStats HelloAcceptor::stats() const {
   s.accept_pauses = st->pauses;
   MutexLock lock(&st->mu);
   s.pending = st->waiting.size() + st->arriving_count;
+  s.unclaimed = st->waiting.size();
   s.claims = st->awaited.size();
   return s;
 }

@@ -122,7 +122,7 @@ TEST(HelloAcceptorTest, ADuplicateTokenIsRefusedAndTheFirstKept) {
   Port p = Open({});
   net::Fd first = Dial(p);
   SayHello(first.get(), 5);
-  auto claimed_first = [&] { return p.acceptor->stats().pending == 1; };
+  auto claimed_first = [&] { return p.acceptor->stats().unclaimed == 1; };
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   while (!claimed_first() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
   net::Fd second = Dial(p);
@@ -184,7 +184,7 @@ TEST(HelloAcceptorTest, AClaimBeforeTheHelloGetsTheConnectionWhenItArrives) {
   net::Fd first = Dial(p);
   SayHello(first.get(), 8);
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (p.acceptor->stats().pending != 1 && absl::Now() < deadline) {
+  while (p.acceptor->stats().unclaimed != 1 && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(2));
   }
   Delivered unused;
