@@ -201,8 +201,8 @@ TEST(HelloAcceptorTest, AwaitedClaimsExpireAndAreCapped) {
   o.max_pending = 2;
   Port p = Open(o);
   Delivered one, two, three;
-  ASSERT_TRUE(p.acceptor->ClaimOrAwait(1, absl::Now() + absl::Milliseconds(100), one.Sink()).ok());
-  ASSERT_TRUE(p.acceptor->ClaimOrAwait(2, absl::Now() + absl::Milliseconds(100), two.Sink()).ok());
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(1, absl::Now() + absl::Seconds(1), one.Sink()).ok());
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(2, absl::Now() + absl::Seconds(1), two.Sink()).ok());
   EXPECT_EQ(p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink())
                 .status()
                 .code(),
