@@ -79,6 +79,11 @@ struct HelloAcceptor::State {
   // after the refusal fails at once (bounded: the latest max_pending).
   RecentSet<uint64_t> refused ABSL_GUARDED_BY(mu);
   explicit State(size_t max_refused) : refused(max_refused) {}
+  // The claim waiting for `token`, taken out (empty when there is none).
+  Delivery TakeClaimLocked(uint64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto node = awaited.extract(token);
+    return node ? std::move(node.mapped().deliver) : Delivery();
+  }
 
   std::atomic<uint64_t> arriving_count{0};
   std::atomic<uint64_t> accepted{0}, bad{0}, duplicates{0}, evicted{0}, expired{0}, pauses{0},
@@ -115,13 +120,11 @@ void HelloAcceptor::State::Refuse(uint64_t token) {
   Delivery deliver;
   {
     MutexLock lock(&mu);
-    auto claim = awaited.find(token);
-    if (claim == awaited.end()) {
+    deliver = TakeClaimLocked(token);
+    if (!deliver) {
       refused.Insert(token);
       return;
     }
-    deliver = std::move(claim->second.deliver);
-    awaited.erase(claim);
   }
   deliver(RefusedError());
 }
@@ -225,14 +228,12 @@ void HelloAcceptor::State::HandOver(uint64_t token, net::Fd conn) {
       Warn("refused a data connection whose token is already waiting");
       return;  // closes `conn`; the first keeps its place
     }
-    auto claim = awaited.find(token);
-    if (claim == awaited.end()) {
+    deliver = TakeClaimLocked(token);
+    if (!deliver) {
       waiting.emplace(token, Waiting{std::move(conn), absl::Now()});
       cv.SignalAll();
       return;
     }
-    deliver = std::move(claim->second.deliver);
-    awaited.erase(claim);
   }
   deliver(std::move(conn));  // outside the lock: it takes its owner's
 }
