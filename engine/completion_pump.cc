@@ -7,15 +7,24 @@ namespace engine_internal {
 
 bool CompletionPump::Claim() {
   MutexLock lock(&mu_);
-  if (driving_) return false;
-  driving_ = true;
+  if (driving_.load()) return false;
+  driving_.store(true);
   return true;
 }
 
 void CompletionPump::Leave() {
   MutexLock lock(&mu_);
-  driving_ = false;
+  driving_.store(false);
   epoch_.fetch_add(1);
+  cv_.SignalAll();
+}
+
+void CompletionPump::Bump() {
+  // Sequentially consistent, as the sleeper's count and look in
+  // AwaitEpochPast: either it sees this bump or this sees it counted.
+  epoch_.fetch_add(1);
+  if (sleepers_.load() == 0) return;
+  MutexLock lock(&mu_);
   cv_.SignalAll();
 }
 
@@ -27,18 +36,13 @@ bool CompletionPump::TryDrive(absl::FunctionRef<void()> drive) {
 }
 
 bool CompletionPump::Delivered() {
-  MutexLock lock(&mu_);
-  epoch_.fetch_add(1);
-  if (sleepers_.load(std::memory_order_acquire) > 0) cv_.SignalAll();
-  return driving_;
+  Bump();
+  // After the bump: a driver that claimed before it is seen here, one that
+  // claims after it sees the bump and looks again (see Await).
+  return driving_.load();
 }
 
-void CompletionPump::Wake() {
-  if (sleepers_.load(std::memory_order_acquire) == 0) return;
-  MutexLock lock(&mu_);
-  epoch_.fetch_add(1);
-  cv_.SignalAll();
-}
+void CompletionPump::Wake() { Bump(); }
 
 void CompletionPump::AwaitEpochPast(uint64_t seen, absl::Time deadline) {
   // Real time: only real threads wait for another. A completion usually
@@ -47,9 +51,11 @@ void CompletionPump::AwaitEpochPast(uint64_t seen, absl::Time deadline) {
   const absl::Time spin_until = FastNow() + kSpin;
   while (epoch_.load() == seen && FastNow() < spin_until) std::this_thread::yield();
   MutexLock lock(&mu_);
+  sleepers_.fetch_add(1);  // before the look below: see Bump
   cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return epoch_.load() != seen;
   });
+  sleepers_.fetch_sub(1);
 }
 
 bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
@@ -57,42 +63,40 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
                            absl::FunctionRef<bool()> poll) {
   int polled = 0;  // rounds in which poll() delivered something
   for (;;) {
+    // Read before looking: whatever finishes after the look bumps the
+    // epoch (Wake), which the claim below or AwaitEpochPast sees.
     const uint64_t seen = epoch_.load();
-    // Counted as a sleeper before looking, so a Wake after the look is not
-    // lost: it either sees the count or bumps the epoch checked below.
-    sleepers_.fetch_add(1, std::memory_order_acq_rel);
-    if (ready()) {
-      sleepers_.fetch_sub(1, std::memory_order_acq_rel);
-      return true;
-    }
+    if (ready()) return true;
     // What the transport has now, without waiting (and without the
     // driver's turn: several threads may do this at once). Other threads'
     // completions may keep coming: the deadline still holds (looked at
     // from the second round on; the first costs no clock reading).
     if (poll()) {
-      sleepers_.fetch_sub(1, std::memory_order_acq_rel);
       if (polled++ > 0 && clock_->Now() >= deadline) return ready();
       continue;
     }
-    if (clock_->Now() >= deadline) {
-      sleepers_.fetch_sub(1, std::memory_order_acq_rel);
-      return false;
-    }
+    if (clock_->Now() >= deadline) return false;
     bool claimed = false, another_drives = false;
     {
       MutexLock lock(&mu_);
-      if (epoch_.load() != seen) {
-        // Something finished (or a driver left) since ready() looked: look
-        // again before driving, or the new driver would wait in the
-        // transport for completions that were already delivered.
-      } else if (!driving_) {
-        driving_ = claimed = true;
-      } else {
+      if (driving_.load()) {
         another_drives = true;
+      } else {
+        // Claimed before the epoch is looked at, as Delivered bumps it
+        // before it looks for a driver: a poller's delivery is either seen
+        // here or interrupts this driver's wait.
+        driving_.store(true);
+        if (epoch_.load() == seen) {
+          claimed = true;
+        } else {
+          // Something finished (or a driver left) since ready() looked:
+          // look again before driving, or the new driver would wait in the
+          // transport for completions that were already delivered.
+          driving_.store(false);
+        }
       }
     }
     if (another_drives) AwaitEpochPast(seen, deadline);
-    sleepers_.fetch_sub(1, std::memory_order_acq_rel);
     if (!claimed) continue;
     // Drives until its own wait is over; hands over only then (a hand-over
     // per transport wait would wake the others for nothing).

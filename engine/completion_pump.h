@@ -48,6 +48,8 @@ class CompletionPump {
  private:
   bool Claim();
   void Leave();
+  // Bumps the epoch; wakes the waiters asleep on it, if any.
+  void Bump();
   // A waiter whose batch another thread drives: until the epoch is past
   // `seen` (a completion delivered, or the driver left) or `deadline`.
   void AwaitEpochPast(uint64_t seen, absl::Time deadline);
@@ -57,9 +59,13 @@ class CompletionPump {
   Clock* const clock_;
   Mutex mu_;
   CondVar cv_;
-  bool driving_ ABSL_GUARDED_BY(mu_) = false;
-  // Bumped (under mu_) by Wake and Leave; read without it while spinning.
+  // Whether a thread drives: changed under mu_ (one driver at a time),
+  // read without it by Delivered.
+  std::atomic<bool> driving_{false};
+  // Bumped by Wake, Delivered and Leave; read without the lock.
   std::atomic<uint64_t> epoch_{0};
+  // Threads asleep (or about to sleep) in AwaitEpochPast: Bump takes the
+  // lock to wake them only when there are some.
   std::atomic<int> sleepers_{0};
 };
 
