@@ -27,9 +27,26 @@ absl::Status CheckLocal(const WorkRequest& wr, const Region& r, uint64_t max_byt
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Status OverCapacity(LinkId link, size_t total, uint32_t limit) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "link ", link, " would have ", total, " outstanding requests; the limit is ", limit));
+}
+
+}  // namespace
+
 absl::Status CheckLinkCapacity(absl::Span<const WorkRequest> batch,
-                               const std::function<size_t(LinkId)>& outstanding,
-                               uint32_t limit) {
+                               absl::FunctionRef<size_t(LinkId)> outstanding, uint32_t limit) {
+  if (batch.empty()) return absl::OkStatus();
+  // Every request on one link (a one-request batch, a chain): one count.
+  const LinkId first = batch[0].link;
+  bool one_link = true;
+  for (const WorkRequest& wr : batch) one_link = one_link && wr.link == first;
+  if (one_link) {
+    const size_t total = outstanding(first) + batch.size();
+    return total > limit ? OverCapacity(first, total, limit) : absl::OkStatus();
+  }
   Scratch<std::pair<LinkId, size_t>> per_link_scratch;  // no allocation once warm
   std::vector<std::pair<LinkId, size_t>>& per_link = *per_link_scratch;  // few links
   for (const WorkRequest& wr : batch) {
@@ -43,10 +60,7 @@ absl::Status CheckLinkCapacity(absl::Span<const WorkRequest> batch,
   }
   for (const auto& [link, count] : per_link) {
     const size_t total = outstanding(link) + count;
-    if (total > limit) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "link ", link, " would have ", total, " outstanding requests; the limit is ", limit));
-    }
+    if (total > limit) return OverCapacity(link, total, limit);
   }
   return absl::OkStatus();
 }

@@ -5,8 +5,8 @@
 #define KVFERRY_TRANSPORT_CHECKS_H_
 
 #include <cstdint>
-#include <functional>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "transport/transport.h"
@@ -27,8 +27,7 @@ absl::Status CheckLocal(const WorkRequest& wr, const Region& region, uint64_t ma
 // kResourceExhausted if posting `batch` would put more than `limit`
 // requests outstanding on any link; `outstanding(link)` says how many it has.
 absl::Status CheckLinkCapacity(absl::Span<const WorkRequest> batch,
-                               const std::function<size_t(LinkId)>& outstanding,
-                               uint32_t limit);
+                               absl::FunctionRef<size_t(LinkId)> outstanding, uint32_t limit);
 
 // The responder's check of a peer's request against the region its key
 // named: access rights, then bounds. kPermissionDenied ("remote access

@@ -240,13 +240,19 @@ class VerbsTransport final : public Transport {
   // Post's parts: the batch checked whole; one link's chain of work
   // requests (`chain`: indices of `batch`) built and accounted; a chain the
   // QP refused (from `bad` on) failed, and the QP put in error.
-  absl::Status ValidateLocked(absl::Span<const WorkRequest> batch)
+  // What a request names, found by ValidateLocked for ChainLocked.
+  struct Resolved {
+    Link* link = nullptr;
+    RegionState* region = nullptr;
+  };
+  absl::Status ValidateLocked(absl::Span<const WorkRequest> batch, absl::Span<Resolved> found)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ChainLocked(Link& link, absl::Span<const WorkRequest> batch, absl::Span<const size_t> chain,
-                   std::vector<ibv_send_wr>& swrs, std::vector<ibv_sge>& sges, absl::Time now)
+                   absl::Span<const Resolved> found, absl::Span<ibv_send_wr> swrs,
+                   absl::Span<ibv_sge> sges, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailChainLocked(Link& link, absl::Span<const WorkRequest> batch,
-                       absl::Span<const size_t> chain, std::vector<ibv_send_wr>& swrs,
+                       absl::Span<const size_t> chain, absl::Span<ibv_send_wr> swrs,
                        const ibv_send_wr* bad, const absl::Status& posted)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
@@ -660,8 +666,10 @@ absl::Status VerbsTransport::CloseLink(LinkId id) {
   return absl::OkStatus();
 }
 
-absl::Status VerbsTransport::ValidateLocked(absl::Span<const WorkRequest> batch) {
-  for (const WorkRequest& wr : batch) {
+absl::Status VerbsTransport::ValidateLocked(absl::Span<const WorkRequest> batch,
+                                           absl::Span<Resolved> found) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const WorkRequest& wr = batch[i];
     auto link = links_.find(wr.link);
     RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
     auto region = regions_.find(wr.local_region);
@@ -673,19 +681,27 @@ absl::Status VerbsTransport::ValidateLocked(absl::Span<const WorkRequest> batch)
       return absl::InvalidArgumentError(absl::StrFormat("remote key %#x is not a verbs rkey",
                                                         wr.remote_key));
     }
+    found[i] = Resolved{link->second.get(), region->second.get()};
   }
   return CheckLinkCapacity(
-      batch, [this](LinkId id) ABSL_NO_THREAD_SAFETY_ANALYSIS { return links_.at(id)->outstanding; },
+      batch,
+      [&](LinkId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        for (const Resolved& r : found) {
+          if (r.link->id == id) return r.link->outstanding;
+        }
+        return size_t{0};  // not reached: every link of the batch was found above
+      },
       options_.max_outstanding_per_link);
 }
 
 void VerbsTransport::ChainLocked(Link& link, absl::Span<const WorkRequest> batch,
-                                 absl::Span<const size_t> chain, std::vector<ibv_send_wr>& swrs,
-                                 std::vector<ibv_sge>& sges, absl::Time now) {
+                                 absl::Span<const size_t> chain, absl::Span<const Resolved> found,
+                                 absl::Span<ibv_send_wr> swrs, absl::Span<ibv_sge> sges,
+                                 absl::Time now) {
   for (size_t n = 0; n < chain.size(); ++n) {
     const size_t i = chain[n];
     const WorkRequest& wr = batch[i];
-    RegionState& region = *regions_.at(wr.local_region);
+    RegionState& region = *found[i].region;
     ibv_sge& sge = sges[i];
     sge = ibv_sge{};
     sge.addr = reinterpret_cast<uintptr_t>(wr.local_addr);
@@ -716,7 +732,7 @@ void VerbsTransport::ChainLocked(Link& link, absl::Span<const WorkRequest> batch
 
 void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> batch,
                                      absl::Span<const size_t> chain,
-                                     std::vector<ibv_send_wr>& swrs, const ibv_send_wr* bad,
+                                     absl::Span<ibv_send_wr> swrs, const ibv_send_wr* bad,
                                      const absl::Status& posted) {
   // Validated before, so this is the QP failing: the requests from `bad`
   // on were not posted; report each of them.
@@ -742,31 +758,57 @@ void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> b
 
 absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   MutexLock lock(&mu_);
-  RETURN_IF_ERROR(ValidateLocked(batch));
+  constexpr size_t kOnStack = 4;
+  Resolved found_stack[kOnStack];
+  std::optional<Scratch<Resolved>> found_scratch;
+  if (batch.size() > kOnStack) found_scratch.emplace()->resize(batch.size());
+  const absl::Span<Resolved> found = batch.size() <= kOnStack
+                                         ? absl::MakeSpan(found_stack, batch.size())
+                                         : absl::MakeSpan(**found_scratch);
+  RETURN_IF_ERROR(ValidateLocked(batch, found));
   // One ibv_post_send (one doorbell) per link: the batch's requests for a
   // link are chained. Each request is its own work request and completion,
-  // so failures stay per request.
-  Scratch<ibv_send_wr> swrs_scratch;
-  Scratch<ibv_sge> sges_scratch;
-  Scratch<size_t> order_scratch;
-  std::vector<ibv_send_wr>& swrs = *swrs_scratch;
-  std::vector<ibv_sge>& sges = *sges_scratch;
-  std::vector<size_t>& order = *order_scratch;  // batch indices grouped by link
-  swrs.resize(batch.size());
-  sges.resize(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) order.push_back(i);
+  // so failures stay per request. A small batch builds them on the stack:
+  // a one-request batch is what a latency-bound caller posts.
+  ibv_send_wr swr_stack[kOnStack];
+  ibv_sge sge_stack[kOnStack];
+  size_t order_stack[kOnStack];
+  // Larger ones in per-thread buffers (no allocation once warm).
+  std::optional<Scratch<ibv_send_wr>> swrs_scratch;
+  std::optional<Scratch<ibv_sge>> sges_scratch;
+  std::optional<Scratch<size_t>> order_scratch;
+  const bool small = batch.size() <= kOnStack;
+  if (!small) {
+    swrs_scratch.emplace()->resize(batch.size());
+    sges_scratch.emplace()->resize(batch.size());
+    order_scratch.emplace()->resize(batch.size());
+  }
+  const absl::Span<ibv_send_wr> swrs =
+      small ? absl::MakeSpan(swr_stack, batch.size()) : absl::MakeSpan(**swrs_scratch);
+  const absl::Span<ibv_sge> sges =
+      small ? absl::MakeSpan(sge_stack, batch.size()) : absl::MakeSpan(**sges_scratch);
+  // Batch indices grouped by link.
+  const absl::Span<size_t> order =
+      small ? absl::MakeSpan(order_stack, batch.size()) : absl::MakeSpan(**order_scratch);
+  bool grouped = true;  // already in link order (one link, most often)
+  for (size_t i = 0; i < batch.size(); ++i) {
+    order[i] = i;
+    grouped = grouped && (i == 0 || batch[i - 1].link <= batch[i].link);
+  }
   // In batch order within a link. std::sort, not stable_sort: stable_sort
   // allocates a buffer on every call.
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return batch[a].link != batch[b].link ? batch[a].link < batch[b].link : a < b;
-  });
+  if (!grouped) {
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return batch[a].link != batch[b].link ? batch[a].link < batch[b].link : a < b;
+    });
+  }
   const absl::Time now = FastNow();
   for (size_t k = 0; k < order.size();) {
-    Link& link = *links_.at(batch[order[k]].link);
+    Link& link = *found[order[k]].link;
     size_t end = k;
     while (end < order.size() && batch[order[end]].link == link.id) ++end;
     const absl::Span<const size_t> chain(order.data() + k, end - k);
-    ChainLocked(link, batch, chain, swrs, sges, now);
+    ChainLocked(link, batch, chain, found, swrs, sges, now);
     ibv_send_wr* bad = nullptr;
     if (absl::Status posted = ibv::PostSend(link.qp.get(), &swrs[chain[0]], &bad); !posted.ok()) {
       FailChainLocked(link, batch, chain, swrs, bad, posted);
