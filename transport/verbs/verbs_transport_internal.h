@@ -1,0 +1,240 @@
+// The verbs transport's class, shared by its files: verbs_transport.cc
+// (opening the NICs, registering memory, the link-parameter codec),
+// verbs_links.cc (queue pairs: creating, connecting, closing links, routes),
+// verbs_post.cc (posting work requests, completions, expiry). Internal to
+// //transport/verbs:verbs_transport; users call CreateVerbsTransport.
+#ifndef KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_INTERNAL_H_
+#define KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_INTERNAL_H_
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "base/mutex.h"
+#include "cuda/driver.h"
+#include "transport/checks.h"
+#include "transport/completion_queue.h"
+#include "transport/transport.h"
+#include "transport/verbs/ibv.h"
+#include "transport/verbs/route.h"
+#include "transport/verbs/verbs_transport.h"
+
+namespace kvferry {
+namespace transport {
+namespace verbs_internal {
+
+int MtuBytes(ibv_mtu mtu);
+std::string GidText(const ibv_gid& g);
+// A work completion's status as a Status code.
+absl::StatusCode CodeOf(ibv_wc_status s);
+
+// Link parameters exchanged through the handshake (little-endian hosts).
+struct Params {
+  uint32_t qpn = 0;
+  uint32_t psn = 0;
+  uint16_t lid = 0;
+  uint8_t gid[16] = {};
+  uint32_t mtu = 0;  // enum ibv_mtu
+};
+// As transport/link_params.h encodes them.
+std::string EncodeParams(const Params& p);
+absl::StatusOr<Params> DecodeParams(absl::string_view bytes);
+
+class VerbsTransport final : public Transport {
+ public:
+  explicit VerbsTransport(VerbsTransportOptions options) : options_(std::move(options)) {}
+  ~VerbsTransport() override;
+  absl::Status Open();
+
+  EndpointDescription LocalEndpoint() const override;
+  Limits GetLimits() const override {
+    return Limits{options_.max_outstanding_per_link, max_request_bytes_, max_region_bytes_};
+  }
+  absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length, Access access) override;
+  absl::Status UnregisterMemory(RegionId region) override;
+  absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic, const NicInfo& peer_nic) override;
+  absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
+                                       absl::string_view peer_params) override;
+  absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
+  absl::StatusOr<NicIndex> RouteTo(const NicInfo& peer_nic) override;
+  absl::Status CloseLink(LinkId link) override;
+  bool HasLink(LinkId link) override {
+    MutexLock lock(&mu_);
+    return links_.count(link) != 0;
+  }
+  absl::Status Post(absl::Span<const WorkRequest> batch) override;
+  size_t PollCompletions(absl::Span<Completion> out) override;
+  size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  void InterruptWait() override;
+  bool SetCompletionNotifier(std::function<void()> notify) override {
+    MutexLock lock(&mu_);
+    const bool had = static_cast<bool>(notify_);
+    notify_ = std::move(notify);
+    // A caller that waits on its own event needs the poller to drain the
+    // CQs: completion events stay requested for good (see sleepers_).
+    if (!had && notify_) {
+      ++sleepers_;
+      for (Nic& nic : nics_) (void)ibv::ReqNotifyCq(nic.cq.get(), nic.port.device);
+    } else if (had && !notify_) {
+      --sleepers_;
+    }
+    return true;
+  }
+
+ private:
+  struct Nic {
+    verbs::SelectedPort port;
+    // Owners, released in reverse: the CQ, the channel, the PD, the device.
+    ibv::Context context;
+    ibv::Pd pd;
+    ibv::CompChannel channel;
+    ibv::Cq cq;
+    // CQ depth accounting: every work request outstanding on the NIC's QPs
+    // may come back as a completion (an error flushes even unsignaled
+    // ones), so the CQ holds at least the sum of its QPs' send queues.
+    uint32_t cq_capacity = 0;
+    uint32_t cq_reserved = 0;
+    int max_cqe = 0;
+    uint64_t max_mr_size = 0;  // the device's largest registration
+    ibv_port_attr attr{};
+    ibv_gid gid{};
+    int max_rd_atomic = 1;
+  };
+  struct RegionState {
+    Region region;
+    std::vector<ibv::Mr> mrs;  // per NIC
+    uint64_t local_uses = 0;
+  };
+  struct Link {
+    using State = LinkState;  // transport/checks.h
+    LinkId id = 0;
+    NicIndex nic = 0;
+    ibv::Qp qp;
+    uint32_t psn = 0;
+    State state = State::kPending;
+    size_t outstanding = 0;
+    uint32_t max_inline = 0;  // what the QP accepts inline
+    // Selective signaling: only the last work request of each chain is
+    // signaled. Its completion means every earlier one on the QP completed
+    // (RC completes in order), so the QP's work requests are kept in post
+    // order: `posted` is a ring of their ids, oldest at `head`.
+    std::vector<uint64_t> posted;
+    size_t head = 0;
+    size_t count = 0;
+    // The NIC's CQ entries this link holds (see Nic::cq_reserved).
+    uint32_t* reserved_in = nullptr;
+    uint32_t cq_entries = 0;
+    Link() = default;
+    Link(const Link&) = delete;
+    Link& operator=(const Link&) = delete;
+    ~Link() {
+      qp.reset();  // before giving its CQ entries back
+      if (reserved_in != nullptr) *reserved_in -= cq_entries;
+    }
+    void Push(uint64_t wr_id) {
+      posted[(head + count++) % posted.size()] = wr_id;
+    }
+    uint64_t Pop() {
+      const uint64_t id = posted[head];
+      head = (head + 1) % posted.size();
+      --count;
+      return id;
+    }
+  };
+  struct Pending {
+    LinkId link;
+    WorkRequest wr;
+    absl::Time posted;
+  };
+
+  absl::Status OpenNic(Nic& nic);
+  absl::StatusOr<Link*> NewLink(NicIndex nic) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ToRtr(Link& link, const Params& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ToRts(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Params LocalParams(const Link& link) const;
+  void PollerLoop();
+  // Delivers what `cq` holds; false if it held nothing.
+  bool Drain(ibv_cq* cq);
+  // Fails requests older than request_timeout (see the options).
+  void ExpireOld();
+  // RegisterMemory's parts: one NIC's registration of [addr, +length)
+  // (device memory by dma-buf first, then plain), and every NIC's.
+  struct Registration {
+    void* addr = nullptr;
+    uint64_t length = 0;
+    int flags = 0;
+    int device = -1;  // CUDA device ordinal; -1: host memory
+    const absl::StatusOr<cuda::Driver::DmaBuf>* dmabuf = nullptr;  // device memory only
+  };
+  absl::StatusOr<ibv::Mr> RegisterOn(size_t nic, const Registration& r) const;
+  std::vector<absl::StatusOr<ibv::Mr>> RegisterOnEveryNic(const Registration& r);
+  // Post's parts: the batch checked whole; one link's chain of work
+  // requests (`chain`: indices of `batch`) built and accounted; a chain the
+  // QP refused (from `bad` on) failed, and the QP put in error.
+  // What a request names, found by ValidateLocked for ChainLocked.
+  struct Resolved {
+    Link* link = nullptr;
+    RegionState* region = nullptr;
+  };
+  absl::Status ValidateLocked(absl::Span<const WorkRequest> batch, absl::Span<Resolved> found)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ChainLocked(Link& link, absl::Span<const WorkRequest> batch, absl::Span<const size_t> chain,
+                   absl::Span<const Resolved> found, absl::Span<ibv_send_wr> swrs,
+                   absl::Span<ibv_sge> sges, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailChainLocked(Link& link, absl::Span<const WorkRequest> batch,
+                       absl::Span<const size_t> chain, absl::Span<ibv_send_wr> swrs,
+                       const ibv_send_wr* bad, const absl::Status& posted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompleteLocked(const WorkRequest& wr, absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One work completion: it and the requests posted before it on its QP.
+  void DeliverLocked(const ibv_wc& wc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes room in the NIC's CQ for `entries` more completions (resizing
+  // it up to the device's limit), or kResourceExhausted.
+  absl::Status ReserveCq(Nic& nic, uint32_t entries) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const VerbsTransportOptions options_;
+  std::vector<Nic> nics_;
+  uint64_t max_request_bytes_ = 0;
+  uint64_t max_region_bytes_ = uint64_t{1} << 40;  // and each NIC's max_mr_size
+  std::thread poller_;
+  std::atomic<bool> stopping_{false};
+  // Threads asleep in WaitCompletions. Completion events are requested only
+  // while some thread sleeps: a thread that polls the CQs itself needs no
+  // wake-up, and the poller's wake-ups would only steal its CPU.
+  std::atomic<int> sleepers_{0};
+  // Set by InterruptWait: the next (or current) WaitCompletions returns.
+  std::atomic<bool> interrupted_{false};
+
+  Mutex mu_;
+  CondVar cq_cv_;
+  RegionId last_region_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<RegionId, std::unique_ptr<RegionState>> regions_ ABSL_GUARDED_BY(mu_);
+  LinkId last_link_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<LinkId, std::unique_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_wr_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> notify_ ABSL_GUARDED_BY(mu_);  // SetCompletionNotifier
+  // RouteTo's answers by peer address (resolving can take a while).
+  Mutex route_mu_;
+  verbs::RouteCache routes_ ABSL_GUARDED_BY(route_mu_);
+};
+
+}  // namespace verbs_internal
+}  // namespace transport
+}  // namespace kvferry
+
+#endif  // KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_INTERNAL_H_
