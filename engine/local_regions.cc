@@ -44,6 +44,7 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
   e.pieces = std::move(pieces);
   e.absent = absent;
   e.near = near;
+  Changed();
   return absl::OkStatus();
 }
 
@@ -122,6 +123,7 @@ absl::Status LocalRegions::Unregister(void* addr) {
       auto it = by_addr_.find(base);
       if (it != by_addr_.end() && it->second.pieces[k].regions[i].id == ids[k][i]) {
         it->second.pieces[k].regions[i].id = 0;
+        Changed();
       }
     }
   }
@@ -133,6 +135,7 @@ absl::Status LocalRegions::Unregister(void* addr) {
                            [](const transport::Region& r) { return r.id == 0; });
       })) {
     by_addr_.erase(it);
+    Changed();
   }
   return absl::OkStatus();
 }
@@ -161,9 +164,45 @@ const LocalRegions::Entry* LocalRegions::Lookup(uint64_t addr, uint64_t length,
              : nullptr;
 }
 
+namespace {
+
+// The piece a thread found last, of which instance, and when.
+struct CachedPiece {
+  uint64_t serial = 0;  // 0: none
+  uint64_t generation = 0;
+  uint64_t base = 0;    // its registration: [base, +length)
+  uint64_t length = 0;
+  uint64_t from = 0;    // the piece: [from, use.until)
+  LocalUse use;
+};
+thread_local CachedPiece cached_piece;
+
+std::atomic<uint64_t> next_serial{1};
+
+}  // namespace
+
+LocalRegions::LocalRegions(std::vector<transport::Transport*> transports)
+    : transports_(std::move(transports)), serial_(next_serial.fetch_add(1)) {}
+
 absl::Status LocalRegions::FindAll(absl::Span<const TransferRequest> requests,
                                    std::vector<LocalUse>* out) const {
+  const CachedPiece& c = cached_piece;
+  bool hit = c.serial == serial_ && c.generation == generation_.load(std::memory_order_acquire);
+  for (size_t i = 0; hit && i < requests.size(); ++i) {
+    const uint64_t at = reinterpret_cast<uintptr_t>(requests[i].local);
+    hit = requests[i].length > 0 && transport::RangeInside(at, requests[i].length, c.base, c.length) &&
+          at >= c.from && at < c.use.until;
+  }
+  if (hit) {
+    out->insert(out->end(), requests.size(), c.use);
+    return absl::OkStatus();
+  }
   MutexLock lock(&mu_);
+  return FindAllLocked(requests, out);
+}
+
+absl::Status LocalRegions::FindAllLocked(absl::Span<const TransferRequest> requests,
+                                         std::vector<LocalUse>* out) const {
   for (size_t i = 0; i < requests.size(); ++i) {
     const TransferRequest& r = requests[i];
     const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
@@ -175,6 +214,11 @@ absl::Status LocalRegions::FindAll(absl::Span<const TransferRequest> requests,
           r.length == 0 ? "empty" : "not inside memory registered on this engine"));
     }
     out->push_back(e->Use(base, at));
+    if (i + 1 == requests.size()) {
+      const size_t k = std::min<size_t>((at - base) / e->piece_bytes, e->pieces.size() - 1);
+      cached_piece = CachedPiece{serial_, generation_.load(std::memory_order_relaxed), base,
+                                 e->length, e->pieces[k].addr, out->back()};
+    }
   }
   return absl::OkStatus();
 }

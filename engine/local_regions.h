@@ -7,6 +7,7 @@
 #define KVFERRY_ENGINE_LOCAL_REGIONS_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <vector>
@@ -39,8 +40,7 @@ struct LocalUse {
 class LocalRegions {
  public:
   // `transports`: the primary first; they outlive this.
-  explicit LocalRegions(std::vector<transport::Transport*> transports)
-      : transports_(std::move(transports)) {}
+  explicit LocalRegions(std::vector<transport::Transport*> transports);
 
   // Registers [addr, +length) with every transport (all or none), in pieces
   // no larger than any transport's Limits::max_region_bytes (a NIC's
@@ -59,7 +59,9 @@ class LocalRegions {
   // The regions holding each request's local buffer, in order, looked up
   // under one lock; kInvalidArgument naming the first request whose buffer
   // is empty or outside registered memory. A buffer may span pieces of one
-  // registration: its LocalUse is its first byte's piece.
+  // registration: its LocalUse is its first byte's piece. Each thread keeps
+  // the last piece it found: requests inside it take no lock while no
+  // registration changed since (a submit path's usual case).
   absl::Status FindAll(absl::Span<const TransferRequest> requests,
                        std::vector<LocalUse>* out) const;
   // The piece holding `addr` (for a request's bytes past its first piece);
@@ -104,7 +106,17 @@ class LocalRegions {
   // `*base`: where its registration starts.
   const Entry* Lookup(uint64_t addr, uint64_t length, uint64_t* base) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A registration changed (under mu_): threads' cached pieces are stale.
+  void Changed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+  // FindAll under the lock; caches the last piece found for this thread.
+  absl::Status FindAllLocked(absl::Span<const TransferRequest> requests,
+                             std::vector<LocalUse>* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const std::vector<transport::Transport*> transports_;
+  // This instance among the process's (threads' caches name it).
+  const uint64_t serial_;
+  std::atomic<uint64_t> generation_{1};
   mutable Mutex mu_;
   std::map<uint64_t, Entry> by_addr_ ABSL_GUARDED_BY(mu_);
 };

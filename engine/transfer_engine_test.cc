@@ -278,6 +278,47 @@ TEST(TransferEngine, OutOfRegionRequestsAreRefusedBeforeAnythingIsSent) {
   EXPECT_TRUE(a->Wait(*ok, absl::Seconds(5))->ok());
 }
 
+// A thread remembers the registered piece its last request used (no lock
+// while nothing changed); an unregistration is seen at once, by the same
+// engine only.
+TEST(TransferEngine, UnregisteredMemoryIsRefusedAtOnce) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  std::vector<char> src = Pattern(8192, 4), dst(8192, 'd');
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size(), transport::Access::kRemoteReadWrite).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  auto to_a = b->OpenSegment(a->address());
+  ASSERT_TRUE(to_a.ok());
+  TransferRequest w{Opcode::kWrite, src.data() + 100, Addr(dst), 1000};
+  for (int i = 0; i < 2; ++i) {  // the second one from the remembered piece
+    auto batch = a->Submit(*seg, {&w, 1});
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    ASSERT_TRUE(a->Wait(*batch, absl::Seconds(5))->ok());
+    ASSERT_TRUE(a->Release(*batch).ok());
+  }
+  // Not registered on b: b refuses it although this thread just used it on a.
+  TransferRequest from_src{Opcode::kWrite, src.data() + 100, Addr(src), 1000};
+  EXPECT_EQ(b->Submit(*to_a, {&from_src, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  // Past the registration's end, though it starts inside.
+  TransferRequest past{Opcode::kWrite, src.data() + 8000, Addr(dst), 1000};
+  EXPECT_EQ(a->Submit(*seg, {&past, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a->UnregisterMemory(src.data()).ok());
+  auto gone = a->Submit(*seg, {&w, 1});
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(gone.status().message().find("not inside memory registered on this engine"),
+            std::string::npos)
+      << gone.status();
+  // Registered again (new regions, new keys): served again.
+  ASSERT_TRUE(a->RegisterMemory(src.data(), 4096).ok());
+  auto again = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(a->Wait(*again, absl::Seconds(5))->ok());
+  EXPECT_EQ(std::vector<char>(dst.begin(), dst.begin() + 1000),
+            std::vector<char>(src.begin() + 100, src.begin() + 1100));
+}
+
 // Wait(batch, timeout, &out) fills a caller's BatchStatus, replacing what
 // an earlier batch left in it; recycled batches start clean.
 TEST(TransferEngine, WaitIntoAReusedStatus) {
