@@ -1,5 +1,6 @@
 // BatchPipeline: planning a batch into slices and posting them on links.
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -299,8 +300,9 @@ void BatchPipeline::FailAll(absl::Span<const uint64_t> ids, const absl::Status& 
 absl::Status BatchPipeline::PostSlices(SegmentId id, absl::Span<const uint64_t> ids,
                                        absl::Time now, std::vector<WorkRequest>* assigned,
                                        size_t via) {
-  Scratch<WorkRequest> wrs_scratch;
-  std::vector<WorkRequest>& wrs = assigned != nullptr ? *assigned : *wrs_scratch;
+  // The caller's work requests, or a per-thread buffer (taken only then).
+  std::optional<Scratch<WorkRequest>> wrs_scratch;
+  std::vector<WorkRequest>& wrs = assigned != nullptr ? *assigned : *wrs_scratch.emplace();
   bool rebuilt = false;
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt > 0) now = clock_->Now();
