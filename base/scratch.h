@@ -5,8 +5,12 @@
 #ifndef KVFERRY_BASE_SCRATCH_H_
 #define KVFERRY_BASE_SCRATCH_H_
 
+#include <cstddef>
+#include <optional>
 #include <utility>
 #include <vector>
+
+#include "absl/types/span.h"
 
 namespace kvferry {
 
@@ -36,6 +40,31 @@ class Scratch {
     return pool;
   }
   std::vector<T> v_;
+};
+
+// SmallScratch<T, N>(n): n elements (value-initialized for a batch that
+// spills), on the stack when n <= N, else in a Scratch<T>: a hot path
+// whose usual call is small (a one-request batch) touches no pool.
+template <typename T, size_t N>
+class SmallScratch {
+ public:
+  explicit SmallScratch(size_t n) {
+    if (n <= N) {
+      span_ = absl::MakeSpan(stack_, n);
+    } else {
+      spill_.emplace()->resize(n);
+      span_ = absl::MakeSpan(**spill_);
+    }
+  }
+  SmallScratch(const SmallScratch&) = delete;
+  SmallScratch& operator=(const SmallScratch&) = delete;
+
+  absl::Span<T> span() const { return span_; }
+
+ private:
+  T stack_[N];
+  std::optional<Scratch<T>> spill_;
+  absl::Span<T> span_;
 };
 
 }  // namespace kvferry

@@ -33,5 +33,23 @@ TEST(Scratch, NestedScratchesAreDistinctVectors) {
   EXPECT_EQ((*outer)[0], 1u);
 }
 
+TEST(SmallScratch, SmallOnTheStackLargerFromThePool) {
+  const int* pooled = nullptr;
+  {
+    Scratch<int> s;
+    s->resize(64);
+    pooled = s->data();
+  }
+  SmallScratch<int, 4> small(3);
+  EXPECT_EQ(small.span().size(), 3u);
+  EXPECT_NE(small.span().data(), pooled);  // the stack
+  SmallScratch<int, 4> large(10);
+  ASSERT_EQ(large.span().size(), 10u);
+  EXPECT_EQ(large.span().data(), pooled);  // the pool's vector, resized
+  for (int v : large.span()) EXPECT_EQ(v, 0);
+  large.span()[9] = 7;
+  EXPECT_EQ(large.span()[9], 7);
+}
+
 }  // namespace
 }  // namespace kvferry

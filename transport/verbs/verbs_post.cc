@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -119,38 +118,21 @@ void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> b
 
 absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   MutexLock lock(&mu_);
+  // A small batch's buffers are on the stack: a one-request batch is what a
+  // latency-bound caller posts.
   constexpr size_t kOnStack = 4;
-  Resolved found_stack[kOnStack];
-  std::optional<Scratch<Resolved>> found_scratch;
-  if (batch.size() > kOnStack) found_scratch.emplace()->resize(batch.size());
-  const absl::Span<Resolved> found = batch.size() <= kOnStack
-                                         ? absl::MakeSpan(found_stack, batch.size())
-                                         : absl::MakeSpan(**found_scratch);
+  const SmallScratch<Resolved, kOnStack> found_buffer(batch.size());
+  const absl::Span<Resolved> found = found_buffer.span();
   RETURN_IF_ERROR(ValidateLocked(batch, found));
   // One ibv_post_send (one doorbell) per link: the batch's requests for a
   // link are chained. Each request is its own work request and completion,
-  // so failures stay per request. A small batch builds them on the stack:
-  // a one-request batch is what a latency-bound caller posts.
-  ibv_send_wr swr_stack[kOnStack];
-  ibv_sge sge_stack[kOnStack];
-  size_t order_stack[kOnStack];
-  // Larger ones in per-thread buffers (no allocation once warm).
-  std::optional<Scratch<ibv_send_wr>> swrs_scratch;
-  std::optional<Scratch<ibv_sge>> sges_scratch;
-  std::optional<Scratch<size_t>> order_scratch;
-  const bool small = batch.size() <= kOnStack;
-  if (!small) {
-    swrs_scratch.emplace()->resize(batch.size());
-    sges_scratch.emplace()->resize(batch.size());
-    order_scratch.emplace()->resize(batch.size());
-  }
-  const absl::Span<ibv_send_wr> swrs =
-      small ? absl::MakeSpan(swr_stack, batch.size()) : absl::MakeSpan(**swrs_scratch);
-  const absl::Span<ibv_sge> sges =
-      small ? absl::MakeSpan(sge_stack, batch.size()) : absl::MakeSpan(**sges_scratch);
-  // Batch indices grouped by link.
-  const absl::Span<size_t> order =
-      small ? absl::MakeSpan(order_stack, batch.size()) : absl::MakeSpan(**order_scratch);
+  // so failures stay per request.
+  const SmallScratch<ibv_send_wr, kOnStack> swrs_buffer(batch.size());
+  const SmallScratch<ibv_sge, kOnStack> sges_buffer(batch.size());
+  const SmallScratch<size_t, kOnStack> order_buffer(batch.size());  // batch indices by link
+  const absl::Span<ibv_send_wr> swrs = swrs_buffer.span();
+  const absl::Span<ibv_sge> sges = sges_buffer.span();
+  const absl::Span<size_t> order = order_buffer.span();
   bool grouped = true;  // already in link order (one link, most often)
   for (size_t i = 0; i < batch.size(); ++i) {
     order[i] = i;
