@@ -127,7 +127,7 @@ absl::StatusOr<BatchId> BatchPipeline::CreateBatch(SegmentId id, Segment& seg,
 absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
                                               absl::Span<const TransferRequest> requests,
                                               uint64_t peer_engine_id) {
-  // Local buffers first, under the regions' own lock.
+  // Local buffers first (under the regions' own lock, or a thread's last piece).
   Scratch<LocalUse> local_scratch;
   std::vector<LocalUse>& local = *local_scratch;
   RETURN_IF_ERROR(regions_->FindAll(requests, &local));
