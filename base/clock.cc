@@ -21,6 +21,12 @@ absl::Time FastNow() {
   return absl::TimeFromTimespec(ts);
 }
 
+absl::Time CoarseNow() {
+  timespec ts;
+  ::clock_gettime(CLOCK_REALTIME_COARSE, &ts);
+  return absl::TimeFromTimespec(ts);
+}
+
 Clock* RealClock() {
   static RealClockImpl* const clock = new RealClockImpl;
   return clock;

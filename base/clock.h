@@ -24,6 +24,10 @@ Clock* RealClock();
 // (every request's submit and completion) notice.
 absl::Time FastNow();
 
+// The wall-clock time to within a few milliseconds (CLOCK_REALTIME_COARSE,
+// the kernel's last tick): cheaper still, for timeouts of seconds.
+absl::Time CoarseNow();
+
 }  // namespace kvferry
 
 #endif  // KVFERRY_BASE_CLOCK_H_

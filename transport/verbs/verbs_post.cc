@@ -145,7 +145,8 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
       return batch[a].link != batch[b].link ? batch[a].link < batch[b].link : a < b;
     });
   }
-  const absl::Time now = FastNow();
+  // For expiry only (ExpireOld, seconds): the coarse clock, cheaper.
+  const absl::Time now = CoarseNow();
   for (size_t k = 0; k < order.size();) {
     Link& link = *found[order[k]].link;
     size_t end = k;
@@ -219,7 +220,7 @@ void VerbsTransport::DeliverLocked(const ibv_wc& wc) {
 }
 
 void VerbsTransport::ExpireOld() {
-  const absl::Time now = FastNow();
+  const absl::Time now = CoarseNow();  // as Post stamps requests
   MutexLock lock(&mu_);
   for (auto p = pending_.begin(); p != pending_.end();) {
     auto link = links_.find(p->second.link);

@@ -1,0 +1,25 @@
+#include "base/clock.h"
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace kvferry {
+namespace {
+
+// The coarse clock is the same wall clock, a few milliseconds behind at
+// most, and never goes back.
+TEST(Clock, CoarseNowFollowsFastNow) {
+  absl::Time last = CoarseNow();
+  for (int i = 0; i < 1000; ++i) {
+    const absl::Time coarse = CoarseNow();
+    const absl::Time fine = FastNow();
+    EXPECT_GE(coarse, last);
+    EXPECT_LE(coarse, fine + absl::Milliseconds(1));
+    EXPECT_GE(coarse, fine - absl::Milliseconds(50));
+    last = coarse;
+  }
+  EXPECT_LE(absl::AbsDuration(RealClock()->Now() - absl::Now()), absl::Milliseconds(50));
+}
+
+}  // namespace
+}  // namespace kvferry
