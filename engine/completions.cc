@@ -211,13 +211,25 @@ size_t BatchPipeline::PollAll(absl::Span<Completion> out) {
   return n;
 }
 
-bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now) {
+void BatchPipeline::Watch::Look(BatchTable& batches) {
+  const Batch* b = batches.Find(id);
+  if (b == nullptr) {
+    known = false;
+    done = true;
+  } else if (b->pending == 0) {
+    b->StatusTo(out);
+    done = true;
+  }
+}
+
+bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now, Watch* watch) {
   MutexLock lock(&mu_);
   for (Completion& c : done) Deliver(c, now);
+  if (watch != nullptr && !done.empty()) watch->Look(batches_);
   return !retry_.empty();
 }
 
-void BatchPipeline::Pump(absl::Duration timeout) {
+void BatchPipeline::Pump(absl::Duration timeout, Watch* watch) {
   // A per-thread buffer: 64 completions built and destroyed on every call
   // were a sixth of the cost of a one-request batch. Only the pump's driver
   // runs this, so it never nests.
@@ -226,18 +238,18 @@ void BatchPipeline::Pump(absl::Duration timeout) {
   Completion* done = buffer.get();
   const size_t n = WaitAll(absl::MakeSpan(done, kDone), timeout);
   const absl::Time now = clock_->Now();  // one reading for every completion
-  if (DeliverAll(absl::MakeSpan(done, n), now)) RefreshAndRepost();
+  if (DeliverAll(absl::MakeSpan(done, n), now, watch)) RefreshAndRepost();
   DrainBacklogs();
   // Not while completions are still pouring in: they are signs of life.
   if (n < kDone) CheckPeers(now);
 }
 
-bool BatchPipeline::PollNow() {
+bool BatchPipeline::PollNow(Watch* watch) {
   thread_local std::unique_ptr<Completion[]> buffer(new Completion[kPollBatch]);
   Completion* done = buffer.get();
   const size_t n = PollAll(absl::MakeSpan(done, kPollBatch));
   if (n == 0) return false;
-  const bool retries = DeliverAll(absl::MakeSpan(done, n), clock_->Now());
+  const bool retries = DeliverAll(absl::MakeSpan(done, n), clock_->Now(), watch);
   if (pump_.Delivered()) {
     // The driver may be waiting for one of these: it looks again (and
     // takes the retries, if any).
@@ -267,18 +279,14 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
 }
 
 absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus* out) {
-  absl::Status result;
-  bool known = true;
+  // Whoever delivers on this thread looks at the batch under the lock it
+  // holds for the delivery: no second lock to see that it finished.
+  Watch watch{id, out};
   auto ready = [&] {
+    if (watch.done) return true;
     MutexLock lock(&mu_);
-    const Batch* b = batches_.Find(id);
-    if (b == nullptr) {
-      known = false;
-      return true;
-    }
-    if (b->pending != 0) return false;
-    b->StatusTo(out);
-    return true;
+    watch.Look(batches_);
+    return watch.done;
   };
   // The driver wakes at least every peer_timeout / 4 to look for silent
   // peers; completions wake it at once.
@@ -287,10 +295,10 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
   const bool done = pump_.Await(
       ready, deadline,
       [&](absl::Time until) {
-        Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
+        Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)), &watch);
       },
-      [&] { return PollNow(); });
-  if (!known) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+      [&] { return PollNow(&watch); });
+  if (!watch.known) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   if (done) return absl::OkStatus();
   MutexLock lock(&mu_);
   const Batch* b = batches_.Find(id);
