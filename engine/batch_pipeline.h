@@ -136,27 +136,16 @@ class BatchPipeline {
   void DrainBacklogs();
 
   // completions.cc
-  // A waiter's batch, looked at by the thread that delivers (under the
-  // lock it holds anyway): `done` once it finished (`*out` filled) or is
-  // unknown (`known` false).
-  struct Watch {
-    BatchId id = 0;
-    BatchStatus* out = nullptr;
-    bool done = false;
-    bool known = true;
-    // Under the lock: looks at the batch, fills *out when it finished.
-    void Look(BatchTable& batches);
-  };
   // Waits in the transport up to `timeout` and delivers what completed.
-  void Pump(absl::Duration timeout, Watch* watch = nullptr);
+  void Pump(absl::Duration timeout);
   // Delivers what the transports have now, without waiting; false when
   // they had nothing. Any number of threads at once (see CompletionPump).
-  bool PollNow(Watch* watch = nullptr);
+  bool PollNow();
   // What every transport has now, without waiting.
   size_t PollAll(absl::Span<transport::Completion> out);
-  // Delivers `done` (completed at `now`) under the lock, then looks at
-  // `watch`'s batch if any; true when slices wait for a retry.
-  bool DeliverAll(absl::Span<transport::Completion> done, absl::Time now, Watch* watch = nullptr);
+  // Delivers `done` (completed at `now`) under the lock; true when slices
+  // wait for a retry.
+  bool DeliverAll(absl::Span<transport::Completion> done, absl::Time now);
   // Makes the pump's driver return from its wait in the transports.
   void InterruptWaits();
   // Completions taken from the transports per call.

@@ -211,25 +211,13 @@ size_t BatchPipeline::PollAll(absl::Span<Completion> out) {
   return n;
 }
 
-void BatchPipeline::Watch::Look(BatchTable& batches) {
-  const Batch* b = batches.Find(id);
-  if (b == nullptr) {
-    known = false;
-    done = true;
-  } else if (b->pending == 0) {
-    b->StatusTo(out);
-    done = true;
-  }
-}
-
-bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now, Watch* watch) {
+bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now) {
   MutexLock lock(&mu_);
   for (Completion& c : done) Deliver(c, now);
-  if (watch != nullptr && !done.empty()) watch->Look(batches_);
   return !retry_.empty();
 }
 
-void BatchPipeline::Pump(absl::Duration timeout, Watch* watch) {
+void BatchPipeline::Pump(absl::Duration timeout) {
   // A per-thread buffer: 64 completions built and destroyed on every call
   // were a sixth of the cost of a one-request batch. Only the pump's driver
   // runs this, so it never nests.
@@ -238,18 +226,18 @@ void BatchPipeline::Pump(absl::Duration timeout, Watch* watch) {
   Completion* done = buffer.get();
   const size_t n = WaitAll(absl::MakeSpan(done, kDone), timeout);
   const absl::Time now = clock_->Now();  // one reading for every completion
-  if (DeliverAll(absl::MakeSpan(done, n), now, watch)) RefreshAndRepost();
+  if (DeliverAll(absl::MakeSpan(done, n), now)) RefreshAndRepost();
   DrainBacklogs();
   // Not while completions are still pouring in: they are signs of life.
   if (n < kDone) CheckPeers(now);
 }
 
-bool BatchPipeline::PollNow(Watch* watch) {
+bool BatchPipeline::PollNow() {
   thread_local std::unique_ptr<Completion[]> buffer(new Completion[kPollBatch]);
   Completion* done = buffer.get();
   const size_t n = PollAll(absl::MakeSpan(done, kPollBatch));
   if (n == 0) return false;
-  const bool retries = DeliverAll(absl::MakeSpan(done, n), clock_->Now(), watch);
+  const bool retries = DeliverAll(absl::MakeSpan(done, n), clock_->Now());
   if (pump_.Delivered()) {
     // The driver may be waiting for one of these: it looks again (and
     // takes the retries, if any).
@@ -279,14 +267,18 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
 }
 
 absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus* out) {
-  // Whoever delivers on this thread looks at the batch under the lock it
-  // holds for the delivery: no second lock to see that it finished.
-  Watch watch{id, out};
+  absl::Status result;
+  bool known = true;
   auto ready = [&] {
-    if (watch.done) return true;
     MutexLock lock(&mu_);
-    watch.Look(batches_);
-    return watch.done;
+    const Batch* b = batches_.Find(id);
+    if (b == nullptr) {
+      known = false;
+      return true;
+    }
+    if (b->pending != 0) return false;
+    b->StatusTo(out);
+    return true;
   };
   // The driver wakes at least every peer_timeout / 4 to look for silent
   // peers; completions wake it at once.
@@ -295,10 +287,10 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
   const bool done = pump_.Await(
       ready, deadline,
       [&](absl::Time until) {
-        Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)), &watch);
+        Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
       },
-      [&] { return PollNow(&watch); });
-  if (!watch.known) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+      [&] { return PollNow(); });
+  if (!known) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   if (done) return absl::OkStatus();
   MutexLock lock(&mu_);
   const Batch* b = batches_.Find(id);
