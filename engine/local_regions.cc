@@ -141,8 +141,7 @@ absl::Status LocalRegions::Unregister(void* addr) {
 }
 
 LocalUse LocalRegions::Entry::Use(uint64_t base, uint64_t addr) const {
-  const size_t k = std::min<size_t>((addr - base) / piece_bytes, pieces.size() - 1);
-  const Piece& p = pieces[k];
+  const Piece& p = pieces[PieceOf(base, addr)];
   LocalUse use;
   for (size_t t = 0; t < p.regions.size() && t < kMaxTransports; ++t) {
     use.region[t] = p.regions[t].id;
@@ -215,9 +214,8 @@ absl::Status LocalRegions::FindAllLocked(absl::Span<const TransferRequest> reque
     }
     out->push_back(e->Use(base, at));
     if (i + 1 == requests.size()) {
-      const size_t k = std::min<size_t>((at - base) / e->piece_bytes, e->pieces.size() - 1);
       cached_piece = CachedPiece{serial_, generation_.load(std::memory_order_relaxed), base,
-                                 e->length, e->pieces[k].addr, out->back()};
+                                 e->length, e->pieces[e->PieceOf(base, at)].addr, out->back()};
     }
   }
   return absl::OkStatus();

@@ -6,6 +6,7 @@
 #ifndef KVFERRY_ENGINE_LOCAL_REGIONS_H_
 #define KVFERRY_ENGINE_LOCAL_REGIONS_H_
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -95,6 +96,10 @@ class LocalRegions {
         }
       }
       return true;
+    }
+    // The index of the piece holding `addr` (the registration starts at `base`).
+    size_t PieceOf(uint64_t base, uint64_t addr) const {
+      return std::min<size_t>((addr - base) / piece_bytes, pieces.size() - 1);
     }
     LocalUse Use(uint64_t base, uint64_t addr) const;
   };
