@@ -178,8 +178,7 @@ absl::Status TcpTransport::QueueAnswerLocked(Link& link, Job job) {
   }
   if (link.jobs.empty()) link.jobs_from = 0;  // not a Post's
   link.jobs.push_back(std::move(job));
-  link.cv.SignalAll();
-  return absl::OkStatus();
+  return WakeWriterLocked(link);
 }
 
 absl::Status TcpTransport::FlushRun(Link& link, AckRun& run) {
