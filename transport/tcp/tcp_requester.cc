@@ -101,7 +101,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     if (ClaimInline(link, post)) {
       inline_links.push_back(links_.at(batch[i].link));
     } else {
-      (void)WakeWriterLocked(link);  // a refused thread failed the link
+      link.cv.SignalAll();
     }
   }
   return absl::OkStatus();
@@ -154,14 +154,7 @@ void TcpTransport::SendInline(Link& link) {
   } else {
     link.inline_jobs.clear();
   }
-  // The writer (a rest, jobs queued meanwhile) and idle waiters; nobody
-  // else (an idle writer woken for nothing costs a thread switch per
-  // message).
-  if (link.inline_rest || !link.jobs.empty()) {
-    (void)WakeWriterLocked(link);  // a refused thread failed the link
-  } else if (link.idle_waiters > 0) {
-    link.cv.SignalAll();
-  }
+  link.cv.SignalAll();  // the writer (rest, jobs queued meanwhile) and idle waiters
 }
 
 absl::Status TcpTransport::CopyDirect(TcpTransport& peer, const Direct& d) {
@@ -366,7 +359,8 @@ absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint6
   }
   if (link.jobs.empty()) link.jobs_from = 0;
   link.jobs.push_back(std::move(job));
-  return WakeWriterLocked(link);
+  link.cv.SignalAll();
+  return absl::OkStatus();
 }
 
 }  // namespace tcp_internal

@@ -178,7 +178,8 @@ absl::Status TcpTransport::QueueAnswerLocked(Link& link, Job job) {
   }
   if (link.jobs.empty()) link.jobs_from = 0;  // not a Post's
   link.jobs.push_back(std::move(job));
-  return WakeWriterLocked(link);
+  link.cv.SignalAll();
+  return absl::OkStatus();
 }
 
 absl::Status TcpTransport::FlushRun(Link& link, AckRun& run) {

@@ -360,32 +360,21 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
 
 absl::Status TcpTransport::StartLinkThreads(const std::shared_ptr<Link>& link) {
   absl::StatusOr<ThreadCache::Task> reader = threads_.Run([this, link] { ReaderLoop(link); });
-  MutexLock lock(&mu_);
-  if (!reader.ok()) {
+  absl::StatusOr<ThreadCache::Task> writer =
+      reader.ok() ? threads_.Run([this, link] { WriterLoop(link); }) : reader;
+  if (reader.ok()) link->reader = std::move(*reader);
+  if (writer.ok()) {
+    link->writer = std::move(*writer);
+    return absl::OkStatus();
+  }
+  // Whatever started sees the link stopping and returns; the link fails.
+  {
+    MutexLock lock(&mu_);
     link->stopping = true;
     link->cv.SignalAll();
-    ::shutdown(link->fd.get(), SHUT_RDWR);
-    return reader.status();
   }
-  link->reader = std::move(*reader);
-  link->reader_started = true;
-  // Requests posted on a passive link before its connection arrived.
-  if (!link->jobs.empty() || link->inline_rest) return WakeWriterLocked(*link);
-  return absl::OkStatus();
-}
-
-absl::Status TcpTransport::WakeWriterLocked(Link& link) {
-  if (!link.writer.joinable() && link.reader_started && !link.stopping) {
-    absl::StatusOr<ThreadCache::Task> writer =
-        threads_.Run([this, l = link.shared_from_this()] { WriterLoop(l); });
-    if (!writer.ok()) {
-      FailLink(link, writer.status(), 0);
-      return writer.status();
-    }
-    link.writer = std::move(*writer);
-  }
-  link.cv.SignalAll();
-  return absl::OkStatus();
+  ::shutdown(link->fd.get(), SHUT_RDWR);
+  return writer.status();
 }
 
 void TcpTransport::ReapDeadPassiveLinks() {

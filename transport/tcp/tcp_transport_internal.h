@@ -199,7 +199,7 @@ class TcpTransport final : public Transport {
     bool ipc = false;  // header.flags has kViaIpc: ipc_ref follows the header
     IpcRef ipc_ref;
   };
-  struct Link : std::enable_shared_from_this<Link> {
+  struct Link {
     using State = LinkState;  // transport/checks.h
     LinkId id = 0;
     // The peer's in-process key when it lives in this process (shortcut).
@@ -229,11 +229,7 @@ class TcpTransport final : public Transport {
     uint32_t queued_answers = 0;  // answers in `jobs` (reader and writer, under mu_)
     CondVar cv;  // jobs arrived / stopping / writer idle
     ThreadCache::Task reader;
-    // Started on first need (StartWriterLocked): a link whose messages all
-    // go inline (small requests from the posting thread, lone answers from
-    // the reader) never has one.
     ThreadCache::Task writer;
-    bool reader_started = false;  // StartLinkThreads ran: the writer may start
     // Pinned host buffers for device memory, made on first use: the
     // writer's (sending) and the reader's (receiving), each used by its own
     // thread only.
@@ -314,15 +310,10 @@ class TcpTransport final : public Transport {
     --link.idle_waiters;
   }
 
-  // Runs the link's reader on a warm thread (threads_), and its writer if
-  // something waits to be sent. On a refusal the link fails (its
-  // connection is shut down) and the error returned.
+  // Runs the link's reader and writer on warm threads (threads_). On a
+  // refusal the link fails (its connection is shut down) and the error
+  // returned.
   absl::Status StartLinkThreads(const std::shared_ptr<Link>& link);
-  // Something waits for the link's writer (queued jobs, an inline rest):
-  // starts it if it has not started (not before the reader, nor once the
-  // link stops), and wakes it. A refused thread fails the link (and is
-  // returned).
-  absl::Status WakeWriterLocked(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives passive `link` its connection and starts its threads; when the
   // connection never came (`fd` an error) or the link was closed meanwhile,
   // the link ends (reaped by the next AcceptLink). AcceptLink calls it, or

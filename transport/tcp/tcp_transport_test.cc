@@ -14,15 +14,13 @@ namespace kvferry {
 namespace transport {
 namespace {
 
-int Entries(const char* dir) {
+int OpenFds() {
   int n = 0;
-  DIR* d = opendir(dir);
+  DIR* d = opendir("/proc/self/fd");
   while (readdir(d) != nullptr) ++n;
   closedir(d);
   return n;
 }
-int OpenFds() { return Entries("/proc/self/fd"); }
-int Threads() { return Entries("/proc/self/task"); }
 
 TEST(TcpTransport, PeersThatReconnectOftenLeakNoSockets) {
   TcpTransportOptions o;
@@ -142,46 +140,6 @@ TEST(TcpTransport, InProcessPeersCopyInsidePost) {
     ASSERT_EQ(n, 1u);
     EXPECT_EQ(c[0].status.code(), absl::StatusCode::kPermissionDenied) << c[0].status;
   }
-}
-
-// A link's writer thread starts when something waits for it, not before:
-// small requests go out from the posting thread and a lone answer from the
-// reader, so a link that carries only those runs one thread at each end.
-TEST(TcpTransport, LinkStartsItsWriterWhenItNeedsOne) {
-  TcpTransportOptions o;
-  o.in_process_shortcut = false;
-  o.warm_threads = 0;  // every thread started is a new one: counted below
-  auto a = CreateTcpTransport(o);
-  auto b = CreateTcpTransport(o);
-  ASSERT_TRUE(a.ok() && b.ok());
-  const int idle = Threads();
-  auto links = ConnectInProcess(**a, **b);
-  ASSERT_TRUE(links.ok()) << links.status();
-  std::vector<char> src(1 << 20, 'w'), dst(1 << 20, 0);
-  auto rs = (*a)->RegisterMemory(src.data(), src.size(), Access::kNone);
-  auto rd = (*b)->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
-  ASSERT_TRUE(rs.ok() && rd.ok());
-  auto write = [&](size_t bytes, uint64_t cookie) {
-    WorkRequest w{Opcode::kWrite, links->first, rs->id, src.data(), bytes,
-                  reinterpret_cast<uintptr_t>(dst.data()), rd->keys[0], cookie};
-    ASSERT_TRUE((*a)->Post({&w, 1}).ok());
-    Completion c[1];
-    ASSERT_EQ((*a)->WaitCompletions(c, absl::Seconds(10)), 1u);
-    EXPECT_EQ(c[0].cookie, cookie);
-    EXPECT_TRUE(c[0].status.ok()) << c[0].status;
-    EXPECT_TRUE(std::equal(src.begin(), src.begin() + bytes, dst.begin()));
-  };
-  write(4096, 0);  // served: the passive end's connection has arrived
-  const int linked = Threads();
-  EXPECT_EQ(linked, idle + 2);  // a reader at each end
-  for (uint64_t i = 1; i < 20; ++i) write(4096, i);
-  EXPECT_EQ(Threads(), linked);
-  // Too large to go inline: the requester's writer sends it.
-  std::fill(src.begin(), src.end(), 'x');
-  write(src.size(), 99);
-  EXPECT_EQ(Threads(), linked + 1);
-  for (uint64_t i = 100; i < 110; ++i) write(4096, i);  // and keeps it
-  EXPECT_EQ(Threads(), linked + 1);
 }
 
 TEST(TcpTransport, WildcardBindNeedsAnAdvertisedAddress) {
