@@ -32,7 +32,7 @@ class LatencyHistogram {
   double QuantileBound(double q) const;
 
  private:
-  std::vector<uint64_t> buckets_ = std::vector<uint64_t>(Bounds().size() + 1, 0);
+  std::vector<uint64_t> buckets_ = std::vector<uint64_t>(Bounds().size() + 1, 0);  // +Inf last
   uint64_t count_ = 0;
   double sum_seconds_ = 0;
 };

@@ -69,6 +69,36 @@ TEST(Metrics, HistogramBucketsAndQuantiles) {
   EXPECT_NEAR(h.sum_seconds(), 90 * 20e-6 + 10 * 3e-3, 1e-9);
 }
 
+// A bucket holds what is at most its bound (Prometheus' "le"): a request of
+// exactly 10 us is in the first, one nanosecond more in the second, and
+// one beyond the last bound (or an infinite duration) only in +Inf.
+TEST(Metrics, HistogramBoundsAreInclusive) {
+  const std::vector<double>& bounds = LatencyHistogram::Bounds();
+  ASSERT_EQ(bounds.size(), 19u);
+  EXPECT_EQ(bounds.front(), 1e-5);
+  EXPECT_EQ(bounds[7], 2.5e-3);
+  EXPECT_EQ(bounds.back(), 10);
+  struct Case {
+    absl::Duration d;
+    size_t bucket;
+  };
+  for (const Case& c : {Case{absl::ZeroDuration(), 0}, Case{absl::Microseconds(10), 0},
+                        Case{absl::Microseconds(10) + absl::Nanoseconds(1), 1},
+                        Case{absl::Microseconds(25), 1}, Case{absl::Milliseconds(1), 6},
+                        Case{absl::Milliseconds(3), 8}, Case{absl::Seconds(10), 18},
+                        Case{absl::Seconds(10) + absl::Nanoseconds(1), 19},
+                        Case{absl::InfiniteDuration(), 19}, Case{-absl::Seconds(1), 0}}) {
+    SCOPED_TRACE(absl::FormatDuration(c.d));
+    LatencyHistogram h;
+    h.Record(c.d);
+    const std::vector<uint64_t> cumulative = h.Cumulative();
+    ASSERT_EQ(cumulative.size(), 20u);
+    for (size_t i = 0; i < cumulative.size(); ++i) {
+      EXPECT_EQ(cumulative[i], i >= c.bucket ? 1u : 0u) << "bucket " << i;
+    }
+  }
+}
+
 TEST(Metrics, EndpointServesCountersThatMoveWithTraffic) {
   EngineOptions o;
   o.local_host = "127.0.0.1";
