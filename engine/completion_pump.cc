@@ -58,9 +58,20 @@ void CompletionPump::AwaitEpochPast(uint64_t seen, absl::Time deadline) {
   sleepers_.fetch_sub(1);
 }
 
-bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
+bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeout,
                            absl::FunctionRef<void(absl::Time)> drive,
                            absl::FunctionRef<bool()> poll) {
+  // Set at the first reading of the clock (see the header).
+  absl::Time deadline = absl::InfiniteFuture();
+  bool started = false;
+  auto expired = [&] {
+    const absl::Time now = clock_->Now();
+    if (!started) {
+      started = true;
+      deadline = now + timeout;
+    }
+    return now >= deadline;
+  };
   int polled = 0;  // rounds in which poll() delivered something
   for (;;) {
     // Read before looking: whatever finishes after the look bumps the
@@ -72,10 +83,10 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
     // completions may keep coming: the deadline still holds (looked at
     // from the second round on; the first costs no clock reading).
     if (poll()) {
-      if (polled++ > 0 && clock_->Now() >= deadline) return ready();
+      if (polled++ > 0 && expired()) return ready();
       continue;
     }
-    if (clock_->Now() >= deadline) return false;
+    if (expired()) return false;
     bool claimed = false, another_drives = false;
     {
       MutexLock lock(&mu_);

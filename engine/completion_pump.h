@@ -26,15 +26,17 @@ class CompletionPump {
  public:
   explicit CompletionPump(Clock* clock) : clock_(clock) {}
 
-  // Returns true once ready() holds, false at `deadline`. Meanwhile calls
-  // poll() (which delivers what the transport has without waiting, calling
-  // Delivered when it delivered something, and returns whether it did);
-  // when that finds nothing and no other thread drives, drive(deadline)
-  // (which waits in the transport and delivers completions, calling Wake
-  // for what finished); otherwise sleeps until Wake, the driver leaving, or
-  // the deadline. ready() and poll() are never called with the pump's lock
-  // held.
-  bool Await(absl::FunctionRef<bool()> ready, absl::Time deadline,
+  // Returns true once ready() holds, false once `timeout` has passed.
+  // Meanwhile calls poll() (which delivers what the transport has without
+  // waiting, calling Delivered when it delivered something, and returns
+  // whether it did); when that finds nothing and no other thread drives,
+  // drive(deadline) (which waits in the transport and delivers completions,
+  // calling Wake for what finished); otherwise sleeps until Wake, the
+  // driver leaving, or the deadline. The deadline is `timeout` from the
+  // first time the clock is read, after the first look and poll: what is
+  // done by then costs no clock reading. ready() and poll() are never
+  // called with the pump's lock held.
+  bool Await(absl::FunctionRef<bool()> ready, absl::Duration timeout,
              absl::FunctionRef<void(absl::Time)> drive, absl::FunctionRef<bool()> poll);
   // A poller delivered completions: waiters look again. Returns whether a
   // driver is waiting in the transport meanwhile (the caller interrupts

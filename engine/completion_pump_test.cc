@@ -43,7 +43,7 @@ TEST(CompletionPump, WaiterIsWokenWhileAnotherThreadDrives) {
   std::atomic<bool> driver_ready{false}, waiter_ready{false};
   std::atomic<int> drives{0};
   std::thread driver([&] {
-    EXPECT_TRUE(pump.Await([&] { return driver_ready.load(); }, absl::Now() + absl::Hours(1),
+    EXPECT_TRUE(pump.Await([&] { return driver_ready.load(); }, absl::Hours(1),
                            [&](absl::Time) {
                              ++drives;
                              driving.Notify();
@@ -55,7 +55,7 @@ TEST(CompletionPump, WaiterIsWokenWhileAnotherThreadDrives) {
   driving.WaitForNotification();
   std::atomic<bool> returned{false};
   std::thread waiter([&] {
-    EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Now() + absl::Hours(1),
+    EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Hours(1),
                            [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; },
                            kNothing));
     returned = true;
@@ -77,7 +77,7 @@ TEST(CompletionPump, WaiterTakesOverWhenTheDriverLeaves) {
   std::atomic<bool> first_done{false}, second_done{false};
   std::atomic<int> second_drove{0};
   std::thread first([&] {
-    pump.Await([&] { return first_done.load(); }, absl::Now() + absl::Hours(1),
+    pump.Await([&] { return first_done.load(); }, absl::Hours(1),
                [&](absl::Time) {
                  driving.Notify();
                  release_driver.WaitForNotification();
@@ -87,7 +87,7 @@ TEST(CompletionPump, WaiterTakesOverWhenTheDriverLeaves) {
   });
   driving.WaitForNotification();
   std::thread second([&] {
-    pump.Await([&] { return second_done.load(); }, absl::Now() + absl::Hours(1),
+    pump.Await([&] { return second_done.load(); }, absl::Hours(1),
                [&](absl::Time) {
                  ++second_drove;
                  second_done = true;
@@ -103,7 +103,7 @@ TEST(CompletionPump, WaiterTakesOverWhenTheDriverLeaves) {
 TEST(CompletionPump, DeadlinePassesWithoutReady) {
   CompletionPump pump(RealClock());
   int drives = 0;
-  EXPECT_FALSE(pump.Await([] { return false; }, absl::Now() + absl::Milliseconds(20),
+  EXPECT_FALSE(pump.Await([] { return false; }, absl::Milliseconds(20),
                           [&](absl::Time until) {
                             ++drives;
                             absl::SleepFor(std::max(absl::ZeroDuration(), until - absl::Now()));
@@ -113,6 +113,47 @@ TEST(CompletionPump, DeadlinePassesWithoutReady) {
   EXPECT_TRUE(pump.TryDrive([] {}));
 }
 
+// A clock that counts its readings and moves on by `step` at each.
+class CountingClock : public Clock {
+ public:
+  explicit CountingClock(absl::Duration step) : step_(step) {}
+  absl::Time Now() const override {
+    ++reads;
+    return now_ += step_;
+  }
+  void SleepFor(absl::Duration d) override { now_ += d; }
+  mutable int reads = 0;
+
+ private:
+  const absl::Duration step_;
+  mutable absl::Time now_ = absl::UnixEpoch();
+};
+
+// What is done at the first look, or found by the first poll, costs no
+// reading of the clock (the deadline is set when the clock is first read);
+// the timeout still counts from then.
+TEST(CompletionPump, ReadsTheClockOnlyWhenItMustWait) {
+  CountingClock clock(absl::Milliseconds(1));
+  CompletionPump pump(&clock);
+  auto no_drive = [](absl::Time) { ADD_FAILURE() << "drove"; };
+  EXPECT_TRUE(pump.Await([] { return true; }, absl::Seconds(1), no_drive, kNothing));
+  EXPECT_EQ(clock.reads, 0);
+  bool ready = false;
+  EXPECT_TRUE(pump.Await([&] { return ready; }, absl::Seconds(1), no_drive, [&] {
+    ready = true;
+    return true;
+  }));
+  EXPECT_EQ(clock.reads, 0);
+  // Nothing comes: the driver waits until the deadline, 5 ms of this clock
+  // after its first reading.
+  int drives = 0;
+  EXPECT_FALSE(pump.Await([] { return false; }, absl::Milliseconds(5),
+                          [&](absl::Time) { ++drives; }, kNothing));
+  EXPECT_GE(clock.reads, 5);
+  EXPECT_LE(clock.reads, 7);
+  EXPECT_GE(drives, 3);
+}
+
 // What a poll finds is delivered without the driver's turn: the waiter
 // never drives, and returns while another thread drives.
 TEST(CompletionPump, PollDeliversWithoutDriving) {
@@ -120,7 +161,7 @@ TEST(CompletionPump, PollDeliversWithoutDriving) {
   EXPECT_FALSE(pump.Delivered());  // no driver
   bool ready = false;
   int polls = 0;
-  EXPECT_TRUE(pump.Await([&] { return ready; }, absl::Now() + absl::Hours(1),
+  EXPECT_TRUE(pump.Await([&] { return ready; }, absl::Hours(1),
                          [&](absl::Time) { ADD_FAILURE() << "drove"; },
                          [&] {
                            ++polls;
@@ -139,7 +180,7 @@ TEST(CompletionPump, PollerInterruptsTheDriversWait) {
   Event driving, interrupted;
   std::atomic<bool> driver_ready{false}, waiter_ready{false};
   std::thread driver([&] {
-    EXPECT_TRUE(pump.Await([&] { return driver_ready.load(); }, absl::Now() + absl::Hours(1),
+    EXPECT_TRUE(pump.Await([&] { return driver_ready.load(); }, absl::Hours(1),
                            [&](absl::Time) {
                              driving.Notify();
                              interrupted.WaitForNotification();  // "in the transport"
@@ -148,7 +189,7 @@ TEST(CompletionPump, PollerInterruptsTheDriversWait) {
   });
   driving.WaitForNotification();
   std::atomic<int> interrupts{0};
-  EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Now() + absl::Hours(1),
+  EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Hours(1),
                          [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; },
                          [&] {
                            // Takes both completions, the driver's and its own.
@@ -171,7 +212,7 @@ TEST(CompletionPump, DeadlineHoldsWhilePollsDeliverOthers) {
   CompletionPump pump(RealClock());
   int polls = 0;
   const absl::Time start = absl::Now();
-  EXPECT_FALSE(pump.Await([] { return false; }, absl::Now() + absl::Milliseconds(20),
+  EXPECT_FALSE(pump.Await([] { return false; }, absl::Milliseconds(20),
                           [&](absl::Time) { ADD_FAILURE() << "drove"; },
                           [&] {
                             ++polls;

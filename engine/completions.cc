@@ -283,9 +283,8 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
   // The driver wakes at least every peer_timeout / 4 to look for silent
   // peers; completions wake it at once.
   const absl::Duration check = config_.peer_timeout / 4;
-  const absl::Time deadline = clock_->Now() + timeout;
   const bool done = pump_.Await(
-      ready, deadline,
+      ready, timeout,
       [&](absl::Time until) {
         Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
       },
