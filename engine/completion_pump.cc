@@ -58,20 +58,36 @@ void CompletionPump::AwaitEpochPast(uint64_t seen, absl::Time deadline) {
   sleepers_.fetch_sub(1);
 }
 
+namespace {
+
+// `timeout` from the first reading of the clock (see Await).
+class LazyDeadline {
+ public:
+  LazyDeadline(Clock* clock, absl::Duration timeout) : clock_(clock), timeout_(timeout) {}
+  bool Expired() {
+    const absl::Time now = clock_->Now();
+    if (!started_) {
+      started_ = true;
+      deadline_ = now + timeout_;
+    }
+    return now >= deadline_;
+  }
+  // Once Expired has been called.
+  absl::Time get() const { return deadline_; }
+
+ private:
+  Clock* const clock_;
+  const absl::Duration timeout_;
+  bool started_ = false;
+  absl::Time deadline_ = absl::InfiniteFuture();
+};
+
+}  // namespace
+
 bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeout,
                            absl::FunctionRef<void(absl::Time)> drive,
                            absl::FunctionRef<bool()> poll) {
-  // Set at the first reading of the clock (see the header).
-  absl::Time deadline = absl::InfiniteFuture();
-  bool started = false;
-  auto expired = [&] {
-    const absl::Time now = clock_->Now();
-    if (!started) {
-      started = true;
-      deadline = now + timeout;
-    }
-    return now >= deadline;
-  };
+  LazyDeadline deadline(clock_, timeout);
   int polled = 0;  // rounds in which poll() delivered something
   for (;;) {
     // Read before looking: whatever finishes after the look bumps the
@@ -83,10 +99,10 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeo
     // completions may keep coming: the deadline still holds (looked at
     // from the second round on; the first costs no clock reading).
     if (poll()) {
-      if (polled++ > 0 && expired()) return ready();
+      if (polled++ > 0 && deadline.Expired()) return ready();
       continue;
     }
-    if (expired()) return false;
+    if (deadline.Expired()) return false;
     bool claimed = false, another_drives = false;
     {
       MutexLock lock(&mu_);
@@ -107,15 +123,15 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeo
         }
       }
     }
-    if (another_drives) AwaitEpochPast(seen, deadline);
+    if (another_drives) AwaitEpochPast(seen, deadline.get());
     if (!claimed) continue;
     // Drives until its own wait is over; hands over only then (a hand-over
     // per transport wait would wake the others for nothing).
     bool is_ready = false;
     do {
-      drive(deadline);
+      drive(deadline.get());
       is_ready = ready();
-    } while (!is_ready && clock_->Now() < deadline);
+    } while (!is_ready && !deadline.Expired());
     Leave();
     return is_ready;
   }
