@@ -88,8 +88,9 @@ absl::StatusOr<VerbsTransport::Link*> VerbsTransport::NewLink(NicIndex n) {
   link->id = ++last_link_;
   link->max_inline = std::min(init.cap.max_inline_data, options_.max_inline_bytes);
   link->psn = static_cast<uint32_t>(net::RandomU64()) & 0xffffff;
-  link->posted.assign(options_.max_outstanding_per_link, 0);
+  link->posted.resize(options_.max_outstanding_per_link);
   Link* raw = link.get();
+  by_qp_[QpKey(n, raw->qp->qp_num)] = raw;
   links_.emplace(raw->id, std::move(link));
   return raw;
 }
@@ -192,6 +193,7 @@ absl::StatusOr<LinkOffer> VerbsTransport::AcceptLink(NicIndex local_nic, const N
   absl::Status ready = ToRtr(*link, peer);
   if (ready.ok()) ready = ToRts(*link);
   if (!ready.ok()) {
+    by_qp_.erase(QpKey(link->nic, link->qp->qp_num));
     links_.erase(link->id);  // destroys the QP
     return ready;
   }
@@ -219,14 +221,13 @@ absl::Status VerbsTransport::CloseLink(LinkId id) {
   if (it == links_.end()) return absl::NotFoundError(absl::StrCat("unknown link ", id));
   // The NIC stops touching request buffers once the QP is destroyed; its
   // requests are reported cancelled now and late completions are ignored.
-  it->second->qp.reset();
-  for (auto p = pending_.begin(); p != pending_.end();) {
-    if (p->second.link == id) {
-      CompleteLocked(p->second.wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
-      pending_.erase(p++);
-    } else {
-      ++p;
-    }
+  Link& link = *it->second;
+  by_qp_.erase(QpKey(link.nic, link.qp->qp_num));
+  link.qp.reset();
+  while (link.count > 0) {
+    Posted p = link.Pop();
+    if (p.done) continue;
+    CompleteLocked(p.wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
   }
   links_.erase(it);
   return absl::OkStatus();

@@ -85,8 +85,7 @@ void VerbsTransport::ChainLocked(Link& link, absl::Span<const WorkRequest> batch
     if (n > 0) swrs[chain[n - 1]].next = &swr;
     ++region.local_uses;
     ++link.outstanding;
-    link.Push(swr.wr_id);
-    pending_.emplace(swr.wr_id, Pending{wr.link, wr, now});
+    link.Push(Posted{swr.wr_id, wr, now});
   }
 }
 
@@ -101,7 +100,6 @@ void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> b
     ibv_send_wr& swr = swrs[i];
     failed = failed || &swr == bad || bad == nullptr;
     if (!failed) continue;
-    pending_.erase(swr.wr_id);
     --link.outstanding;
     --link.count;  // the ring's newest entries are this chain's tail
     // The link is put in error below: retryable on a new one.
@@ -168,13 +166,13 @@ void VerbsTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) 
   if (notify_) notify_();
 }
 
-bool VerbsTransport::Drain(ibv_cq* cq) {
+bool VerbsTransport::Drain(size_t nic) {
   ibv_wc wc[32];
   bool any = false;
   for (;;) {
     // Polled under the lock: ReserveCq may resize the CQ.
     MutexLock lock(&mu_);
-    absl::StatusOr<int> polled = ibv::PollCq(cq, 32, wc);
+    absl::StatusOr<int> polled = ibv::PollCq(nics_[nic].cq.get(), 32, wc);
     if (!polled.ok()) {
       KVF_LOG(WARNING) << "verbs: " << polled.status();
       return any;
@@ -182,26 +180,29 @@ bool VerbsTransport::Drain(ibv_cq* cq) {
     const int n = *polled;
     if (n == 0) return any;
     any = true;
-    for (int i = 0; i < n; ++i) DeliverLocked(wc[i]);
+    for (int i = 0; i < n; ++i) DeliverLocked(nic, wc[i]);
   }
 }
 
-void VerbsTransport::DeliverLocked(const ibv_wc& wc) {
-  auto it = pending_.find(wc.wr_id);
-  if (it == pending_.end()) return;  // its link was closed, or it expired
-  auto link = links_.find(it->second.link);
-  if (link == links_.end()) return;  // closed: its requests were cancelled
+void VerbsTransport::DeliverLocked(size_t nic, const ibv_wc& wc) {
+  auto link = by_qp_.find(QpKey(nic, wc.qp_num));
+  if (link == by_qp_.end()) return;  // closed: its requests were cancelled
   Link& l = *link->second;
+  // Not among the QP's requests (ids increase along the ring): a late one
+  // of a closed QP whose number the NIC gave again.
+  if (l.count == 0 || wc.wr_id < l.At(0).wr_id || wc.wr_id > l.At(l.count - 1).wr_id) return;
   // The work requests posted before this one on the QP are complete: RC
   // completes in order, and they were unsignaled (or their own completion
   // came already). An error completion also vouches for them: they
   // finished before the one that failed.
   while (l.count > 0) {
-    const uint64_t id = l.Pop();
-    auto p = pending_.find(id);
-    if (p == pending_.end()) continue;  // expired meanwhile
-    const WorkRequest wr = p->second.wr;
-    pending_.erase(p);
+    const Posted p = l.Pop();
+    const uint64_t id = p.wr_id;
+    if (p.done) {  // expired meanwhile
+      if (id == wc.wr_id) return;
+      continue;
+    }
+    const WorkRequest& wr = p.wr;
     --l.outstanding;
     if (id == wc.wr_id) {
       absl::Status status;
@@ -222,41 +223,38 @@ void VerbsTransport::DeliverLocked(const ibv_wc& wc) {
 void VerbsTransport::ExpireOld() {
   const absl::Time now = CoarseNow();  // as Post stamps requests
   MutexLock lock(&mu_);
-  for (auto p = pending_.begin(); p != pending_.end();) {
-    auto link = links_.find(p->second.link);
-    if (now - p->second.posted < options_.request_timeout || link == links_.end()) {
-      ++p;
-      continue;
-    }
-    Link& l = *link->second;
-    if (l.state == Link::State::kError) {
-      // The QP is in the error state and touches no buffer; its flush
-      // completion should have come. A NIC that never sends it (seen with
-      // Soft-RoCE while it retransmits to a peer that drops everything)
-      // must not hold the request forever.
-      if (now - p->second.posted >= 2 * options_.request_timeout) {
-        --l.outstanding;
-        CompleteLocked(p->second.wr, absl::AbortedError(absl::StrFormat(
-                                         "QP %#x is in the error state and its flush never came",
-                                         l.qp->qp_num)));
-        pending_.erase(p++);
-      } else {
-        ++p;
+  for (auto& [id, link] : links_) {
+    Link& l = *link;
+    for (size_t i = 0; i < l.count; ++i) {
+      Posted& p = l.At(i);
+      if (p.done || now - p.posted < options_.request_timeout) continue;
+      if (l.state == Link::State::kError) {
+        // The QP is in the error state and touches no buffer; its flush
+        // completion should have come. A NIC that never sends it (seen with
+        // Soft-RoCE while it retransmits to a peer that drops everything)
+        // must not hold the request forever.
+        if (now - p.posted >= 2 * options_.request_timeout) {
+          --l.outstanding;
+          p.done = true;
+          CompleteLocked(p.wr, absl::AbortedError(absl::StrFormat(
+                                   "QP %#x is in the error state and its flush never came",
+                                   l.qp->qp_num)));
+        }
+        continue;
       }
-      continue;
+      l.state = Link::State::kError;
+      // In the error state the NIC touches no buffer of this QP any more; the
+      // other requests come back as flush errors (kAborted).
+      if (absl::Status reset = ibv::ResetToError(l.qp.get()); !reset.ok()) {
+        KVF_LOG(WARNING) << "verbs: " << reset;
+      }
+      --l.outstanding;
+      p.done = true;
+      CompleteLocked(p.wr,
+                     absl::UnavailableError(absl::StrFormat(
+                         "no completion from the peer within %s on QP %#x: peer presumed gone",
+                         absl::FormatDuration(options_.request_timeout), l.qp->qp_num)));
     }
-    l.state = Link::State::kError;
-    // In the error state the NIC touches no buffer of this QP any more; the
-    // other requests come back as flush errors (kAborted).
-    if (absl::Status reset = ibv::ResetToError(l.qp.get()); !reset.ok()) {
-      KVF_LOG(WARNING) << "verbs: " << reset;
-    }
-    --l.outstanding;
-    CompleteLocked(p->second.wr,
-                   absl::UnavailableError(absl::StrFormat(
-                       "no completion from the peer within %s on QP %#x: peer presumed gone",
-                       absl::FormatDuration(options_.request_timeout), l.qp->qp_num)));
-    pending_.erase(p++);
   }
 }
 
@@ -280,14 +278,14 @@ void VerbsTransport::PollerLoop() {
       // Re-arm first, so nothing is missed, but only for sleepers (see
       // sleepers_); a thread that goes to sleep later arms for itself.
       if (sleepers_.load() > 0) (void)ibv::ReqNotifyCq(cq, nics_[i].port.device);
-      Drain(cq);
+      Drain(i);
     }
   }
 }
 
 size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
   // What the NICs have now, without waiting for the poller thread.
-  for (Nic& nic : nics_) Drain(nic.cq.get());
+  for (size_t i = 0; i < nics_.size(); ++i) Drain(i);
   MutexLock lock(&mu_);
   return cq_.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     auto region = regions_.find(id);
@@ -301,7 +299,7 @@ size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duratio
   const absl::Time spin_until = FastNow() + std::min(timeout, options_.busy_poll);
   while (FastNow() < spin_until) {
     bool any = interrupted_.exchange(false);
-    for (Nic& nic : nics_) any = Drain(nic.cq.get()) || any;
+    for (size_t i = 0; i < nics_.size(); ++i) any = Drain(i) || any;
     if (any) return PollCompletions(out);
   }
   // Going to sleep: ask for completion events, then look once more (a
@@ -309,7 +307,7 @@ size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duratio
   ++sleepers_;
   for (Nic& nic : nics_) (void)ibv::ReqNotifyCq(nic.cq.get(), nic.port.device);
   bool any = false;
-  for (Nic& nic : nics_) any = Drain(nic.cq.get()) || any;
+  for (size_t i = 0; i < nics_.size(); ++i) any = Drain(i) || any;
   if (!any) {
     MutexLock lock(&mu_);
     cq_cv_.AwaitWithDeadline(&mu_, FastNow() + timeout, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {

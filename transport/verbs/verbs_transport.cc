@@ -135,6 +135,7 @@ VerbsTransport::~VerbsTransport() {
   if (poller_.joinable()) poller_.join();
   MutexLock lock(&mu_);
   // QPs and MRs before the NICs' CQs, PDs and devices.
+  by_qp_.clear();
   links_.clear();
   regions_.clear();
   nics_.clear();

@@ -116,6 +116,14 @@ class VerbsTransport final : public Transport {
     std::vector<ibv::Mr> mrs;  // per NIC
     uint64_t local_uses = 0;
   };
+  // A work request on a QP, kept until its completion (or one after it)
+  // comes.
+  struct Posted {
+    uint64_t wr_id = 0;
+    WorkRequest wr;
+    absl::Time posted;  // CoarseNow(), for expiry
+    bool done = false;  // completed already (ExpireOld): skipped when it comes
+  };
   struct Link {
     using State = LinkState;  // transport/checks.h
     LinkId id = 0;
@@ -128,8 +136,9 @@ class VerbsTransport final : public Transport {
     // Selective signaling: only the last work request of each chain is
     // signaled. Its completion means every earlier one on the QP completed
     // (RC completes in order), so the QP's work requests are kept in post
-    // order: `posted` is a ring of their ids, oldest at `head`.
-    std::vector<uint64_t> posted;
+    // order: `posted` is a ring of them, oldest at `head` (their ids
+    // increase along it).
+    std::vector<Posted> posted;
     size_t head = 0;
     size_t count = 0;
     // The NIC's CQ entries this link holds (see Nic::cq_reserved).
@@ -142,20 +151,15 @@ class VerbsTransport final : public Transport {
       qp.reset();  // before giving its CQ entries back
       if (reserved_in != nullptr) *reserved_in -= cq_entries;
     }
-    void Push(uint64_t wr_id) {
-      posted[(head + count++) % posted.size()] = wr_id;
-    }
-    uint64_t Pop() {
-      const uint64_t id = posted[head];
+    void Push(Posted p) { posted[(head + count++) % posted.size()] = std::move(p); }
+    // The i-th oldest (i < count).
+    Posted& At(size_t i) { return posted[(head + i) % posted.size()]; }
+    Posted Pop() {
+      Posted p = std::move(posted[head]);
       head = (head + 1) % posted.size();
       --count;
-      return id;
+      return p;
     }
-  };
-  struct Pending {
-    LinkId link;
-    WorkRequest wr;
-    absl::Time posted;
   };
 
   absl::Status OpenNic(Nic& nic);
@@ -164,8 +168,8 @@ class VerbsTransport final : public Transport {
   absl::Status ToRts(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Params LocalParams(const Link& link) const;
   void PollerLoop();
-  // Delivers what `cq` holds; false if it held nothing.
-  bool Drain(ibv_cq* cq);
+  // Delivers what NIC `nic`'s CQ holds; false if it held nothing.
+  bool Drain(size_t nic);
   // Fails requests older than request_timeout (see the options).
   void ExpireOld();
   // RegisterMemory's parts: one NIC's registration of [addr, +length)
@@ -199,8 +203,11 @@ class VerbsTransport final : public Transport {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One work completion: it and the requests posted before it on its QP.
-  void DeliverLocked(const ibv_wc& wc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One work completion of NIC `nic`'s CQ: it and the requests posted
+  // before it on its QP.
+  void DeliverLocked(size_t nic, const ibv_wc& wc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The link whose QP is `qpn` on NIC `nic` (null when it was closed).
+  static uint64_t QpKey(size_t nic, uint32_t qpn) { return uint64_t{nic} << 32 | qpn; }
   // Makes room in the NIC's CQ for `entries` more completions (resizing
   // it up to the device's limit), or kResourceExhausted.
   absl::Status ReserveCq(Nic& nic, uint32_t entries) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -225,7 +232,8 @@ class VerbsTransport final : public Transport {
   LinkId last_link_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<LinkId, std::unique_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
   uint64_t last_wr_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  // Links by QpKey: a completion names its QP.
+  absl::flat_hash_map<uint64_t, Link*> by_qp_ ABSL_GUARDED_BY(mu_);
   CompletionQueue cq_ ABSL_GUARDED_BY(mu_);
   std::function<void()> notify_ ABSL_GUARDED_BY(mu_);  // SetCompletionNotifier
   // RouteTo's answers by peer address (resolving can take a while).
