@@ -193,8 +193,22 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
     ReaderMutexLock registered(&r.mu);
     TcpTransport* peer = nullptr;
     uint64_t peer_key = 0;
+    // The peer end's gate, entered once for a run of requests on one link.
+    DirectGate* entered = nullptr;
+    const Link* gated = nullptr;
     for (Direct& d : direct) {
       if (!d.run || d.wr.length == 0) continue;
+      if (d.link.get() != gated) {
+        if (entered != nullptr) entered->Exit();
+        gated = d.link.get();
+        DirectGate* gate = d.link->peer_gate.get();
+        entered = gate != nullptr && gate->Enter() ? gate : nullptr;
+      }
+      if (entered == nullptr) {
+        // The peer closed its end (a fence, say): nothing more lands there.
+        d.status = absl::UnavailableError("the peer closed the link");
+        continue;
+      }
       if (d.link->peer_key != peer_key || peer == nullptr) {
         if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
         auto it = r.by_key.find(d.link->peer_key);
@@ -208,6 +222,7 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
       }
       d.status = CopyDirect(*peer, d);  // its regions' lock is held
     }
+    if (entered != nullptr) entered->Exit();
     if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
   }
   MutexLock lock(&mu_);
@@ -245,6 +260,7 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
   if (link.state == Link::State::kError) return;
   link.state = Link::State::kError;
   link.stopping = true;
+  if (link.gate != nullptr) link.gate->Close(/*wait=*/false);  // StopAndJoin waits
   link.jobs.clear();
   link.cv.SignalAll();
   ::shutdown(link.fd.get(), SHUT_RDWR);

@@ -224,6 +224,7 @@ absl::StatusOr<LinkOffer> TcpTransport::OfferLink(NicIndex local_nic) {
   }
   auto link = std::make_shared<Link>();
   link->token = net::RandomU64();
+  if (key_ != 0) link->gate = std::make_shared<DirectGate>();
   MutexLock lock(&mu_);
   if (links_.size() >= options_.max_links) return TooManyLinks();
   link->id = ++last_link_;
@@ -271,6 +272,11 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   const uint64_t token = params->token;
   ReapDeadPassiveLinks();
   auto link = std::make_shared<Link>();
+  if (key_ != 0) {
+    link->gate = std::make_shared<DirectGate>();
+    link->peer_gate = PeerGate(InProcessKey(params->key), token, /*passive=*/false);
+    if (link->peer_gate != nullptr) link->peer_key = params->key;
+  }
   {
     MutexLock lock(&mu_);
     if (links_.size() >= options_.max_links) return TooManyLinks();
@@ -278,7 +284,6 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
     link->id = ++last_link_;
     link->state = Link::State::kReady;
     link->passive = true;
-    if (key_ != 0) link->peer_key = InProcessKey(params->key);
     link->same_host = IpcHost() != 0 && params->host == IpcHost();
     if (link->same_host) link->peer_vmm = params->vmm;
     links_[link->id] = link;
@@ -327,26 +332,41 @@ absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::Statu
 }
 
 absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
-  std::shared_ptr<Link> link;
-  {
-    MutexLock lock(&mu_);
+  // The link's state is checked before and again after the parameters are
+  // read and the peer's gate looked up (PeerGate takes a peer's mu_, maybe
+  // this one's, so not under mu_).
+  auto usable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<std::shared_ptr<Link>> {
     auto it = links_.find(id);
     if (it == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
-    link = it->second;
-    if (link->state != Link::State::kPending) {
+    if (it->second->state != Link::State::kPending) {
       return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
     }
-    if (!link->fd.valid()) {
+    if (!it->second->fd.valid()) {
       return absl::FailedPreconditionError(
           absl::StrCat("link ", id, " has no connection yet (ConnectOffered first)"));
     }
-    absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
-    if (!params.ok()) return Annotate(params.status(), "CompleteLink");
+    return it->second;
+  };
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(usable().status());
+  }
+  absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
+  if (!params.ok()) return Annotate(params.status(), "CompleteLink");
+  std::shared_ptr<DirectGate> peer_gate =
+      key_ != 0 ? PeerGate(InProcessKey(params->key), params->token, /*passive=*/true) : nullptr;
+  std::shared_ptr<Link> link;
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(link, usable());
     if (params->token != link->token) {
       return absl::InvalidArgumentError("CompleteLink: the peer answered for another link");
     }
     link->state = Link::State::kReady;
-    if (key_ != 0) link->peer_key = InProcessKey(params->key);
+    if (peer_gate != nullptr) {
+      link->peer_key = params->key;
+      link->peer_gate = std::move(peer_gate);
+    }
     link->same_host = IpcHost() != 0 && params->host == IpcHost();
     if (link->same_host) link->peer_vmm = params->vmm;
   }
@@ -395,6 +415,8 @@ void TcpTransport::ReapDeadPassiveLinks() {
 }
 
 void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
+  // A peer's shortcut copies through this link end before this returns.
+  if (link->gate != nullptr) link->gate->Close(/*wait=*/true);
   {
     MutexLock lock(&mu_);
     link->stopping = true;
@@ -404,6 +426,21 @@ void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
   ::shutdown(link->fd.get(), SHUT_RDWR);
   link->reader.Join();
   link->writer.Join();
+}
+
+std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_key,
+                                                                 uint64_t token, bool passive) {
+  if (peer_key == 0) return nullptr;
+  Registry& r = registry();
+  ReaderMutexLock registered(&r.mu);
+  auto it = r.by_key.find(peer_key);
+  if (it == r.by_key.end()) return nullptr;
+  TcpTransport& peer = *it->second.transport;
+  MutexLock lock(&peer.mu_);
+  for (const auto& [id, link] : peer.links_) {
+    if (link->token == token && link->passive == passive && !link->stopping) return link->gate;
+  }
+  return nullptr;
 }
 
 bool TcpTransport::HasLink(LinkId id) {

@@ -199,11 +199,47 @@ class TcpTransport final : public Transport {
     bool ipc = false;  // header.flags has kViaIpc: ipc_ref follows the header
     IpcRef ipc_ref;
   };
+  // What lets the other end of a link, when it lives in this process, copy
+  // straight into this end's regions (the shortcut): open while this end's
+  // link is, and closing it waits for the copies under way, so that once
+  // CloseLink returns nothing sent on the link lands (a fenced peer's
+  // shortcut copies included).
+  class DirectGate {
+   public:
+    // False once closed; else the caller copies, then calls Exit.
+    bool Enter() {
+      MutexLock lock(&mu_);
+      if (!open_) return false;
+      ++users_;
+      return true;
+    }
+    void Exit() {
+      MutexLock lock(&mu_);
+      if (--users_ == 0) cv_.SignalAll();
+    }
+    // No copy starts after this; with `wait`, none is running when it returns.
+    void Close(bool wait) {
+      MutexLock lock(&mu_);
+      open_ = false;
+      while (wait && users_ > 0) cv_.Wait(&mu_);
+    }
+
+   private:
+    Mutex mu_;
+    bool open_ ABSL_GUARDED_BY(mu_) = true;
+    uint32_t users_ ABSL_GUARDED_BY(mu_) = 0;
+    CondVar cv_;
+  };
   struct Link {
     using State = LinkState;  // transport/checks.h
     LinkId id = 0;
     // The peer's in-process key when it lives in this process (shortcut).
     uint64_t peer_key = 0;
+    // This end's gate (with the shortcut on), and the peer end's, through
+    // which this end's shortcut copies go (null: the peer's link was gone
+    // when this one was made, so its requests go over the socket).
+    std::shared_ptr<DirectGate> gate;
+    std::shared_ptr<DirectGate> peer_gate;
     uint32_t direct_busy = 0;  // shortcut copies running on this link
     uint32_t idle_waiters = 0;  // threads in WaitLinkIdle
     net::Fd fd;
@@ -277,6 +313,11 @@ class TcpTransport final : public Transport {
     static Registry* r = new Registry;
     return *r;
   }
+  // The gate of the link with `token` made by AcceptLink (`passive`) or
+  // OfferLink on the transport with in-process key `peer_key`; null if it
+  // has none. Takes the registry's lock, then that transport's mu_: never
+  // call it holding mu_.
+  static std::shared_ptr<DirectGate> PeerGate(uint64_t peer_key, uint64_t token, bool passive);
   // A request on a link whose peer is in this process.
   struct Direct {
     std::shared_ptr<Link> link;

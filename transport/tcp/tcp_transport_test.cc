@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "transport/in_process.h"
@@ -139,6 +140,52 @@ TEST(TcpTransport, InProcessPeersCopyInsidePost) {
     n = (*a)->WaitCompletions(c, absl::Seconds(5));
     ASSERT_EQ(n, 1u);
     EXPECT_EQ(c[0].status.code(), absl::StatusCode::kPermissionDenied) << c[0].status;
+  }
+}
+
+// Once one end of a link is closed (as a fence closes a failed peer's
+// links), nothing the other end posts on it lands, though that end has not
+// yet seen the close: over the socket, and through the in-process shortcut,
+// which would otherwise copy straight into the closed end's regions. Both
+// ends, with the shortcut and without.
+TEST(TcpTransport, NothingLandsThroughAClosedEnd) {
+  for (const bool shortcut : {true, false}) {
+    for (const bool close_passive : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(shortcut ? "shortcut" : "sockets", ", closed end: ",
+                                close_passive ? "accepting" : "connecting"));
+      TcpTransportOptions o;
+      o.in_process_shortcut = shortcut;
+      auto a = CreateTcpTransport(o);
+      auto b = CreateTcpTransport(o);
+      ASSERT_TRUE(a.ok() && b.ok());
+      auto links = ConnectInProcess(**a, **b);  // a's end connects, b's accepts
+      ASSERT_TRUE(links.ok()) << links.status();
+      Transport& closer = close_passive ? **b : **a;
+      Transport& poster = close_passive ? **a : **b;
+      const LinkId closed = close_passive ? links->second : links->first;
+      const LinkId open = close_passive ? links->first : links->second;
+      std::vector<char> src(4096, 'x'), dst(4096, 0);
+      auto rs = poster.RegisterMemory(src.data(), src.size(), Access::kNone);
+      auto rd = closer.RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
+      ASSERT_TRUE(rs.ok() && rd.ok());
+      WorkRequest w{Opcode::kWrite, open, rs->id, src.data(), src.size(),
+                    reinterpret_cast<uintptr_t>(dst.data()), rd->keys[0], 9};
+      // The link works before the close.
+      ASSERT_TRUE(poster.Post({&w, 1}).ok());
+      Completion c[1];
+      ASSERT_EQ(poster.WaitCompletions(c, absl::Seconds(5)), 1u);
+      ASSERT_TRUE(c[0].status.ok()) << c[0].status;
+      std::fill(dst.begin(), dst.end(), 0);
+      ASSERT_TRUE(closer.CloseLink(closed).ok());
+      // At once, before the poster's end can have seen the close.
+      const absl::Status posted = poster.Post({&w, 1});
+      if (posted.ok()) {
+        ASSERT_EQ(poster.WaitCompletions(c, absl::Seconds(10)), 1u);
+        EXPECT_FALSE(c[0].status.ok()) << "a request through a closed end completed";
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+      EXPECT_EQ(std::count(dst.begin(), dst.end(), 0), 4096) << "bytes landed after the close";
+    }
   }
 }
 
