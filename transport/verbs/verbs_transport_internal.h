@@ -206,7 +206,7 @@ class VerbsTransport final : public Transport {
   // One work completion of NIC `nic`'s CQ: it and the requests posted
   // before it on its QP.
   void DeliverLocked(size_t nic, const ibv_wc& wc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The link whose QP is `qpn` on NIC `nic` (null when it was closed).
+  // by_qp_'s key for QP number `qpn` on NIC `nic` (QP numbers are per device).
   static uint64_t QpKey(size_t nic, uint32_t qpn) { return uint64_t{nic} << 32 | qpn; }
   // Makes room in the NIC's CQ for `entries` more completions (resizing
   // it up to the device's limit), or kResourceExhausted.
