@@ -188,43 +188,7 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
       if (d.run) ++link.direct_busy;
     }
   }
-  {
-    Registry& r = registry();
-    ReaderMutexLock registered(&r.mu);
-    TcpTransport* peer = nullptr;
-    uint64_t peer_key = 0;
-    // The peer end's gate, entered once for a run of requests on one link.
-    DirectGate* entered = nullptr;
-    const Link* gated = nullptr;
-    for (Direct& d : direct) {
-      if (!d.run || d.wr.length == 0) continue;
-      if (d.link.get() != gated) {
-        if (entered != nullptr) entered->Exit();
-        gated = d.link.get();
-        DirectGate* gate = d.link->peer_gate.get();
-        entered = gate != nullptr && gate->Enter() ? gate : nullptr;
-      }
-      if (entered == nullptr) {
-        // The peer closed its end (a fence, say): nothing more lands there.
-        d.status = absl::UnavailableError("the peer closed the link");
-        continue;
-      }
-      if (d.link->peer_key != peer_key || peer == nullptr) {
-        if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
-        auto it = r.by_key.find(d.link->peer_key);
-        peer = it == r.by_key.end() ? nullptr : it->second.transport;
-        peer_key = d.link->peer_key;
-        if (peer != nullptr) peer->regions_mu_.ReaderLock();
-      }
-      if (peer == nullptr) {
-        d.status = absl::UnavailableError("the peer transport in this process is gone");
-        continue;
-      }
-      d.status = CopyDirect(*peer, d);  // its regions' lock is held
-    }
-    if (entered != nullptr) entered->Exit();
-    if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
-  }
+  CopyAll(direct);
   MutexLock lock(&mu_);
   bool completed = false;
   for (Direct& d : direct) {
@@ -245,6 +209,59 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
     }
   }
   if (completed) WakeWaiters();
+}
+
+void TcpTransport::CopyAll(std::vector<Direct>& direct) {
+  Registry& r = registry();
+  ReaderMutexLock registered(&r.mu);
+  TcpTransport* peer = nullptr;
+  uint64_t peer_key = 0;
+  // The peer end's gate, entered once for a run of requests on one link.
+  DirectGate* entered = nullptr;
+  const Link* gated = nullptr;
+  for (Direct& d : direct) {
+    if (!d.run || d.wr.length == 0) continue;
+    if (d.link.get() != gated) {
+      if (entered != nullptr) entered->Exit();
+      gated = d.link.get();
+      DirectGate* gate = d.link->peer_gate.get();
+      entered = gate != nullptr && gate->Enter() ? gate : nullptr;
+    }
+    if (entered == nullptr) {
+      // The peer closed its end (a fence, say): nothing more lands there.
+      d.status = absl::UnavailableError("the peer closed the link");
+      continue;
+    }
+    if (d.link->peer_key != peer_key || peer == nullptr) {
+      if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
+      auto it = r.by_key.find(d.link->peer_key);
+      peer = it == r.by_key.end() ? nullptr : it->second.transport;
+      peer_key = d.link->peer_key;
+      if (peer != nullptr) peer->regions_mu_.ReaderLock();
+    }
+    if (peer == nullptr) {
+      d.status = absl::UnavailableError("the peer transport in this process is gone");
+      continue;
+    }
+    d.status = CopyDirect(*peer, d);  // its regions' lock is held
+  }
+  if (entered != nullptr) entered->Exit();
+  if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
+}
+
+std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_key,
+                                                                 uint64_t token, bool passive) {
+  if (peer_key == 0) return nullptr;
+  Registry& r = registry();
+  ReaderMutexLock registered(&r.mu);
+  auto it = r.by_key.find(peer_key);
+  if (it == r.by_key.end()) return nullptr;
+  TcpTransport& peer = *it->second.transport;
+  MutexLock lock(&peer.mu_);
+  for (const auto& [id, link] : peer.links_) {
+    if (link->token == token && link->passive == passive && !link->stopping) return link->gate;
+  }
+  return nullptr;
 }
 
 void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {

@@ -428,21 +428,6 @@ void TcpTransport::StopAndJoin(const std::shared_ptr<Link>& link) {
   link->writer.Join();
 }
 
-std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_key,
-                                                                 uint64_t token, bool passive) {
-  if (peer_key == 0) return nullptr;
-  Registry& r = registry();
-  ReaderMutexLock registered(&r.mu);
-  auto it = r.by_key.find(peer_key);
-  if (it == r.by_key.end()) return nullptr;
-  TcpTransport& peer = *it->second.transport;
-  MutexLock lock(&peer.mu_);
-  for (const auto& [id, link] : peer.links_) {
-    if (link->token == token && link->passive == passive && !link->stopping) return link->gate;
-  }
-  return nullptr;
-}
-
 bool TcpTransport::HasLink(LinkId id) {
   // A passive link whose reader ended is gone for its peer (it is reaped at
   // the next AcceptLink).

@@ -335,11 +335,14 @@ class TcpTransport final : public Transport {
   // Sends a claimed link's inline_jobs without blocking; a rest goes to
   // the writer. Clears writer_busy.
   void SendInline(Link& link);
-  // Copies the bytes of each request and completes it, taking each lock
-  // once for the lot. It holds the regions lock of whichever peer the
-  // current request goes to, switching as the peer changes: beyond what
-  // the thread-safety analysis can follow, so it is not analysed.
-  void RunDirect(std::vector<Direct>& direct) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Copies the bytes of each request (CopyAll) and completes it, taking
+  // each lock once for the lot.
+  void RunDirect(std::vector<Direct>& direct);
+  // The copies of RunDirect, through each peer end's gate. It holds the
+  // regions lock of whichever peer the current request goes to, switching
+  // as the peer changes: beyond what the thread-safety analysis can
+  // follow, so it is not analysed.
+  void CopyAll(std::vector<Direct>& direct) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // One of them: checked against `peer`'s regions (whose lock the caller
   // holds for reading) and copied.
   static absl::Status CopyDirect(TcpTransport& peer, const Direct& d)
