@@ -255,7 +255,8 @@ std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_k
   Registry& r = registry();
   ReaderMutexLock registered(&r.mu);
   auto it = r.by_key.find(peer_key);
-  if (it == r.by_key.end()) return nullptr;
+  // (A child made by fork() inherits entries that are not its own.)
+  if (it == r.by_key.end() || it->second.pid != ::getpid()) return nullptr;
   TcpTransport& peer = *it->second.transport;
   MutexLock lock(&peer.mu_);
   for (const auto& [id, link] : peer.links_) {

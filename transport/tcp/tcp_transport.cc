@@ -274,7 +274,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
   auto link = std::make_shared<Link>();
   if (key_ != 0) {
     link->gate = std::make_shared<DirectGate>();
-    link->peer_gate = PeerGate(InProcessKey(params->key), token, /*passive=*/false);
+    link->peer_gate = PeerGate(params->key, token, /*passive=*/false);
     if (link->peer_gate != nullptr) link->peer_key = params->key;
   }
   {
@@ -354,7 +354,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
   absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
   if (!params.ok()) return Annotate(params.status(), "CompleteLink");
   std::shared_ptr<DirectGate> peer_gate =
-      key_ != 0 ? PeerGate(InProcessKey(params->key), params->token, /*passive=*/true) : nullptr;
+      key_ != 0 ? PeerGate(params->key, params->token, /*passive=*/true) : nullptr;
   std::shared_ptr<Link> link;
   {
     MutexLock lock(&mu_);

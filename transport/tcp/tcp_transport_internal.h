@@ -301,22 +301,15 @@ class TcpTransport final : public Transport {
     };
     absl::flat_hash_map<uint64_t, Entry> by_key ABSL_GUARDED_BY(mu);
   };
-  // `key` if a transport of this process has it, else 0 (no shortcut).
-  static uint64_t InProcessKey(uint64_t key) {
-    if (key == 0) return 0;
-    Registry& r = registry();
-    ReaderMutexLock lock(&r.mu);
-    auto it = r.by_key.find(key);
-    return it != r.by_key.end() && it->second.pid == ::getpid() ? key : 0;
-  }
   static Registry& registry() {
     static Registry* r = new Registry;
     return *r;
   }
   // The gate of the link with `token` made by AcceptLink (`passive`) or
-  // OfferLink on the transport with in-process key `peer_key`; null if it
-  // has none. Takes the registry's lock, then that transport's mu_: never
-  // call it holding mu_.
+  // OfferLink on the transport of this process with in-process key
+  // `peer_key`; null if there is none (no shortcut: the link's requests go
+  // over its socket). Takes the registry's lock, then that transport's mu_:
+  // never call it holding mu_.
   static std::shared_ptr<DirectGate> PeerGate(uint64_t peer_key, uint64_t token, bool passive);
   // A request on a link whose peer is in this process.
   struct Direct {
