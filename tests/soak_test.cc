@@ -16,10 +16,14 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
@@ -40,6 +44,33 @@ int OpenFds() {
   while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
   closedir(d);
   return n - 1;  // the directory stream itself
+}
+
+// What the open descriptors are, counted by kind ("socket", "pipe",
+// "anon_inode:[eventfd]", a file's name), for a failure message.
+std::string FdKinds() {
+  std::map<std::string, int> kinds;
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return "?";
+  const int own = dirfd(d);
+  while (dirent* e = readdir(d)) {
+    int fd = -1;
+    if (!absl::SimpleAtoi(e->d_name, &fd) || fd == own) continue;
+    char target[512];
+    const ssize_t n =
+        readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), target, sizeof target - 1);
+    std::string kind = n > 0 ? std::string(target, n) : "?";
+    if (absl::StartsWith(kind, "socket:") || absl::StartsWith(kind, "pipe:")) {
+      kind = kind.substr(0, kind.find(':'));
+    } else if (kind[0] == '/') {
+      kind = kind.substr(kind.rfind('/') + 1);
+    }
+    ++kinds[kind];
+  }
+  closedir(d);
+  std::string out;
+  for (const auto& [kind, n] : kinds) absl::StrAppend(&out, " ", kind, " x", n);
+  return out;
 }
 
 uint64_t RssBytes() {
@@ -100,15 +131,22 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
 
   sim::Prng prng(7);
   std::map<absl::StatusCode, uint64_t> failures;
+  std::map<absl::StatusCode, std::string> first_error;  // each code's first message
+  auto failure = [&](const absl::Status& st, uint64_t n) {
+    failures[st.code()] += n;
+    first_error.emplace(st.code(), std::string(st.message()));
+  };
   uint64_t requests = 0, succeeded = 0, verified_bytes = 0, batches = 0, unaccounted = 0;
   int base_fds = -1;
+  std::string base_fd_kinds;
   uint64_t base_rss = 0;
   SegmentId seg = 0;
-  uint64_t remote = 0;
+  uint64_t remote = 0, instance = 0;
   const absl::Time start = absl::Now();
   while (absl::Now() - start < duration) {
     if (base_fds < 0 && kills >= 1 && seg != 0) {  // warmed up: one restart survived
       base_fds = OpenFds();
+      base_fd_kinds = FdKinds();
       base_rss = RssBytes();
     }
     if (seg == 0 || remote == 0) {
@@ -119,12 +157,18 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
       }
       seg = *s;
       uint64_t len = 0;
+      // The buffer's address is the instance's: batches are bound to it, so
+      // that none goes to a successor whose buffer happens to lie there too.
+      auto before = e->PeerEngineId(seg);
       auto v = e->FetchMetadata(seg, "buffer");
-      if (!v.ok() || !ParseBuffer(*v, &remote, &len) || len != kPeerBytes) {
+      auto after = e->PeerEngineId(seg);
+      if (!v.ok() || !ParseBuffer(*v, &remote, &len) || len != kPeerBytes || !before.ok() ||
+          !after.ok() || *before != *after) {
         remote = 0;
         absl::SleepFor(absl::Milliseconds(50));
         continue;
       }
+      instance = *after;
     }
     // A batch of random pages at random places, with fresh bytes.
     const size_t pages = 1 + prng.Uniform(32);
@@ -142,9 +186,9 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
       if (!all_ok) break;
       ++batches;
       requests += batch->size();
-      auto b = e->Submit(seg, *batch);
+      auto b = e->Submit(seg, *batch, instance);
       if (!b.ok()) {
-        failures[b.status().code()] += batch->size();
+        failure(b.status(), batch->size());
         all_ok = false;
         break;
       }
@@ -160,7 +204,7 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
         if (r.ok()) {
           ++succeeded;
         } else {
-          ++failures[r.code()];
+          failure(r, 1);
           all_ok = false;
         }
       }
@@ -181,6 +225,7 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   stop = true;
   killer.join();
   const int end_fds = OpenFds();
+  const std::string end_fd_kinds = FdKinds();
   const uint64_t end_rss = RssBytes();
   uint64_t failed = 0;
   std::string by_code;
@@ -188,15 +233,18 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
     failed += n;
     by_code += absl::StrCat(" ", absl::StatusCodeToString(code), "=", n);
   }
-  std::printf("soak: %.0f s, %d kills survived (%d restarts failed), %llu batches, %llu requests: "
+  const std::string summary = absl::StrFormat(
+      "soak: %.0f s, %d kills survived (%d restarts failed), %llu batches, %llu requests: "
               "%llu OK, %llu failed (%s ), %llu unaccounted; %llu MiB verified; fds %d -> %d, "
-              "RSS %.1f -> %.1f MiB\n",
+              "RSS %.1f -> %.1f MiB",
               absl::ToDoubleSeconds(absl::Now() - start), kills.load(), restart_failures.load(),
               static_cast<unsigned long long>(batches), static_cast<unsigned long long>(requests),
               static_cast<unsigned long long>(succeeded), static_cast<unsigned long long>(failed),
               by_code.c_str(), static_cast<unsigned long long>(unaccounted),
               static_cast<unsigned long long>(verified_bytes >> 20), base_fds, end_fds,
               base_rss / 1048576.0, end_rss / 1048576.0);
+  std::printf("%s\n", summary.c_str());
+  SCOPED_TRACE(summary);  // in every failure's message, so in the test's XML too
   EXPECT_EQ(requests, succeeded + failed + unaccounted);
   EXPECT_EQ(unaccounted, 0u);
   EXPECT_GE(kills.load(), 3);
@@ -206,10 +254,11 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   for (const auto& [code, n] : failures) {
     EXPECT_TRUE(code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInvalidArgument ||
                 code == absl::StatusCode::kNotFound)
-        << absl::StatusCodeToString(code) << " x" << n;
+        << absl::StatusCodeToString(code) << " x" << n << ", the first: " << first_error[code];
   }
   ASSERT_GE(base_fds, 0) << "never warmed up";
-  EXPECT_LE(end_fds, base_fds + 4);
+  EXPECT_LE(end_fds, base_fds + 4) << "after warm-up:" << base_fd_kinds
+                                    << "\nat the end:" << end_fd_kinds;
   // Under ASan freed memory waits in its quarantine (256 MiB) before it is
   // reused, so RSS grows by up to that much without a leak (LeakSanitizer
   // checks for leaks at exit there).
@@ -218,7 +267,7 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
 #else
   constexpr uint64_t kRssGrowth = uint64_t{32} << 20;
 #endif
-  EXPECT_LE(end_rss, base_rss + kRssGrowth);
+  EXPECT_LE(end_rss, base_rss + kRssGrowth) << "RSS grew by " << (end_rss - base_rss) / 1048576.0 << " MiB";
 }
 
 }  // namespace

@@ -16,10 +16,14 @@ every "[  SKIPPED ]" result line a skip. A log with no result line at all
 counts as one failure.
 
 Prints one line: "N passed, N failed, N skipped". Exits 1 if anything failed.
+Before it, on stderr, each failure: the target, the step (the build-event
+file's name) and, from its test.xml, the failed cases with the first lines of
+their messages, so that a log's tail tells what failed where.
 """
 import re
 
 import json
+import os
 import sys
 import urllib.parse
 import urllib.request
@@ -46,6 +50,29 @@ def xml_counts(path):
         if errors or root.get("failures", "0") != "0":
             failed = 1
     return passed, failed, skipped
+
+
+MAX_CASES = 5  # failures shown per target
+MAX_LINES = 8  # lines of each failure message shown
+MAX_CHARS = 400  # characters of each line shown
+
+
+def xml_failures(path):
+    """Returns ["Suite.case: first lines of one failure's message", ...]."""
+    shown = []
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return shown
+    for suite in root.iter("testsuite"):
+        for case in suite.iter("testcase"):
+            name = f"{suite.get('name', '?')}.{case.get('name', '?')}"
+            for bad in list(case.iter("failure")) + list(case.iter("error")):
+                text = bad.get("message") or bad.text or ""
+                lines = [line.strip()[:MAX_CHARS] for line in text.splitlines()
+                         if line.strip()]
+                shown.append(f"{name}: " + "; ".join(lines[:MAX_LINES]))
+    return shown
 
 
 def file_path(uri):
@@ -117,6 +144,10 @@ def summarize(bep_path):
         passed, failed, skipped = passed + p, failed + fl, skipped + s
         if fl:
             problems.append(f"{label}: {fl} failed case(s)")
+            cases = xml_failures(xml)
+            problems.extend(f"    {c}" for c in cases[:MAX_CASES])
+            if len(cases) > MAX_CASES:
+                problems.append(f"    ... and {len(cases) - MAX_CASES} more failure(s)")
     for label in sorted(expected - ran):
         failed += 1
         status = summaries.get(label, "no result")
@@ -164,8 +195,12 @@ def main(argv):
         except (OSError, ValueError, ET.ParseError) as err:
             print(f"test_summary: cannot read {path}: {err}", file=sys.stderr)
             p, f, s, problems = 0, 1, 0, [f"{path}: unreadable"]
+        step = os.path.splitext(os.path.basename(path))[0]
         for problem in problems:
-            print(f"  FAILED {problem}", file=sys.stderr)
+            if problem.startswith("    "):
+                print(problem, file=sys.stderr)
+            else:
+                print(f"  FAILED ({step}) {problem}", file=sys.stderr)
         total = [total[0] + p, total[1] + f, total[2] + s]
     print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
     return 1 if total[1] else 0

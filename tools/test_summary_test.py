@@ -59,7 +59,22 @@ class SummaryTest(unittest.TestCase):
         ])
         passed, failed, skipped, problems = test_summary.summarize(path)
         self.assertEqual((passed, failed, skipped), (1, 1, 1))
-        self.assertEqual(len(problems), 1)
+        self.assertEqual(problems, ["//a:t: 1 failed case(s)", "    A.bad: x"])
+
+    def test_failed_cases_are_named_with_their_message(self):
+        xml = os.path.join(self.dir, "bad.xml")
+        write(xml, '<testsuites><testsuite name="Soak">'
+                   '<testcase name="ok"/>'
+                   '<testcase name="Kill"><failure message="soak_test.cc:203&#x0A;'
+                   'Expected equality&#x0A;  restart_failures: 1"/></testcase>'
+                   '</testsuite></testsuites>')
+        path = self.bep([self.configured("//a:t"),
+                         self.result("//a:t", 1, xml, "FAILED")])
+        passed, failed, skipped, problems = test_summary.summarize(path)
+        self.assertEqual((passed, failed, skipped), (1, 1, 0))
+        self.assertEqual(problems, [
+            "//a:t: 1 failed case(s)",
+            "    Soak.Kill: soak_test.cc:203; Expected equality; restart_failures: 1"])
 
     def test_target_that_never_ran_is_a_failure(self):
         path = self.bep([self.configured("//a:t"),
