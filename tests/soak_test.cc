@@ -5,8 +5,11 @@
 // error, within a bound. At the end: file descriptors and RSS are back near
 // where they were after warm-up, and every request is accounted for.
 //
-// CI runs the short version (20 s); a longer one is one flag away:
+// CI runs the short version (20 s, a kill every 0.5-2.5 s); a longer or
+// harsher one is a flag away (KVFERRY_SOAK_KILL_MS: the most milliseconds
+// between kills, a fifth of it the least):
 //   ./bazelw test //tests:soak_test --test_env=KVFERRY_SOAK_SECONDS=600 --test_timeout=900
+//   ./bazelw test //tests:soak_test --test_env=KVFERRY_SOAK_KILL_MS=250
 #include <dirent.h>
 #include <unistd.h>
 
@@ -80,15 +83,16 @@ uint64_t RssBytes() {
   return resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
 }
 
-int SoakSeconds() {
-  const char* v = std::getenv("KVFERRY_SOAK_SECONDS");
-  int s = 20;
-  if (v != nullptr && !absl::SimpleAtoi(v, &s)) s = 20;
-  return s;
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  int n = fallback;
+  if (v == nullptr || !absl::SimpleAtoi(v, &n) || n <= 0) n = fallback;
+  return n;
 }
 
 TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
-  const absl::Duration duration = absl::Seconds(SoakSeconds());
+  const absl::Duration duration = absl::Seconds(EnvInt("KVFERRY_SOAK_SECONDS", 20));
+  const int kill_ms = EnvInt("KVFERRY_SOAK_KILL_MS", 2500);
   auto first = PeerProcess::Start(0, kPeerBytes);
   ASSERT_TRUE(first.ok()) << first.status();
   const uint16_t port = first->port();
@@ -114,7 +118,7 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   std::thread killer([&] {
     sim::Prng prng(20261129);
     while (!stop) {
-      const absl::Time at = absl::Now() + absl::Milliseconds(500 + prng.Uniform(2000));
+      const absl::Time at = absl::Now() + absl::Milliseconds(kill_ms / 5 + prng.Uniform(kill_ms * 4 / 5));
       while (!stop && absl::Now() < at) absl::SleepFor(absl::Milliseconds(20));
       if (stop) break;
       std::lock_guard<std::mutex> lock(peer_mu);
