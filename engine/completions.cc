@@ -19,14 +19,15 @@ void BatchPipeline::FinishSlice(uint64_t sid, absl::Status status, absl::Time no
                                 Segment* seg) {
   Slice* found = batches_.FindSlice(sid);
   if (found == nullptr) return;
-  const Slice s = *found;
+  const BatchId batch_id = found->batch;
+  const size_t first = found->request, end = found->request + found->requests;
+  if (seg == nullptr) seg = segments_.Find(found->segment);
   batches_.EraseSlice(sid);
-  if (seg == nullptr) seg = segments_.Find(s.segment);
   if (seg != nullptr) --seg->slices;
-  Batch* batch = batches_.Find(s.batch);
+  Batch* batch = batches_.Find(batch_id);
   if (batch == nullptr) return;
   if (status.ok()) ++batch->landed;
-  for (size_t k = s.request; k < s.request + s.requests; ++k) {
+  for (size_t k = first; k < end; ++k) {
     if (!status.ok() && batch->status[k].ok()) batch->status[k] = status;
     if (--batch->slices_left[k] != 0) continue;
     if (--batch->pending == 0) pump_.Wake();  // its waiter may sleep

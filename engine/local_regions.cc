@@ -193,7 +193,7 @@ absl::Status LocalRegions::FindAll(absl::Span<const TransferRequest> requests,
           at >= c.from && at < c.use.until;
   }
   if (hit) {
-    out->insert(out->end(), requests.size(), c.use);
+    out->push_back(c.use);  // one for all
     return absl::OkStatus();
   }
   MutexLock lock(&mu_);

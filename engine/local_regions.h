@@ -38,6 +38,12 @@ struct LocalUse {
   uint64_t until = 0;  // the piece's end: slices past it use the next piece
 };
 
+// Request i's LocalUse in what LocalRegions::FindAll gave: one per request,
+// or a single one for all.
+inline const LocalUse& UseOf(absl::Span<const LocalUse> uses, size_t i) {
+  return uses[uses.size() == 1 ? 0 : i];
+}
+
 class LocalRegions {
  public:
   // `transports`: the primary first; they outlive this.
@@ -62,7 +68,8 @@ class LocalRegions {
   // is empty or outside registered memory. A buffer may span pieces of one
   // registration: its LocalUse is its first byte's piece. Each thread keeps
   // the last piece it found: requests inside it take no lock while no
-  // registration changed since (a submit path's usual case).
+  // registration changed since (a submit path's usual case), and `out` then
+  // gets one LocalUse that stands for every request (see UseOf).
   absl::Status FindAll(absl::Span<const TransferRequest> requests,
                        std::vector<LocalUse>* out) const;
   // The piece holding `addr` (for a request's bytes past its first piece);

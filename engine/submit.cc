@@ -42,18 +42,20 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
                                        std::vector<Slice>* planned, SliceCheck* why) const {
   const auto& regions = seg.descriptor.regions;
   bool whole = false;  // planned->back() holds whole requests only
+  // The peer region of the last slice: the next often lies in it too.
+  const handshake::RegionDescriptor* reg = nullptr;
   for (size_t i = 0; i < requests.size(); ++i) {
     const TransferRequest& r = requests[i];
-    if (local[i].region[seg.via] == 0) {
+    const LocalUse& first_piece = UseOf(local, i);
+    if (first_piece.region[seg.via] == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "request ", i, ": its local buffer is GPU memory the ", vias_[seg.via].kind,
           " NICs could not register (see the RegisterMemory warning), and peer ", seg.peer,
           " is reached over ", vias_[seg.via].kind));
     }
     const bool write = r.opcode == Opcode::kWrite;
-    if (whole && Extend(seg, r, local[i], &planned->back())) continue;
-    const handshake::RegionDescriptor* reg = nullptr;
-    LocalUse use = local[i];
+    if (whole && Extend(seg, r, first_piece, &planned->back())) continue;
+    LocalUse use = first_piece;
     for (uint64_t off = 0; off < r.length;) {
       const uint64_t remote = r.remote + off;
       const uint64_t at = reinterpret_cast<uintptr_t>(r.local) + off;
