@@ -13,6 +13,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -23,10 +24,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
@@ -40,22 +41,19 @@ using transport::Opcode;
 
 constexpr uint64_t kPeerBytes = 8 << 20, kPage = 64 << 10;
 
-int OpenFds() {
-  int n = 0;
-  DIR* d = opendir("/proc/self/fd");
-  if (d == nullptr) return -1;
-  while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
-  closedir(d);
-  return n - 1;  // the directory stream itself
-}
+// The open descriptors: how many, and by kind ("socket", "pipe",
+// "anon_inode:[eventfd]", a file's name) for a failure message.
+struct OpenFds {
+  int count = -1;
+  std::string kinds;
+};
 
-// What the open descriptors are, counted by kind ("socket", "pipe",
-// "anon_inode:[eventfd]", a file's name), for a failure message.
-std::string FdKinds() {
-  std::map<std::string, int> kinds;
+OpenFds ReadOpenFds() {
+  OpenFds out;
   DIR* d = opendir("/proc/self/fd");
-  if (d == nullptr) return "?";
+  if (d == nullptr) return out;
   const int own = dirfd(d);
+  std::map<std::string, int> kinds;
   while (dirent* e = readdir(d)) {
     int fd = -1;
     if (!absl::SimpleAtoi(e->d_name, &fd) || fd == own) continue;
@@ -71,8 +69,11 @@ std::string FdKinds() {
     ++kinds[kind];
   }
   closedir(d);
-  std::string out;
-  for (const auto& [kind, n] : kinds) absl::StrAppend(&out, " ", kind, " x", n);
+  out.count = 0;
+  for (const auto& [kind, n] : kinds) {
+    out.count += n;
+    absl::StrAppend(&out.kinds, " ", kind, " x", n);
+  }
   return out;
 }
 
@@ -92,7 +93,8 @@ int EnvInt(const char* name, int fallback) {
 
 TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   const absl::Duration duration = absl::Seconds(EnvInt("KVFERRY_SOAK_SECONDS", 20));
-  const int kill_ms = EnvInt("KVFERRY_SOAK_KILL_MS", 2500);
+  // Kills [kill_ms / 5, kill_ms) apart (at least 5 ms: Uniform needs n > 0).
+  const int kill_ms = std::max(5, EnvInt("KVFERRY_SOAK_KILL_MS", 2500));
   auto first = PeerProcess::Start(0, kPeerBytes);
   ASSERT_TRUE(first.ok()) << first.status();
   const uint16_t port = first->port();
@@ -118,7 +120,8 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   std::thread killer([&] {
     sim::Prng prng(20261129);
     while (!stop) {
-      const absl::Time at = absl::Now() + absl::Milliseconds(kill_ms / 5 + prng.Uniform(kill_ms * 4 / 5));
+      const absl::Time at =
+          absl::Now() + absl::Milliseconds(kill_ms / 5 + prng.Uniform(kill_ms * 4 / 5));
       while (!stop && absl::Now() < at) absl::SleepFor(absl::Milliseconds(20));
       if (stop) break;
       std::lock_guard<std::mutex> lock(peer_mu);
@@ -141,16 +144,14 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
     first_error.emplace(st.code(), std::string(st.message()));
   };
   uint64_t requests = 0, succeeded = 0, verified_bytes = 0, batches = 0, unaccounted = 0;
-  int base_fds = -1;
-  std::string base_fd_kinds;
+  OpenFds base_fds;
   uint64_t base_rss = 0;
   SegmentId seg = 0;
   uint64_t remote = 0, instance = 0;
   const absl::Time start = absl::Now();
   while (absl::Now() - start < duration) {
-    if (base_fds < 0 && kills >= 1 && seg != 0) {  // warmed up: one restart survived
-      base_fds = OpenFds();
-      base_fd_kinds = FdKinds();
+    if (base_fds.count < 0 && kills >= 1 && seg != 0) {  // warmed up: one restart survived
+      base_fds = ReadOpenFds();
       base_rss = RssBytes();
     }
     if (seg == 0 || remote == 0) {
@@ -228,8 +229,7 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   }
   stop = true;
   killer.join();
-  const int end_fds = OpenFds();
-  const std::string end_fd_kinds = FdKinds();
+  const OpenFds end_fds = ReadOpenFds();
   const uint64_t end_rss = RssBytes();
   uint64_t failed = 0;
   std::string by_code;
@@ -239,14 +239,14 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   }
   const std::string summary = absl::StrFormat(
       "soak: %.0f s, %d kills survived (%d restarts failed), %llu batches, %llu requests: "
-              "%llu OK, %llu failed (%s ), %llu unaccounted; %llu MiB verified; fds %d -> %d, "
-              "RSS %.1f -> %.1f MiB",
-              absl::ToDoubleSeconds(absl::Now() - start), kills.load(), restart_failures.load(),
-              static_cast<unsigned long long>(batches), static_cast<unsigned long long>(requests),
-              static_cast<unsigned long long>(succeeded), static_cast<unsigned long long>(failed),
-              by_code.c_str(), static_cast<unsigned long long>(unaccounted),
-              static_cast<unsigned long long>(verified_bytes >> 20), base_fds, end_fds,
-              base_rss / 1048576.0, end_rss / 1048576.0);
+      "%llu OK, %llu failed (%s ), %llu unaccounted; %llu MiB verified; fds %d -> %d, "
+      "RSS %.1f -> %.1f MiB",
+      absl::ToDoubleSeconds(absl::Now() - start), kills.load(), restart_failures.load(),
+      static_cast<unsigned long long>(batches), static_cast<unsigned long long>(requests),
+      static_cast<unsigned long long>(succeeded), static_cast<unsigned long long>(failed),
+      by_code.c_str(), static_cast<unsigned long long>(unaccounted),
+      static_cast<unsigned long long>(verified_bytes >> 20), base_fds.count, end_fds.count,
+      base_rss / 1048576.0, end_rss / 1048576.0);
   std::printf("%s\n", summary.c_str());
   SCOPED_TRACE(summary);  // in every failure's message, so in the test's XML too
   EXPECT_EQ(requests, succeeded + failed + unaccounted);
@@ -256,13 +256,13 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   EXPECT_GT(succeeded, 0u);
   // Failures are what a dead peer gives, nothing else.
   for (const auto& [code, n] : failures) {
-    EXPECT_TRUE(code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInvalidArgument ||
-                code == absl::StatusCode::kNotFound)
+    EXPECT_TRUE(code == absl::StatusCode::kUnavailable ||
+                code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kNotFound)
         << absl::StatusCodeToString(code) << " x" << n << ", the first: " << first_error[code];
   }
-  ASSERT_GE(base_fds, 0) << "never warmed up";
-  EXPECT_LE(end_fds, base_fds + 4) << "after warm-up:" << base_fd_kinds
-                                    << "\nat the end:" << end_fd_kinds;
+  ASSERT_GE(base_fds.count, 0) << "never warmed up";
+  EXPECT_LE(end_fds.count, base_fds.count + 4)
+      << "after warm-up:" << base_fds.kinds << "\nat the end:" << end_fds.kinds;
   // Under ASan freed memory waits in its quarantine (256 MiB) before it is
   // reused, so RSS grows by up to that much without a leak (LeakSanitizer
   // checks for leaks at exit there).
@@ -271,7 +271,8 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
 #else
   constexpr uint64_t kRssGrowth = uint64_t{32} << 20;
 #endif
-  EXPECT_LE(end_rss, base_rss + kRssGrowth) << "RSS grew by " << (end_rss - base_rss) / 1048576.0 << " MiB";
+  EXPECT_LE(end_rss, base_rss + kRssGrowth)
+      << "RSS grew by " << (end_rss - base_rss) / 1048576.0 << " MiB";
 }
 
 }  // namespace
