@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -66,7 +67,11 @@ namespace {
 using transport::Opcode;
 
 // A Transport that completes every request at once and moves nothing (and,
-// once warm, allocates nothing).
+// once warm, allocates nothing). A completion goes to the posting thread's
+// queue, as with a completion queue per thread: threads that post and poll
+// their own work share nothing here either, so BM_EngineControlPathThreads
+// shows the engine's shared state alone. A poll that finds its own queue
+// empty takes from the other threads' queues.
 class NullTransport final : public transport::Transport {
  public:
   transport::EndpointDescription LocalEndpoint() const override {
@@ -95,20 +100,20 @@ class NullTransport final : public transport::Transport {
   absl::Status CloseLink(transport::LinkId) override { return absl::OkStatus(); }
   bool HasLink(transport::LinkId) override { return true; }
   absl::Status Post(absl::Span<const transport::WorkRequest> batch) override {
-    MutexLock l(&mu_);
-    for (const auto& wr : batch) done_.push_back(wr.cookie);
+    Queue& q = Mine();
+    MutexLock l(&q.mu);
+    for (const auto& wr : batch) q.done.push_back(wr.cookie);
     return absl::OkStatus();
   }
   size_t PollCompletions(absl::Span<transport::Completion> out) override {
-    MutexLock l(&mu_);
-    size_t n = 0;
-    while (n < out.size() && head_ < done_.size()) {
-      out[n++] = transport::Completion{done_[head_++], absl::OkStatus()};
+    size_t n = Take(Mine(), out);
+    if (n > 0) return n;
+    std::vector<Queue*> all;
+    {
+      MutexLock l(&mu_);
+      for (const auto& q : queues_) all.push_back(q.get());
     }
-    if (head_ == done_.size()) {
-      done_.clear();  // capacity kept
-      head_ = 0;
-    }
+    for (Queue* q : all) n += Take(*q, out.subspan(n));
     return n;
   }
   size_t WaitCompletions(absl::Span<transport::Completion> out, absl::Duration) override {
@@ -116,10 +121,41 @@ class NullTransport final : public transport::Transport {
   }
 
  private:
+  struct Queue {
+    Mutex mu;
+    std::vector<uint64_t> done ABSL_GUARDED_BY(mu);  // [head, end) not yet delivered
+    size_t head ABSL_GUARDED_BY(mu) = 0;
+    char pad[64];  // the next queue's lock on another line
+  };
+  static size_t Take(Queue& q, absl::Span<transport::Completion> out) {
+    MutexLock l(&q.mu);
+    size_t n = 0;
+    while (n < out.size() && q.head < q.done.size()) {
+      out[n++] = transport::Completion{q.done[q.head++], absl::OkStatus()};
+    }
+    if (q.head == q.done.size()) {
+      q.done.clear();  // capacity kept
+      q.head = 0;
+    }
+    return n;
+  }
+  // The calling thread's queue (by this transport's id: an address may be
+  // reused by a later transport).
+  Queue& Mine() {
+    thread_local absl::flat_hash_map<uint64_t, Queue*> mine;
+    Queue*& q = mine[id_];
+    if (q == nullptr) {
+      MutexLock l(&mu_);
+      queues_.push_back(std::make_unique<Queue>());
+      q = queues_.back().get();
+    }
+    return *q;
+  }
+  static inline std::atomic<uint64_t> next_id_{0};
+  const uint64_t id_ = ++next_id_;
   Mutex mu_;
   uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<uint64_t> done_ ABSL_GUARDED_BY(mu_);  // [head_, end) not yet delivered
-  size_t head_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::unique_ptr<Queue>> queues_ ABSL_GUARDED_BY(mu_);
 };
 
 // 64 MiB of memory that is mapped (RegisterMemory checks that the CPU could

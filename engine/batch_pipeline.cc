@@ -47,6 +47,11 @@ BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
     }
     vias_.push_back(std::move(v));
   }
+  for (size_t i = 0; i < kLanes; ++i) {
+    lanes_.push_back(std::make_unique<Lane>(static_cast<uint8_t>(i)));
+    MutexLock lock(&lanes_.back()->mu);
+    lanes_.back()->nics.resize(nic_counters_.size());
+  }
   if (vias_.size() > 1) {
     for (Via& v : vias_) {
       v.transport->SetCompletionNotifier([this] {
@@ -197,7 +202,8 @@ absl::StatusOr<SegmentId> BatchPipeline::Open(const std::string& peer) {
   seg.links = std::move(path.links);
   seg.last_used = now;
   const SegmentId id = segments_.Add(std::move(seg));
-  const Segment& s = *segments_.Find(id);
+  Segment& s = *segments_.Find(id);
+  s.Publish();
   KVF_LOG(INFO) << "opened segment " << id << " to " << peer << ": "
                 << s.descriptor.regions.size() << " region(s), " << s.links.size()
                 << " link(s) over " << s.descriptor.transport_kind << " (" << path.why << ")";
@@ -211,15 +217,28 @@ absl::Status BatchPipeline::Close(SegmentId id) {
     MutexLock lock(&mu_);
     Segment* seg = segments_.Find(id);
     if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-    if (seg->slices > 0 || seg->state == SegmentState::kRefreshing || seg->probing) {
+    // Unpublished before the lanes are counted: a thread submitting on the
+    // lanes' view has its slices counted by then, and any later one finds
+    // the view gone and asks here.
+    const SegmentState state = seg->state;
+    seg->state = SegmentState::kStale;
+    seg->Publish();
+    seg->state = state;
+    const uint64_t slices = SlicesOf(id);
+    if (slices > 0 || seg->state == SegmentState::kRefreshing || seg->probing) {
+      seg->Publish();
       return absl::FailedPreconditionError(absl::StrCat(
-          "segment ", id, " to ", seg->peer, " is in use (", seg->slices,
+          "segment ", id, " to ", seg->peer, " is in use (", slices,
           " slice(s) in flight); wait for its batches first"));
     }
     links = std::move(seg->links);
     via = seg->via;
     KVF_LOG(INFO) << "closed segment " << id << " to " << seg->peer;
     segments_.Remove(id);
+    for (const auto& lane : lanes_) {
+      MutexLock lane_lock(&lane->mu);
+      lane->segments.erase(id);
+    }
   }
   CloseLinks(via, links);
   return absl::OkStatus();
@@ -229,15 +248,22 @@ void BatchPipeline::ExpireIdle(absl::Time now) {
   // The handle stays valid (callers keep segment ids): only the links go,
   // and the next Submit handshakes again.
   segments_.ForEach([&](SegmentId id, Segment& seg) {
-    if (seg.slices > 0 || seg.state != SegmentState::kReady || seg.probing ||
-        seg.links.empty() || now - seg.last_used < config_.idle_segment_timeout) {
+    if (seg.state != SegmentState::kReady || seg.probing || seg.links.empty()) return;
+    absl::Time last_used = seg.last_used;
+    if (SlicesOf(id, &last_used) > 0 || now - last_used < config_.idle_segment_timeout) return;
+    // Unpublished first, then counted again (see Close).
+    seg.state = SegmentState::kStale;
+    seg.Publish();
+    if (SlicesOf(id, &last_used) > 0 || now - last_used < config_.idle_segment_timeout) {
+      seg.state = SegmentState::kReady;
+      seg.Publish();
       return;
     }
     KVF_LOG(INFO) << "segment " << id << " to " << seg.peer << " idle for "
-                  << absl::FormatDuration(now - seg.last_used) << ": links closed";
+                  << absl::FormatDuration(now - last_used) << ": links closed";
     CloseLinks(seg.via, seg.links);  // no slice in flight: nothing completes
     seg.links.clear();
-    seg.state = SegmentState::kStale;
+    seg.Publish();
   });
 }
 
@@ -281,6 +307,7 @@ absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_g
     if (seg == nullptr) return absl::NotFoundError(absl::StrCat("segment ", id, " was closed"));
     if (seg->generation != generation) return absl::OkStatus();  // someone did it
     seg->state = SegmentState::kRefreshing;
+    seg->Publish();
     peer = seg->peer;
     for (const Link& l : seg->links) {
       if (!l.peer_closed && !l.peer_params.empty()) old.emplace_back(l.id, l.peer_params);
@@ -295,6 +322,7 @@ absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_g
   refreshed_.SignalAll();
   if (!path.ok()) {
     seg.state = SegmentState::kStale;
+    seg.Publish();
     return path.status();
   }
   *changed = path->descriptor.engine_id != seg.descriptor.engine_id;
@@ -314,21 +342,31 @@ absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_g
   seg.state = SegmentState::kReady;
   seg.dead = absl::OkStatus();
   ++seg.generation;
+  seg.Publish();
   ++counters_.reconnects;
   ++seg.metrics.reconnects;
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::pair<SegmentId, uint64_t>> BatchPipeline::Target(BatchId id) {
-  MutexLock lock(&mu_);
-  const Batch* b = batches_.Find(id);
+  Lane& lane = LaneOf(id);
+  MutexLock lane_lock(&lane.mu);
+  const Batch* b = lane.batches.Find(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   return std::make_pair(b->segment, b->peer_engine_id);
 }
 
 std::vector<NicCounters> BatchPipeline::NicCountersNow() const {
   MutexLock lock(&mu_);
-  return nic_counters_;
+  std::vector<NicCounters> out = nic_counters_;
+  for (const auto& lane : lanes_) {
+    MutexLock lane_lock(&lane->mu);
+    for (size_t i = 0; i < out.size() && i < lane->nics.size(); ++i) {
+      out[i].slices += lane->nics[i].slices;
+      out[i].bytes += lane->nics[i].bytes;
+    }
+  }
+  return out;
 }
 
 EngineCounters BatchPipeline::Counters() const {
@@ -340,10 +378,15 @@ std::vector<PeerMetrics> BatchPipeline::Peers() const {
   std::vector<PeerMetrics> out;
   {
     MutexLock lock(&mu_);
-    const_cast<SegmentTable&>(segments_).ForEach([&](SegmentId, Segment& seg) {
+    const_cast<SegmentTable&>(segments_).ForEach([&](SegmentId id, Segment& seg) {
       out.push_back(seg.metrics);
       out.back().links = 0;
       for (const Link& l : seg.links) out.back().links += l.failed ? 0 : 1;
+      for (const auto& lane : lanes_) {
+        MutexLock lane_lock(&lane->mu);
+        auto it = lane->segments.find(id);
+        if (it != lane->segments.end()) AddCounts(it->second.metrics, &out.back());
+      }
     });
   }
   std::sort(out.begin(), out.end(),

@@ -3,11 +3,15 @@
 // completions, retrying slices after link or peer failures, and probing
 // peers that fell silent.
 //
-// Locking: one lock (mu_) guards the segment table, the batch table and
-// the counters; it is held only for bookkeeping, never across a transport
-// wait or a handshake call. Waiting for batches goes through the
-// CompletionPump (its own lock, taken after mu_ when both are held).
-// Registered memory (LocalRegions) is looked up before mu_ is taken.
+// Locking: batches, their slices and what they count live in lanes, one
+// per submitting thread, each with its own lock (lanes.h): submitting a
+// batch to a ready segment, a successful completion and waiting take that
+// lane's lock alone. The pipeline's lock (mu_) guards the segment table,
+// links' state, retries and the engine's counters; it is held only for
+// bookkeeping, never across a transport wait or a handshake call, and
+// taken before a lane's lock when both are held. Waiting for batches goes
+// through the CompletionPump (its own lock, taken last). Registered memory
+// (LocalRegions) is looked up before any of them.
 //
 // Files: batch_pipeline.cc (segments: open, refresh, close, expiry),
 // submit.cc (planning and posting slices), completions.cc (delivering
@@ -17,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,6 +33,7 @@
 #include "base/mutex.h"
 #include "engine/batch_table.h"
 #include "engine/completion_pump.h"
+#include "engine/lanes.h"
 #include "engine/local_regions.h"
 #include "engine/peer_client.h"
 #include "engine/segment_table.h"
@@ -94,7 +100,7 @@ class BatchPipeline {
 
  private:
   // submit.cc
-  absl::Status PlanSlices(const Segment& seg, SegmentId id,
+  absl::Status PlanSlices(const SegmentCore& seg, SegmentId id,
                           absl::Span<const TransferRequest> requests,
                           absl::Span<const LocalUse> local, std::vector<Slice>* planned,
                           SliceCheck* why) const;
@@ -102,13 +108,26 @@ class BatchPipeline {
   // of whole requests, when its bytes follow the slice's on both ends, in
   // the same local piece and peer region, and the slice stays within the
   // slice size; false (nothing changed) otherwise.
-  bool Extend(const Segment& seg, const TransferRequest& r, const LocalUse& local,
+  bool Extend(const SegmentCore& seg, const TransferRequest& r, const LocalUse& local,
               Slice* last) const;
-  absl::StatusOr<BatchId> CreateBatch(SegmentId id, Segment& seg,
-                                      absl::Span<const TransferRequest> requests,
-                                      uint64_t peer_engine_id, std::vector<Slice>& planned,
-                                      std::vector<uint64_t>* slice_ids, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Submit on lane `lane` while `ls` holds the segment's current view
+  // `seg`: plans, creates the batch, and assigns links when the segment
+  // has room and no backlog. kOutsideRegions in `why` when a request lies
+  // outside the view's regions.
+  absl::StatusOr<BatchId> SubmitOnLane(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
+                                       SegmentId id, absl::Span<const TransferRequest> requests,
+                                       absl::Span<const LocalUse> local, uint64_t peer_engine_id,
+                                       SliceCheck* why, std::vector<uint64_t>* slice_ids,
+                                       std::vector<transport::WorkRequest>* wrs, bool* assigned,
+                                       absl::Time* now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  BatchId CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
+                      absl::Span<const TransferRequest> requests, uint64_t peer_engine_id,
+                      std::vector<Slice>& planned, std::vector<uint64_t>* slice_ids,
+                      absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // Reads the segment's current view into the caller's lane, under mu_:
+  // OK, or why the segment cannot take slices now (kFailedPrecondition:
+  // not ready, refresh it).
+  absl::Status ReadView(Lane& lane, SegmentId id);
   // Posts slices of segment `id`; those that find no room wait in its
   // backlog. `now`: the caller's reading of the clock.
   // `assigned` (when not null): work requests for every slice, on links
@@ -121,19 +140,30 @@ class BatchPipeline {
   // `via`: the transport the work requests are for.
   bool AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
                  std::vector<transport::WorkRequest>* wrs, absl::Status* bad, size_t* via);
-  // Submit's fast path, under the same lock as the batch's creation: links
-  // for every slice of a new batch when the segment has room for them all
-  // and no backlog (else false, nothing assigned: PostSlices decides).
-  bool AssignNow(Segment& seg, absl::Span<const uint64_t> ids, absl::Time now,
-                 std::vector<transport::WorkRequest>* wrs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool AssignLink(Segment& seg, Slice& slice, transport::WorkRequest* wr, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A slice's link has one in flight less (`seg`: the slice's segment).
-  void Unassign(Segment& seg, const Slice& slice, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Unassign(const Slice& slice, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Submit's fast path: links for every slice of a new batch when the
+  // segment has room for them all and no backlog (else false, nothing
+  // assigned: PostSlices decides).
+  bool AssignNow(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
+                 absl::Span<const uint64_t> ids, absl::Time now,
+                 std::vector<transport::WorkRequest>* wrs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // A link for `slice` from `seg`'s (taking a place on it); false when all
+  // are full or failed.
+  bool AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& ls, Slice& slice,
+                  transport::WorkRequest* wr, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // A slice's link has one in flight less (`seg`: the slice's segment;
+  // links of older generations are gone, nothing to give back).
+  static void Unassign(const SegmentCore& seg, const Slice& slice, absl::Time now);
+  // The same for slice `sid` of any lane, under mu_.
+  void Unassign(uint64_t sid, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAll(absl::Span<const uint64_t> ids, const absl::Status& status, bool after_retry);
   void DrainBacklogs();
+  // The lane holding batch or slice `id`.
+  Lane& LaneOf(uint64_t id) const { return *lanes_[BatchTable::TagOf(id) % kLanes]; }
+  // Slices of segment `id` not yet finished, in every lane; the latest
+  // use of it (`last_used`, when not null).
+  uint64_t SlicesOf(SegmentId id, absl::Time* last_used = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // completions.cc
   // Waits in the transport up to `timeout` and delivers what completed.
@@ -143,13 +173,16 @@ class BatchPipeline {
   bool PollNow();
   // What every transport has now, without waiting.
   size_t PollAll(absl::Span<transport::Completion> out);
-  // Delivers `done` (completed at `now`) under the lock; true when slices
-  // wait for a retry.
+  // Delivers `done` (completed at `now`); true when slices wait for a
+  // retry.
   bool DeliverAll(absl::Span<transport::Completion> done, absl::Time now);
   // Makes the pump's driver return from its wait in the transports.
   void InterruptWaits();
   // Completions taken from the transports per call.
   static constexpr size_t kPollBatch = 64;
+  // A successful completion, under its lane's lock alone: false (nothing
+  // done) when its link is not in the lane's current view (Deliver then).
+  bool DeliverOnLane(const transport::Completion& done, absl::Time now);
   // One completion; the slice goes to `refresh` or `repost`, or finishes.
   void Deliver(transport::Completion& done, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -163,9 +196,11 @@ class BatchPipeline {
   // peer could not be asked or answered one.
   absl::Status ClosePeerHalves(SegmentId segment,
                                const std::vector<std::pair<transport::LinkId, std::string>>& links);
-  // `seg`: the slice's segment when the caller has it (saves a lookup).
-  void FinishSlice(uint64_t slice_id, absl::Status status, absl::Time now,
-                   Segment* seg = nullptr)
+  // Finishes slice `sid` of `lane`.
+  void FinishSlice(Lane& lane, uint64_t sid, absl::Status status, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // The same under mu_, for a slice of any lane.
+  void FinishSlice(uint64_t sid, absl::Status status, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CountNicError(const Slice& slice, absl::StatusCode code) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -233,7 +268,9 @@ class BatchPipeline {
   mutable Mutex mu_;
   CondVar refreshed_;  // a refresh finished
   SegmentTable segments_ ABSL_GUARDED_BY(mu_);
-  BatchTable batches_ ABSL_GUARDED_BY(mu_);
+  // Created with the pipeline, never changed: each lane has its own lock.
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  // Errors and retries by NIC (slices and bytes count in the lanes).
   std::vector<NicCounters> nic_counters_ ABSL_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   // Slices whose link failed, by segment: refreshed first, or just re-posted
@@ -250,6 +287,8 @@ class BatchPipeline {
     std::vector<std::pair<transport::LinkId, std::string>> close;
   };
   std::vector<Retry> retry_ ABSL_GUARDED_BY(mu_);
+  // Whether retry_ has something: read without the lock by DeliverAll.
+  std::atomic<bool> retries_queued_{false};
   // When CheckPeers looks next, Unix nanoseconds; read without the lock.
   std::atomic<int64_t> next_peer_check_ns_{0};
   // Set when a slice goes to a backlog; DrainBacklogs locks only then.

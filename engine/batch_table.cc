@@ -46,9 +46,10 @@ uint64_t BatchTable::Slab<T>::Take(T** out) {
   }
   Slot& s = slots_[index];
   s.live = true;
-  if (++s.generation == 0) s.generation = 1;  // never id 0
+  s.generation = (s.generation + 1) & kGenerationMask;
+  if (s.generation == 0) s.generation = 1;  // never id 0
   *out = &s.value;
-  return (uint64_t{s.generation} << 32) | (uint64_t{index} + 1);
+  return (uint64_t{tag_} << kTagShift) | (uint64_t{s.generation} << 32) | (uint64_t{index} + 1);
 }
 
 BatchId BatchTable::Create(Batch** out) { return batches_.Take(out); }

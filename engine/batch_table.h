@@ -63,11 +63,18 @@ struct Batch {
 
 // Batches and slices live in slabs: an id is a slot index and the slot's
 // generation, so a lookup is an index and a compare (no hashing), a released
-// id is never confused with its slot's next user, and a recycled batch keeps
-// its vectors' capacity. Pointers stay valid until the next Create or
-// AddSlice.
+// id is not confused with its slot's next user (until the slot's 2^24th
+// reuse), and a recycled batch keeps its vectors' capacity. The id's top
+// byte is the table's tag (the pipeline's lane that holds it, see lanes.h).
+// Pointers stay valid until the next Create or AddSlice.
 class BatchTable {
  public:
+  static constexpr int kTagShift = 56;
+  static constexpr uint64_t kGenerationMask = (uint64_t{1} << 24) - 1;
+  explicit BatchTable(uint8_t tag = 0) : batches_(tag), slices_(tag) {}
+  // The tag of an id this table (or another with the tag) gave.
+  static uint8_t TagOf(uint64_t id) { return static_cast<uint8_t>(id >> kTagShift); }
+
   // A new, empty batch (reusing a released one's vectors when it can).
   BatchId Create(Batch** out);
   Batch* Find(BatchId id) { return batches_.Find(id); }
@@ -87,13 +94,14 @@ class BatchTable {
   template <typename T>
   class Slab {
    public:
+    explicit Slab(uint8_t tag) : tag_(tag) {}
     // A free slot (its value as its last user left it) and its id.
     uint64_t Take(T** out);
     T* Find(uint64_t id) {
       const uint64_t index = (id & 0xffffffffu) - 1;
       if (index >= slots_.size()) return nullptr;
       Slot& s = slots_[index];
-      return s.live && s.generation == (id >> 32) ? &s.value : nullptr;
+      return s.live && s.generation == ((id >> 32) & kGenerationMask) ? &s.value : nullptr;
     }
     void Free(uint64_t id) {
       if (Find(id) == nullptr) return;
@@ -107,6 +115,7 @@ class BatchTable {
       uint32_t generation = 0;
       bool live = false;
     };
+    const uint8_t tag_;
     std::vector<Slot> slots_;
     std::vector<uint32_t> free_;
   };

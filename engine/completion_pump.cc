@@ -19,15 +19,6 @@ void CompletionPump::Leave() {
   cv_.SignalAll();
 }
 
-void CompletionPump::Bump() {
-  // Sequentially consistent, as the sleeper's count and look in
-  // AwaitEpochPast: either it sees this bump or this sees it counted.
-  epoch_.fetch_add(1);
-  if (sleepers_.load() == 0) return;
-  MutexLock lock(&mu_);
-  cv_.SignalAll();
-}
-
 bool CompletionPump::TryDrive(absl::FunctionRef<void()> drive) {
   if (!Claim()) return false;
   drive();
@@ -36,26 +27,34 @@ bool CompletionPump::TryDrive(absl::FunctionRef<void()> drive) {
 }
 
 bool CompletionPump::Delivered() {
-  Bump();
-  // After the bump: a driver that claimed before it is seen here, one that
-  // claims after it sees the bump and looks again (see Await).
+  // Sequentially consistent, as the claim in Await: the Wake of what was
+  // delivered came before this look, so a driver that claimed before it is
+  // seen here, and one that claims after it sees the Wake and looks again.
   return driving_.load();
 }
 
-void CompletionPump::Wake() { Bump(); }
+void CompletionPump::Wake(size_t lane) {
+  Lane& l = lanes_[lane % kLanes];
+  // Sequentially consistent, as the sleeper's count and look in
+  // AwaitEpochPast: either it sees this bump or this sees it counted.
+  l.epoch.fetch_add(1);
+  if (l.sleepers.load() == 0) return;
+  MutexLock lock(&mu_);
+  cv_.SignalAll();
+}
 
-void CompletionPump::AwaitEpochPast(uint64_t seen, absl::Time deadline) {
+void CompletionPump::AwaitEpochPast(size_t lane, uint64_t seen, absl::Time deadline) {
   // Real time: only real threads wait for another. A completion usually
   // comes within microseconds: look for a while before sleeping (a sleep
   // and its wake-up cost more than that).
   const absl::Time spin_until = FastNow() + kSpin;
-  while (epoch_.load() == seen && FastNow() < spin_until) std::this_thread::yield();
+  while (Seen(lane) == seen && FastNow() < spin_until) std::this_thread::yield();
   MutexLock lock(&mu_);
-  sleepers_.fetch_add(1);  // before the look below: see Bump
+  lanes_[lane].sleepers.fetch_add(1);  // before the look below: see Wake
   cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return epoch_.load() != seen;
+    return Seen(lane) != seen;
   });
-  sleepers_.fetch_sub(1);
+  lanes_[lane].sleepers.fetch_sub(1);
 }
 
 namespace {
@@ -86,13 +85,14 @@ class LazyDeadline {
 
 bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeout,
                            absl::FunctionRef<void(absl::Time)> drive,
-                           absl::FunctionRef<bool()> poll) {
+                           absl::FunctionRef<bool()> poll, size_t lane) {
+  lane %= kLanes;
   LazyDeadline deadline(clock_, timeout);
   int polled = 0;  // rounds in which poll() delivered something
   for (;;) {
     // Read before looking: whatever finishes after the look bumps the
     // epoch (Wake), which the claim below or AwaitEpochPast sees.
-    const uint64_t seen = epoch_.load();
+    const uint64_t seen = Seen(lane);
     if (ready()) return true;
     // What the transport has now, without waiting (and without the
     // driver's turn: several threads may do this at once). Other threads'
@@ -109,11 +109,11 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeo
       if (driving_.load()) {
         another_drives = true;
       } else {
-        // Claimed before the epoch is looked at, as Delivered bumps it
-        // before it looks for a driver: a poller's delivery is either seen
-        // here or interrupts this driver's wait.
+        // Claimed before the epoch is looked at, as a poller's Wake bumps
+        // it before Delivered looks for a driver: a poller's delivery is
+        // either seen here or interrupts this driver's wait.
         driving_.store(true);
-        if (epoch_.load() == seen) {
+        if (Seen(lane) == seen) {
           claimed = true;
         } else {
           // Something finished (or a driver left) since ready() looked:
@@ -123,7 +123,7 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeo
         }
       }
     }
-    if (another_drives) AwaitEpochPast(seen, deadline.get());
+    if (another_drives) AwaitEpochPast(lane, seen, deadline.get());
     if (!claimed) continue;
     // Drives until its own wait is over; hands over only then (a hand-over
     // per transport wait would wake the others for nothing).

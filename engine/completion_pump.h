@@ -12,7 +12,9 @@
 #define KVFERRY_ENGINE_COMPLETION_PUMP_H_
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+
 #include "absl/functional/function_ref.h"
 
 #include "absl/time/time.h"
@@ -36,25 +38,34 @@ class CompletionPump {
   // first time the clock is read, after the first look and poll: what is
   // done by then costs no clock reading. ready() and poll() are never
   // called with the pump's lock held.
+  // `lane`: the lane whose Wake says the caller's batch may be ready.
   bool Await(absl::FunctionRef<bool()> ready, absl::Duration timeout,
-             absl::FunctionRef<void(absl::Time)> drive, absl::FunctionRef<bool()> poll);
-  // A poller delivered completions: waiters look again. Returns whether a
-  // driver is waiting in the transport meanwhile (the caller interrupts
-  // that wait: what it waits for may be among what was delivered).
+             absl::FunctionRef<void(absl::Time)> drive, absl::FunctionRef<bool()> poll,
+             size_t lane = 0);
+  // A poller delivered completions (and called Wake for the lanes of what
+  // finished). Returns whether a driver is waiting in the transport
+  // meanwhile (the caller interrupts that wait: what it waits for may be
+  // among what was delivered).
   bool Delivered();
   // Runs drive() if no other thread drives; false when one does.
   bool TryDrive(absl::FunctionRef<void()> drive);
-  // Something finished: sleeping waiters look again. Cheap when none sleeps.
-  void Wake();
+  // Something of `lane` finished: its waiters look again. Cheap when none
+  // sleeps.
+  void Wake(size_t lane = 0);
+  static constexpr size_t kLanes = 16;
 
  private:
   bool Claim();
   void Leave();
-  // Bumps the epoch; wakes the waiters asleep on it, if any.
-  void Bump();
-  // A waiter whose batch another thread drives: until the epoch is past
-  // `seen` (a completion delivered, or the driver left) or `deadline`.
-  void AwaitEpochPast(uint64_t seen, absl::Time deadline);
+  // What a waiter of `lane` compares: its lane's epoch plus the pump's
+  // (both only grow, so the sum changes whenever either does).
+  uint64_t Seen(size_t lane) const {
+    return lanes_[lane].epoch.load() + epoch_.load();
+  }
+  // A waiter whose batch another thread drives: until Seen(lane) is past
+  // `seen` (a completion of its lane delivered, or the driver left) or
+  // `deadline`.
+  void AwaitEpochPast(size_t lane, uint64_t seen, absl::Time deadline);
   // How long a waiter whose batch another thread drives looks before it
   // sleeps.
   static constexpr absl::Duration kSpin = absl::Microseconds(20);
@@ -64,11 +75,17 @@ class CompletionPump {
   // Whether a thread drives: changed under mu_ (one driver at a time),
   // read without it by Delivered.
   std::atomic<bool> driving_{false};
-  // Bumped by Wake, Delivered and Leave; read without the lock.
+  // Bumped by Leave; read without the lock.
   std::atomic<uint64_t> epoch_{0};
-  // Threads asleep (or about to sleep) in AwaitEpochPast: Bump takes the
-  // lock to wake them only when there are some.
-  std::atomic<int> sleepers_{0};
+  struct Lane {
+    char before[64];
+    std::atomic<uint64_t> epoch{0};  // bumped by Wake
+    // Threads asleep (or about to sleep) in AwaitEpochPast: Wake takes the
+    // lock to wake them only when there are some.
+    std::atomic<int> sleepers{0};
+    char after[64];
+  };
+  Lane lanes_[kLanes];
 };
 
 }  // namespace engine_internal

@@ -15,24 +15,23 @@ namespace engine_internal {
 using transport::Completion;
 using transport::Opcode;
 
-void BatchPipeline::FinishSlice(uint64_t sid, absl::Status status, absl::Time now,
-                                Segment* seg) {
-  Slice* found = batches_.FindSlice(sid);
+void BatchPipeline::FinishSlice(Lane& lane, uint64_t sid, absl::Status status, absl::Time now) {
+  Slice* found = lane.batches.FindSlice(sid);
   if (found == nullptr) return;
   const BatchId batch_id = found->batch;
   const size_t first = found->request, end = found->request + found->requests;
-  if (seg == nullptr) seg = segments_.Find(found->segment);
-  batches_.EraseSlice(sid);
-  if (seg != nullptr) --seg->slices;
-  Batch* batch = batches_.Find(batch_id);
+  auto seg = lane.segments.find(found->segment);
+  lane.batches.EraseSlice(sid);
+  if (seg != lane.segments.end()) --seg->second.slices;
+  Batch* batch = lane.batches.Find(batch_id);
   if (batch == nullptr) return;
   if (status.ok()) ++batch->landed;
   for (size_t k = first; k < end; ++k) {
     if (!status.ok() && batch->status[k].ok()) batch->status[k] = status;
     if (--batch->slices_left[k] != 0) continue;
-    if (--batch->pending == 0) pump_.Wake();  // its waiter may sleep
-    if (seg == nullptr) continue;
-    PeerMetrics& m = seg->metrics;
+    if (--batch->pending == 0) pump_.Wake(lane.index);  // its waiter may sleep
+    if (seg == lane.segments.end()) continue;
+    PeerMetrics& m = seg->second.metrics;
     m.latency.Record(now - batch->submitted);
     const absl::Status& result = batch->status[k];
     if (result.ok()) {
@@ -44,20 +43,47 @@ void BatchPipeline::FinishSlice(uint64_t sid, absl::Status status, absl::Time no
   }
 }
 
+void BatchPipeline::FinishSlice(uint64_t sid, absl::Status status, absl::Time now) {
+  Lane& lane = LaneOf(sid);
+  MutexLock lane_lock(&lane.mu);
+  FinishSlice(lane, sid, std::move(status), now);
+}
+
 void BatchPipeline::CountNicError(const Slice& slice, absl::StatusCode code) {
   if (slice.link == 0 || slice.nic >= nic_counters_.size()) return;
   ++nic_counters_[slice.nic].errors;
   ++nic_counters_[slice.nic].errors_by_code[absl::StatusCodeToString(code)];
 }
 
+bool BatchPipeline::DeliverOnLane(const Completion& done, absl::Time now) {
+  Lane& lane = LaneOf(done.cookie);
+  MutexLock lane_lock(&lane.mu);
+  const Slice* s = lane.batches.FindSlice(done.cookie);
+  if (s == nullptr) return true;  // finished already (its batch failed)
+  auto it = lane.segments.find(s->segment);
+  const SegmentCore* seg = it == lane.segments.end() ? nullptr : it->second.view.get();
+  // The lane's view, current or not, while it is of the slice's links
+  // (their loads are the segment's; a link replaced since is not in it).
+  if (seg == nullptr || seg->generation != s->generation) return false;
+  for (const Link& l : seg->links) {
+    if (l.id != s->link) continue;
+    l.load->Give(now);
+    FinishSlice(lane, done.cookie, absl::OkStatus(), now);
+    return true;
+  }
+  return false;
+}
+
 void BatchPipeline::Deliver(Completion& done, absl::Time now) {
-  Slice* s = batches_.FindSlice(done.cookie);
+  Lane& lane = LaneOf(done.cookie);
+  MutexLock lane_lock(&lane.mu);
+  Slice* s = lane.batches.FindSlice(done.cookie);
   if (s == nullptr) return;
   Segment& seg = *segments_.Find(s->segment);  // a segment with slices is never removed
   Unassign(seg, *s, now);
   if (!done.status.ok()) CountNicError(*s, done.status.code());
   if (done.status.ok() || !Retryable(done.status.code())) {
-    FinishSlice(done.cookie, std::move(done.status), now, &seg);
+    FinishSlice(lane, done.cookie, std::move(done.status), now);
     return;
   }
   s->last_error = done.status;
@@ -69,8 +95,8 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
     QueueRetry(s->segment, seg.generation, refresh, done.cookie, link);
   };
   if (s->generation < seg.generation) return retry(false);  // its links were replaced
-  if (!seg.dead.ok()) return FinishSlice(done.cookie, seg.dead, now, &seg);  // no probe answer
-  if (s->retries_left == 0) return FinishSlice(done.cookie, std::move(done.status), now, &seg);
+  if (!seg.dead.ok()) return FinishSlice(lane, done.cookie, seg.dead, now);  // no probe answer
+  if (s->retries_left == 0) return FinishSlice(lane, done.cookie, std::move(done.status), now);
   --s->retries_left;
   // The link is in error (RC semantics): no new slices on it. Move the
   // slice to a healthy link of the segment if there is one (another NIC
@@ -86,11 +112,13 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
   }
   ++seg.metrics.retries;
   if (s->link != 0 && s->nic < nic_counters_.size()) ++nic_counters_[s->nic].retries;
+  seg.Publish();  // the view without the failed link
   if (healthy && done.status.code() != absl::StatusCode::kPermissionDenied) {
     ++counters_.link_failovers;
     return retry(false);
   }
   seg.state = seg.state == SegmentState::kRefreshing ? seg.state : SegmentState::kStale;
+  seg.Publish();
   retry(true);
 }
 
@@ -103,6 +131,7 @@ void BatchPipeline::QueueRetry(SegmentId segment, uint64_t generation, bool refr
     it = retry_.insert(retry_.end(), Retry{segment, generation, refresh, {}, {}});
   }
   it->slices.push_back(slice);
+  retries_queued_.store(true, std::memory_order_release);
   if (link != nullptr && std::none_of(it->close.begin(), it->close.end(),
                                       [&](const auto& c) { return c.first == link->id; })) {
     it->close.emplace_back(link->id, link->peer_params);
@@ -144,6 +173,7 @@ void BatchPipeline::RefreshAndRepost() {
   {
     MutexLock lock(&mu_);
     work.swap(retry_);
+    retries_queued_.store(false, std::memory_order_relaxed);
   }
   // Refreshes first, so that re-posts go on the new links.
   std::stable_sort(work.begin(), work.end(),
@@ -168,12 +198,14 @@ void BatchPipeline::RefreshAndRepost() {
     const absl::Time now = clock_->Now();
     std::vector<uint64_t> keep;
     for (uint64_t sid : r.slices) {
-      Slice* s = batches_.FindSlice(sid);
+      Lane& lane = LaneOf(sid);
+      MutexLock lane_lock(&lane.mu);
+      Slice* s = lane.batches.FindSlice(sid);
       if (s == nullptr) continue;
       if (!refreshed.ok()) {
-        FinishSlice(sid, RetryImpossible(refreshed, s->last_error), now);
+        FinishSlice(lane, sid, RetryImpossible(refreshed, s->last_error), now);
       } else if (!changed && s->last_error.code() == absl::StatusCode::kPermissionDenied) {
-        FinishSlice(sid, s->last_error, now);  // same keys: retrying cannot help
+        FinishSlice(lane, sid, s->last_error, now);  // same keys: retrying cannot help
       } else {
         keep.push_back(sid);
       }
@@ -213,9 +245,17 @@ size_t BatchPipeline::PollAll(absl::Span<Completion> out) {
 }
 
 bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now) {
-  MutexLock lock(&mu_);
-  for (Completion& c : done) Deliver(c, now);
-  return !retry_.empty();
+  // Successes on the lanes alone; the rest under the pipeline's lock.
+  size_t rest = 0;
+  for (Completion& c : done) {
+    if (c.status.ok() && DeliverOnLane(c, now)) continue;
+    done[rest++] = std::move(c);
+  }
+  if (rest > 0) {
+    MutexLock lock(&mu_);
+    for (Completion& c : done.first(rest)) Deliver(c, now);
+  }
+  return retries_queued_.load(std::memory_order_acquire);
 }
 
 void BatchPipeline::Pump(absl::Duration timeout) {
@@ -259,8 +299,9 @@ void BatchPipeline::InterruptWaits() {
 
 absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
   pump_.TryDrive([this] { Pump(absl::ZeroDuration()); });
-  MutexLock lock(&mu_);
-  const Batch* b = batches_.Find(id);
+  Lane& lane = LaneOf(id);
+  MutexLock lane_lock(&lane.mu);
+  const Batch* b = lane.batches.Find(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   BatchStatus out;
   b->StatusTo(&out);
@@ -270,9 +311,10 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
 absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus* out) {
   absl::Status result;
   bool known = true;
+  Lane& lane = LaneOf(id);
   auto ready = [&] {
-    MutexLock lock(&mu_);
-    const Batch* b = batches_.Find(id);
+    MutexLock lane_lock(&lane.mu);
+    const Batch* b = lane.batches.Find(id);
     if (b == nullptr) {
       known = false;
       return true;
@@ -289,11 +331,11 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
       [&](absl::Time until) {
         Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
       },
-      [&] { return PollNow(); });
+      [&] { return PollNow(); }, lane.index);
   if (!known) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   if (done) return absl::OkStatus();
-  MutexLock lock(&mu_);
-  const Batch* b = batches_.Find(id);
+  MutexLock lane_lock(&lane.mu);
+  const Batch* b = lane.batches.Find(id);
   return absl::DeadlineExceededError(absl::StrCat("batch ", id, " still has ",
                                                   b == nullptr ? 0 : b->pending,
                                                   " request(s) pending after ",
@@ -301,13 +343,14 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
 }
 
 absl::Status BatchPipeline::Release(BatchId id) {
-  MutexLock lock(&mu_);
-  const Batch* b = batches_.Find(id);
+  Lane& lane = LaneOf(id);
+  MutexLock lane_lock(&lane.mu);
+  const Batch* b = lane.batches.Find(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   if (b->pending != 0) {
     return absl::FailedPreconditionError(absl::StrCat("batch ", id, " is still running"));
   }
-  batches_.Recycle(id);  // its vectors' capacity saves allocations later
+  lane.batches.Recycle(id);  // its vectors' capacity saves allocations later
   return absl::OkStatus();
 }
 

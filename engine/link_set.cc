@@ -43,7 +43,7 @@ absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClie
   link.weight = Weight(local_nic_info, peer_nic_info);
   link.failed = false;
   link.repairing = false;
-  link.inflight = 0;
+  link.load = std::make_shared<LinkLoad>();  // a new link: nothing in flight
   return link;
 }
 
@@ -64,7 +64,7 @@ Link PlanLink(transport::Transport* transport, const transport::EndpointDescript
   link.local_nic = routed.ok() && *routed < local.nics.size()
                        ? *routed
                        : static_cast<NicIndex>(k % local.nics.size());
-  link.progress = now;
+  link.set_progress(now);
   link.weight = Weight(local.nics[link.local_nic], d.nics[link.remote_nic]);
   return link;
 }
@@ -215,19 +215,40 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
   return out;
 }
 
-Link* ChooseLink(std::vector<Link>& links, NicMask near, uint32_t capacity) {
-  Link* best = nullptr;
-  Link* best_far = nullptr;
-  for (Link& l : links) {
-    if (l.failed || l.inflight >= capacity) continue;
+namespace {
+
+const Link* Choose(const std::vector<Link>& links, NicMask near, uint32_t capacity, size_t start) {
+  const Link* best = nullptr;
+  const Link* best_far = nullptr;
+  uint32_t best_load = 0, best_far_load = 0;
+  const size_t n = links.size();
+  for (size_t k = 0; k < n; ++k) {
+    const Link& l = links[(start + k) % n];
+    const uint32_t load = l.inflight();
+    if (l.failed || load >= capacity) continue;
     const bool is_near = near == 0 || (l.local_nic < 64 && (near >> l.local_nic) & 1);
-    Link*& slot = is_near ? best : best_far;
+    const Link*& slot = is_near ? best : best_far;
+    uint32_t& slot_load = is_near ? best_load : best_far_load;
     // Fewer in flight per unit of speed: a / wa < b / wb.
-    if (slot == nullptr || uint64_t{l.inflight} * slot->weight < uint64_t{slot->inflight} * l.weight) {
+    if (slot == nullptr || uint64_t{load} * slot->weight < uint64_t{slot_load} * l.weight) {
       slot = &l;
+      slot_load = load;
     }
+    if (is_near && load == 0) break;  // none is less loaded
   }
   return best != nullptr ? best : best_far;
+}
+
+}  // namespace
+
+const Link* ChooseLink(const std::vector<Link>& links, NicMask near, uint32_t capacity,
+                       size_t start, absl::Time now) {
+  // Another thread may take the last place between the look and the take:
+  // look again then.
+  for (;;) {
+    const Link* l = Choose(links, near, capacity, start);
+    if (l == nullptr || l->load->TryTake(capacity, now)) return l;
+  }
 }
 
 }  // namespace engine_internal

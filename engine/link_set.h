@@ -4,7 +4,9 @@
 #ifndef KVFERRY_ENGINE_LINK_SET_H_
 #define KVFERRY_ENGINE_LINK_SET_H_
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,18 +20,54 @@
 namespace kvferry {
 namespace engine_internal {
 
+// A link's load, shared by every copy of the link (the segment's and the
+// views that submitting threads read without the pipeline's lock, see
+// lanes.h): changed with atomic operations only. Padded to a cache line of
+// its own: each thread tends to keep to one link (ChooseLink's `start`),
+// and two threads' links must not share a line.
+struct LinkLoad {
+  char before[64];
+  std::atomic<uint32_t> inflight{0};  // slices posted and not yet completed
+  // Last sign of life: a completion, or the post that made it busy (Unix ns).
+  std::atomic<int64_t> progress_ns{0};
+  char after[64];
+
+  // Takes one place if fewer than `capacity` are in flight.
+  bool TryTake(uint32_t capacity, absl::Time now) {
+    uint32_t n = inflight.load(std::memory_order_relaxed);
+    do {
+      if (n >= capacity) return false;
+    } while (!inflight.compare_exchange_weak(n, n + 1, std::memory_order_relaxed));
+    if (n == 0) progress_ns.store(absl::ToUnixNanos(now), std::memory_order_relaxed);
+    return true;
+  }
+  // Gives one back (none when none is taken).
+  void Give(absl::Time now) {
+    uint32_t n = inflight.load(std::memory_order_relaxed);
+    do {
+      if (n == 0) return;
+    } while (!inflight.compare_exchange_weak(n, n - 1, std::memory_order_relaxed));
+    progress_ns.store(absl::ToUnixNanos(now), std::memory_order_relaxed);
+  }
+};
+
 struct Link {
   transport::LinkId id = 0;
   transport::NicIndex local_nic = 0;
   transport::NicIndex remote_nic = 0;
   // Relative speed: the slower NIC's rate in Mb/s, 1 when unknown.
   uint64_t weight = 1;
-  uint32_t inflight = 0;  // slices posted and not yet completed
   bool failed = false;    // an error completion came: no new slices
   absl::Time failed_at;   // when it failed (its NIC pair is tried again later)
   bool repairing = false;  // a new link for its NIC pair is being built
-  // Last sign of life: a completion, or the post that made it busy.
-  absl::Time progress;
+  std::shared_ptr<LinkLoad> load = std::make_shared<LinkLoad>();
+  uint32_t inflight() const { return load->inflight.load(std::memory_order_relaxed); }
+  absl::Time progress() const {
+    return absl::FromUnixNanos(load->progress_ns.load(std::memory_order_relaxed));
+  }
+  void set_progress(absl::Time t) {
+    load->progress_ns.store(absl::ToUnixNanos(t), std::memory_order_relaxed);
+  }
   // What the peer answered when it accepted the link: its name there
   // (handshake kCloseLinks).
   std::string peer_params;
@@ -74,9 +112,14 @@ absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClie
 
 // The link a slice should go on: among links that are not failed and have
 // fewer than `capacity` slices in flight, the one with the fewest in flight
-// per unit of speed, on a NIC in `near` if any has room (near 0: any NIC).
-// Null when every link is full or failed.
-Link* ChooseLink(std::vector<Link>& links, NicMask near, uint32_t capacity);
+// per unit of speed, on a NIC in `near` if any has room (near 0: any NIC);
+// ties go to the first from link `start` on (each submitting thread starts
+// at its own, so that threads keep to different links). An idle near link
+// ends the search (none can be less loaded): a thread whose own link is
+// idle reads no other thread's. Takes a place on it (LinkLoad::TryTake);
+// null when every link is full or failed.
+const Link* ChooseLink(const std::vector<Link>& links, NicMask near, uint32_t capacity,
+                       size_t start, absl::Time now);
 
 }  // namespace engine_internal
 }  // namespace kvferry

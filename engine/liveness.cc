@@ -1,5 +1,6 @@
 // BatchPipeline: finding peers that stopped answering while requests to
 // them are in flight (EngineOptions::peer_timeout).
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -26,7 +27,7 @@ void BatchPipeline::CheckPeers(absl::Time now) {
       if (seg.probing || seg.state == SegmentState::kRefreshing) return;
       for (const Link& l : seg.links) {
         // Failed links are already closed (or closing): nothing to learn.
-        if (!l.failed && l.inflight > 0 && now - l.progress >= half) {
+        if (!l.failed && l.inflight() > 0 && now - l.progress() >= half) {
           seg.probing = true;
           silent.emplace_back(id, seg.peer);
           return;
@@ -43,7 +44,7 @@ void BatchPipeline::FindRepairs(absl::Time now, std::vector<Repair>* out) {
   segments_.ForEach([&](SegmentId id, Segment& seg) {
     if (seg.state != SegmentState::kReady || seg.probing) return;
     for (Link& l : seg.links) {
-      if (!l.failed || l.repairing || l.inflight > 0 || now - l.failed_at < interval ||
+      if (!l.failed || l.repairing || l.inflight() > 0 || now - l.failed_at < interval ||
           l.remote_nic >= seg.descriptor.nics.size()) {
         continue;
       }
@@ -84,7 +85,9 @@ void BatchPipeline::RepairLink(const Repair& r) {
                 << r.old.remote_nic << " rebuilt and back in use";
   (void)t->CloseLink(old->id);  // nothing in flight on it
   *old = *made;
-  old->progress = now;
+  old->load = std::make_shared<LinkLoad>();  // the failed link's stays with it
+  old->set_progress(now);
+  seg->Publish();
   ++counters_.links_repaired;
 }
 
@@ -101,7 +104,7 @@ void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
     seg.probing = false;
     if (answer.ok() && *answer == seg.descriptor.engine_id) {
       // Alive, only slow: give its links another period.
-      for (Link& l : seg.links) l.progress = clock_->Now();
+      for (Link& l : seg.links) l.set_progress(clock_->Now());
       return;
     }
     if (answer.ok()) {
@@ -123,6 +126,7 @@ void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
       l.failed = true;
       close.push_back(l.id);
     }
+    seg.Publish();
     if (!seg.dead.ok()) {
       const absl::Time now = clock_->Now();
       std::deque<uint64_t> backlog;

@@ -42,6 +42,22 @@ void LatencyHistogram::Record(absl::Duration d) {
   sum_seconds_ += static_cast<double>(ns) / 1e9;
 }
 
+void LatencyHistogram::Merge(const LatencyHistogram& other) {
+  for (size_t i = 0; i < buckets_.size(); ++i) buckets_[i] += other.buckets_[i];
+  count_ += other.count_;
+  sum_seconds_ += other.sum_seconds_;
+}
+
+void AddCounts(const PeerMetrics& from, PeerMetrics* into) {
+  into->requests += from.requests;
+  into->requests_ok += from.requests_ok;
+  into->bytes_written += from.bytes_written;
+  into->bytes_read += from.bytes_read;
+  into->slices += from.slices;
+  for (const auto& [code, n] : from.errors) into->errors[code] += n;
+  into->latency.Merge(from.latency);
+}
+
 std::vector<uint64_t> LatencyHistogram::Cumulative() const {
   std::vector<uint64_t> out(buckets_.size());
   uint64_t running = 0;

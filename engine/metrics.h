@@ -23,6 +23,8 @@ class LatencyHistogram {
   // Upper bounds of the buckets, in seconds: 10 us to 10 s, then +Inf.
   static const std::vector<double>& Bounds();
   void Record(absl::Duration d);
+  // Adds `other`'s observations to these.
+  void Merge(const LatencyHistogram& other);
   // counts()[i]: observations <= Bounds()[i]; the last entry is +Inf (all).
   std::vector<uint64_t> Cumulative() const;
   uint64_t count() const { return count_; }
@@ -52,6 +54,10 @@ struct PeerMetrics {
   std::map<std::string, uint64_t> errors;  // failed requests by status code
   LatencyHistogram latency;
 };
+
+// Adds what `from` counted of requests, slices, results and latency to
+// `into` (its peer, transport, retries, reconnects and links are kept).
+void AddCounts(const PeerMetrics& from, PeerMetrics* into);
 
 struct NicMetrics {
   std::string name;      // the transport's NIC name, e.g. "mlx5_0:1"

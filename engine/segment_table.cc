@@ -10,7 +10,7 @@
 namespace kvferry {
 namespace engine_internal {
 
-const handshake::RegionDescriptor* Segment::FindRemote(uint64_t addr) const {
+const handshake::RegionDescriptor* SegmentCore::FindRemote(uint64_t addr) const {
   const auto& regions = descriptor.regions;
   auto it = std::upper_bound(
       regions.begin(), regions.end(), addr,
@@ -20,12 +20,12 @@ const handshake::RegionDescriptor* Segment::FindRemote(uint64_t addr) const {
   return addr - it->addr < it->length ? &*it : nullptr;
 }
 
-SliceCheck CheckRemote(const Segment& seg, uint64_t remote, uint64_t length, bool write,
+SliceCheck CheckRemote(const SegmentCore& seg, uint64_t remote, uint64_t length, bool write,
                        absl::Status* error, const handshake::RegionDescriptor** region) {
   return CheckRegion(seg, seg.FindRemote(remote), remote, length, write, error, region);
 }
 
-SliceCheck CheckRegion(const Segment& seg, const handshake::RegionDescriptor* found,
+SliceCheck CheckRegion(const SegmentCore& seg, const handshake::RegionDescriptor* found,
                        uint64_t remote, uint64_t length, bool write, absl::Status* error,
                        const handshake::RegionDescriptor** region) {
   if (region != nullptr) *region = found;
@@ -47,6 +47,15 @@ SliceCheck CheckRegion(const Segment& seg, const handshake::RegionDescriptor* fo
     return SliceCheck::kNoLinks;
   }
   return SliceCheck::kOk;
+}
+
+void Segment::Publish() {
+  shared->view = state == SegmentState::kReady
+                     ? std::make_shared<const SegmentCore>(static_cast<const SegmentCore&>(*this))
+                     : nullptr;
+  // Release: a thread that sees the new version under the pipeline's lock
+  // or its lane's sees the view (both are read under the pipeline's lock).
+  shared->version.fetch_add(1, std::memory_order_release);
 }
 
 Segment* SegmentTable::Find(SegmentId id) {

@@ -1,12 +1,15 @@
 // Peers this engine talks to: one segment per peer "host:port", holding the
 // peer instance's descriptor (regions, NICs), the links to it and the slices
 // waiting for room on them. A plain container: the batch pipeline's lock
-// guards it (see batch_pipeline.h).
+// guards it (see batch_pipeline.h). What submitting threads need of a ready
+// segment they read from a published view, without that lock (lanes.h).
 #ifndef KVFERRY_ENGINE_SEGMENT_TABLE_H_
 #define KVFERRY_ENGINE_SEGMENT_TABLE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,25 +31,46 @@ enum class SegmentState {
   kRefreshing,  // one thread is refreshing; others wait for it
 };
 
-struct Segment {
+// What planning and posting a slice read of a segment: the segment's own,
+// and (copied) each published view of it.
+struct SegmentCore {
   std::string peer;
   handshake::EngineDescriptor descriptor;  // regions sorted by address
   std::vector<Link> links;
   size_t via = 0;           // the engine's transport it goes over (BatchPipeline::Via)
-  SegmentState state = SegmentState::kReady;
   uint64_t generation = 0;  // bumped by every refresh
+
+  // The peer region containing `addr`, if any.
+  const handshake::RegionDescriptor* FindRemote(uint64_t addr) const;
+};
+
+// A segment's published view: `view` (null unless the segment is ready) is
+// replaced under the pipeline's lock, and `version` bumped with it; a
+// thread holding a copy of the view knows it is current while the version
+// it read with it still holds. The view itself never changes (its links'
+// loads are atomic).
+struct SegmentShared {
+  std::atomic<uint64_t> version{0};
+  std::shared_ptr<const SegmentCore> view;  // guarded by the pipeline's lock
+};
+
+struct Segment : SegmentCore {
+  SegmentState state = SegmentState::kReady;
   bool probing = false;     // a liveness probe is out
   // Set when the peer did not answer a probe: slices of this generation
   // fail with it instead of being retried.
   absl::Status dead;
   // Slices waiting for room on a link, in submission order.
   std::deque<uint64_t> backlog;
-  uint64_t slices = 0;  // slices of this segment not yet finished
+  // Last opened (slices count in the lanes, see lanes.h).
   absl::Time last_used;
+  // The peer's transport, retries and reconnects; what each slice and
+  // request adds is counted in the lanes.
   PeerMetrics metrics;
+  std::shared_ptr<SegmentShared> shared = std::make_shared<SegmentShared>();
 
-  // The peer region containing `addr`, if any.
-  const handshake::RegionDescriptor* FindRemote(uint64_t addr) const;
+  // Publishes the segment as it is now (a view when ready, none else).
+  void Publish();
 };
 
 // Why a slice cannot go to a segment.
@@ -55,12 +79,12 @@ enum class SliceCheck { kOk, kOutsideRegions, kForbidden, kNoLinks };
 // Checks [remote, +length) against the segment's advertised regions for
 // `write` (or read); `error` gets the message when not kOk, `region` (if
 // given) the peer region containing `remote`.
-SliceCheck CheckRemote(const Segment& seg, uint64_t remote, uint64_t length, bool write,
+SliceCheck CheckRemote(const SegmentCore& seg, uint64_t remote, uint64_t length, bool write,
                        absl::Status* error,
                        const handshake::RegionDescriptor** region = nullptr);
 // The same with the region containing `remote` already looked up (`found`,
 // null when none).
-SliceCheck CheckRegion(const Segment& seg, const handshake::RegionDescriptor* found,
+SliceCheck CheckRegion(const SegmentCore& seg, const handshake::RegionDescriptor* found,
                        uint64_t remote, uint64_t length, bool write, absl::Status* error,
                        const handshake::RegionDescriptor** region = nullptr);
 

@@ -17,7 +17,12 @@ namespace engine_internal {
 using transport::Opcode;
 using transport::WorkRequest;
 
-bool BatchPipeline::Extend(const Segment& seg, const TransferRequest& r, const LocalUse& local,
+namespace {
+// Rounds of Submit that find the segment's view changed before it gives up.
+constexpr int kMaxSubmitRounds = 64;
+}  // namespace
+
+bool BatchPipeline::Extend(const SegmentCore& seg, const TransferRequest& r, const LocalUse& local,
                            Slice* last) const {
   const uint64_t end = last->length + r.length;
   if (r.opcode != last->opcode || r.length == 0 || end > vias_[seg.via].slice_bytes ||
@@ -36,7 +41,7 @@ bool BatchPipeline::Extend(const Segment& seg, const TransferRequest& r, const L
 
 // Cuts every request into slices that never cross the end of a peer region
 // or of a local piece, and checks them all; `why` says what was wrong.
-absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
+absl::Status BatchPipeline::PlanSlices(const SegmentCore& seg, SegmentId id,
                                        absl::Span<const TransferRequest> requests,
                                        absl::Span<const LocalUse> local,
                                        std::vector<Slice>* planned, SliceCheck* why) const {
@@ -92,20 +97,14 @@ absl::Status BatchPipeline::PlanSlices(const Segment& seg, SegmentId id,
   return absl::OkStatus();
 }
 
-absl::StatusOr<BatchId> BatchPipeline::CreateBatch(SegmentId id, Segment& seg,
-                                                   absl::Span<const TransferRequest> requests,
-                                                   uint64_t peer_engine_id,
-                                                   std::vector<Slice>& planned,
-                                                   std::vector<uint64_t>* slice_ids,
-                                                   absl::Time now) {
-  if (peer_engine_id != 0 && peer_engine_id != seg.descriptor.engine_id) {
-    return absl::UnavailableError(absl::StrCat(
-        "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
-  }
+BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
+                                   absl::Span<const TransferRequest> requests,
+                                   uint64_t peer_engine_id, std::vector<Slice>& planned,
+                                   std::vector<uint64_t>* slice_ids, absl::Time now) {
   Batch* b;
-  const BatchId batch_id = batches_.Create(&b);
+  const BatchId batch_id = lane.batches.Create(&b);
   b->segment = id;
-  b->peer_engine_id = seg.descriptor.engine_id;
+  b->peer_engine_id = ls.view->descriptor.engine_id;
   b->bound = peer_engine_id != 0;
   b->slices_left.assign(requests.size(), 0);
   b->submitted = now;
@@ -115,15 +114,48 @@ absl::StatusOr<BatchId> BatchPipeline::CreateBatch(SegmentId id, Segment& seg,
   }
   b->status.assign(requests.size(), absl::OkStatus());
   b->pending = requests.size();
-  seg.metrics.requests += requests.size();
-  seg.slices += planned.size();
-  seg.last_used = now;
+  ls.metrics.requests += requests.size();
+  ls.slices += planned.size();
+  ls.last_used = now;
   for (Slice& s : planned) {
     s.batch = batch_id;
     for (size_t k = s.request; k < s.request + s.requests; ++k) ++b->slices_left[k];
-    slice_ids->push_back(batches_.AddSlice(s));
+    slice_ids->push_back(lane.batches.AddSlice(s));
   }
   return batch_id;
+}
+
+absl::Status BatchPipeline::ReadView(Lane& lane, SegmentId id) {
+  MutexLock lock(&mu_);
+  Segment* seg = segments_.Find(id);
+  if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
+  if (seg->state != SegmentState::kReady) {
+    return absl::FailedPreconditionError(absl::StrCat("segment ", id, " is not ready"));
+  }
+  MutexLock lane_lock(&lane.mu);
+  lane.segments[id].Read(*seg);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(
+    Lane& lane, LaneSegment& ls, const SegmentCore& seg, SegmentId id,
+    absl::Span<const TransferRequest> requests, absl::Span<const LocalUse> local,
+    uint64_t peer_engine_id, SliceCheck* why, std::vector<uint64_t>* slice_ids,
+    std::vector<WorkRequest>* wrs, bool* assigned, absl::Time* now) {
+  Scratch<Slice> planned_scratch;
+  std::vector<Slice>& planned = *planned_scratch;
+  RETURN_IF_ERROR(PlanSlices(seg, id, requests, local, &planned, why));
+  if (peer_engine_id != 0 && peer_engine_id != seg.descriptor.engine_id) {
+    return absl::UnavailableError(absl::StrCat(
+        "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
+  }
+  *now = clock_->Now();
+  const BatchId batch =
+      CreateBatch(lane, ls, id, requests, peer_engine_id, planned, slice_ids, *now);
+  // Slices waiting in a backlog go first (PostSlices).
+  *assigned = !maybe_backlog_.load(std::memory_order_acquire) &&
+              AssignNow(lane, ls, seg, *slice_ids, *now, wrs);
+  return batch;
 }
 
 absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
@@ -135,80 +167,97 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
   RETURN_IF_ERROR(regions_->FindAll(requests, &local));
   Scratch<uint64_t> ids_scratch;
   std::vector<uint64_t>& slice_ids = *ids_scratch;
-  Scratch<Slice> planned_scratch;
-  std::vector<Slice>& planned = *planned_scratch;
-  absl::StatusOr<BatchId> batch;
-  absl::Time now;
   Scratch<WorkRequest> wrs_scratch;
   std::vector<WorkRequest>& wrs = *wrs_scratch;
+  Lane& lane = *lanes_[ThisThreadsLane()];
+  absl::StatusOr<BatchId> batch;
+  absl::Time now;
   bool assigned = false;
   size_t via = 0;
-  for (int attempt = 0;; ++attempt) {
-    bool refresh = false;
+  bool looked_again = false;  // refreshed once for a request outside the regions
+  // Each round either submits on the lane's view of the segment, or finds
+  // that view out of date and reads it again (refreshing the segment first
+  // when it is not ready).
+  for (int round = 0;; ++round) {
+    SliceCheck why = SliceCheck::kOk;
+    bool viewed = false;
     {
-      MutexLock lock(&mu_);
-      Segment* seg = segments_.Find(id);
-      if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-      refresh = seg->state != SegmentState::kReady;
-      SliceCheck why = SliceCheck::kOk;
-      planned.clear();
-      absl::Status bad =
-          refresh ? absl::OkStatus() : PlanSlices(*seg, id, requests, local, &planned, &why);
-      // A request outside the cached descriptor: the peer may have
-      // registered more memory since; look once more before refusing.
-      if (why == SliceCheck::kOutsideRegions && attempt == 0) {
-        refresh = true;
-      } else if (!bad.ok()) {
-        return bad;
-      } else if (!refresh) {
-        now = clock_->Now();
-        batch = CreateBatch(id, *seg, requests, peer_engine_id, planned, &slice_ids, now);
-        if (!batch.ok()) return batch.status();
+      MutexLock lane_lock(&lane.mu);
+      auto it = lane.segments.find(id);
+      if (const SegmentCore* seg = it == lane.segments.end() ? nullptr : it->second.Current()) {
+        viewed = true;
         via = seg->via;
-        assigned = AssignNow(*seg, slice_ids, now, &wrs);
-        break;
+        batch = SubmitOnLane(lane, it->second, *seg, id, requests, local, peer_engine_id, &why,
+                             &slice_ids, &wrs, &assigned, &now);
       }
     }
     bool changed;
-    RETURN_IF_ERROR(Refresh(id, &changed));
+    if (viewed) {
+      if (batch.ok()) break;
+      // A request outside the cached descriptor: the peer may have
+      // registered more memory since; look once more before refusing.
+      if (why != SliceCheck::kOutsideRegions || looked_again) return batch.status();
+      looked_again = true;
+      RETURN_IF_ERROR(Refresh(id, &changed));
+    }
+    if (round >= kMaxSubmitRounds) {
+      return absl::UnavailableError(absl::StrCat("segment ", id, " changed ", round,
+                                                 " times while a batch was submitted to it"));
+    }
+    absl::Status read = ReadView(lane, id);
+    if (read.code() == absl::StatusCode::kFailedPrecondition) {  // not ready
+      RETURN_IF_ERROR(Refresh(id, &changed));
+    } else if (!read.ok()) {
+      return read;
+    }
   }
+  if (!batch.ok()) return batch.status();
   absl::Status posted = PostSlices(id, slice_ids, now, assigned ? &wrs : nullptr, via);
   if (!posted.ok()) {
-    MutexLock lock(&mu_);
-    batches_.Recycle(*batch);  // nothing of it runs; the caller gets no id
+    MutexLock lane_lock(&lane.mu);
+    lane.batches.Recycle(*batch);  // nothing of it runs; the caller gets no id
     return posted;
   }
   return batch;
 }
 
-bool BatchPipeline::AssignNow(Segment& seg, absl::Span<const uint64_t> ids, absl::Time now,
+bool BatchPipeline::AssignNow(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
+                              absl::Span<const uint64_t> ids, absl::Time now,
                               std::vector<WorkRequest>* wrs) {
-  if (!seg.backlog.empty()) return false;  // those go first
-  const uint32_t capacity = vias_[seg.via].link_capacity;
-  uint64_t room = 0;
-  for (const Link& l : seg.links) room += l.failed ? 0 : capacity - std::min(capacity, l.inflight);
-  if (room < ids.size()) return false;
   for (uint64_t sid : ids) {
     WorkRequest wr;
-    (void)AssignLink(seg, *batches_.FindSlice(sid), &wr, now);  // a link has room
+    if (!AssignLink(seg, lane, ls, *lane.batches.FindSlice(sid), &wr, now)) {
+      // No room for them all: give back what was taken; PostSlices decides.
+      for (const WorkRequest& taken : *wrs) {
+        Unassign(seg, *lane.batches.FindSlice(taken.cookie), now);
+        --ls.metrics.slices;
+        if (Slice* s = lane.batches.FindSlice(taken.cookie); s->nic < lane.nics.size()) {
+          --lane.nics[s->nic].slices;
+          lane.nics[s->nic].bytes -= s->length;
+        }
+      }
+      wrs->clear();
+      return false;
+    }
     wr.cookie = sid;
     wrs->push_back(wr);
   }
   return true;
 }
 
-bool BatchPipeline::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl::Time now) {
+bool BatchPipeline::AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& ls, Slice& slice,
+                               WorkRequest* wr, absl::Time now) {
   const Via& via = vias_[seg.via];
   // Near NICs are the primary transport's.
-  Link* best = ChooseLink(seg.links, seg.via == 0 ? slice.local_use.near : 0, via.link_capacity);
+  const Link* best = ChooseLink(seg.links, seg.via == 0 ? slice.local_use.near : 0,
+                                via.link_capacity, lane.index, now);
   if (best == nullptr) return false;
-  if (best->inflight++ == 0) best->progress = now;
   const size_t nic = via.nic_offset + best->local_nic;
-  if (nic < nic_counters_.size()) {
-    ++nic_counters_[nic].slices;
-    nic_counters_[nic].bytes += slice.length;
+  if (nic < lane.nics.size()) {
+    ++lane.nics[nic].slices;
+    lane.nics[nic].bytes += slice.length;
   }
-  ++seg.metrics.slices;
+  ++ls.metrics.slices;
   const handshake::RegionDescriptor& r = seg.descriptor.regions[slice.region];
   slice.generation = seg.generation;
   slice.link = best->id;
@@ -223,17 +272,31 @@ bool BatchPipeline::AssignLink(Segment& seg, Slice& slice, WorkRequest* wr, absl
   return true;
 }
 
-void BatchPipeline::Unassign(const Slice& slice, absl::Time now) {
-  if (Segment* seg = segments_.Find(slice.segment)) Unassign(*seg, slice, now);
+void BatchPipeline::Unassign(const SegmentCore& seg, const Slice& slice, absl::Time now) {
+  if (slice.generation != seg.generation) return;  // its links are gone
+  for (const Link& l : seg.links) {
+    if (l.id == slice.link) l.load->Give(now);
+  }
 }
 
-void BatchPipeline::Unassign(Segment& seg, const Slice& slice, absl::Time now) {
-  for (Link& l : seg.links) {
-    if (l.id == slice.link && l.inflight > 0) {  // links of older generations are gone
-      --l.inflight;
-      l.progress = now;
-    }
+void BatchPipeline::Unassign(uint64_t sid, absl::Time now) {
+  Lane& lane = LaneOf(sid);
+  MutexLock lane_lock(&lane.mu);
+  const Slice* s = lane.batches.FindSlice(sid);
+  if (s == nullptr) return;
+  if (const Segment* seg = segments_.Find(s->segment)) Unassign(*seg, *s, now);
+}
+
+uint64_t BatchPipeline::SlicesOf(SegmentId id, absl::Time* last_used) const {
+  uint64_t n = 0;
+  for (const auto& lane : lanes_) {
+    MutexLock lane_lock(&lane->mu);
+    auto it = lane->segments.find(id);
+    if (it == lane->segments.end()) continue;
+    n += it->second.slices;
+    if (last_used != nullptr) *last_used = std::max(*last_used, it->second.last_used);
   }
+  return n;
 }
 
 // Under the lock: fails slices bound to a restarted peer, checks the rest
@@ -249,15 +312,18 @@ bool BatchPipeline::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl
   // With every link failed, slices would wait for room that never comes.
   if (!usable) return false;
   for (uint64_t sid : ids) {
-    Slice* s = batches_.FindSlice(sid);
+    Lane& lane = LaneOf(sid);
+    MutexLock lane_lock(&lane.mu);
+    Slice* s = lane.batches.FindSlice(sid);
     if (s == nullptr) continue;
-    Batch* b = batches_.Find(s->batch);
+    Batch* b = lane.batches.Find(s->batch);
     if (b != nullptr && b->peer_engine_id != seg.descriptor.engine_id) {
       if (b->bound || b->landed > 0) {
-        FinishSlice(sid, absl::UnavailableError(absl::StrCat(
-                             "peer ", seg.peer, " restarted during the batch; ",
-                             b->landed > 0 ? "part of it went to the previous instance"
-                                           : "its addresses belong to the previous instance")),
+        FinishSlice(lane, sid,
+                    absl::UnavailableError(absl::StrCat(
+                        "peer ", seg.peer, " restarted during the batch; ",
+                        b->landed > 0 ? "part of it went to the previous instance"
+                                      : "its addresses belong to the previous instance")),
                     now);
         continue;
       }
@@ -274,7 +340,7 @@ bool BatchPipeline::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl
       s->region = static_cast<uint32_t>(reg - seg.descriptor.regions.data());
     }
     WorkRequest wr;
-    if (!AssignLink(seg, *s, &wr, now)) {
+    if (!AssignLink(seg, lane, lane.segments[id], *s, &wr, now)) {
       seg.backlog.push_back(sid);  // posted when a link has room
       maybe_backlog_.store(true, std::memory_order_release);
       continue;
@@ -283,7 +349,7 @@ bool BatchPipeline::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl
     wrs->push_back(wr);
   }
   if (!bad->ok()) {
-    for (const WorkRequest& wr : *wrs) Unassign(*batches_.FindSlice(wr.cookie), now);
+    for (const WorkRequest& wr : *wrs) Unassign(wr.cookie, now);
   }
   return true;
 }
@@ -293,9 +359,11 @@ void BatchPipeline::FailAll(absl::Span<const uint64_t> ids, const absl::Status& 
   MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   for (uint64_t sid : ids) {
-    Slice* s = batches_.FindSlice(sid);
+    Lane& lane = LaneOf(sid);
+    MutexLock lane_lock(&lane.mu);
+    Slice* s = lane.batches.FindSlice(sid);
     if (s == nullptr) continue;
-    FinishSlice(sid, after_retry ? RetryImpossible(status, s->last_error) : status, now);
+    FinishSlice(lane, sid, after_retry ? RetryImpossible(status, s->last_error) : status, now);
   }
 }
 
@@ -330,7 +398,7 @@ absl::Status BatchPipeline::PostSlices(SegmentId id, absl::Span<const uint64_t> 
     if (posted.ok()) return absl::OkStatus();
     {
       MutexLock lock(&mu_);
-      for (const WorkRequest& wr : wrs) Unassign(*batches_.FindSlice(wr.cookie), now);
+      for (const WorkRequest& wr : wrs) Unassign(wr.cookie, now);
     }
     // A link that failed since the last use: rebuild the links and retry.
     if (attempt == 0 && posted.code() == absl::StatusCode::kFailedPrecondition) {
