@@ -2,6 +2,10 @@
 // same run:
 //   * BM_EngineControlPath: slices per second through TransferEngine with a
 //     transport that moves nothing (the engine's own cost per slice);
+//   * BM_EngineControlPathThreads: one-request batches from 1 and 2 threads
+//     to one peer (what the submit path's shared state costs), beside
+//     BM_EngineControlPathSeparateEngines, the same with an engine pair
+//     per thread (what 2 threads sharing nothing do on this machine);
 //   * BM_EngineSteadyState: the same for batches of R requests of B bytes,
 //     counting heap allocations (operator new, replaced in this binary) per
 //     slice on the submit -> complete -> release path once warm;
@@ -287,6 +291,47 @@ void BM_EngineControlPathThreads(benchmark::State& state) {
       benchmark::Counter(double(state.iterations()), benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_EngineControlPathThreads)->Threads(1)->Threads(2)->UseRealTime();
+
+// The reference for the one above: the same, but each thread with an
+// engine pair of its own (nothing shared but the process): what 2 threads
+// can do on this machine when they share nothing.
+void BM_EngineControlPathSeparateEngines(benchmark::State& state) {
+  static std::unique_ptr<TransferEngine> a[2], b[2];
+  static SegmentId seg[2];
+  char* const fake_local = Untouched();
+  char* const fake_remote = Untouched(1);
+  constexpr uint64_t kBlock = 64 << 10;
+  const int t = state.thread_index();
+  if (t == 0) {
+    for (int i = 0; i < 2; ++i) {
+      a[i] = NullEngine();
+      b[i] = NullEngine();
+      (void)a[i]->RegisterMemory(fake_local, kBlock * 64);
+      (void)b[i]->RegisterMemory(fake_remote, kBlock * 64);
+      absl::StatusOr<SegmentId> opened = a[i]->OpenSegment(b[i]->address());
+      if (!opened.ok()) {
+        state.SkipWithError("cannot open the segment");
+        return;
+      }
+      seg[i] = *opened;
+    }
+  }
+  const uint64_t off = kBlock * t;
+  TransferRequest r{Opcode::kWrite, fake_local + off,
+                    reinterpret_cast<uintptr_t>(fake_remote) + off, kBlock};
+  BatchStatus status;
+  for (auto _ : state) {
+    auto batch = a[t]->Submit(seg[t], {&r, 1});
+    if (!batch.ok() || !a[t]->Wait(*batch, absl::Seconds(10), &status).ok() || !status.ok()) {
+      state.SkipWithError("batch failed");
+      break;
+    }
+    (void)a[t]->Release(*batch);
+  }
+  state.counters["batches_per_sec"] =
+      benchmark::Counter(double(state.iterations()), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_EngineControlPathSeparateEngines)->Threads(1)->Threads(2)->UseRealTime();
 
 // ---- a second process: a decode engine and a raw socket sink.
 

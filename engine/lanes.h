@@ -42,6 +42,9 @@ struct LaneSegment {
   std::shared_ptr<SegmentShared> shared;
   std::shared_ptr<const SegmentCore> view;
   uint64_t version = 0;
+  // Where the lane's link choice starts (ChooseLink's `start`): lanes that
+  // use the segment start at different links.
+  uint32_t home = 0;
 
   // The view, while it is the segment's current one; else null.
   const SegmentCore* Current() const {
@@ -52,6 +55,7 @@ struct LaneSegment {
   }
   // Reads the segment's view (under the pipeline's lock).
   void Read(const Segment& seg) {
+    if (shared != seg.shared) home = seg.shared->lanes.fetch_add(1, std::memory_order_relaxed);
     shared = seg.shared;
     view = seg.shared->view;
     version = seg.shared->version.load(std::memory_order_relaxed);

@@ -51,6 +51,10 @@ struct SegmentCore {
 // loads are atomic).
 struct SegmentShared {
   std::atomic<uint64_t> version{0};
+  // Lanes that have used the segment: each lane's first link (its "home",
+  // see LaneSegment) is the next one, so that threads keep to different
+  // links.
+  std::atomic<uint32_t> lanes{0};
   std::shared_ptr<const SegmentCore> view;  // guarded by the pipeline's lock
 };
 

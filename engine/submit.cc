@@ -250,7 +250,7 @@ bool BatchPipeline::AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& 
   const Via& via = vias_[seg.via];
   // Near NICs are the primary transport's.
   const Link* best = ChooseLink(seg.links, seg.via == 0 ? slice.local_use.near : 0,
-                                via.link_capacity, lane.index, now);
+                                via.link_capacity, ls.home, now);
   if (best == nullptr) return false;
   const size_t nic = via.nic_offset + best->local_nic;
   if (nic < lane.nics.size()) {
@@ -415,8 +415,13 @@ absl::Status BatchPipeline::PostSlices(SegmentId id, absl::Span<const uint64_t> 
 
 void BatchPipeline::DrainBacklogs() {
   // Cleared before looking, so a slice that goes to a backlog meanwhile
-  // (or is put back below) sets it again for the next drain.
-  if (!maybe_backlog_.exchange(false, std::memory_order_acquire)) return;
+  // (or is put back below) sets it again for the next drain. Read first:
+  // a write on every call would bounce its line between every thread that
+  // delivers completions.
+  if (!maybe_backlog_.load(std::memory_order_relaxed) ||
+      !maybe_backlog_.exchange(false, std::memory_order_acquire)) {
+    return;
+  }
   std::vector<std::pair<SegmentId, std::vector<uint64_t>>> work;
   {
     MutexLock lock(&mu_);
