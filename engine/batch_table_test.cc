@@ -29,6 +29,23 @@ TEST(BatchTableTest, ReleasedIdsStayUnknownWhenTheirSlotIsReused) {
   EXPECT_EQ(t.Find(uint64_t{1} << 40 | 77), nullptr);  // never handed out
 }
 
+// A table's ids carry its tag (the lane holding them), and a table finds
+// only its own: an id of another lane's table is unknown here.
+TEST(BatchTableTest, IdsCarryTheTablesTag) {
+  BatchTable lane3(3), lane7(7);
+  Batch* b;
+  const BatchId in3 = lane3.Create(&b);
+  const BatchId in7 = lane7.Create(&b);
+  EXPECT_EQ(BatchTable::TagOf(in3), 3);
+  EXPECT_EQ(BatchTable::TagOf(in7), 7);
+  EXPECT_EQ(BatchTable::TagOf(lane7.AddSlice(Slice{})), 7);
+  EXPECT_NE(lane3.Find(in3), nullptr);
+  EXPECT_NE(in3, in7);
+  const uint64_t untagged = in7 & ~(uint64_t{0xff} << BatchTable::kTagShift);
+  EXPECT_EQ(lane3.Find(untagged | (uint64_t{3} << BatchTable::kTagShift)),
+            lane3.Find(in3));  // the same slot and generation: only the tag differed
+}
+
 TEST(BatchTableTest, SlicesAreFoundUntilErasedAndIdsAreUnique) {
   BatchTable t;
   std::set<uint64_t> live;

@@ -70,6 +70,38 @@ TEST(CompletionPump, WaiterIsWokenWhileAnotherThreadDrives) {
   EXPECT_EQ(drives.load(), 1);
 }
 
+// Waiters are woken by lane: a Wake of the waiter's lane wakes it while the
+// driver is still inside the transport (a Wake of another lane would not:
+// the waiter would sleep until the driver left, which it does only after
+// the waiter returned, and the test would time out).
+TEST(CompletionPump, WakeReachesTheWaitersOfItsLane) {
+  CompletionPump pump(RealClock());
+  Event driving, release_driver;
+  std::atomic<bool> driver_ready{false}, waiter_ready{false};
+  std::thread driver([&] {
+    EXPECT_TRUE(pump.Await([&] { return driver_ready.load(); }, absl::Hours(1),
+                           [&](absl::Time) {
+                             driving.Notify();
+                             release_driver.WaitForNotification();
+                             driver_ready = true;
+                           },
+                           kNothing, /*lane=*/2));
+  });
+  driving.WaitForNotification();
+  std::thread waiter([&] {
+    EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Hours(1),
+                           [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; },
+                           kNothing, /*lane=*/5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));  // asleep by now, most likely
+  waiter_ready = true;
+  pump.Wake(5);
+  waiter.join();
+  EXPECT_FALSE(driver_ready);
+  release_driver.Notify();
+  driver.join();
+}
+
 // When the driver leaves (its own batch done), a waiter takes over driving.
 TEST(CompletionPump, WaiterTakesOverWhenTheDriverLeaves) {
   CompletionPump pump(RealClock());

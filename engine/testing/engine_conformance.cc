@@ -306,5 +306,54 @@ TEST_P(EngineConformanceTest, ThreadsWaitingOnTheirOwnBatchesAllFinish) {
   }
 }
 
+// A batch belongs to the thread that submitted it (its lane) but can be
+// waited for and released from any other, and the peer's and the NICs'
+// counters add up every thread's batches.
+TEST_P(EngineConformanceTest, BatchesCrossThreadsAndEveryThreadIsCounted) {
+  if (!harness_->threads()) GTEST_SKIP() << "one thread drives this transport";
+  auto a = Start();
+  auto b = Start();
+  ASSERT_TRUE(a && b);
+  constexpr int kThreads = 3, kPage = 4096;
+  std::vector<char> src = Pattern(kThreads * 2 * kPage, 8), dst(src.size(), 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok());
+  std::vector<BatchId> batches(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      TransferRequest r{Opcode::kWrite, src.data() + 2 * t * kPage, Addr(dst, 2 * t * kPage),
+                        kPage};
+      absl::StatusOr<BatchId> batch = a->Submit(*seg, {&r, 1});
+      ASSERT_TRUE(batch.ok()) << batch.status();
+      batches[t] = *batch;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (BatchId id : batches) {  // this thread: none of them is its own
+    absl::StatusOr<BatchStatus> st = a->Wait(id, absl::Seconds(20));
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_TRUE(st->ok()) << st->requests[0];
+    EXPECT_TRUE(a->Release(id).ok());
+    EXPECT_EQ(a->Release(id).code(), absl::StatusCode::kNotFound);
+  }
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(std::memcmp(dst.data() + 2 * t * kPage, src.data() + 2 * t * kPage, kPage), 0);
+  }
+  const EngineMetrics m = a->GetMetrics();
+  ASSERT_EQ(m.peers.size(), 1u);
+  EXPECT_EQ(m.peers[0].requests, uint64_t{kThreads});
+  EXPECT_EQ(m.peers[0].requests_ok, uint64_t{kThreads});
+  EXPECT_EQ(m.peers[0].bytes_written, uint64_t{kThreads} * kPage);
+  EXPECT_EQ(m.peers[0].latency.count(), uint64_t{kThreads});
+  uint64_t nic_bytes = 0;
+  for (const NicMetrics& n : m.nics) nic_bytes += n.bytes;
+  EXPECT_EQ(nic_bytes, uint64_t{kThreads} * kPage);
+  // Every slice finished: the segment can close.
+  EXPECT_TRUE(a->CloseSegment(*seg).ok());
+}
+
 }  // namespace testing
 }  // namespace kvferry
