@@ -248,6 +248,7 @@ void BatchPipeline::ExpireIdle(absl::Time now) {
   // The handle stays valid (callers keep segment ids): only the links go,
   // and the next Submit handshakes again.
   segments_.ForEach([&](SegmentId id, Segment& seg) {
+    mu_.AssertHeld();  // as the caller
     if (seg.state != SegmentState::kReady || seg.probing || seg.links.empty()) return;
     absl::Time last_used = seg.last_used;
     if (SlicesOf(id, &last_used) > 0 || now - last_used < config_.idle_segment_timeout) return;
