@@ -1,6 +1,5 @@
 // BatchPipeline: finding peers that stopped answering while requests to
 // them are in flight (EngineOptions::peer_timeout).
-#include <memory>
 #include <utility>
 #include <vector>
 
@@ -84,8 +83,7 @@ void BatchPipeline::RepairLink(const Repair& r) {
   KVF_LOG(INFO) << "peer " << r.peer << ": local NIC " << r.old.local_nic << " to peer NIC "
                 << r.old.remote_nic << " rebuilt and back in use";
   (void)t->CloseLink(old->id);  // nothing in flight on it
-  *old = *made;
-  old->load = std::make_shared<LinkLoad>();  // the failed link's stays with it
+  *old = *made;  // with a load of its own (ConnectLink)
   old->set_progress(now);
   seg->Publish();
   ++counters_.links_repaired;
