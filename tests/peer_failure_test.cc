@@ -54,7 +54,7 @@ bool RoundTrip(TransferEngine& e, SegmentId seg, std::vector<char>& src, std::ve
 }
 
 TEST(PeerFailure, FrozenPeerFailsInFlightRequestsWithinPeerTimeoutThenRestartWorks) {
-  auto peer = PeerProcess::Start(0, kBytes);
+  auto peer = PeerProcess::StartOnStablePort(kBytes);  // restarted on its port below
   ASSERT_TRUE(peer.ok()) << peer.status();
   const absl::Duration kPeerTimeout = absl::Seconds(1);
   auto e = Initiator(kPeerTimeout);
@@ -100,7 +100,7 @@ TEST(PeerFailure, FrozenPeerFailsInFlightRequestsWithinPeerTimeoutThenRestartWor
 }
 
 TEST(PeerFailure, ConcurrentCallersShareOneReconnectAfterARestart) {
-  auto peer = PeerProcess::Start(0, kBytes);
+  auto peer = PeerProcess::StartOnStablePort(kBytes);  // restarted on its port below
   ASSERT_TRUE(peer.ok()) << peer.status();
   auto e = Initiator(absl::Seconds(5));
   std::vector<char> src(kBytes);

@@ -10,6 +10,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -72,6 +74,33 @@ class PeerProcess {
     }
     p.address_ = words[1];
     return p;
+  }
+
+  // Starts on a port below the kernel's ephemeral range, which it never
+  // hands out for a bind to port 0 or an outgoing connection: for tests that
+  // kill the peer and restart it on its port. A port that was ephemeral can
+  // be taken meanwhile by any process (another test's engine, run in
+  // parallel), and the restarted peer then cannot listen, or another test's
+  // peer answers in its place. Tries random ports until one is free.
+  static absl::StatusOr<PeerProcess> StartOnStablePort(uint64_t bytes) {
+    int lo = 32768, hi = 60999;
+    if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+      if (std::fscanf(f, "%d %d", &lo, &hi) != 2) lo = 32768;
+      std::fclose(f);
+    }
+    const int first = std::max(1024, lo - 12000);
+    if (lo - first < 100) return Start(0, bytes);  // no room below the range
+    uint64_t seed = static_cast<uint64_t>(getpid()) * 2654435761u ^
+                    static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+    absl::Status last;
+    for (int attempt = 0; attempt < 20; ++attempt) {
+      seed = seed * 6364136223846793005u + 1442695040888963407u;
+      const uint16_t port = static_cast<uint16_t>(first + (seed >> 33) % (lo - first));
+      absl::StatusOr<PeerProcess> p = Start(port, bytes);
+      if (p.ok()) return p;
+      last = p.status();
+    }
+    return last;
   }
 
   PeerProcess() = default;

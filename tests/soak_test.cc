@@ -95,7 +95,7 @@ TEST(Soak, PeerKilledAndRestartedWhileTrafficFlows) {
   const absl::Duration duration = absl::Seconds(EnvInt("KVFERRY_SOAK_SECONDS", 20));
   // Kills [kill_ms / 5, kill_ms) apart (at least 5 ms: Uniform needs n > 0).
   const int kill_ms = std::max(5, EnvInt("KVFERRY_SOAK_KILL_MS", 2500));
-  auto first = PeerProcess::Start(0, kPeerBytes);
+  auto first = PeerProcess::StartOnStablePort(kPeerBytes);  // restarted on its port
   ASSERT_TRUE(first.ok()) << first.status();
   const uint16_t port = first->port();
   const std::string address = first->address();
