@@ -151,6 +151,10 @@ class BatchPipeline {
   bool AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& ls, Slice& slice,
                   transport::WorkRequest* wr, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // The work request of `slice` on `link` (whose place is taken), and what
+  // it adds to the counters.
+  void FillRequest(const SegmentCore& seg, Lane& lane, LaneSegment& ls, const Link& link,
+                   Slice& slice, transport::WorkRequest* wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // A slice's link has one in flight less (`seg`: the slice's segment;
   // links of older generations are gone, nothing to give back).
   static void Unassign(const SegmentCore& seg, const Slice& slice, absl::Time now);
@@ -181,8 +185,14 @@ class BatchPipeline {
   // Completions taken from the transports per call.
   static constexpr size_t kPollBatch = 64;
   // A successful completion, under its lane's lock alone: false (nothing
-  // done) when its link is not in the lane's current view (Deliver then).
-  bool DeliverOnLane(const transport::Completion& done, absl::Time now);
+  // done) when its link is not in the lane's view (Deliver then). `last`:
+  // the segment the lane's previous completion went to.
+  struct LaneLookup {
+    SegmentId segment = 0;
+    LaneSegment* entry = nullptr;
+  };
+  bool DeliverOnLane(Lane& lane, const transport::Completion& done, absl::Time now,
+                     LaneLookup* last, LoadReturns* returns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // One completion; the slice goes to `refresh` or `repost`, or finishes.
   void Deliver(transport::Completion& done, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -196,9 +206,10 @@ class BatchPipeline {
   // peer could not be asked or answered one.
   absl::Status ClosePeerHalves(SegmentId segment,
                                const std::vector<std::pair<transport::LinkId, std::string>>& links);
-  // Finishes slice `sid` of `lane`.
-  void FinishSlice(Lane& lane, uint64_t sid, absl::Status status, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // Finishes slice `sid` of `lane`; `entry`: the lane's part of the
+  // slice's segment when the caller has it (saves a lookup).
+  void FinishSlice(Lane& lane, uint64_t sid, absl::Status status, absl::Time now,
+                   LaneSegment* entry = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // The same under mu_, for a slice of any lane.
   void FinishSlice(uint64_t sid, absl::Status status, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

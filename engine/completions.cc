@@ -15,14 +15,18 @@ namespace engine_internal {
 using transport::Completion;
 using transport::Opcode;
 
-void BatchPipeline::FinishSlice(Lane& lane, uint64_t sid, absl::Status status, absl::Time now) {
+void BatchPipeline::FinishSlice(Lane& lane, uint64_t sid, absl::Status status, absl::Time now,
+                                LaneSegment* entry) {
   Slice* found = lane.batches.FindSlice(sid);
   if (found == nullptr) return;
   const BatchId batch_id = found->batch;
   const size_t first = found->request, end = found->request + found->requests;
-  auto seg = lane.segments.find(found->segment);
+  if (entry == nullptr) {
+    auto it = lane.segments.find(found->segment);
+    if (it != lane.segments.end()) entry = &it->second;
+  }
   lane.batches.EraseSlice(sid);
-  if (seg != lane.segments.end()) --seg->second.slices;
+  if (entry != nullptr) --entry->slices;
   Batch* batch = lane.batches.Find(batch_id);
   if (batch == nullptr) return;
   if (status.ok()) ++batch->landed;
@@ -30,8 +34,8 @@ void BatchPipeline::FinishSlice(Lane& lane, uint64_t sid, absl::Status status, a
     if (!status.ok() && batch->status[k].ok()) batch->status[k] = status;
     if (--batch->slices_left[k] != 0) continue;
     if (--batch->pending == 0) pump_.Wake(lane.index);  // its waiter may sleep
-    if (seg == lane.segments.end()) continue;
-    PeerMetrics& m = seg->second.metrics;
+    if (entry == nullptr) continue;
+    PeerMetrics& m = entry->metrics;
     m.latency.Record(now - batch->submitted);
     const absl::Status& result = batch->status[k];
     if (result.ok()) {
@@ -55,20 +59,23 @@ void BatchPipeline::CountNicError(const Slice& slice, absl::StatusCode code) {
   ++nic_counters_[slice.nic].errors_by_code[absl::StatusCodeToString(code)];
 }
 
-bool BatchPipeline::DeliverOnLane(const Completion& done, absl::Time now) {
-  Lane& lane = LaneOf(done.cookie);
-  MutexLock lane_lock(&lane.mu);
+bool BatchPipeline::DeliverOnLane(Lane& lane, const Completion& done, absl::Time now,
+                                  LaneLookup* last, LoadReturns* returns) {
   const Slice* s = lane.batches.FindSlice(done.cookie);
   if (s == nullptr) return true;  // finished already (its batch failed)
-  auto it = lane.segments.find(s->segment);
-  const SegmentCore* seg = it == lane.segments.end() ? nullptr : it->second.view.get();
+  if (s->segment != last->segment || last->entry == nullptr) {
+    auto it = lane.segments.find(s->segment);
+    last->segment = s->segment;
+    last->entry = it == lane.segments.end() ? nullptr : &it->second;
+  }
+  const SegmentCore* seg = last->entry == nullptr ? nullptr : last->entry->view.get();
   // The lane's view, current or not, while it is of the slice's links
   // (their loads are the segment's; a link replaced since is not in it).
   if (seg == nullptr || seg->generation != s->generation) return false;
   for (const Link& l : seg->links) {
     if (l.id != s->link) continue;
-    l.load->Give(now);
-    FinishSlice(lane, done.cookie, absl::OkStatus(), now);
+    returns->Add(l.load.get(), now);
+    FinishSlice(lane, done.cookie, absl::OkStatus(), now, last->entry);
     return true;
   }
   return false;
@@ -245,11 +252,23 @@ size_t BatchPipeline::PollAll(absl::Span<Completion> out) {
 }
 
 bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now) {
-  // Successes on the lanes alone; the rest under the pipeline's lock.
+  // Successes on their lanes alone (one taking of a lane's lock for each
+  // run of its completions); the rest under the pipeline's lock.
   size_t rest = 0;
-  for (Completion& c : done) {
-    if (c.status.ok() && DeliverOnLane(c, now)) continue;
-    done[rest++] = std::move(c);
+  for (size_t i = 0; i < done.size();) {
+    Lane& lane = LaneOf(done[i].cookie);
+    MutexLock lane_lock(&lane.mu);
+    LaneLookup last;
+    LoadReturns returns;
+    for (; i < done.size() && &LaneOf(done[i].cookie) == &lane; ++i) {
+      Completion& c = done[i];
+      if (c.status.ok() && DeliverOnLane(lane, c, now, &last, &returns)) continue;
+      if (rest != i) done[rest] = std::move(c);
+      ++rest;
+    }
+    // Before the lane's lock goes: a waiter of a batch finished here looks
+    // (under that lock) only once its links have their places back.
+    returns.Flush(now);
   }
   if (rest > 0) {
     MutexLock lock(&mu_);

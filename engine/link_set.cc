@@ -217,26 +217,31 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
 
 namespace {
 
-const Link* Choose(const std::vector<Link>& links, NicMask near, uint32_t capacity, size_t start) {
-  const Link* best = nullptr;
-  const Link* best_far = nullptr;
+// The index of the link ChooseLink would take, with link i's load load(i);
+// -1 when none has room.
+template <typename LoadOf>
+int Choose(const std::vector<Link>& links, LoadOf load_of, NicMask near, uint32_t capacity,
+           size_t start) {
+  int best = -1, best_far = -1;
   uint32_t best_load = 0, best_far_load = 0;
   const size_t n = links.size();
   for (size_t k = 0; k < n; ++k) {
-    const Link& l = links[(start + k) % n];
-    const uint32_t load = l.inflight();
-    if (l.failed || load >= capacity) continue;
+    const size_t i = (start + k) % n;
+    const Link& l = links[i];
+    if (l.failed) continue;
+    const uint32_t load = load_of(i);
+    if (load >= capacity) continue;
     const bool is_near = near == 0 || (l.local_nic < 64 && (near >> l.local_nic) & 1);
-    const Link*& slot = is_near ? best : best_far;
+    int& slot = is_near ? best : best_far;
     uint32_t& slot_load = is_near ? best_load : best_far_load;
     // Fewer in flight per unit of speed: a / wa < b / wb.
-    if (slot == nullptr || uint64_t{load} * slot->weight < uint64_t{slot_load} * l.weight) {
-      slot = &l;
+    if (slot < 0 || uint64_t{load} * links[slot].weight < uint64_t{slot_load} * l.weight) {
+      slot = static_cast<int>(i);
       slot_load = load;
     }
     if (is_near && load == 0) break;  // none is less loaded
   }
-  return best != nullptr ? best : best_far;
+  return best >= 0 ? best : best_far;
 }
 
 }  // namespace
@@ -246,9 +251,57 @@ const Link* ChooseLink(const std::vector<Link>& links, NicMask near, uint32_t ca
   // Another thread may take the last place between the look and the take:
   // look again then.
   for (;;) {
-    const Link* l = Choose(links, near, capacity, start);
-    if (l == nullptr || l->load->TryTake(capacity, now)) return l;
+    const int i = Choose(links, [&](size_t k) { return links[k].inflight(); }, near, capacity,
+                         start);
+    if (i < 0) return nullptr;
+    if (links[i].load->TryTake(capacity, now)) return &links[i];
   }
+}
+
+bool LinkPlan::Begin(const std::vector<Link>* links, uint32_t capacity, size_t start) {
+  if (links->size() > kMaxLinks) return false;
+  links_ = links;
+  capacity_ = capacity;
+  start_ = start;
+  // Loads are read when Choose first looks at them: a thread whose own
+  // link is idle reads no other thread's.
+  for (size_t i = 0; i < links->size(); ++i) {
+    load_[i] = kUnread;
+    added_[i] = 0;
+  }
+  return true;
+}
+
+int LinkPlan::Next(NicMask near) {
+  auto load_of = [&](size_t k) {
+    if (load_[k] == kUnread) load_[k] = (*links_)[k].inflight();
+    return load_[k];
+  };
+  const int i = Choose(*links_, load_of, near, capacity_, start_);
+  if (i >= 0) {
+    ++load_[i];
+    ++added_[i];
+  }
+  return i;
+}
+
+bool LinkPlan::Take(absl::Time now) {
+  const size_t n = links_->size();
+  for (size_t i = 0; i < n; ++i) {
+    if (added_[i] == 0) continue;
+    LinkLoad& load = *(*links_)[i].load;
+    const uint32_t had = load.inflight.fetch_add(added_[i], std::memory_order_relaxed);
+    if (had + added_[i] > capacity_) {
+      for (size_t j = 0; j <= i; ++j) {
+        if (added_[j] > 0) {
+          (*links_)[j].load->inflight.fetch_sub(added_[j], std::memory_order_relaxed);
+        }
+      }
+      return false;
+    }
+    if (had == 0) load.progress_ns.store(absl::ToUnixNanos(now), std::memory_order_relaxed);
+  }
+  return true;
 }
 
 }  // namespace engine_internal

@@ -32,21 +32,21 @@ struct LinkLoad {
   std::atomic<int64_t> progress_ns{0};
   char after[64];
 
-  // Takes one place if fewer than `capacity` are in flight.
+  // Takes one place if fewer than `capacity` are in flight (one atomic
+  // operation when there is room).
   bool TryTake(uint32_t capacity, absl::Time now) {
-    uint32_t n = inflight.load(std::memory_order_relaxed);
-    do {
-      if (n >= capacity) return false;
-    } while (!inflight.compare_exchange_weak(n, n + 1, std::memory_order_relaxed));
+    const uint32_t n = inflight.fetch_add(1, std::memory_order_relaxed);
+    if (n >= capacity) {
+      inflight.fetch_sub(1, std::memory_order_relaxed);
+      return false;
+    }
     if (n == 0) progress_ns.store(absl::ToUnixNanos(now), std::memory_order_relaxed);
     return true;
   }
-  // Gives one back (none when none is taken).
-  void Give(absl::Time now) {
-    uint32_t n = inflight.load(std::memory_order_relaxed);
-    do {
-      if (n == 0) return;
-    } while (!inflight.compare_exchange_weak(n, n - 1, std::memory_order_relaxed));
+  // Gives `n` back (never more than are taken).
+  void Give(absl::Time now, uint32_t n = 1) {
+    const uint32_t had = inflight.fetch_sub(n, std::memory_order_relaxed);
+    if (had < n) inflight.fetch_add(n - had, std::memory_order_relaxed);
     progress_ns.store(absl::ToUnixNanos(now), std::memory_order_relaxed);
   }
 };
@@ -120,6 +120,60 @@ absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClie
 // null when every link is full or failed.
 const Link* ChooseLink(const std::vector<Link>& links, NicMask near, uint32_t capacity,
                        size_t start, absl::Time now);
+
+// Links for the slices of a batch at once: each slice's link chosen as
+// ChooseLink chooses, against loads counted here, then every place taken
+// with one atomic add per link (Take) instead of one per slice.
+class LinkPlan {
+ public:
+  static constexpr size_t kMaxLinks = 16;
+  // False when the links are more than a plan holds (ChooseLink then).
+  bool Begin(const std::vector<Link>* links, uint32_t capacity, size_t start);
+  // The index of the next slice's link, or -1 when every link is full or
+  // failed (as far as the plan knows).
+  int Next(NicMask near);
+  // Takes the places planned; false (nothing taken) when other threads
+  // took some meanwhile and a link would go over its capacity.
+  bool Take(absl::Time now);
+
+ private:
+  const std::vector<Link>* links_ = nullptr;
+  uint32_t capacity_ = 0;
+  size_t start_ = 0;
+  static constexpr uint32_t kUnread = UINT32_MAX;
+  uint32_t load_[kMaxLinks];   // as read (kUnread: not yet), plus the plan's
+  uint32_t added_[kMaxLinks];  // the plan's
+};
+
+// Places given back to links, one atomic operation per link: completions
+// of one link come in runs.
+class LoadReturns {
+ public:
+  void Add(LinkLoad* load, absl::Time now) {
+    for (size_t i = 0; i < n_; ++i) {
+      if (loads_[i] == load) {
+        ++counts_[i];
+        return;
+      }
+    }
+    if (n_ == kMax) {
+      load->Give(now);
+      return;
+    }
+    loads_[n_] = load;
+    counts_[n_++] = 1;
+  }
+  void Flush(absl::Time now) {
+    for (size_t i = 0; i < n_; ++i) loads_[i]->Give(now, counts_[i]);
+    n_ = 0;
+  }
+
+ private:
+  static constexpr size_t kMax = 8;
+  LinkLoad* loads_[kMax];
+  uint32_t counts_[kMax];
+  size_t n_ = 0;
+};
 
 }  // namespace engine_internal
 }  // namespace kvferry

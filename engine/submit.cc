@@ -224,35 +224,43 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
 bool BatchPipeline::AssignNow(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
                               absl::Span<const uint64_t> ids, absl::Time now,
                               std::vector<WorkRequest>* wrs) {
+  LinkPlan plan;
+  if (!plan.Begin(&seg.links, vias_[seg.via].link_capacity, ls.home)) return false;
+  // Near NICs are the primary transport's.
   for (uint64_t sid : ids) {
-    WorkRequest wr;
-    if (!AssignLink(seg, lane, ls, *lane.batches.FindSlice(sid), &wr, now)) {
-      // No room for them all: give back what was taken; PostSlices decides.
-      for (const WorkRequest& taken : *wrs) {
-        Unassign(seg, *lane.batches.FindSlice(taken.cookie), now);
-        --ls.metrics.slices;
-        if (Slice* s = lane.batches.FindSlice(taken.cookie); s->nic < lane.nics.size()) {
-          --lane.nics[s->nic].slices;
-          lane.nics[s->nic].bytes -= s->length;
-        }
-      }
+    const int k = plan.Next(seg.via == 0 ? lane.batches.FindSlice(sid)->local_use.near : 0);
+    if (k < 0) {  // no room for them all: PostSlices decides
       wrs->clear();
       return false;
     }
+    WorkRequest wr;
     wr.cookie = sid;
+    wr.link = static_cast<transport::LinkId>(k);  // the link's index until Take
     wrs->push_back(wr);
+  }
+  if (!plan.Take(now)) {
+    wrs->clear();
+    return false;
+  }
+  for (WorkRequest& wr : *wrs) {
+    FillRequest(seg, lane, ls, seg.links[wr.link], *lane.batches.FindSlice(wr.cookie), &wr);
   }
   return true;
 }
 
 bool BatchPipeline::AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& ls, Slice& slice,
                                WorkRequest* wr, absl::Time now) {
-  const Via& via = vias_[seg.via];
   // Near NICs are the primary transport's.
   const Link* best = ChooseLink(seg.links, seg.via == 0 ? slice.local_use.near : 0,
-                                via.link_capacity, ls.home, now);
+                                vias_[seg.via].link_capacity, ls.home, now);
   if (best == nullptr) return false;
-  const size_t nic = via.nic_offset + best->local_nic;
+  FillRequest(seg, lane, ls, *best, slice, wr);
+  return true;
+}
+
+void BatchPipeline::FillRequest(const SegmentCore& seg, Lane& lane, LaneSegment& ls,
+                                const Link& link, Slice& slice, WorkRequest* wr) {
+  const size_t nic = vias_[seg.via].nic_offset + link.local_nic;
   if (nic < lane.nics.size()) {
     ++lane.nics[nic].slices;
     lane.nics[nic].bytes += slice.length;
@@ -260,16 +268,15 @@ bool BatchPipeline::AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& 
   ++ls.metrics.slices;
   const handshake::RegionDescriptor& r = seg.descriptor.regions[slice.region];
   slice.generation = seg.generation;
-  slice.link = best->id;
+  slice.link = link.id;
   slice.nic = static_cast<transport::NicIndex>(nic);
   wr->opcode = slice.opcode;
-  wr->link = best->id;
+  wr->link = link.id;
   wr->local_region = slice.local_use.region[seg.via];
   wr->local_addr = slice.local;
   wr->length = slice.length;
   wr->remote_addr = slice.remote;
-  wr->remote_key = r.keys[best->remote_nic];
-  return true;
+  wr->remote_key = r.keys[link.remote_nic];
 }
 
 void BatchPipeline::Unassign(const SegmentCore& seg, const Slice& slice, absl::Time now) {
