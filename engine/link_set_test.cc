@@ -84,6 +84,52 @@ TEST(ChooseLink, CopiesShareTheLoad) {
   EXPECT_EQ(absl::ToUnixNanos(links[0].progress()), absl::ToUnixNanos(now));  // made busy now
 }
 
+// A batch's plan spreads its slices as ChooseLink would, one at a time,
+// and takes every place at once; when other threads filled a link
+// meanwhile, it takes nothing.
+TEST(LinkPlan, PlansLikeChooseLinkAndTakesAllOrNothing) {
+  std::vector<Link> links = Links(2);
+  const absl::Time now = absl::Now();
+  LinkPlan plan;
+  ASSERT_TRUE(plan.Begin(&links, 4, /*start=*/1));
+  EXPECT_EQ(plan.Next(0), 1);  // the start's link first
+  EXPECT_EQ(plan.Next(0), 0);  // then the less loaded
+  EXPECT_EQ(plan.Next(0), 1);
+  EXPECT_EQ(links[0].inflight(), 0u);  // nothing taken yet
+  ASSERT_TRUE(plan.Take(now));
+  EXPECT_EQ(links[0].inflight(), 1u);
+  EXPECT_EQ(links[1].inflight(), 2u);
+
+  ASSERT_TRUE(plan.Begin(&links, 4, 0));
+  for (int i = 0; i < 5; ++i) EXPECT_GE(plan.Next(0), 0);
+  EXPECT_EQ(plan.Next(0), -1);  // both full as planned
+  links[1].load->inflight += 2;  // another thread took link 1's places
+  EXPECT_FALSE(plan.Take(now));
+  EXPECT_EQ(links[0].inflight(), 1u);  // nothing of this plan stays
+  EXPECT_EQ(links[1].inflight(), 4u);
+
+  std::vector<Link> many = Links(LinkPlan::kMaxLinks + 1);
+  EXPECT_FALSE(plan.Begin(&many, 4, 0));
+}
+
+// Places go back per link, counted.
+TEST(LoadReturns, GivesBackPerLink) {
+  std::vector<Link> links = Links(2);
+  const absl::Time now = absl::Now();
+  links[0].load->inflight = 3;
+  links[1].load->inflight = 1;
+  LoadReturns r;
+  r.Add(links[0].load.get(), now);
+  r.Add(links[1].load.get(), now);
+  r.Add(links[0].load.get(), now);
+  EXPECT_EQ(links[0].inflight(), 3u);  // at the flush
+  r.Flush(now);
+  EXPECT_EQ(links[0].inflight(), 1u);
+  EXPECT_EQ(links[1].inflight(), 0u);
+  links[1].load->Give(now, 5);  // never below zero
+  EXPECT_EQ(links[1].inflight(), 0u);
+}
+
 }  // namespace
 }  // namespace engine_internal
 }  // namespace kvferry
