@@ -2,6 +2,7 @@
 engine and KV layer, errors as exceptions, the GIL released, metrics."""
 import multiprocessing
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -226,7 +227,7 @@ class KvTest(unittest.TestCase):
 
     def test_a_prefill_that_never_answers_fails_the_expected_request(self):
         decode = kvferry.Engine(host="127.0.0.1", transport="tcp")
-        gone = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        gone = _engine_on_a_port_no_one_else_takes()
         address = gone.address
         del gone  # the engine stops listening
         _, _, _, dst_pool = self._pools()
@@ -240,6 +241,27 @@ class KvTest(unittest.TestCase):
         self.assertLess(took, 3.0)
         with self.assertRaises(kvferry.Error):
             receiver.expect("x", "not an address")
+
+
+def _engine_on_a_port_no_one_else_takes():
+    """An engine on a port below the kernel's ephemeral range and away from
+    the engines' default ports (15981 up): once it is gone, no engine of a
+    test run in parallel starts listening there in its place."""
+    lo = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    error = None
+    for _ in range(20):
+        port = rng.randrange(max(20000, lo - 12000), max(20001, lo))
+        try:
+            return kvferry.Engine(host="127.0.0.1", port=port, transport="tcp")
+        except kvferry.Error as e:  # taken: another
+            error = e
+    raise error
 
 
 class MetricsTest(unittest.TestCase):
