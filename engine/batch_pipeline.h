@@ -110,16 +110,29 @@ class BatchPipeline {
   // slice size; false (nothing changed) otherwise.
   bool Extend(const SegmentCore& seg, const TransferRequest& r, const LocalUse& local,
               Slice* last) const;
-  // Submit on lane `lane` while `ls` holds the segment's current view
-  // `seg`: plans, creates the batch, and assigns links when the segment
-  // has room and no backlog. kOutsideRegions in `why` when a request lies
-  // outside the view's regions.
+  // What submitting a batch on a lane gives PostSlices.
+  struct Submission {
+    std::vector<uint64_t>* slice_ids;
+    std::vector<transport::WorkRequest>* wrs;  // when `assigned`: one per slice
+    bool assigned = false;
+    absl::Time now;
+    size_t via = 0;
+  };
+  // Creates the batch on `lane`: on the lane's view of the segment, read
+  // again (and the segment refreshed) when it is out of date.
+  absl::StatusOr<BatchId> CreateOnLane(Lane& lane, SegmentId id,
+                                       absl::Span<const TransferRequest> requests,
+                                       absl::Span<const LocalUse> local, uint64_t peer_engine_id,
+                                       Submission* out);
+  // The same while `ls` holds the segment's current view `seg`: plans,
+  // creates the batch, and assigns links when the segment has room and no
+  // backlog. kOutsideRegions in `why` when a request lies outside the
+  // view's regions.
   absl::StatusOr<BatchId> SubmitOnLane(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
                                        SegmentId id, absl::Span<const TransferRequest> requests,
                                        absl::Span<const LocalUse> local, uint64_t peer_engine_id,
-                                       SliceCheck* why, std::vector<uint64_t>* slice_ids,
-                                       std::vector<transport::WorkRequest>* wrs, bool* assigned,
-                                       absl::Time* now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+                                       SliceCheck* why, Submission* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   BatchId CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
                       absl::Span<const TransferRequest> requests, uint64_t peer_engine_id,
                       std::vector<Slice>& planned, std::vector<uint64_t>* slice_ids,

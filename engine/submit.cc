@@ -137,11 +137,12 @@ absl::Status BatchPipeline::ReadView(Lane& lane, SegmentId id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(
-    Lane& lane, LaneSegment& ls, const SegmentCore& seg, SegmentId id,
-    absl::Span<const TransferRequest> requests, absl::Span<const LocalUse> local,
-    uint64_t peer_engine_id, SliceCheck* why, std::vector<uint64_t>* slice_ids,
-    std::vector<WorkRequest>* wrs, bool* assigned, absl::Time* now) {
+absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
+                                                    const SegmentCore& seg, SegmentId id,
+                                                    absl::Span<const TransferRequest> requests,
+                                                    absl::Span<const LocalUse> local,
+                                                    uint64_t peer_engine_id, SliceCheck* why,
+                                                    Submission* out) {
   Scratch<Slice> planned_scratch;
   std::vector<Slice>& planned = *planned_scratch;
   RETURN_IF_ERROR(PlanSlices(seg, id, requests, local, &planned, why));
@@ -149,57 +150,40 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(
     return absl::UnavailableError(absl::StrCat(
         "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
   }
-  *now = clock_->Now();
+  out->now = clock_->Now();
+  out->via = seg.via;
   const BatchId batch =
-      CreateBatch(lane, ls, id, requests, peer_engine_id, planned, slice_ids, *now);
+      CreateBatch(lane, ls, id, requests, peer_engine_id, planned, out->slice_ids, out->now);
   // Slices waiting in a backlog go first (PostSlices).
-  *assigned = !maybe_backlog_.load(std::memory_order_acquire) &&
-              AssignNow(lane, ls, seg, *slice_ids, *now, wrs);
+  out->assigned = !maybe_backlog_.load(std::memory_order_acquire) &&
+                  AssignNow(lane, ls, seg, *out->slice_ids, out->now, out->wrs);
   return batch;
 }
 
-absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
-                                              absl::Span<const TransferRequest> requests,
-                                              uint64_t peer_engine_id) {
-  // Local buffers first (under the regions' own lock, or a thread's last piece).
-  Scratch<LocalUse> local_scratch;
-  std::vector<LocalUse>& local = *local_scratch;
-  RETURN_IF_ERROR(regions_->FindAll(requests, &local));
-  Scratch<uint64_t> ids_scratch;
-  std::vector<uint64_t>& slice_ids = *ids_scratch;
-  Scratch<WorkRequest> wrs_scratch;
-  std::vector<WorkRequest>& wrs = *wrs_scratch;
-  Lane& lane = *lanes_[ThisThreadsLane()];
-  absl::StatusOr<BatchId> batch;
-  absl::Time now;
-  bool assigned = false;
-  size_t via = 0;
+absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
+                                                    absl::Span<const TransferRequest> requests,
+                                                    absl::Span<const LocalUse> local,
+                                                    uint64_t peer_engine_id, Submission* out) {
   bool looked_again = false;  // refreshed once for a request outside the regions
   // Each round either submits on the lane's view of the segment, or finds
   // that view out of date and reads it again (refreshing the segment first
   // when it is not ready).
   for (int round = 0;; ++round) {
     SliceCheck why = SliceCheck::kOk;
-    bool viewed = false;
     {
       MutexLock lane_lock(&lane.mu);
       auto it = lane.segments.find(id);
       if (const SegmentCore* seg = it == lane.segments.end() ? nullptr : it->second.Current()) {
-        viewed = true;
-        via = seg->via;
-        batch = SubmitOnLane(lane, it->second, *seg, id, requests, local, peer_engine_id, &why,
-                             &slice_ids, &wrs, &assigned, &now);
+        absl::StatusOr<BatchId> batch =
+            SubmitOnLane(lane, it->second, *seg, id, requests, local, peer_engine_id, &why, out);
+        // A request outside the cached descriptor: the peer may have
+        // registered more memory since; look once more before refusing.
+        if (batch.ok() || why != SliceCheck::kOutsideRegions || looked_again) return batch;
+        looked_again = true;
       }
     }
     bool changed;
-    if (viewed) {
-      if (batch.ok()) break;
-      // A request outside the cached descriptor: the peer may have
-      // registered more memory since; look once more before refusing.
-      if (why != SliceCheck::kOutsideRegions || looked_again) return batch.status();
-      looked_again = true;
-      RETURN_IF_ERROR(Refresh(id, &changed));
-    }
+    if (why == SliceCheck::kOutsideRegions) RETURN_IF_ERROR(Refresh(id, &changed));
     if (round >= kMaxSubmitRounds) {
       return absl::UnavailableError(absl::StrCat("segment ", id, " changed ", round,
                                                  " times while a batch was submitted to it"));
@@ -211,11 +195,26 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
       return read;
     }
   }
-  if (!batch.ok()) return batch.status();
-  absl::Status posted = PostSlices(id, slice_ids, now, assigned ? &wrs : nullptr, via);
+}
+
+absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
+                                              absl::Span<const TransferRequest> requests,
+                                              uint64_t peer_engine_id) {
+  // Local buffers first (under the regions' own lock, or a thread's last piece).
+  Scratch<LocalUse> local_scratch;
+  std::vector<LocalUse>& local = *local_scratch;
+  RETURN_IF_ERROR(regions_->FindAll(requests, &local));
+  Scratch<uint64_t> ids_scratch;
+  Scratch<WorkRequest> wrs_scratch;
+  Submission sub{&*ids_scratch, &*wrs_scratch};
+  Lane& lane = *lanes_[ThisThreadsLane()];
+  ASSIGN_OR_RETURN(const BatchId batch,
+                   CreateOnLane(lane, id, requests, local, peer_engine_id, &sub));
+  absl::Status posted =
+      PostSlices(id, *sub.slice_ids, sub.now, sub.assigned ? sub.wrs : nullptr, sub.via);
   if (!posted.ok()) {
     MutexLock lane_lock(&lane.mu);
-    lane.batches.Recycle(*batch);  // nothing of it runs; the caller gets no id
+    lane.batches.Recycle(batch);  // nothing of it runs; the caller gets no id
     return posted;
   }
   return batch;
