@@ -1,7 +1,8 @@
 // Batches and their slices in flight. A batch is the caller's list of
 // requests; each request is cut into slices, and a slice is what goes on a
 // link (a transport work request whose cookie is the slice id). A plain
-// container: the batch pipeline's lock guards it (see batch_pipeline.h).
+// container: each of the batch pipeline's lanes holds one, under the
+// lane's lock (see lanes.h).
 #ifndef KVFERRY_ENGINE_BATCH_TABLE_H_
 #define KVFERRY_ENGINE_BATCH_TABLE_H_
 

@@ -109,23 +109,28 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
   // slice to a healthy link of the segment if there is one (another NIC
   // pair, say); rebuild the links only when none is left, or when the
   // peer's keys may have changed.
-  bool healthy = false;
+  bool healthy = false, newly_failed = false;
   for (Link& l : seg.links) {
     if (l.id == s->link && !l.failed) {
       l.failed = true;
       l.failed_at = now;
+      newly_failed = true;
     }
     healthy = healthy || !l.failed;
   }
   ++seg.metrics.retries;
   if (s->link != 0 && s->nic < nic_counters_.size()) ++nic_counters_[s->nic].retries;
-  seg.Publish();  // the view without the failed link
   if (healthy && done.status.code() != absl::StatusCode::kPermissionDenied) {
+    if (newly_failed) seg.Publish();  // the view without the failed link
     ++counters_.link_failovers;
     return retry(false);
   }
-  seg.state = seg.state == SegmentState::kRefreshing ? seg.state : SegmentState::kStale;
-  seg.Publish();
+  // Published once per change (the slices of a dead link fail by the
+  // thousand): the view goes while the segment waits for its refresh.
+  if (newly_failed || seg.state == SegmentState::kReady) {
+    seg.state = seg.state == SegmentState::kRefreshing ? seg.state : SegmentState::kStale;
+    seg.Publish();
+  }
   retry(true);
 }
 
