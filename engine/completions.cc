@@ -347,12 +347,12 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
     b->StatusTo(out);
     return true;
   };
-  // The driver wakes at least every peer_timeout / 4 to look for silent
-  // peers; completions wake it at once.
-  const absl::Duration check = config_.peer_timeout / 4;
   const bool done = pump_.Await(
       ready, timeout,
       [&](absl::Time until) {
+        // The driver wakes at least every peer_timeout / 4 to look for
+        // silent peers; completions wake it at once.
+        const absl::Duration check = config_.peer_timeout / 4;
         Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
       },
       [&] { return PollNow(); }, lane.index);
