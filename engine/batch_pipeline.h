@@ -133,10 +133,25 @@ class BatchPipeline {
                                        absl::Span<const LocalUse> local, uint64_t peer_engine_id,
                                        SliceCheck* why, Submission* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // The batch of `requests` in `lane`'s table with the slices `planned`;
+  // their ids go to `slice_ids` (one per slice).
   BatchId CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
                       absl::Span<const TransferRequest> requests, uint64_t peer_engine_id,
-                      std::vector<Slice>& planned, std::vector<uint64_t>* slice_ids,
-                      absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+                      absl::Span<Slice> planned, uint64_t* slice_ids, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // The slice of request `i` (`r`) at `off`, `len` bytes, in local piece
+  // `use` and peer region `reg` of `seg`.
+  static Slice MakeSlice(const SegmentCore& seg, SegmentId id, const TransferRequest& r, size_t i,
+                         uint64_t off, uint64_t len, const LocalUse& use,
+                         const handshake::RegionDescriptor* reg, uint32_t retries);
+  // Submit's path for a lone request that fits one slice, on a segment
+  // whose current view this thread's lane holds, with no backlog and a
+  // link with room: planned, created, assigned and posted with no scratch
+  // buffers and no plan (a latency-bound caller's batch). nullopt, nothing
+  // changed, when anything is unusual (the general path then decides).
+  std::optional<absl::StatusOr<BatchId>> SubmitOne(SegmentId id, const TransferRequest& r,
+                                                   const LocalUse& local,
+                                                   uint64_t peer_engine_id);
   // Reads the segment's current view into the caller's lane, under mu_:
   // OK, or why the segment cannot take slices now (kFailedPrecondition:
   // not ready, refresh it).

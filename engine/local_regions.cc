@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "base/logging.h"
+#include "base/status_macros.h"
 #include "transport/checks.h"
 
 namespace kvferry {
@@ -183,40 +184,59 @@ std::atomic<uint64_t> next_serial{1};
 LocalRegions::LocalRegions(std::vector<transport::Transport*> transports)
     : transports_(std::move(transports)), serial_(next_serial.fetch_add(1)) {}
 
+bool LocalRegions::InCachedPiece(const TransferRequest& r) const {
+  const CachedPiece& c = cached_piece;
+  const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
+  return c.serial == serial_ && c.generation == generation_.load(std::memory_order_acquire) &&
+         r.length > 0 && transport::RangeInside(at, r.length, c.base, c.length) && at >= c.from &&
+         at < c.use.until;
+}
+
 absl::Status LocalRegions::FindAll(absl::Span<const TransferRequest> requests,
                                    std::vector<LocalUse>* out) const {
-  const CachedPiece& c = cached_piece;
-  bool hit = c.serial == serial_ && c.generation == generation_.load(std::memory_order_acquire);
-  for (size_t i = 0; hit && i < requests.size(); ++i) {
-    const uint64_t at = reinterpret_cast<uintptr_t>(requests[i].local);
-    hit = requests[i].length > 0 && transport::RangeInside(at, requests[i].length, c.base, c.length) &&
-          at >= c.from && at < c.use.until;
-  }
+  bool hit = true;
+  for (size_t i = 0; hit && i < requests.size(); ++i) hit = InCachedPiece(requests[i]);
   if (hit) {
-    out->push_back(c.use);  // one for all
+    out->push_back(cached_piece.use);  // one for all
     return absl::OkStatus();
   }
   MutexLock lock(&mu_);
   return FindAllLocked(requests, out);
 }
 
+absl::Status LocalRegions::FindOne(const TransferRequest& r, LocalUse* out) const {
+  if (InCachedPiece(r)) {
+    *out = cached_piece.use;
+    return absl::OkStatus();
+  }
+  MutexLock lock(&mu_);
+  return FindLocked(r, 0, /*last=*/true, out);
+}
+
 absl::Status LocalRegions::FindAllLocked(absl::Span<const TransferRequest> requests,
                                          std::vector<LocalUse>* out) const {
   for (size_t i = 0; i < requests.size(); ++i) {
-    const TransferRequest& r = requests[i];
-    const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
-    uint64_t base = 0;
-    const Entry* e = Lookup(at, r.length, &base);
-    if (e == nullptr) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "request %u: local buffer [%p, +%u) is %s", i, r.local, r.length,
-          r.length == 0 ? "empty" : "not inside memory registered on this engine"));
-    }
-    out->push_back(e->Use(base, at));
-    if (i + 1 == requests.size()) {
-      cached_piece = CachedPiece{serial_, generation_.load(std::memory_order_relaxed), base,
-                                 e->length, e->pieces[e->PieceOf(base, at)].addr, out->back()};
-    }
+    LocalUse use;
+    RETURN_IF_ERROR(FindLocked(requests[i], i, i + 1 == requests.size(), &use));
+    out->push_back(use);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalRegions::FindLocked(const TransferRequest& r, size_t i, bool last,
+                                      LocalUse* out) const {
+  const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
+  uint64_t base = 0;
+  const Entry* e = Lookup(at, r.length, &base);
+  if (e == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "request %u: local buffer [%p, +%u) is %s", i, r.local, r.length,
+        r.length == 0 ? "empty" : "not inside memory registered on this engine"));
+  }
+  *out = e->Use(base, at);
+  if (last) {
+    cached_piece = CachedPiece{serial_, generation_.load(std::memory_order_relaxed), base,
+                               e->length, e->pieces[e->PieceOf(base, at)].addr, *out};
   }
   return absl::OkStatus();
 }

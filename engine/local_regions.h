@@ -72,6 +72,8 @@ class LocalRegions {
   // gets one LocalUse that stands for every request (see UseOf).
   absl::Status FindAll(absl::Span<const TransferRequest> requests,
                        std::vector<LocalUse>* out) const;
+  // FindAll for one request, into `out`.
+  absl::Status FindOne(const TransferRequest& r, LocalUse* out) const;
   // The piece holding `addr` (for a request's bytes past its first piece);
   // false when it is no longer registered.
   bool FindPiece(uint64_t addr, LocalUse* out) const;
@@ -125,6 +127,12 @@ class LocalRegions {
   // FindAll under the lock; caches the last piece found for this thread.
   absl::Status FindAllLocked(absl::Span<const TransferRequest> requests,
                              std::vector<LocalUse>* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Request `i` (`r`) of FindAllLocked; `last`: cache its piece.
+  absl::Status FindLocked(const TransferRequest& r, size_t i, bool last, LocalUse* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `r` lies in this thread's cached piece (of this instance, with
+  // no registration changed since).
+  bool InCachedPiece(const TransferRequest& r) const;
   const std::vector<transport::Transport*> transports_;
   // This instance among the process's (threads' caches name it).
   const uint64_t serial_;

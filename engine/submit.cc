@@ -45,7 +45,6 @@ absl::Status BatchPipeline::PlanSlices(const SegmentCore& seg, SegmentId id,
                                        absl::Span<const TransferRequest> requests,
                                        absl::Span<const LocalUse> local,
                                        std::vector<Slice>* planned, SliceCheck* why) const {
-  const auto& regions = seg.descriptor.regions;
   bool whole = false;  // planned->back() holds whole requests only
   // The peer region of the last slice: the next often lies in it too.
   const handshake::RegionDescriptor* reg = nullptr;
@@ -78,18 +77,7 @@ absl::Status BatchPipeline::PlanSlices(const SegmentCore& seg, SegmentId id,
       absl::Status bad;
       *why = CheckRegion(seg, reg, remote, len, write, &bad);
       if (*why != SliceCheck::kOk) return Annotate(bad, absl::StrCat("request ", i));
-      Slice s;
-      s.request = i;
-      s.segment = id;
-      s.opcode = r.opcode;
-      s.local = static_cast<char*>(r.local) + off;
-      s.local_use = use;
-      s.remote = remote;
-      s.length = len;
-      s.retries_left = config_.retries;
-      s.checked = seg.generation + 1;
-      s.region = static_cast<uint32_t>(reg - regions.data());
-      planned->push_back(s);
+      planned->push_back(MakeSlice(seg, id, r, i, off, len, use, reg, config_.retries));
       whole = off == 0 && len == r.length;
       off += len;
     }
@@ -97,10 +85,27 @@ absl::Status BatchPipeline::PlanSlices(const SegmentCore& seg, SegmentId id,
   return absl::OkStatus();
 }
 
+Slice BatchPipeline::MakeSlice(const SegmentCore& seg, SegmentId id, const TransferRequest& r,
+                               size_t i, uint64_t off, uint64_t len, const LocalUse& use,
+                               const handshake::RegionDescriptor* reg, uint32_t retries) {
+  Slice s;
+  s.request = i;
+  s.segment = id;
+  s.opcode = r.opcode;
+  s.local = static_cast<char*>(r.local) + off;
+  s.local_use = use;
+  s.remote = r.remote + off;
+  s.length = len;
+  s.retries_left = retries;
+  s.checked = seg.generation + 1;
+  s.region = static_cast<uint32_t>(reg - seg.descriptor.regions.data());
+  return s;
+}
+
 BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
                                    absl::Span<const TransferRequest> requests,
-                                   uint64_t peer_engine_id, std::vector<Slice>& planned,
-                                   std::vector<uint64_t>* slice_ids, absl::Time now) {
+                                   uint64_t peer_engine_id, absl::Span<Slice> planned,
+                                   uint64_t* slice_ids, absl::Time now) {
   Batch* b;
   const BatchId batch_id = lane.batches.Create(&b);
   b->segment = id;
@@ -120,7 +125,7 @@ BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
   for (Slice& s : planned) {
     s.batch = batch_id;
     for (size_t k = s.request; k < s.request + s.requests; ++k) ++b->slices_left[k];
-    slice_ids->push_back(lane.batches.AddSlice(s));
+    *slice_ids++ = lane.batches.AddSlice(s);
   }
   return batch_id;
 }
@@ -152,8 +157,9 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
   }
   out->now = clock_->Now();
   out->via = seg.via;
-  const BatchId batch =
-      CreateBatch(lane, ls, id, requests, peer_engine_id, planned, out->slice_ids, out->now);
+  out->slice_ids->resize(planned.size());
+  const BatchId batch = CreateBatch(lane, ls, id, requests, peer_engine_id,
+                                    absl::MakeSpan(planned), out->slice_ids->data(), out->now);
   // Slices waiting in a backlog go first (PostSlices).
   out->assigned = !maybe_backlog_.load(std::memory_order_acquire) &&
                   AssignNow(lane, ls, seg, *out->slice_ids, out->now, out->wrs);
@@ -197,13 +203,79 @@ absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
   }
 }
 
+std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
+                                                                const TransferRequest& r,
+                                                                const LocalUse& local,
+                                                                uint64_t peer_engine_id) {
+  Lane& lane = *lanes_[ThisThreadsLane()];
+  WorkRequest wr;
+  BatchId batch;
+  uint64_t sid;
+  size_t via;
+  absl::Time now;
+  {
+    MutexLock lane_lock(&lane.mu);
+    auto it = lane.segments.find(id);
+    if (it == lane.segments.end()) return std::nullopt;
+    LaneSegment& ls = it->second;
+    const SegmentCore* seg = ls.Current();
+    if (seg == nullptr || maybe_backlog_.load(std::memory_order_acquire) ||
+        (peer_engine_id != 0 && peer_engine_id != seg->descriptor.engine_id)) {
+      return std::nullopt;
+    }
+    via = seg->via;
+    const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
+    // One slice, in one local piece (as PlanSlices would cut it).
+    if (local.region[via] == 0 || r.length == 0 || r.length > vias_[via].slice_bytes ||
+        at >= local.until || r.length > local.until - at) {
+      return std::nullopt;
+    }
+    const handshake::RegionDescriptor* reg;
+    absl::Status bad;
+    if (CheckRemote(*seg, r.remote, r.length, r.opcode == Opcode::kWrite, &bad, &reg) !=
+        SliceCheck::kOk) {
+      return std::nullopt;  // the general path says what is wrong (or looks again)
+    }
+    now = clock_->Now();
+    const Link* link = ChooseLink(seg->links, via == 0 ? local.near : 0,
+                                  vias_[via].link_capacity, ls.home, now);
+    if (link == nullptr) return std::nullopt;  // no room: the general path queues it
+    Slice slice = MakeSlice(*seg, id, r, 0, 0, r.length, local, reg, config_.retries);
+    batch = CreateBatch(lane, ls, id, {&r, 1}, peer_engine_id, {&slice, 1}, &sid, now);
+    wr.cookie = sid;
+    FillRequest(*seg, lane, ls, *link, *lane.batches.FindSlice(sid), &wr);
+  }
+  absl::Status posted = vias_[via].transport->Post({&wr, 1});
+  if (!posted.ok()) {
+    // As the general path handles a refused post (the place given back,
+    // the links rebuilt and the post tried again, or the slice failed).
+    std::vector<WorkRequest> assigned{wr};
+    posted = PostSlices(id, {&sid, 1}, now, &assigned, via);
+  }
+  if (!posted.ok()) {
+    MutexLock lane_lock(&lane.mu);
+    lane.batches.Recycle(batch);  // nothing of it runs; the caller gets no id
+    return posted;
+  }
+  return batch;
+}
+
 absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
                                               absl::Span<const TransferRequest> requests,
                                               uint64_t peer_engine_id) {
   // Local buffers first (under the regions' own lock, or a thread's last piece).
-  Scratch<LocalUse> local_scratch;
-  std::vector<LocalUse>& local = *local_scratch;
-  RETURN_IF_ERROR(regions_->FindAll(requests, &local));
+  LocalUse one;
+  std::optional<Scratch<LocalUse>> local_scratch;  // for more than one
+  absl::Span<const LocalUse> local;
+  if (requests.size() == 1) {
+    RETURN_IF_ERROR(regions_->FindOne(requests[0], &one));
+    if (auto done = SubmitOne(id, requests[0], one, peer_engine_id)) return *std::move(done);
+    local = {&one, 1};
+  } else {
+    std::vector<LocalUse>& all = *local_scratch.emplace();
+    RETURN_IF_ERROR(regions_->FindAll(requests, &all));
+    local = all;
+  }
   Scratch<uint64_t> ids_scratch;
   Scratch<WorkRequest> wrs_scratch;
   Submission sub{&*ids_scratch, &*wrs_scratch};
