@@ -173,6 +173,64 @@ TEST_P(EngineConformanceTest, BadRequestsAreRefusedBeforeAnythingMoves) {
   EXPECT_EQ(std::memcmp(src.data(), dst.data(), 4096), 0);
 }
 
+// Batches of one request (after the first, the thread's lane holds the
+// segment's view: Submit's short way): bytes, metrics, a request larger
+// than a slice, and bad requests refused with the same errors as in a
+// larger batch, the engine usable after each.
+TEST_P(EngineConformanceTest, LoneRequestsMoveAndCountLikeAnyBatch) {
+  EngineOptions o;
+  o.slice_bytes = 16 << 10;
+  auto a = Start(o);
+  auto b = Start(o);
+  ASSERT_TRUE(a && b);
+  constexpr int kLone = 6, kPage = 4096;
+  std::vector<char> src = Pattern(64 << 10, 5), dst(64 << 10, 0), back(kPage, 0),
+                    ro(kPage, 0), unregistered(kPage);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(a->RegisterMemory(back.data(), back.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size(), transport::Access::kRemoteReadWrite).ok());
+  ASSERT_TRUE(b->RegisterMemory(ro.data(), ro.size(), transport::Access::kRemoteRead).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  for (int i = 0; i < kLone; ++i) {
+    RunBatch(*a, *seg, {{Opcode::kWrite, src.data() + i * kPage, Addr(dst, i * kPage), kPage}});
+  }
+  // Two slices' worth: the general path cuts it.
+  RunBatch(*a, *seg, {{Opcode::kWrite, src.data() + 32768, Addr(dst, 32768), 32768}});
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), kLone * kPage), 0);
+  EXPECT_EQ(std::memcmp(dst.data() + 32768, src.data() + 32768, 32768), 0);
+  RunBatch(*a, *seg, {{Opcode::kRead, back.data(), Addr(dst, kPage), kPage}});
+  EXPECT_EQ(std::memcmp(back.data(), src.data() + kPage, kPage), 0);
+  const std::vector<std::pair<TransferRequest, absl::StatusCode>> bad = {
+      {{Opcode::kWrite, src.data(), Addr(dst, dst.size() - 100), 4096},
+       absl::StatusCode::kInvalidArgument},
+      {{Opcode::kWrite, unregistered.data(), Addr(dst), 4096}, absl::StatusCode::kInvalidArgument},
+      {{Opcode::kWrite, src.data(), Addr(ro), 4096}, absl::StatusCode::kPermissionDenied},
+      {{Opcode::kWrite, src.data(), Addr(dst), 0}, absl::StatusCode::kInvalidArgument},
+  };
+  const std::vector<char> before = dst;
+  for (const auto& [req, code] : bad) {
+    absl::StatusOr<BatchId> id = a->Submit(*seg, {&req, 1});
+    ASSERT_FALSE(id.ok());
+    EXPECT_EQ(id.status().code(), code) << id.status();
+    EXPECT_NE(id.status().message().find("request 0"), std::string::npos) << id.status();
+    RunBatch(*a, *seg, {{Opcode::kWrite, src.data(), Addr(dst), kPage}});  // still usable
+  }
+  EXPECT_EQ(dst, before);
+  const uint64_t batches = kLone + 2 + bad.size();
+  const EngineMetrics m = a->GetMetrics();
+  ASSERT_EQ(m.peers.size(), 1u);
+  EXPECT_EQ(m.peers[0].requests, batches);
+  EXPECT_EQ(m.peers[0].requests_ok, batches);
+  EXPECT_EQ(m.peers[0].bytes_written, uint64_t{kLone + bad.size()} * kPage + 32768);
+  EXPECT_EQ(m.peers[0].bytes_read, uint64_t{kPage});
+  EXPECT_EQ(m.peers[0].latency.count(), batches);
+  uint64_t nic_bytes = 0;
+  for (const NicMetrics& n : m.nics) nic_bytes += n.bytes;
+  EXPECT_EQ(nic_bytes, uint64_t{kLone + bad.size() + 1} * kPage + 32768);
+  EXPECT_TRUE(a->CloseSegment(*seg).ok());
+}
+
 TEST_P(EngineConformanceTest, NotificationFollowsItsDataAndMetadataIsServed) {
   auto a = Start();
   auto b = Start();
