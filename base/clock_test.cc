@@ -21,5 +21,14 @@ TEST(Clock, CoarseNowFollowsFastNow) {
   EXPECT_LE(absl::AbsDuration(RealClock()->Now() - absl::Now()), absl::Milliseconds(50));
 }
 
+// The fine clock keeps sub-second precision (nanoseconds, not seconds).
+TEST(Clock, FastNowHasSubSecondPrecision) {
+  const absl::Time a = FastNow();
+  absl::Time b = FastNow();
+  while (b == a) b = FastNow();
+  EXPECT_LT(b - a, absl::Milliseconds(10));
+  EXPECT_LE(absl::AbsDuration(FastNow() - absl::Now()), absl::Milliseconds(5));
+}
+
 }  // namespace
 }  // namespace kvferry
