@@ -238,13 +238,6 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
 bool BatchPipeline::AssignNow(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
                               absl::Span<const uint64_t> ids, absl::Time now,
                               std::vector<WorkRequest>* wrs) {
-  if (ids.size() == 1) {  // one slice (a latency-bound caller): one TryTake
-    WorkRequest& wr = wrs->emplace_back();
-    wr.cookie = ids[0];
-    if (AssignLink(seg, lane, ls, *lane.batches.FindSlice(ids[0]), &wr, now)) return true;
-    wrs->clear();
-    return false;
-  }
   LinkPlan plan;
   if (!plan.Begin(&seg.links, vias_[seg.via].link_capacity, ls.home)) return false;
   // Near NICs are the primary transport's.

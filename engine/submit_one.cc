@@ -37,8 +37,9 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
     }
     via = seg->via;
     const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
-    // One slice, in one local piece (as PlanSlices would cut it).
-    if (local.region[via] == 0 || r.length == 0 || r.length > vias_[via].slice_bytes ||
+    // One slice, in one local piece (as PlanSlices would cut it; FindOne
+    // refused an empty request).
+    if (local.region[via] == 0 || r.length > vias_[via].slice_bytes ||
         at >= local.until || r.length > local.until - at) {
       return std::nullopt;
     }
