@@ -4,12 +4,14 @@
 
 #include <dirent.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -139,18 +141,27 @@ TEST(VmmFetchTest, ANonsenseReplyIsRefused) {
     (void)::sendmsg(c, &msg, 0);
     ::close(c);
   });
-  auto open_fds = [] {
+  // The fds of this process open on the pipe: counted by what they point
+  // at, not in all, which other tests' threads may change meanwhile.
+  struct stat pipe_stat {};
+  ASSERT_EQ(::fstat(pipe_fds[0], &pipe_stat), 0);
+  const std::string pipe_name = absl::StrFormat("pipe:[%u]", pipe_stat.st_ino);
+  auto fds_on_pipe = [&] {
     int n = 0;
     DIR* d = ::opendir("/proc/self/fd");
-    while (d != nullptr && ::readdir(d) != nullptr) ++n;
+    while (dirent* e = d == nullptr ? nullptr : ::readdir(d)) {
+      char target[64] = {};
+      const std::string path = absl::StrFormat("/proc/self/fd/%s", e->d_name);
+      if (::readlink(path.c_str(), target, sizeof target - 1) > 0 && pipe_name == target) ++n;
+    }
     if (d != nullptr) ::closedir(d);
     return n;
   };
-  const int before = open_fds();
+  ASSERT_EQ(fds_on_pipe(), 2);  // this test's two ends
   auto m = FetchVmm(name, 1, 0);
   server.join();
   EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
-  EXPECT_EQ(open_fds(), before);  // the fd it was sent was closed again
+  EXPECT_EQ(fds_on_pipe(), 2);  // the fd it was sent was closed again
   ::close(lfd);
   ::close(pipe_fds[0]);
   ::close(pipe_fds[1]);
