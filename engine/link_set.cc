@@ -183,16 +183,25 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
   }
   std::vector<Link> links;
   std::vector<absl::Status> outcome;
+  // The first link rides the handshake's connection where it can: one
+  // connection to set up instead of two.
+  const bool ride = client.CanRide() && transport->GetLimits().adopts_connections;
   absl::StatusOr<PeerClient::Described> described = client.DescribeAndConnect(
-      peer, kind, std::move(requests), [&](const handshake::EngineDescriptor& d) {
+      peer, kind, std::move(requests),
+      [&](const handshake::EngineDescriptor& d) {
         if (d.transport_kind != kind || d.nics.size() != 1) return false;
         for (uint32_t k = 0; k < offers->size(); ++k) {
           Link& link = links.emplace_back(PlanLink(transport, local, d, k, now));
           link.id = (*offers)[k].link;
-          outcome.push_back(transport->ConnectOffered(link.id, d.nics[0]));
+          outcome.push_back(k == 0 && ride ? absl::OkStatus()
+                                           : transport->ConnectOffered(link.id, d.nics[0]));
         }
         return true;
-      });
+      },
+      ride ? PeerClient::Ride([&](net::Fd connection) {
+        return transport->AdoptConnection((*offers)[0].link, std::move(connection));
+      })
+           : nullptr);
   absl::StatusOr<PeerClient::LinkAnswers> answers =
       described.ok() ? std::move(described->links) : described.status();
   // A peer that refuses kConnectLinks as a whole (malformed or unknown to

@@ -59,14 +59,24 @@ absl::StatusOr<PeerClient::LinkAnswers> PeerClient::DecodeLinks(const std::strin
 absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
     const std::string& peer, const std::string& kind,
     std::vector<handshake::ConnectRequest> requests,
-    absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor) const {
+    absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor,
+    const Ride& ride) const {
   const size_t count = requests.size();
+  const bool here = ride != nullptr && count > 0 && CanRide();
+  const MessageType sent = here ? MessageType::kConnectLinksHere : MessageType::kConnectLinks;
   std::vector<Frame> frames = {
       Frame{MessageType::kDescribe, kind},
-      Frame{MessageType::kConnectLinks,
-            handshake::Encode(handshake::ConnectLinksRequest{std::move(requests)})}};
+      Frame{sent, handshake::Encode(handshake::ConnectLinksRequest{std::move(requests)})}};
   absl::StatusOr<Described> out = absl::UnknownError("no reply");
-  network_->CallPipelined(peer, frames, timeout_, [&](size_t i, absl::StatusOr<Frame> reply) {
+  // After every reply: the connection is the first link's once the peer
+  // accepted it there (never back to the pool, whatever `ride` says).
+  auto take = [&](net::Fd& connection) {
+    if (!here || !out.ok() || !out->links.ok() || !(*out->links)[0].ok()) return false;
+    absl::Status rode = ride(std::move(connection));
+    if (!rode.ok()) (*out->links)[0] = rode;
+    return true;
+  };
+  network_->CallThenTake(peer, frames, timeout_, [&](size_t i, absl::StatusOr<Frame> reply) {
     if (i == 0) {
       reply = Expect(peer, MessageType::kDescribe, std::move(reply), MessageType::kDescriptor);
       absl::StatusOr<handshake::EngineDescriptor> d =
@@ -78,11 +88,10 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
       out = Described{std::move(*d)};
       return on_descriptor(out->descriptor);
     }
-    reply = Expect(peer, MessageType::kConnectLinks, std::move(reply),
-                   MessageType::kConnectLinksReply);
+    reply = Expect(peer, sent, std::move(reply), MessageType::kConnectLinksReply);
     out->links = reply.ok() ? DecodeLinks(peer, *reply, count) : reply.status();
     return true;
-  });
+  }, take);
   return out;
 }
 

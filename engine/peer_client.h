@@ -6,6 +6,7 @@
 #define KVFERRY_ENGINE_PEER_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,14 +43,24 @@ class PeerClient {
   // read (the requester connects the links there); returning false leaves
   // them unread. `links` is kAborted then, and the peer's own error when it
   // refuses kConnectLinks as a whole.
+  //
+  // With `ride`, where the network can hand its connections over, the
+  // first link rides the call's own connection (kConnectLinksHere): once
+  // the reply accepts that link, `ride` takes the connection (the peer's
+  // end is that link's by then), and what it returns becomes the first
+  // link's answer. The requester then connects only the other links.
   struct Described {
     handshake::EngineDescriptor descriptor;
     absl::StatusOr<LinkAnswers> links = absl::AbortedError("not asked");
   };
+  using Ride = std::function<absl::Status(net::Fd connection)>;
   absl::StatusOr<Described> DescribeAndConnect(
       const std::string& peer, const std::string& kind,
       std::vector<handshake::ConnectRequest> requests,
-      absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor) const;
+      absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor,
+      const Ride& ride = nullptr) const;
+  // Whether DescribeAndConnect's first link can ride the call's connection.
+  bool CanRide() const { return network_->CanHandOver(); }
   // Asks the peer to close its halves of links this engine opened, named by
   // the parameters it answered for them (at most kMaxLinksPerConnect). OK
   // once they are closed; OK too from a peer that predates kCloseLinks

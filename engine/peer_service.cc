@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "transport/link_params.h"
 
@@ -172,6 +173,36 @@ Frame PeerService::ConnectLinks(const Frame& request) {
   return Frame{MessageType::kConnectLinksReply, handshake::Encode(reply)};
 }
 
+handshake::TakeConnection PeerService::HandOver(const Frame& request, const Frame& reply) {
+  if (request.type != MessageType::kConnectLinksHere ||
+      reply.type != MessageType::kConnectLinksReply) {
+    return nullptr;
+  }
+  absl::StatusOr<handshake::ConnectLinksRequest> asked =
+      handshake::DecodeConnectLinksRequest(request.payload);
+  absl::StatusOr<handshake::ConnectLinksReply> answered =
+      handshake::DecodeConnectLinksReply(reply.payload);
+  if (!asked.ok() || asked->links.empty() || !answered.ok() || answered->links.empty() ||
+      !answered->links[0].ok()) {
+    return nullptr;
+  }
+  const uint64_t engine = asked->links[0].engine_id;
+  const std::string& params = *answered->links[0];
+  MutexLock lock(&mu_);
+  auto it = links_by_engine_.find(engine);
+  if (it == links_by_engine_.end()) return nullptr;
+  for (const Tracked& l : it->second) {
+    if (l.params != params) continue;
+    return [t = l.transport, link = l.link](net::Fd connection) {
+      // Refused (the link closed meanwhile): the connection closes, and
+      // the requester's link with it.
+      absl::Status adopted = t->AdoptConnection(link, std::move(connection));
+      if (!adopted.ok()) KVF_LOG(WARNING) << "a link could not take its connection: " << adopted;
+    };
+  }
+  return nullptr;
+}
+
 Frame PeerService::Notify(const Frame& request) {
   absl::StatusOr<handshake::Notify> n = handshake::DecodeNotify(request.payload);
   if (!n.ok()) return ErrorFrame(n.status());
@@ -203,6 +234,7 @@ Frame PeerService::Handle(const Frame& request) {
     case MessageType::kConnect:
       return Connect(request);
     case MessageType::kConnectLinks:
+    case MessageType::kConnectLinksHere:
       return ConnectLinks(request);
     case MessageType::kNotify:
       return Notify(request);

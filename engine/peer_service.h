@@ -44,11 +44,17 @@ class PeerService {
   // and the handshake server runs them on its event loop.
   static bool MayBlock(handshake::MessageType type, bool accept_waits) {
     const bool accept = type == handshake::MessageType::kConnect ||
-                        type == handshake::MessageType::kConnectLinks;
+                        type == handshake::MessageType::kConnectLinks ||
+                        type == handshake::MessageType::kConnectLinksHere;
     return (accept && accept_waits) || type == handshake::MessageType::kCloseLinks;
   }
   // Answers one request (an error frame for anything malformed).
   handshake::Frame Handle(const handshake::Frame& request);
+  // After `reply` to a kConnectLinksHere that accepted its first link: that
+  // link, which takes the connection (ServeOptions::hand_over). Null
+  // otherwise.
+  handshake::TakeConnection HandOver(const handshake::Frame& request,
+                                     const handshake::Frame& reply);
 
   // Fences the peer instance `engine_id` (declared failed): closes every
   // link it opened to this engine and refuses its links and notifications

@@ -147,7 +147,10 @@ class TransferEngine::Impl {
     server_.reset();  // no more handler calls
   }
 
-  absl::Status Start(const handshake::ServeOptions& serve) {
+  absl::Status Start(handshake::ServeOptions serve) {
+    serve.hand_over = [this](const handshake::Frame& request, const handshake::Frame& reply) {
+      return service_.HandOver(request, reply);
+    };
     ASSIGN_OR_RETURN(server_, network_->Serve(serve, [this](const handshake::Frame& f) {
                        return service_.Handle(f);
                      }));

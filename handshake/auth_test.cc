@@ -251,6 +251,41 @@ TEST(Auth, AClientNeverAcceptsAnUnauthenticatedServer) {
   EXPECT_EQ(reply.status().code(), absl::StatusCode::kUnauthenticated) << reply.status();
 }
 
+// An authenticated network's connections carry wrapped frames: it never
+// hands one over (the requester connects its links the usual way), and a
+// server behind it never asks its hand_over.
+TEST(Auth, ConnectionsAreNeverHandedOver) {
+  auto server_net = Auth();
+  ASSERT_TRUE(server_net.ok()) << server_net.status();
+  EXPECT_FALSE((*server_net)->CanHandOver());
+  std::atomic<int> asked{0};
+  ServeOptions o = Loopback();
+  o.hand_over = [&](const Frame&, const Frame&) -> TakeConnection {
+    ++asked;
+    return [](net::Fd) {};
+  };
+  auto server = (*server_net)->Serve(o, [](const Frame&) {
+    return Frame{MessageType::kConnectLinksReply, ""};
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Auth();
+  ASSERT_TRUE(client.ok());
+  int replies = 0;
+  (*client)->CallThenTake(
+      (*server)->address(), {Frame{MessageType::kConnectLinksHere, ""}}, absl::Seconds(5),
+      [&](size_t, absl::StatusOr<Frame> reply) {
+        EXPECT_TRUE(reply.ok()) << reply.status();
+        ++replies;
+        return true;
+      },
+      [](net::Fd&) -> bool {
+        ADD_FAILURE() << "an authenticated call offered its connection";
+        return false;
+      });
+  EXPECT_EQ(replies, 1);
+  EXPECT_EQ(asked.load(), 0);
+}
+
 TEST(Auth, ShortSecretsAreRefused) {
   AuthOptions o;
   o.secret = "short";

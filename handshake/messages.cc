@@ -70,6 +70,8 @@ const char* MessageTypeName(MessageType type) {
       return "authenticated";
     case MessageType::kAuthenticatedReply:
       return "authenticated-reply";
+    case MessageType::kConnectLinksHere:
+      return "connect-links-here";
     case MessageType::kMetadata:
       return "metadata";
     case MessageType::kConnectLinks:

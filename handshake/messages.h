@@ -62,8 +62,15 @@ enum class MessageType : uint8_t {
   // reply (empty) says they are closed.
   kCloseLinks = 18,
   kCloseLinksReply = 19,
+  // kConnectLinks whose first link rides the connection the request came
+  // on: when the reply (kConnectLinksReply) accepts that link, the
+  // connection carries the link's data from the byte after the reply on,
+  // and is no longer the handshake's. Only over a network whose calls run
+  // on connections of their own (Network::CanHandOver); the requester sends
+  // nothing after it until the reply.
+  kConnectLinksHere = 20,
 };
-inline constexpr uint8_t kLastMessageType = 19;
+inline constexpr uint8_t kLastMessageType = 20;
 // The most links one kConnectLinks asks for (the engine's links_per_peer
 // and NIC count are capped at 64 too).
 inline constexpr uint32_t kMaxLinksPerConnect = 64;

@@ -52,6 +52,7 @@ class TcpNetwork final : public Network {
     std::string address = net::HostPort{host, socket.address.port()}.ToString();
     TcpServerOptions server_options = options_.server;
     server_options.may_block = o.may_block;
+    server_options.hand_over = o.hand_over;
     ASSIGN_OR_RETURN(std::unique_ptr<TcpServer> server,
                      TcpServer::Start(std::move(socket), std::move(address), std::move(handler),
                                       std::move(server_options)));
@@ -70,6 +71,14 @@ class TcpNetwork final : public Network {
 
   void CallPipelined(const std::string& peer, const std::vector<Frame>& requests,
                      absl::Duration timeout, const ReplyFn& on_reply) override {
+    CallThenTake(peer, requests, timeout, on_reply, nullptr);
+  }
+
+  bool CanHandOver() const override { return true; }
+
+  void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,
+                    absl::Duration timeout, const ReplyFn& on_reply,
+                    const TakeFn& take) override {
     if (requests.empty()) return;
     const absl::Time deadline = absl::Now() + timeout;
     absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
@@ -113,7 +122,7 @@ class TcpNetwork final : public Network {
         if (!more && i + 1 < requests.size()) return;  // the rest unread: not reused
       }
       if (retry) continue;
-      PutIdle(peer, std::move(fd));
+      if (take == nullptr || !take(fd)) PutIdle(peer, std::move(fd));
       return;
     }
     on_reply(0, absl::UnavailableError(absl::StrCat("handshake with ", peer, " failed")));

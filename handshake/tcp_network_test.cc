@@ -1,7 +1,10 @@
 #include "handshake/tcp_network.h"
 
+#include "handshake/tcp_server.h"
+
 #include <sys/socket.h>
 
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -119,6 +122,89 @@ TEST(TcpNetwork, APipelineStopsWhereTheCallerSays) {
                             absl::Seconds(2));
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(DecodeProbe(next->payload)->nonce, 3u);
+}
+
+// A connection handed over after its last reply (kConnectLinksHere): the
+// server gives its end to the hand_over function once the reply is out, the
+// caller's `take` gets the other, and the two ends then carry bytes of their
+// own, outside the handshake. A request that hands nothing over leaves the
+// connection with the handshake (pooled, reused by the next call).
+TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
+  auto network = NewTcpNetwork();
+  ASSERT_TRUE(network->CanHandOver());
+  std::mutex mu;
+  std::vector<net::Fd> taken;  // the server's ends
+  ServeOptions o = Loopback();
+  o.hand_over = [&](const Frame& request, const Frame& reply) -> TakeConnection {
+    if (request.type != MessageType::kConnectLinksHere || reply.type == MessageType::kError) {
+      return nullptr;
+    }
+    return [&](net::Fd fd) {
+      std::lock_guard<std::mutex> lock(mu);
+      taken.push_back(std::move(fd));
+    };
+  };
+  auto server = network->Serve(o, [](const Frame& request) {
+    if (request.type == MessageType::kProbe) return Frame{MessageType::kProbeReply, request.payload};
+    return Frame{MessageType::kConnectLinksReply, "ok"};
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string at = (*server)->address();
+  // Taken at both ends.
+  net::Fd mine;
+  std::vector<MessageType> replies;
+  network->CallThenTake(
+      at, {Frame{MessageType::kProbe, Encode(Probe{1, 5})}, Frame{MessageType::kConnectLinksHere, ""}},
+      absl::Seconds(5),
+      [&](size_t, absl::StatusOr<Frame> reply) {
+        EXPECT_TRUE(reply.ok()) << reply.status();
+        if (reply.ok()) replies.push_back(reply->type);
+        return true;
+      },
+      [&](net::Fd& fd) {
+        mine = std::move(fd);
+        return true;
+      });
+  EXPECT_EQ(replies, (std::vector<MessageType>{MessageType::kProbeReply,
+                                               MessageType::kConnectLinksReply}));
+  ASSERT_TRUE(mine.valid());
+  net::Fd theirs;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(5);
+       !theirs.valid() && absl::Now() < give_up;) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!taken.empty()) theirs = std::move(taken[0]);
+  }
+  ASSERT_TRUE(theirs.valid()) << "the server never handed its end over";
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(net::WriteFull(mine.get(), "ping", 4, deadline).ok());
+  char got[4];
+  ASSERT_TRUE(net::ReadFull(theirs.get(), got, 4, deadline).ok());
+  EXPECT_EQ(std::string(got, 4), "ping");
+  ASSERT_TRUE(net::WriteFull(theirs.get(), "pong", 4, deadline).ok());
+  ASSERT_TRUE(net::ReadFull(mine.get(), got, 4, deadline).ok());
+  EXPECT_EQ(std::string(got, 4), "pong");
+  // The taken connection is not the handshake's any more: the next call
+  // opens a fresh one, which the same request without `take` keeps pooled.
+  bool asked = false;
+  network->CallThenTake(at, {Frame{MessageType::kProbe, Encode(Probe{1, 6})}}, absl::Seconds(5),
+                        [&](size_t, absl::StatusOr<Frame> reply) {
+                          EXPECT_TRUE(reply.ok()) << reply.status();
+                          return true;
+                        },
+                        [&](net::Fd&) {
+                          asked = true;
+                          return false;
+                        });
+  EXPECT_TRUE(asked);
+  auto again = network->Call(at, Frame{MessageType::kProbe, Encode(Probe{1, 7})}, absl::Seconds(5));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(DecodeProbe(again->payload)->nonce, 7u);
+  auto* tcp = dynamic_cast<TcpServer*>(server->get());
+  ASSERT_NE(tcp, nullptr);
+  EXPECT_EQ(tcp->stats().accepted, 2u);  // the handed-over one, then one for both calls
+  EXPECT_EQ(tcp->stats().handed_over, 1u);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(taken.size(), 1u);
 }
 
 TEST(TcpNetwork, Ipv6Loopback) {

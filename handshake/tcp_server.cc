@@ -38,6 +38,7 @@ struct TcpServer::State {
     size_t out_done = 0;
     bool busy = false;      // a request is with the handler
     bool closing = false;   // close once the reply is out
+    TakeConnection take;    // hand the connection to it once the reply is out
     absl::Time last_active;
     absl::Time first_byte = absl::InfiniteFuture();  // of the partial request
   };
@@ -65,7 +66,8 @@ struct TcpServer::State {
   bool stopping ABSL_GUARDED_BY(mu) = false;
   std::vector<std::thread> workers;
 
-  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0};
+  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0},
+      handed_over{0};
   std::atomic<uint64_t> open{0};
   LogLimiter log_limit;
 
@@ -74,9 +76,14 @@ struct TcpServer::State {
   void OnEvent(uint64_t id, uint32_t events);
   bool ReadSome(uint64_t id, Conn* c);
   void Dispatch(uint64_t id, Conn* c);
-  void OnReply(uint64_t id, Frame reply);
+  void OnReply(uint64_t id, Frame reply, TakeConnection take);
+  TakeConnection TakeAfter(const Frame& request, const Frame& reply) const {
+    return options.hand_over ? options.hand_over(request, reply) : nullptr;
+  }
+  bool Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take);
   bool SendReply(uint64_t id, Conn* c, const Frame& reply);
   bool Flush(uint64_t id, Conn* c);
+  void HandOver(uint64_t id, Conn* c);
   void Refuse(uint64_t id, Conn* c, const absl::Status& why);
   void Close(uint64_t id);
   void Sweep();
@@ -194,7 +201,8 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
     buffered -= total;
     c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
     if (options.may_block && !options.may_block(request)) {
-      if (!SendReply(id, c, handler(request))) return;
+      const Frame reply = handler(request);
+      if (!Answer(id, c, reply, TakeAfter(request, reply))) return;
       if (++answered == kInlineBurst) {
         loop->Post([this, id] {
           auto it = conns.find(id);
@@ -212,12 +220,38 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
   }
 }
 
-void TcpServer::State::OnReply(uint64_t id, Frame reply) {
+void TcpServer::State::OnReply(uint64_t id, Frame reply, TakeConnection take) {
   auto it = conns.find(id);
   if (it == conns.end()) return;
   Conn* c = it->second.get();
   c->busy = false;
-  if (SendReply(id, c, reply)) Dispatch(id, c);
+  if (Answer(id, c, reply, std::move(take))) Dispatch(id, c);
+}
+
+// SendReply, and the connection handed to `take` once the reply is out
+// (when set). False when the connection was closed or handed over.
+bool TcpServer::State::Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take) {
+  if (take != nullptr && !c->in.empty()) {
+    // The requester did not wait for the reply: what follows is neither
+    // the handshake's nor, yet, the new owner's.
+    Refuse(id, c,
+           absl::InvalidArgumentError("bytes after a request that hands the connection over"));
+    return false;
+  }
+  c->take = std::move(take);
+  return SendReply(id, c, reply);
+}
+
+// The connection leaves the server for its new owner.
+void TcpServer::State::HandOver(uint64_t id, Conn* c) {
+  TakeConnection take = std::move(c->take);
+  loop->Unwatch(c->fd.get());
+  net::Fd fd = std::move(c->fd);
+  buffered -= c->in.size();
+  conns.erase(id);
+  --open;
+  ++handed_over;
+  take(std::move(fd));
 }
 
 // Starts writing `reply`. False when the connection was closed.
@@ -254,6 +288,10 @@ bool TcpServer::State::Flush(uint64_t id, Conn* c) {
     Close(id);
     return false;
   }
+  if (c->take != nullptr) {
+    HandOver(id, c);
+    return false;
+  }
   (void)loop->Modify(c->fd.get(), EPOLLIN | EPOLLRDHUP);
   return true;
 }
@@ -265,7 +303,7 @@ void TcpServer::State::Refuse(uint64_t id, Conn* c, const absl::Status& why) {
   buffered -= c->in.size();
   c->in.clear();
   c->closing = true;
-  OnReply(id, ErrorFrame(why));
+  OnReply(id, ErrorFrame(why), nullptr);
 }
 
 void TcpServer::State::Close(uint64_t id) {
@@ -306,8 +344,11 @@ void TcpServer::State::Worker() {
       jobs.pop_front();
     }
     Frame reply = handler(job.request);
+    TakeConnection take = TakeAfter(job.request, reply);
     const uint64_t id = job.conn;
-    loop->Post([this, id, r = std::move(reply)]() mutable { OnReply(id, std::move(r)); });
+    loop->Post([this, id, r = std::move(reply), t = std::move(take)]() mutable {
+      OnReply(id, std::move(r), std::move(t));
+    });
   }
 }
 
@@ -384,6 +425,7 @@ TcpServerStats TcpServer::stats() const {
   s.refused_frames = state_->refused;
   s.reaped = state_->reaped;
   s.accept_pauses = state_->pauses;
+  s.handed_over = state_->handed_over;
   return s;
 }
 

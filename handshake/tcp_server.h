@@ -40,6 +40,8 @@ struct TcpServerOptions {
   // Which requests those are (ServeOptions::may_block); the others are
   // answered on the loop thread. Empty: all of them.
   std::function<bool(const Frame& request)> may_block;
+  // ServeOptions::hand_over. Empty: no connection is handed over.
+  std::function<TakeConnection(const Frame& request, const Frame& reply)> hand_over;
 };
 
 // Counters a server keeps (for tests and metrics).
@@ -50,6 +52,7 @@ struct TcpServerStats {
   uint64_t refused_frames = 0;  // malformed or oversized
   uint64_t reaped = 0;          // idle, too slow, or over the buffer budget
   uint64_t accept_pauses = 0;   // at the file-descriptor limit
+  uint64_t handed_over = 0;     // to another owner (ServeOptions::hand_over)
 };
 
 class TcpServer : public Server {

@@ -282,3 +282,54 @@ TEST(TcpServerTest, QuickRequestsAreAnsweredWhileTheHandlerThreadsWait) {
 }  // namespace
 }  // namespace handshake
 }  // namespace kvferry
+
+namespace kvferry {
+namespace handshake {
+namespace {
+
+// A client that sends anything after a request that hands its connection
+// over did not wait for the reply: the connection is refused (an error
+// reply, then closed), and nothing is handed over.
+TEST(TcpServerTest, BytesAfterAHandOverRequestAreRefused) {
+  std::atomic<int> handed{0};
+  TcpServerOptions o;
+  o.hand_over = [&](const Frame& request, const Frame&) -> TakeConnection {
+    if (request.type != MessageType::kConnectLinksHere) return nullptr;
+    return [&](net::Fd) { ++handed; };
+  };
+  Served s = Serve(o);
+  net::Fd fd = Attacker(s);
+  const std::string bytes = EncodeFrame(MessageType::kConnectLinksHere, "") + "data too early";
+  ASSERT_EQ(::send(fd.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(bytes.size()));
+  char header[kFrameHeaderBytes];
+  ASSERT_TRUE(net::ReadFull(fd.get(), header, sizeof header, absl::Now() + absl::Seconds(5)).ok());
+  auto h = ParseFrameHeader(absl::string_view(header, sizeof header), 1 << 20);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->type, MessageType::kError);
+  EXPECT_TRUE(ClosedByServer(fd.get(), absl::Seconds(5)));
+  EXPECT_EQ(handed.load(), 0);
+  EXPECT_EQ(s.server->stats().handed_over, 0u);
+  EXPECT_EQ(s.server->stats().refused_frames, 1u);
+  // The same request on its own is handed over once its reply is out (the
+  // echo handler's), and the server forgets the connection.
+  net::Fd good = Attacker(s);
+  const std::string request = EncodeFrame(MessageType::kConnectLinksHere, "");
+  ASSERT_EQ(::send(good.get(), request.data(), request.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(request.size()));
+  std::string reply(kFrameHeaderBytes, '\0');
+  ASSERT_TRUE(
+      net::ReadFull(good.get(), reply.data(), reply.size(), absl::Now() + absl::Seconds(5)).ok());
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(5);
+       handed.load() == 0 && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(handed.load(), 1);
+  EXPECT_EQ(s.server->stats().handed_over, 1u);
+  EXPECT_EQ(s.server->stats().open, 0u);
+  LegitimateCall(s);
+}
+
+}  // namespace
+}  // namespace handshake
+}  // namespace kvferry

@@ -262,7 +262,7 @@ absl::StatusOr<Fd> Connect(const HostPort& peer, absl::Duration timeout) {
       }
     }
     // Back to blocking mode; reads and writes use poll deadlines.
-    ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
+    (void)SetBlocking(fd.get());
     return fd;
   }
   return last;
@@ -305,6 +305,14 @@ absl::Status ReadFull(int fd, void* data, size_t n, absl::Time deadline) {
     }
     if (errno == EINTR) continue;
     return absl::UnavailableError(ErrnoError(errno, "recv").message());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetBlocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return LastErrnoError("fcntl O_NONBLOCK");
   }
   return absl::OkStatus();
 }

@@ -110,6 +110,8 @@ absl::Status ReadFull(int fd, void* data, size_t n, absl::Time deadline);
 // `dead_after`.
 absl::Status SetNoDelay(int fd);
 absl::Status SetKeepAlive(int fd, absl::Duration dead_after);
+// Clears O_NONBLOCK.
+absl::Status SetBlocking(int fd);
 
 // A random 64-bit value from the kernel (engine ids, nonces).
 uint64_t RandomU64();

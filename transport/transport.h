@@ -95,6 +95,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "net/socket.h"
 
 namespace kvferry {
 namespace transport {
@@ -187,6 +188,9 @@ struct Limits {
   // its event loop instead of handing them to a handler thread (two thread
   // hand-offs fewer per new peer).
   bool accept_waits = true;
+  // Whether a link can run on a stream connection the handshake opened
+  // (AdoptConnection).
+  bool adopts_connections = false;
 };
 
 class Transport {
@@ -231,6 +235,16 @@ class Transport {
     (void)link;
     (void)peer_nic;
     return absl::UnimplementedError("this transport's link offers depend on the peer NIC");
+  }
+  // For a transport whose links are stream connections (TCP): `connection`,
+  // on which the peer's handshake answered the request for this link
+  // (kConnectLinksHere), becomes the link's connection, as if the link had
+  // connected to the peer's data port (an offered link, before
+  // CompleteLink) or the peer's connection had arrived there (an accepted
+  // link still waiting for it). kUnimplemented by default.
+  virtual absl::Status AdoptConnection(LinkId link, net::Fd connection) {
+    (void)link;
+    return absl::UnimplementedError("this transport's links are not stream connections");
   }
   // The local NIC that reaches `peer_nic` by this host's routes, when the
   // transport can tell (verbs, through rdma_cm); otherwise an error saying

@@ -208,8 +208,7 @@ void HelloAcceptor::State::OnReadable(int fd) {
   // The connection leaves the loop: from now on its link's threads own it,
   // with blocking I/O.
   loop->Unwatch(fd);
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+  if (!net::SetBlocking(fd).ok()) {
     Drop(fd);
     return;
   }
@@ -339,6 +338,18 @@ absl::StatusOr<net::Fd> HelloAcceptor::ClaimOrAwait(uint64_t token, absl::Time d
   }
   st->awaited.emplace(token, State::Awaited{deadline, std::move(deliver)});
   return net::Fd();
+}
+
+absl::Status HelloAcceptor::Deliver(uint64_t token, net::Fd conn) {
+  State* st = state_.get();
+  Delivery deliver;
+  {
+    MutexLock lock(&st->mu);
+    deliver = st->TakeClaimLocked(token);
+  }
+  if (!deliver) return absl::NotFoundError("no link waits for this connection");
+  deliver(std::move(conn));
+  return absl::OkStatus();
 }
 
 HelloAcceptorStats HelloAcceptor::stats() const {

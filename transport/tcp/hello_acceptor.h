@@ -73,12 +73,17 @@ class HelloAcceptor {
   absl::StatusOr<net::Fd> Claim(uint64_t token, absl::Time deadline);
   // Claims without waiting: the connection when its hello is in (and
   // `deliver` is never called), else an invalid Fd, and `deliver` gets the
-  // connection on the acceptor's thread when its hello arrives, or
+  // connection on the acceptor's thread when its hello arrives (or on the
+  // thread that calls Deliver), or
   // kUnavailable if none does by `deadline`. `deliver` is never called once
   // the acceptor is destroyed. kResourceExhausted when `max_pending` claims
   // wait already.
   using Delivery = std::function<void(absl::StatusOr<net::Fd>)>;
   absl::StatusOr<net::Fd> ClaimOrAwait(uint64_t token, absl::Time deadline, Delivery deliver);
+  // A connection for `token` that came another way (the handshake's own,
+  // kConnectLinksHere), in blocking mode: to the claim that waits for it,
+  // on this thread. kNotFound, and `conn` closed, when no claim waits.
+  absl::Status Deliver(uint64_t token, net::Fd conn);
   HelloAcceptorStats stats() const;
 
  private:

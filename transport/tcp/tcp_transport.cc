@@ -251,6 +251,10 @@ absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
   const std::string hello = EncodeHello(token, options_.secret);
   RETURN_IF_ERROR(net::WriteFull(fd.get(), hello.data(), hello.size(),
                                  absl::Now() + options_.connect_timeout));
+  return Install(id, std::move(fd));
+}
+
+absl::Status TcpTransport::Install(LinkId id, net::Fd fd) {
   MutexLock lock(&mu_);
   auto it = links_.find(id);
   if (it == links_.end() || it->second->stopping || it->second->fd.valid()) {
@@ -258,6 +262,29 @@ absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
   }
   it->second->fd = std::move(fd);
   return absl::OkStatus();
+}
+
+absl::Status TcpTransport::AdoptConnection(LinkId id, net::Fd connection) {
+  uint64_t token = 0;
+  bool passive = false;
+  {
+    MutexLock lock(&mu_);
+    auto it = links_.find(id);
+    if (it == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
+    const Link& link = *it->second;
+    if (link.state != (link.passive ? Link::State::kReady : Link::State::kPending) ||
+        link.fd.valid() || link.stopping) {
+      return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already connected"));
+    }
+    token = link.token;
+    passive = link.passive;
+  }
+  RETURN_IF_ERROR(net::SetBlocking(connection.get()));  // the link threads block
+  // An accepted link waits for its connection at the data port (AcceptLink).
+  if (passive) return Annotate(acceptor_->Deliver(token, std::move(connection)), "AdoptConnection");
+  RETURN_IF_ERROR(net::SetNoDelay(connection.get()));
+  RETURN_IF_ERROR(net::SetKeepAlive(connection.get(), options_.dead_peer_timeout));
+  return Install(id, std::move(connection));
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,

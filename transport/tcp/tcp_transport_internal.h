@@ -112,13 +112,14 @@ class TcpTransport final : public Transport {
                   options_.max_region_bytes,
                   std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes),
                   UsableCpus() < 4 ? 1u : 2u,
-                  /*accept_waits=*/false};
+                  /*accept_waits=*/false, /*adopts_connections=*/true};
   }
   absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
                                         Access access) override;
   absl::Status UnregisterMemory(RegionId region) override;
   absl::StatusOr<LinkOffer> OfferLink(NicIndex local_nic) override;
   absl::Status ConnectOffered(LinkId link, const NicInfo& peer_nic) override;
+  absl::Status AdoptConnection(LinkId link, net::Fd connection) override;
   absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic,
                                        const NicInfo& peer_nic) override;
   absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
@@ -290,6 +291,10 @@ class TcpTransport final : public Transport {
     uint64_t imports_used = 0;  // a counter: the reader's requests served by IPC
     std::map<std::string, Import> ipc_imports;
   };
+
+  // An offered link's connection, once connected (ConnectOffered,
+  // AdoptConnection).
+  absl::Status Install(LinkId id, net::Fd fd);
 
   // The process's TCP transports by in-process key. Held shared while a
   // shortcut copy runs, so a transport is not destroyed under it.
