@@ -1,5 +1,7 @@
 #include "engine/peer_client.h"
 
+#include <unistd.h>
+
 #include <string>
 #include <vector>
 
@@ -108,6 +110,106 @@ TEST(PeerClient, ConnectLinksToAnUnreachablePeerFailsOnceWithoutRetrying) {
   auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}));
   EXPECT_EQ(answers.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(net.calls.size(), 1u);
+}
+
+// A network whose calls run on connections that can be handed over: the
+// descriptor, then each link accepted unless its parameters say "refuse".
+class HandingNetwork final : public handshake::Network {
+ public:
+  absl::StatusOr<std::unique_ptr<handshake::Server>> Serve(const handshake::ServeOptions&,
+                                                           handshake::Handler) override {
+    return absl::UnimplementedError("client only");
+  }
+  absl::StatusOr<Frame> Call(const std::string&, const Frame& request,
+                             absl::Duration) override {
+    calls.push_back(request.type);
+    if (request.type == MessageType::kDescribe) {
+      handshake::EngineDescriptor d;
+      d.engine_id = 7;
+      d.transport_kind = "tcp";
+      d.nics.push_back(transport::NicInfo{"lo", "127.0.0.1:9", 0, 0, 0});
+      return Frame{MessageType::kDescriptor, handshake::Encode(d)};
+    }
+    absl::StatusOr<handshake::ConnectLinksRequest> batch =
+        handshake::DecodeConnectLinksRequest(request.payload);
+    if (!batch.ok()) return batch.status();
+    handshake::ConnectLinksReply reply;
+    for (const handshake::ConnectRequest& c : batch->links) {
+      if (c.params == "refuse") {
+        reply.links.emplace_back(absl::NotFoundError("no such NIC"));
+      } else {
+        reply.links.emplace_back(c.params + "!");
+      }
+    }
+    return Frame{MessageType::kConnectLinksReply, handshake::Encode(reply)};
+  }
+  bool CanHandOver() const override { return true; }
+  void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,
+                    absl::Duration timeout, const ReplyFn& on_reply,
+                    const TakeFn& take) override {
+    CallPipelined(peer, requests, timeout, on_reply);
+    int fds[2];
+    ASSERT_EQ(::pipe(fds), 0);
+    ::close(fds[1]);
+    net::Fd connection(fds[0]);
+    taken = take(connection);
+  }
+
+  std::vector<MessageType> calls;
+  bool taken = false;
+};
+
+// With a ride, the first link goes on the call's own connection
+// (kConnectLinksHere): the connection goes to the ride once the peer has
+// accepted that link, and the ride's verdict becomes its answer; a first
+// link the peer refused leaves the connection to the network.
+TEST(PeerClient, TheFirstLinkRidesTheCallsConnectionOnceThePeerAcceptsIt) {
+  struct Case {
+    std::string first;
+    absl::Status ride;
+    bool rides;
+  };
+  for (const Case& c : {Case{"a", absl::OkStatus(), true},
+                        Case{"a", absl::FailedPreconditionError("closed"), true},
+                        Case{"refuse", absl::OkStatus(), false}}) {
+    SCOPED_TRACE(c.first + " " + c.ride.ToString());
+    HandingNetwork net;
+    PeerClient client(&net, 1, absl::Seconds(1));
+    ASSERT_TRUE(client.CanRide());
+    int rode = 0;
+    auto described = client.DescribeAndConnect(
+        "peer:1", "tcp", Requests({c.first, "b"}),
+        [](const handshake::EngineDescriptor& d) { return d.engine_id == 7; },
+        [&](net::Fd connection) {
+          EXPECT_TRUE(connection.valid());
+          ++rode;
+          return c.ride;
+        });
+    ASSERT_TRUE(described.ok()) << described.status();
+    ASSERT_TRUE(described->links.ok()) << described->links.status();
+    EXPECT_EQ(net.calls, (std::vector<MessageType>{MessageType::kDescribe,
+                                                   MessageType::kConnectLinksHere}));
+    EXPECT_EQ(rode, c.rides ? 1 : 0);
+    EXPECT_EQ(net.taken, c.rides);
+    const absl::StatusOr<std::string>& first = (*described->links)[0];
+    if (!c.rides) {
+      EXPECT_EQ(first.status().code(), absl::StatusCode::kNotFound);
+    } else if (c.ride.ok()) {
+      EXPECT_EQ(*first, "a!");
+    } else {
+      EXPECT_EQ(first.status(), c.ride);
+    }
+    EXPECT_EQ(*(*described->links)[1], "b!");
+  }
+  // Without a ride: plain kConnectLinks, and the connection stays.
+  HandingNetwork net;
+  PeerClient client(&net, 1, absl::Seconds(1));
+  auto described = client.DescribeAndConnect(
+      "peer:1", "tcp", Requests({"a"}), [](const handshake::EngineDescriptor&) { return true; });
+  ASSERT_TRUE(described.ok()) << described.status();
+  EXPECT_EQ(net.calls, (std::vector<MessageType>{MessageType::kDescribe,
+                                                 MessageType::kConnectLinks}));
+  EXPECT_FALSE(net.taken);
 }
 
 }  // namespace

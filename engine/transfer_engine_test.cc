@@ -1,5 +1,6 @@
 #include <netinet/in.h>
 #include <sched.h>
+#include <dirent.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -13,6 +14,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <memory>
 #include <set>
 #include <thread>
@@ -561,6 +565,74 @@ TEST(TransferEngine, UnauthenticatedClientsReceiveNoKeys) {
   // And an engine with a secret never talks to one without (no downgrade).
   EXPECT_EQ(friend_engine->OpenSegment(stranger->address()).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// The ends of established TCP connections this process holds (from /proc).
+int EstablishedSockets() {
+  std::set<std::string> mine;  // socket inodes
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) {
+    char target[64];
+    const std::string path = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t n = ::readlink(path.c_str(), target, sizeof target - 1);
+    if (n <= 0) continue;
+    const std::string link(target, n);
+    if (link.rfind("socket:[", 0) == 0) mine.insert(link.substr(8, link.size() - 9));
+  }
+  ::closedir(d);
+  int count = 0;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+          timeout >> inode;
+      count += state == "01" && mine.count(inode) > 0;  // TCP_ESTABLISHED
+    }
+  }
+  return count;
+}
+
+// The first link to a TCP peer rides the handshake's own connection
+// (kConnectLinksHere): with one link per peer, opening a segment and moving
+// data takes one connection (two ends, both in this process), where
+// connecting the link to the peer's data port took two. Further links
+// connect to the data port. With a secret, the handshake's connections
+// carry authenticated frames, and every link connects the usual way.
+TEST(TransferEngine, TheFirstLinkRidesTheHandshakeConnection) {
+  struct Case {
+    uint32_t links;
+    bool secret;
+    int ends;
+  };
+  for (const Case& c : {Case{1, false, 2}, Case{2, false, 4}, Case{1, true, 4}}) {
+    SCOPED_TRACE(::testing::Message() << c.links << " link(s), secret " << c.secret);
+    EngineOptions o = Local();
+    o.links_per_peer = c.links;
+    if (c.secret) o.secret = "kvferry-test-secret-0123456789";
+    const int before = EstablishedSockets();
+    auto a = MakeEngine(o);
+    auto b = MakeEngine(o);
+    std::vector<char> src = Pattern(64 << 10, 4), dst(64 << 10, 0);
+    ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+    ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+    auto seg = a->OpenSegment(b->address());
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    std::vector<TransferRequest> reqs;
+    for (size_t off = 0; off < src.size(); off += 4096) {
+      reqs.push_back({Opcode::kWrite, src.data() + off, Addr(dst) + off, 4096});
+    }
+    auto batch = a->Submit(*seg, reqs);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    auto st = a->Wait(*batch, absl::Seconds(10));
+    ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+    EXPECT_EQ(src, dst);
+    EXPECT_EQ(a->GetMetrics().peers[0].links, c.links);
+    EXPECT_EQ(EstablishedSockets() - before, c.ends);
+  }
 }
 
 // Every link to a peer comes up in one kConnectLinks round trip, answered

@@ -1,11 +1,13 @@
 // TCP-specific behaviour beyond the conformance suite.
 #include <dirent.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "net/socket.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "transport/in_process.h"
@@ -102,6 +104,65 @@ TEST(TcpTransport, DataConnectionsProveTheSecret) {
 // Between two transports of this process the bytes are copied inside Post:
 // the completion is there when Post returns, with no socket round trip.
 // Without the shortcut the same request needs the peer's answer.
+// A link can run on a connection made elsewhere (the handshake's own,
+// kConnectLinksHere): the offered half and the accepted half adopt the two
+// ends of one connection, with no connect or hello of their own, and move
+// bytes both ways. Adopting for an unknown link, or for a link that has its
+// connection already, is refused, and the link keeps working.
+TEST(TcpTransport, LinksCanAdoptAConnectionMadeElsewhere) {
+  TcpTransportOptions o;
+  o.in_process_shortcut = false;  // through the connection, not a copy
+  auto a = CreateTcpTransport(o);
+  auto b = CreateTcpTransport(o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE((*a)->GetLimits().adopts_connections);
+  auto listener = net::Listen("127.0.0.1", 0, {0, 0});
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto pair = [&]() -> std::pair<net::Fd, net::Fd> {
+    auto near = net::Connect(net::HostPort{"127.0.0.1", listener->address.port()},
+                             absl::Seconds(5));
+    EXPECT_TRUE(near.ok()) << near.status();
+    net::Fd far(::accept4(listener->fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    EXPECT_TRUE(far.valid());
+    return {near.ok() ? std::move(*near) : net::Fd(), std::move(far)};
+  };
+  auto [near, far] = pair();
+  auto offer = (*a)->OfferLink(0);
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  auto accepted = (*b)->AcceptLink(0, (*a)->LocalEndpoint().nics[0], offer->params);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  // The accepted end arrives non-blocking, as a server's does.
+  ASSERT_TRUE((*b)->AdoptConnection(accepted->link, std::move(far)).ok());
+  ASSERT_TRUE((*a)->AdoptConnection(offer->link, std::move(near)).ok());
+  ASSERT_TRUE((*a)->CompleteLink(offer->link, accepted->params).ok());
+
+  auto [spare_near, spare_far] = pair();
+  EXPECT_EQ((*a)->AdoptConnection(offer->link, std::move(spare_near)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*b)->AdoptConnection(accepted->link, std::move(spare_far)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*a)->AdoptConnection(offer->link + 1000, net::Fd()).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  std::vector<char> src(8192), dst(8192, 0), back(8192, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 7);
+  auto rs = (*a)->RegisterMemory(src.data(), src.size(), Access::kNone);
+  auto rb = (*a)->RegisterMemory(back.data(), back.size(), Access::kNone);
+  auto rd = (*b)->RegisterMemory(dst.data(), dst.size(), Access::kRemoteReadWrite);
+  ASSERT_TRUE(rs.ok() && rb.ok() && rd.ok());
+  WorkRequest w{Opcode::kWrite, offer->link, rs->id, src.data(), 8192, rd->addr, rd->keys[0], 1};
+  WorkRequest r{Opcode::kRead, offer->link, rb->id, back.data(), 8192, rd->addr, rd->keys[0], 2};
+  for (WorkRequest* wr : {&w, &r}) {
+    ASSERT_TRUE((*a)->Post({wr, 1}).ok());
+    Completion c;
+    ASSERT_EQ((*a)->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
+    EXPECT_TRUE(c.status.ok()) << c.status;
+    EXPECT_EQ(c.cookie, wr->cookie);
+  }
+  EXPECT_EQ(dst, src);
+  EXPECT_EQ(back, src);
+}
+
 TEST(TcpTransport, InProcessPeersCopyInsidePost) {
   for (const bool shortcut : {true, false}) {
     SCOPED_TRACE(shortcut ? "shortcut" : "sockets");
