@@ -80,8 +80,9 @@ struct TcpServer::State {
   TakeConnection TakeAfter(const Frame& request, const Frame& reply) const {
     return options.hand_over ? options.hand_over(request, reply) : nullptr;
   }
-  bool Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take);
-  bool SendReply(uint64_t id, Conn* c, const Frame& reply);
+  bool Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take, bool flush = true);
+  bool SendReply(uint64_t id, Conn* c, const Frame& reply, bool flush = true);
+  bool WholeRequestIn(const Conn& c) const;
   bool Flush(uint64_t id, Conn* c);
   void HandOver(uint64_t id, Conn* c);
   void Refuse(uint64_t id, Conn* c, const absl::Status& why);
@@ -188,21 +189,35 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
   // At most this many answered in a row, then other connections' turn.
   constexpr int kInlineBurst = 16;
   int answered = 0;
-  while (!c->busy && c->out.empty() && c->in.size() >= kFrameHeaderBytes) {
+  // Replies of pipelined requests go out together: c->out holds those not
+  // yet written while `deferred`.
+  bool deferred = false;
+  while (!c->busy && (c->out.empty() || deferred) && c->in.size() >= kFrameHeaderBytes) {
     absl::StatusOr<FrameHeader> h = ParseFrameHeader(c->in, options.max_request_bytes);
     if (!h.ok()) {
-      Refuse(id, c, h.status());
+      Refuse(id, c, h.status());  // after the replies deferred so far
       return;
     }
     const size_t total = kFrameHeaderBytes + h->payload_bytes;
-    if (c->in.size() < total) return;
+    if (c->in.size() < total) break;
     Frame request{h->type, c->in.substr(kFrameHeaderBytes, h->payload_bytes)};
+    const bool inline_answer = options.may_block && !options.may_block(request);
+    if (!inline_answer && deferred) {
+      // The handler pool's turn once what is deferred is out.
+      if (!Flush(id, c)) return;
+      deferred = false;
+      continue;
+    }
     c->in.erase(0, total);
     buffered -= total;
     c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
-    if (options.may_block && !options.may_block(request)) {
+    if (inline_answer) {
       const Frame reply = handler(request);
-      if (!Answer(id, c, reply, TakeAfter(request, reply))) return;
+      TakeConnection take = TakeAfter(request, reply);
+      // The next request is in whole: its reply goes with this one.
+      const bool more = take == nullptr && answered + 1 < kInlineBurst && WholeRequestIn(*c);
+      if (!Answer(id, c, reply, std::move(take), /*flush=*/!more)) return;
+      deferred = more;
       if (++answered == kInlineBurst) {
         loop->Post([this, id] {
           auto it = conns.find(id);
@@ -218,6 +233,13 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
     jobs.push_back(Job{id, std::move(request)});
     cv.Signal();
   }
+  if (deferred) (void)Flush(id, c);
+}
+
+bool TcpServer::State::WholeRequestIn(const Conn& c) const {
+  if (c.in.size() < kFrameHeaderBytes) return false;
+  absl::StatusOr<FrameHeader> h = ParseFrameHeader(c.in, options.max_request_bytes);
+  return h.ok() && c.in.size() >= kFrameHeaderBytes + h->payload_bytes;
 }
 
 void TcpServer::State::OnReply(uint64_t id, Frame reply, TakeConnection take) {
@@ -230,7 +252,8 @@ void TcpServer::State::OnReply(uint64_t id, Frame reply, TakeConnection take) {
 
 // SendReply, and the connection handed to `take` once the reply is out
 // (when set). False when the connection was closed or handed over.
-bool TcpServer::State::Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take) {
+bool TcpServer::State::Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take,
+                              bool flush) {
   if (take != nullptr && !c->in.empty()) {
     // The requester did not wait for the reply: what follows is neither
     // the handshake's nor, yet, the new owner's.
@@ -239,7 +262,7 @@ bool TcpServer::State::Answer(uint64_t id, Conn* c, const Frame& reply, TakeConn
     return false;
   }
   c->take = std::move(take);
-  return SendReply(id, c, reply);
+  return SendReply(id, c, reply, flush);
 }
 
 // The connection leaves the server for its new owner.
@@ -254,13 +277,14 @@ void TcpServer::State::HandOver(uint64_t id, Conn* c) {
   take(std::move(fd));
 }
 
-// Starts writing `reply`. False when the connection was closed.
-bool TcpServer::State::SendReply(uint64_t id, Conn* c, const Frame& reply) {
-  c->out = EncodeFrame(reply.type, reply.payload);
-  c->out_done = 0;
-  buffered += c->out.size();
+// Queues `reply` behind any deferred ones and, with `flush`, starts writing
+// them. False when the connection was closed or handed over.
+bool TcpServer::State::SendReply(uint64_t id, Conn* c, const Frame& reply, bool flush) {
+  const std::string frame = EncodeFrame(reply.type, reply.payload);
+  c->out += frame;  // after replies deferred, if any (Dispatch)
+  buffered += frame.size();
   c->last_active = absl::Now();
-  return Flush(id, c);
+  return !flush || Flush(id, c);
 }
 
 // Writes what it can of the reply. False when the connection was closed.

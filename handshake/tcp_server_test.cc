@@ -287,6 +287,51 @@ namespace kvferry {
 namespace handshake {
 namespace {
 
+// Pipelined requests are answered in order, whether answered where they
+// arrive (their replies go out together) or by the handler threads, and a
+// malformed request after them is refused once the replies before it are
+// out.
+TEST(TcpServerTest, PipelinedRepliesKeepTheirOrder) {
+  auto socket = net::Listen("127.0.0.1", 0, {0, 0});
+  ASSERT_TRUE(socket.ok()) << socket.status();
+  const net::HostPort at{"127.0.0.1", socket->address.port()};
+  TcpServerOptions o;
+  o.may_block = [](const Frame& f) { return f.type == MessageType::kConnect; };
+  auto server = TcpServer::Start(
+      std::move(*socket), at.ToString(),
+      [](const Frame& f) {
+        if (f.type == MessageType::kConnect) absl::SleepFor(absl::Milliseconds(5));
+        return Frame{MessageType::kProbeReply, f.payload};
+      },
+      o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  net::Fd fd = Attacker(Served{nullptr, at});
+  const std::vector<MessageType> types = {MessageType::kProbe,   MessageType::kProbe,
+                                          MessageType::kConnect, MessageType::kProbe,
+                                          MessageType::kConnect, MessageType::kProbe};
+  std::string bytes;
+  for (size_t i = 0; i < types.size(); ++i) bytes += EncodeFrame(types[i], std::to_string(i));
+  bytes += std::string(kFrameHeaderBytes, 'x');  // no frame header
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(net::WriteFull(fd.get(), bytes.data(), bytes.size(), deadline).ok());
+  for (size_t i = 0; i <= types.size(); ++i) {
+    char header[kFrameHeaderBytes];
+    ASSERT_TRUE(net::ReadFull(fd.get(), header, sizeof header, deadline).ok()) << "reply " << i;
+    auto h = ParseFrameHeader(absl::string_view(header, sizeof header), 1 << 20);
+    ASSERT_TRUE(h.ok()) << h.status();
+    std::string payload(h->payload_bytes, '\0');
+    ASSERT_TRUE(net::ReadFull(fd.get(), payload.data(), payload.size(), deadline).ok());
+    if (i < types.size()) {
+      EXPECT_EQ(h->type, MessageType::kProbeReply);
+      EXPECT_EQ(payload, std::to_string(i));
+    } else {
+      EXPECT_EQ(h->type, MessageType::kError);
+    }
+  }
+  EXPECT_TRUE(ClosedByServer(fd.get(), absl::Seconds(5)));
+  EXPECT_EQ((*server)->stats().refused_frames, 1u);
+}
+
 // A client that sends anything after a request that hands its connection
 // over did not wait for the reply: the connection is refused (an error
 // reply, then closed), and nothing is handed over.
