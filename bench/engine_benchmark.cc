@@ -482,28 +482,51 @@ void Percentiles(std::vector<double> us, benchmark::State& state) {
   state.counters["p99_us"] = us[std::min(us.size() - 1, us.size() * 99 / 100)];
 }
 
+// A fresh engine to time a first transfer from (null when none starts).
+std::unique_ptr<TransferEngine> FreshEngine(std::vector<char>& src) {
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  auto engine = TransferEngine::Create(o);
+  if (!engine.ok() || !(*engine)->RegisterMemory(src.data(), src.size()).ok()) return nullptr;
+  return std::move(*engine);
+}
+
+// OpenSegment to the peer, a WRITE of `src` and its Wait, timed into `us`.
+bool TimeFirstTransfer(TransferEngine& engine, std::vector<char>& src, std::vector<double>& us) {
+  const absl::Time t0 = absl::Now();
+  auto seg = engine.OpenSegment(peer->engine);
+  TransferRequest w{Opcode::kWrite, src.data(), peer->pool, src.size()};
+  auto batch = seg.ok() ? engine.Submit(*seg, {&w, 1}) : seg.status();
+  auto st = batch.ok() ? engine.Wait(*batch, absl::Seconds(10)) : batch.status();
+  us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  return st.ok() && st->ok();
+}
+
+// A raw connect to the sink, `src` sent and its answer read, timed into `us`.
+bool TimeRawFirst(std::vector<char>& src, std::vector<double>& us) {
+  const absl::Time t0 = absl::Now();
+  auto fd = bench::RawConnect(peer->sink);
+  const bool ok = fd.ok() && bench::RawSend(fd->get(), src.data(), 1, src.size()).ok() &&
+                  bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok();
+  us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  return ok;
+}
+
 void BM_FirstTransferToNewPeer(benchmark::State& state) {
   std::vector<char> src(4096, 'f');
   std::vector<double> us;
   for (auto _ : state) {
     state.PauseTiming();
-    EngineOptions o;
-    o.local_host = "127.0.0.1";
-    auto engine = TransferEngine::Create(o);
-    if (!engine.ok() || !(*engine)->RegisterMemory(src.data(), src.size()).ok()) {
+    std::unique_ptr<TransferEngine> engine = FreshEngine(src);
+    if (engine == nullptr) {
       state.SkipWithError("cannot create an engine");
       return;
     }
     state.ResumeTiming();
-    const absl::Time t0 = absl::Now();
-    auto seg = (*engine)->OpenSegment(peer->engine);
-    TransferRequest w{Opcode::kWrite, src.data(), peer->pool, src.size()};
-    auto batch = seg.ok() ? (*engine)->Submit(*seg, {&w, 1}) : seg.status();
-    auto st = batch.ok() ? (*engine)->Wait(*batch, absl::Seconds(10)) : batch.status();
-    us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+    const bool ok = TimeFirstTransfer(*engine, src, us);
     state.PauseTiming();
-    if (!st.ok() || !st->ok()) state.SkipWithError("first transfer failed");
-    engine->reset();
+    if (!ok) state.SkipWithError("first transfer failed");
+    engine.reset();
     state.ResumeTiming();
   }
   Percentiles(std::move(us), state);
@@ -514,12 +537,7 @@ void BM_RawConnectAndFirst4K(benchmark::State& state) {
   std::vector<char> src(4096, 'f');
   std::vector<double> us;
   for (auto _ : state) {
-    const absl::Time t0 = absl::Now();
-    auto fd = bench::RawConnect(peer->sink);
-    const bool ok = fd.ok() && bench::RawSend(fd->get(), src.data(), 1, src.size()).ok() &&
-                    bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok();
-    us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-    if (!ok) state.SkipWithError("raw connect failed");
+    if (!TimeRawFirst(src, us)) state.SkipWithError("raw connect failed");
   }
   Percentiles(std::move(us), state);
 }
@@ -530,42 +548,27 @@ BENCHMARK(BM_RawConnectAndFirst4K)->Iterations(200)->UseRealTime();
 // peer, in alternating order, so both meet the same conditions (what the
 // engine's creation left running, CPUs just busy or idle). The two
 // benchmarks above run their iterations back to back instead, the raw one
-// with nothing between them: on a small VM that alone makes it about twice
+// with nothing between them: on a small VM that alone makes it up to twice
 // as fast (docs/performance.md).
 void BM_FirstTransferPaired(benchmark::State& state) {
   std::vector<char> src(4096, 'f');
   std::vector<double> engine_us, raw_us, ratio;
   bool raw_first = false;
   for (auto _ : state) {
-    EngineOptions o;
-    o.local_host = "127.0.0.1";
-    auto engine = TransferEngine::Create(o);
-    if (!engine.ok() || !(*engine)->RegisterMemory(src.data(), src.size()).ok()) {
+    std::unique_ptr<TransferEngine> engine = FreshEngine(src);
+    if (engine == nullptr) {
       state.SkipWithError("cannot create an engine");
       return;
     }
-    auto time_engine = [&] {
-      const absl::Time t0 = absl::Now();
-      auto seg = (*engine)->OpenSegment(peer->engine);
-      TransferRequest w{Opcode::kWrite, src.data(), peer->pool, src.size()};
-      auto batch = seg.ok() ? (*engine)->Submit(*seg, {&w, 1}) : seg.status();
-      auto st = batch.ok() ? (*engine)->Wait(*batch, absl::Seconds(10)) : batch.status();
-      engine_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-      return st.ok() && st->ok();
-    };
-    auto time_raw = [&] {
-      const absl::Time t0 = absl::Now();
-      auto fd = bench::RawConnect(peer->sink);
-      const bool ok = fd.ok() && bench::RawSend(fd->get(), src.data(), 1, src.size()).ok() &&
-                      bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok();
-      raw_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-      return ok;
-    };
     raw_first = !raw_first;
-    const bool ok = raw_first ? time_raw() && time_engine() : time_engine() && time_raw();
-    if (!ok) state.SkipWithError("a first transfer failed");
+    const bool ok = raw_first
+                        ? TimeRawFirst(src, raw_us) && TimeFirstTransfer(*engine, src, engine_us)
+                        : TimeFirstTransfer(*engine, src, engine_us) && TimeRawFirst(src, raw_us);
+    if (!ok) {
+      state.SkipWithError("a first transfer failed");
+      return;
+    }
     ratio.push_back(engine_us.back() / raw_us.back());
-    engine->reset();
   }
   std::sort(ratio.begin(), ratio.end());
   if (!ratio.empty()) state.counters["ratio_p50"] = ratio[ratio.size() / 2];

@@ -15,17 +15,39 @@ namespace {
 using handshake::Frame;
 using handshake::MessageType;
 
-// A peer on a scripted network: answers connects by appending "!" to the
-// offered parameters, and kConnectLinks the way `mode` says.
-class ScriptedNetwork final : public handshake::Network {
+// The fake networks below only call.
+class ClientOnlyNetwork : public handshake::Network {
  public:
-  enum class Mode { kBatch, kOldPeer, kWrongCount, kDown };
-  explicit ScriptedNetwork(Mode mode) : mode_(mode) {}
-
   absl::StatusOr<std::unique_ptr<handshake::Server>> Serve(const handshake::ServeOptions&,
                                                            handshake::Handler) override {
     return absl::UnimplementedError("client only");
   }
+};
+
+// A scripted peer's answers to a link request: each link's parameters with
+// "!" appended, or kNotFound for parameters "refuse".
+absl::StatusOr<handshake::ConnectLinksReply> AnswerLinks(const Frame& request) {
+  absl::StatusOr<handshake::ConnectLinksRequest> batch =
+      handshake::DecodeConnectLinksRequest(request.payload);
+  if (!batch.ok()) return batch.status();
+  handshake::ConnectLinksReply reply;
+  for (const handshake::ConnectRequest& c : batch->links) {
+    if (c.params == "refuse") {
+      reply.links.emplace_back(absl::NotFoundError("no such NIC"));
+    } else {
+      reply.links.emplace_back(c.params + "!");
+    }
+  }
+  return reply;
+}
+
+// A peer on a scripted network: answers connects by appending "!" to the
+// offered parameters, and kConnectLinks the way `mode` says.
+class ScriptedNetwork final : public ClientOnlyNetwork {
+ public:
+  enum class Mode { kBatch, kOldPeer, kWrongCount, kDown };
+  explicit ScriptedNetwork(Mode mode) : mode_(mode) {}
+
   absl::StatusOr<Frame> Call(const std::string&, const Frame& request,
                              absl::Duration) override {
     calls.push_back(request.type);
@@ -43,19 +65,10 @@ class ScriptedNetwork final : public handshake::Network {
     // An engine from before kConnectLinks: the handshake server refuses the
     // unknown type as malformed.
     if (mode_ == Mode::kOldPeer) return absl::DataLossError("unknown message type 16");
-    absl::StatusOr<handshake::ConnectLinksRequest> batch =
-        handshake::DecodeConnectLinksRequest(request.payload);
-    if (!batch.ok()) return batch.status();
-    handshake::ConnectLinksReply reply;
-    for (const handshake::ConnectRequest& c : batch->links) {
-      if (c.params == "refuse") {
-        reply.links.emplace_back(absl::NotFoundError("no such NIC"));
-      } else {
-        reply.links.emplace_back(c.params + "!");
-      }
-    }
-    if (mode_ == Mode::kWrongCount) reply.links.pop_back();
-    return Frame{MessageType::kConnectLinksReply, handshake::Encode(reply)};
+    absl::StatusOr<handshake::ConnectLinksReply> reply = AnswerLinks(request);
+    if (!reply.ok()) return reply.status();
+    if (mode_ == Mode::kWrongCount) reply->links.pop_back();
+    return Frame{MessageType::kConnectLinksReply, handshake::Encode(*reply)};
   }
 
   std::vector<MessageType> calls;
@@ -114,12 +127,8 @@ TEST(PeerClient, ConnectLinksToAnUnreachablePeerFailsOnceWithoutRetrying) {
 
 // A network whose calls run on connections that can be handed over: the
 // descriptor, then each link accepted unless its parameters say "refuse".
-class HandingNetwork final : public handshake::Network {
+class HandingNetwork final : public ClientOnlyNetwork {
  public:
-  absl::StatusOr<std::unique_ptr<handshake::Server>> Serve(const handshake::ServeOptions&,
-                                                           handshake::Handler) override {
-    return absl::UnimplementedError("client only");
-  }
   absl::StatusOr<Frame> Call(const std::string&, const Frame& request,
                              absl::Duration) override {
     calls.push_back(request.type);
@@ -130,18 +139,9 @@ class HandingNetwork final : public handshake::Network {
       d.nics.push_back(transport::NicInfo{"lo", "127.0.0.1:9", 0, 0, 0});
       return Frame{MessageType::kDescriptor, handshake::Encode(d)};
     }
-    absl::StatusOr<handshake::ConnectLinksRequest> batch =
-        handshake::DecodeConnectLinksRequest(request.payload);
-    if (!batch.ok()) return batch.status();
-    handshake::ConnectLinksReply reply;
-    for (const handshake::ConnectRequest& c : batch->links) {
-      if (c.params == "refuse") {
-        reply.links.emplace_back(absl::NotFoundError("no such NIC"));
-      } else {
-        reply.links.emplace_back(c.params + "!");
-      }
-    }
-    return Frame{MessageType::kConnectLinksReply, handshake::Encode(reply)};
+    absl::StatusOr<handshake::ConnectLinksReply> reply = AnswerLinks(request);
+    if (!reply.ok()) return reply.status();
+    return Frame{MessageType::kConnectLinksReply, handshake::Encode(*reply)};
   }
   bool CanHandOver() const override { return true; }
   void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,

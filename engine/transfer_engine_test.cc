@@ -8,6 +8,7 @@
 #include "engine/transfer_engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <sched.h>
@@ -633,6 +634,47 @@ TEST(TransferEngine, TheFirstLinkRidesTheHandshakeConnection) {
     EXPECT_EQ(a->GetMetrics().peers[0].links, c.links);
     EXPECT_EQ(EstablishedSockets() - before, c.ends);
   }
+}
+
+// An engine from before connect-links-here refuses that type (an unknown
+// message type): the requester then opens the segment the usual way, its
+// link connecting to the peer's data port. The "older peer" here is a
+// handshake proxy in front of a current engine that refuses the type and
+// forwards everything else.
+TEST(TransferEngine, APeerThatPredatesConnectLinksHereIsAskedTheUsualWay) {
+  EngineOptions o = Local();
+  o.links_per_peer = 1;
+  auto a = MakeEngine(o);
+  auto b = MakeEngine(o);
+  auto forward = handshake::NewTcpNetwork();
+  auto network = handshake::NewTcpNetwork();
+  handshake::ServeOptions serve;
+  serve.bind_host = "127.0.0.1";
+  std::atomic<int> refused{0}, forwarded{0};
+  auto proxy = network->Serve(serve, [&](const handshake::Frame& f) {
+    if (f.type == handshake::MessageType::kConnectLinksHere) {
+      ++refused;
+      return handshake::ErrorFrame(absl::DataLossError("unknown message type 20"));
+    }
+    ++forwarded;
+    absl::StatusOr<handshake::Frame> reply = forward->Call(b->address(), f, absl::Seconds(5));
+    return reply.ok() ? *reply : handshake::ErrorFrame(reply.status());
+  });
+  ASSERT_TRUE(proxy.ok()) << proxy.status();
+  std::vector<char> src = Pattern(16384, 8), dst(16384, 0);
+  ASSERT_TRUE(a->RegisterMemory(src.data(), src.size()).ok());
+  ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
+  auto seg = a->OpenSegment((*proxy)->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(refused.load(), 1);
+  EXPECT_GE(forwarded.load(), 3);  // describe, then describe and connect-links again
+  TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+  auto batch = a->Submit(*seg, {&w, 1});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto st = a->Wait(*batch, absl::Seconds(10));
+  ASSERT_TRUE(st.ok() && st->ok()) << (st.ok() ? st->requests[0] : st.status());
+  EXPECT_EQ(src, dst);
+  EXPECT_EQ(a->GetMetrics().peers[0].links, 1u);
 }
 
 // Every link to a peer comes up in one kConnectLinks round trip, answered
