@@ -360,7 +360,8 @@ void RunPeer(int report_fd) {
                                         reinterpret_cast<uintptr_t>(pool.data()), " ",
                                         (*sink)->address(), "\n");
   if (::write(report_fd, line.data(), line.size()) != ssize_t(line.size())) _exit(1);
-  for (;;) ::pause();  // serves until the parent kills it
+  // Serves until the parent kills it, taking the notifications it gets.
+  for (;;) (void)(*engine)->WaitNotification(absl::Seconds(1));
 }
 
 Peer* StartPeer() {
@@ -491,23 +492,36 @@ std::unique_ptr<TransferEngine> FreshEngine(std::vector<char>& src) {
   return std::move(*engine);
 }
 
-// OpenSegment to the peer, a WRITE of `src` and its Wait, timed into `us`.
-bool TimeFirstTransfer(TransferEngine& engine, std::vector<char>& src, std::vector<double>& us) {
+// OpenSegment to the peer, a WRITE of `src` and its Wait (with `notify`,
+// NotifyAfter instead, as a KV sender ends a request), timed into `us`.
+bool TimeFirstTransfer(TransferEngine& engine, std::vector<char>& src, std::vector<double>& us,
+                       bool notify = false) {
   const absl::Time t0 = absl::Now();
   auto seg = engine.OpenSegment(peer->engine);
   TransferRequest w{Opcode::kWrite, src.data(), peer->pool, src.size()};
   auto batch = seg.ok() ? engine.Submit(*seg, {&w, 1}) : seg.status();
-  auto st = batch.ok() ? engine.Wait(*batch, absl::Seconds(10)) : batch.status();
+  bool ok = false;
+  if (notify) {
+    ok = batch.ok() && engine.NotifyAfter(*batch, "done", absl::Seconds(10)).ok();
+  } else {
+    auto st = batch.ok() ? engine.Wait(*batch, absl::Seconds(10)) : batch.status();
+    ok = st.ok() && st->ok();
+  }
   us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-  return st.ok() && st->ok();
+  return ok;
 }
 
-// A raw connect to the sink, `src` sent and its answer read, timed into `us`.
-bool TimeRawFirst(std::vector<char>& src, std::vector<double>& us) {
+// A raw connect to the sink, `src` sent and its answer read (with
+// `notify`, then a 64-byte message and its answer), timed into `us`.
+bool TimeRawFirst(std::vector<char>& src, std::vector<double>& us, bool notify = false) {
   const absl::Time t0 = absl::Now();
   auto fd = bench::RawConnect(peer->sink);
-  const bool ok = fd.ok() && bench::RawSend(fd->get(), src.data(), 1, src.size()).ok() &&
-                  bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok();
+  bool ok = fd.ok() && bench::RawSend(fd->get(), src.data(), 1, src.size()).ok() &&
+            bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok();
+  if (notify) {
+    ok = ok && bench::RawSend(fd->get(), src.data(), 1, 64).ok() &&
+         bench::RawAwaitAck(fd->get(), absl::InfiniteFuture()).ok();
+  }
   us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
   return ok;
 }
@@ -549,8 +563,10 @@ BENCHMARK(BM_RawConnectAndFirst4K)->Iterations(200)->UseRealTime();
 // engine's creation left running, CPUs just busy or idle). The two
 // benchmarks above run their iterations back to back instead, the raw one
 // with nothing between them: on a small VM that alone makes it up to twice
-// as fast (docs/performance.md).
+// as fast (docs/performance.md). Argument 1: the transfer ends with a
+// notification (NotifyAfter), the raw one with a 64-byte message.
 void BM_FirstTransferPaired(benchmark::State& state) {
+  const bool notify = state.range(0) == 1;
   std::vector<char> src(4096, 'f');
   std::vector<double> engine_us, raw_us, ratio;
   bool raw_first = false;
@@ -561,9 +577,10 @@ void BM_FirstTransferPaired(benchmark::State& state) {
       return;
     }
     raw_first = !raw_first;
-    const bool ok = raw_first
-                        ? TimeRawFirst(src, raw_us) && TimeFirstTransfer(*engine, src, engine_us)
-                        : TimeFirstTransfer(*engine, src, engine_us) && TimeRawFirst(src, raw_us);
+    const bool ok = raw_first ? TimeRawFirst(src, raw_us, notify) &&
+                                    TimeFirstTransfer(*engine, src, engine_us, notify)
+                              : TimeFirstTransfer(*engine, src, engine_us, notify) &&
+                                    TimeRawFirst(src, raw_us, notify);
     if (!ok) {
       state.SkipWithError("a first transfer failed");
       return;
@@ -577,7 +594,7 @@ void BM_FirstTransferPaired(benchmark::State& state) {
   state.counters.erase("p99_us");
   Percentiles(std::move(engine_us), state);
 }
-BENCHMARK(BM_FirstTransferPaired)->Iterations(200)->UseRealTime();
+BENCHMARK(BM_FirstTransferPaired)->Arg(0)->Arg(1)->Iterations(200)->UseRealTime();
 
 // Pairs run back to back so the ratio compares like with like.
 BENCHMARK(BM_RawSocketPump)->Arg(64 << 10)->Arg(1 << 20)->UseRealTime();

@@ -612,6 +612,7 @@ TEST(TransferEngine, TheFirstLinkRidesTheHandshakeConnection) {
   for (const Case& c : {Case{1, false, 2}, Case{2, false, 4}, Case{1, true, 4}}) {
     SCOPED_TRACE(::testing::Message() << c.links << " link(s), secret " << c.secret);
     EngineOptions o = Local();
+    o.transport = "tcp";  // an RDMA host (the Soft-RoCE VM) would use verbs
     o.links_per_peer = c.links;
     if (c.secret) o.secret = "kvferry-test-secret-0123456789";
     const int before = EstablishedSockets();
@@ -643,6 +644,7 @@ TEST(TransferEngine, TheFirstLinkRidesTheHandshakeConnection) {
 // forwards everything else.
 TEST(TransferEngine, APeerThatPredatesConnectLinksHereIsAskedTheUsualWay) {
   EngineOptions o = Local();
+  o.transport = "tcp";  // an RDMA host (the Soft-RoCE VM) would use verbs
   o.links_per_peer = 1;
   auto a = MakeEngine(o);
   auto b = MakeEngine(o);
