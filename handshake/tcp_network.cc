@@ -105,6 +105,14 @@ class TcpNetwork final : public Network {
         (void)net::SetNoDelay(fd.get());
       }
       const absl::Status sent = net::WriteFull(fd.get(), bytes.data(), bytes.size(), deadline);
+      // A connection the reply may hand over: another one is started while
+      // the peer answers, for the calls that follow (a notification after
+      // the first transfer), and pooled either way.
+      net::Fd spare;
+      if (take != nullptr && sent.ok()) {
+        absl::StatusOr<net::Fd> started = net::ConnectStart(*hp);
+        if (started.ok()) spare = std::move(*started);
+      }
       bool retry = false;
       for (size_t i = 0; i < requests.size() && !retry; ++i) {
         absl::StatusOr<Frame> reply = sent.ok()
@@ -123,6 +131,7 @@ class TcpNetwork final : public Network {
       }
       if (retry) continue;
       if (take == nullptr || !take(fd)) PutIdle(peer, std::move(fd));
+      if (spare.valid()) PutIdle(peer, std::move(spare));
       return;
     }
     on_reply(0, absl::UnavailableError(absl::StrCat("handshake with ", peer, " failed")));

@@ -268,6 +268,22 @@ absl::StatusOr<Fd> Connect(const HostPort& peer, absl::Duration timeout) {
   return last;
 }
 
+absl::StatusOr<Fd> ConnectStart(const HostPort& peer) {
+  absl::StatusOr<std::vector<SocketAddress>> addrs = Resolve(peer.host, peer.port);
+  if (!addrs.ok()) return addrs.status();
+  if (addrs->empty()) return absl::UnavailableError(absl::StrCat("no address for ", peer.host));
+  const SocketAddress& a = addrs->front();
+  Fd fd(::socket(a.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return LastErrnoError("socket");
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0 &&
+      errno != EINPROGRESS) {
+    return absl::UnavailableError(
+        ErrnoError(errno, absl::StrCat("connect ", peer.ToString())).message());
+  }
+  (void)SetNoDelay(fd.get());
+  return fd;
+}
+
 absl::Status WriteFull(int fd, const void* data, size_t n, absl::Time deadline) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {

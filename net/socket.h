@@ -100,6 +100,10 @@ absl::StatusOr<Fd> Accept(int listen_fd, absl::Duration timeout);
 // Connects to `peer`, trying each address it resolves to, within `timeout`
 // in total. kUnavailable (refused, unreachable, timed out) naming the peer.
 absl::StatusOr<Fd> Connect(const HostPort& peer, absl::Duration timeout);
+// Starts connecting to `peer`'s first address and returns at once: a
+// non-blocking socket (TCP_NODELAY on), connected or on its way (a failure
+// shows at its first read or write).
+absl::StatusOr<Fd> ConnectStart(const HostPort& peer);
 
 // Writes/reads exactly `n` bytes before `deadline`. A peer that closes the
 // connection gives kUnavailable; the deadline gives kDeadlineExceeded.

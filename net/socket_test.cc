@@ -158,6 +158,34 @@ TEST(Connect, Ipv6LoopbackWorksAndDataFlows) {
   EXPECT_EQ(s->address.ToString().substr(0, 5), "[::1]");
 }
 
+// ConnectStart returns before the connection is up; bytes written then
+// arrive once it is, and a refused connection fails (at once, or at the
+// first write) as kUnavailable.
+TEST(ConnectStart, ConnectsInTheBackgroundAndFailsAtFirstUse) {
+  auto s = Listen("127.0.0.1", 0, {16800, 16900});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto c = ConnectStart({"127.0.0.1", s->address.port()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
+  ASSERT_TRUE(WriteFull(c->get(), "early", 5, deadline).ok());
+  auto a = Accept(s->fd.get(), absl::Seconds(2));
+  ASSERT_TRUE(a.ok()) << a.status();
+  char buf[5];
+  ASSERT_TRUE(ReadFull(a->get(), buf, 5, deadline).ok());
+  EXPECT_EQ(std::string(buf, 5), "early");
+
+  const uint16_t closed = s->address.port();
+  s->fd = Fd();  // nobody listens there now
+  auto refused = ConnectStart({"127.0.0.1", closed});
+  absl::Status first_use =
+      refused.ok() ? WriteFull(refused->get(), "x", 1, deadline) : refused.status();
+  if (first_use.ok()) {  // the refusal may come after the write
+    char b;
+    first_use = ReadFull(refused->get(), &b, 1, deadline);
+  }
+  EXPECT_EQ(first_use.code(), absl::StatusCode::kUnavailable) << first_use;
+}
+
 TEST(ReadFull, TimesOutAndReportsPeerClose) {
   auto s = Listen("127.0.0.1", 0, {16800, 16900});
   ASSERT_TRUE(s.ok());
