@@ -90,7 +90,8 @@ class TcpNetwork final : public Network {
     for (const Frame& f : requests) bytes += EncodeFrame(f.type, f.payload);
     // An idle pooled connection may have been closed by the peer meanwhile;
     // such a failure before the first reply is retried once on a fresh
-    // connection.
+    // connection (the other idle ones are dropped too: a restarted peer
+    // closed them all).
     for (int attempt = 0; attempt < 2; ++attempt) {
       net::Fd fd = TakeIdle(peer);
       const bool pooled = fd.valid();
@@ -120,7 +121,10 @@ class TcpNetwork final : public Network {
                                           : absl::StatusOr<Frame>(sent);
         if (!reply.ok()) {
           retry = i == 0 && pooled && reply.status().code() == absl::StatusCode::kUnavailable;
-          if (retry) continue;
+          if (retry) {
+            DropIdle(peer);
+            continue;
+          }
           on_reply(i, Failed(peer, requests[i].type, reply.status(), timeout));
           return;
         }
@@ -156,6 +160,12 @@ class TcpNetwork final : public Network {
     net::Fd fd = std::move(it->second.back());
     it->second.pop_back();
     return fd;
+  }
+  void DropIdle(const std::string& peer) {
+    std::vector<net::Fd> stale;  // closed outside the lock
+    MutexLock lock(&mu_);
+    auto it = idle_.find(peer);
+    if (it != idle_.end()) stale.swap(it->second);
   }
   void PutIdle(const std::string& peer, net::Fd fd) {
     MutexLock lock(&mu_);

@@ -218,6 +218,31 @@ TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
   EXPECT_EQ(taken.size(), 1u);
 }
 
+// A peer that restarted closed every connection the network keeps idle for
+// it: the first that fails sends the call to a fresh connection, whatever
+// else is in the pool (here two: a call's own and the one started beside
+// it).
+TEST(TcpNetwork, AfterAPeerRestartsTheNextCallConnectsAfresh) {
+  auto network = NewTcpNetwork();
+  auto first = network->Serve(Loopback(), EchoHandler);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string at = (*first)->address();
+  network->CallThenTake(at, {Frame{MessageType::kProbe, Encode(Probe{1, 1})}}, absl::Seconds(5),
+                        [](size_t, absl::StatusOr<Frame> reply) {
+                          EXPECT_TRUE(reply.ok()) << reply.status();
+                          return true;
+                        },
+                        [](net::Fd&) { return false; });  // both kept idle
+  ServeOptions same = Loopback();
+  same.port = static_cast<uint16_t>(std::stoi(at.substr(at.rfind(':') + 1)));
+  first->reset();  // the peer goes away, closing both
+  auto second = network->Serve(same, EchoHandler);
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto reply = network->Call(at, Frame{MessageType::kProbe, Encode(Probe{1, 2})}, absl::Seconds(5));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(DecodeProbe(reply->payload)->nonce, 2u);
+}
+
 TEST(TcpNetwork, Ipv6Loopback) {
   auto network = NewTcpNetwork();
   ServeOptions o = Loopback();
