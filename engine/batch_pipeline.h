@@ -146,12 +146,27 @@ class BatchPipeline {
                          const handshake::RegionDescriptor* reg, uint32_t retries);
   // Submit's path for a lone request that fits one slice, on a segment
   // whose current view this thread's lane holds, with no backlog and a
-  // link with room: planned, created, assigned and posted with no scratch
-  // buffers and no plan (a latency-bound caller's batch). nullopt, nothing
-  // changed, when anything is unusual (the general path then decides).
+  // link with room: planned, assigned and posted with no scratch buffers
+  // and no plan, and its batch created after the post (a latency-bound
+  // caller's batch). nullopt, nothing changed, when anything is unusual
+  // (the general path then decides).
   std::optional<absl::StatusOr<BatchId>> SubmitOne(SegmentId id, const TransferRequest& r,
                                                    const LocalUse& local,
                                                    uint64_t peer_engine_id);
+  // A lone request as SubmitOne posts it: its slice (not yet in the
+  // lane's table), its work request (the cookie the id the slice will
+  // get), its link's place taken.
+  struct LoneRequest {
+    LaneSegment* ls = nullptr;
+    size_t via = 0;
+    absl::Time now;
+    Slice slice;
+    transport::WorkRequest wr;
+  };
+  // SubmitOne's checks and link choice; false, nothing changed, when the
+  // general path must decide.
+  bool PlanOne(Lane& lane, SegmentId id, const TransferRequest& r, const LocalUse& local,
+               uint64_t peer_engine_id, LoneRequest* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Reads the segment's current view into the caller's lane, under mu_:
   // OK, or why the segment cannot take slices now (kFailedPrecondition:
   // not ready, refresh it).

@@ -46,10 +46,9 @@ uint64_t BatchTable::Slab<T>::Take(T** out) {
   }
   Slot& s = slots_[index];
   s.live = true;
-  s.generation = (s.generation + 1) & kGenerationMask;
-  if (s.generation == 0) s.generation = 1;  // never id 0
+  s.generation = NextGeneration(s.generation);
   *out = &s.value;
-  return (uint64_t{tag_} << kTagShift) | (uint64_t{s.generation} << 32) | (uint64_t{index} + 1);
+  return IdOf(index, s.generation);
 }
 
 BatchId BatchTable::Create(Batch** out) { return batches_.Take(out); }

@@ -88,6 +88,9 @@ class BatchTable {
   }
 
   uint64_t AddSlice(const Slice& s);
+  // The id the next AddSlice returns (a work request can carry it before
+  // the slice is added).
+  uint64_t NextSliceId() const { return slices_.PeekNext(); }
   Slice* FindSlice(uint64_t id) { return slices_.Find(id); }
   void EraseSlice(uint64_t id) { slices_.Free(id); }
 
@@ -98,6 +101,12 @@ class BatchTable {
     explicit Slab(uint8_t tag) : tag_(tag) {}
     // A free slot (its value as its last user left it) and its id.
     uint64_t Take(T** out);
+    // The id the next Take returns.
+    uint64_t PeekNext() const {
+      const uint32_t index = free_.empty() ? static_cast<uint32_t>(slots_.size()) : free_.back();
+      const uint32_t generation = index < slots_.size() ? slots_[index].generation : 0;
+      return IdOf(index, NextGeneration(generation));
+    }
     T* Find(uint64_t id) {
       const uint64_t index = (id & 0xffffffffu) - 1;
       if (index >= slots_.size()) return nullptr;
@@ -111,6 +120,13 @@ class BatchTable {
     }
 
    private:
+    static uint32_t NextGeneration(uint32_t g) {
+      g = (g + 1) & kGenerationMask;
+      return g == 0 ? 1 : g;  // never id 0
+    }
+    uint64_t IdOf(uint32_t index, uint32_t generation) const {
+      return (uint64_t{tag_} << kTagShift) | (uint64_t{generation} << 32) | (uint64_t{index} + 1);
+    }
     struct Slot {
       T value;
       uint32_t generation = 0;

@@ -1,6 +1,7 @@
 #include "engine/batch_table.h"
 
 #include <set>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -64,6 +65,40 @@ TEST(BatchTableTest, SlicesAreFoundUntilErasedAndIdsAreUnique) {
   for (uint64_t id : live) {
     ASSERT_NE(t.FindSlice(id), nullptr);
     EXPECT_NE(t.FindSlice(id)->length % 3, 0u);  // the erased ones are gone
+  }
+}
+
+// A lone request's work request carries its slice's id before the slice
+// is added (SubmitOne posts first): NextSliceId must be that id, from a
+// fresh slot, a freed one, and past a generation's wrap.
+TEST(BatchTableTest, NextSliceIdIsTheIdTheNextSliceGets) {
+  BatchTable t(5);
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t next = t.NextSliceId();
+    EXPECT_EQ(t.NextSliceId(), next);  // looking takes nothing
+    ids.push_back(t.AddSlice(Slice{}));
+    EXPECT_EQ(ids.back(), next);
+  }
+  t.EraseSlice(ids[1]);
+  t.EraseSlice(ids[3]);
+  for (int i = 0; i < 3; ++i) {  // two freed slots, then a fresh one
+    const uint64_t next = t.NextSliceId();
+    const uint64_t got = t.AddSlice(Slice{});
+    EXPECT_EQ(got, next);
+    EXPECT_EQ(t.FindSlice(ids[1]), nullptr);
+    EXPECT_EQ(t.FindSlice(ids[3]), nullptr);
+    EXPECT_EQ(BatchTable::TagOf(got), 5);
+  }
+  // One slot through more generations than the id holds.
+  BatchTable w;
+  uint64_t last = 0;
+  for (uint64_t i = 0; i <= BatchTable::kGenerationMask + 1; ++i) {
+    const uint64_t next = w.NextSliceId();
+    last = w.AddSlice(Slice{});
+    ASSERT_EQ(last, next) << "after " << i << " reuses";
+    ASSERT_NE(last, 0u);
+    w.EraseSlice(last);
   }
 }
 

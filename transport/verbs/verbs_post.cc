@@ -54,14 +54,13 @@ absl::Status VerbsTransport::ValidateLocked(absl::Span<const WorkRequest> batch,
       options_.max_outstanding_per_link);
 }
 
-void VerbsTransport::ChainLocked(Link& link, absl::Span<const WorkRequest> batch,
+void VerbsTransport::ChainLocked(const Link& link, absl::Span<const WorkRequest> batch,
                                  absl::Span<const size_t> chain, absl::Span<const Resolved> found,
-                                 absl::Span<ibv_send_wr> swrs, absl::Span<ibv_sge> sges,
-                                 absl::Time now) {
+                                 absl::Span<ibv_send_wr> swrs, absl::Span<ibv_sge> sges) {
   for (size_t n = 0; n < chain.size(); ++n) {
     const size_t i = chain[n];
     const WorkRequest& wr = batch[i];
-    RegionState& region = *found[i].region;
+    const RegionState& region = *found[i].region;
     ibv_sge& sge = sges[i];
     sge = ibv_sge{};
     sge.addr = reinterpret_cast<uintptr_t>(wr.local_addr);
@@ -83,10 +82,32 @@ void VerbsTransport::ChainLocked(Link& link, absl::Span<const WorkRequest> batch
     swr.wr.rdma.remote_addr = wr.remote_addr;
     swr.wr.rdma.rkey = static_cast<uint32_t>(wr.remote_key);
     if (n > 0) swrs[chain[n - 1]].next = &swr;
-    ++region.local_uses;
-    ++link.outstanding;
-    link.Push(Posted{swr.wr_id, wr, now});
   }
+}
+
+void VerbsTransport::BooksLocked(Link& link, absl::Span<const WorkRequest> batch,
+                                 absl::Span<const size_t> chain, absl::Span<const Resolved> found,
+                                 absl::Span<const ibv_send_wr> swrs) {
+  // For expiry only (ExpireOld, seconds): the coarse clock, cheaper.
+  const absl::Time now = CoarseNow();
+  for (const size_t i : chain) {
+    ++found[i].region->local_uses;
+    ++link.outstanding;
+    link.Push(Posted{swrs[i].wr_id, batch[i], now});
+  }
+}
+
+void VerbsTransport::PostChainLocked(Link& link, absl::Span<const WorkRequest> batch,
+                                     absl::Span<const size_t> chain,
+                                     absl::Span<const Resolved> found, absl::Span<ibv_send_wr> swrs,
+                                     absl::Span<ibv_sge> sges) {
+  ChainLocked(link, batch, chain, found, swrs, sges);
+  // The doorbell first, the books after: the lock is held throughout, so
+  // no completion is drained before the ring holds its request.
+  ibv_send_wr* bad = nullptr;
+  const absl::Status posted = ibv::PostSend(link.qp.get(), &swrs[chain[0]], &bad);
+  BooksLocked(link, batch, chain, found, swrs);
+  if (!posted.ok()) FailChainLocked(link, batch, chain, swrs, bad, posted);
 }
 
 void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> batch,
@@ -116,8 +137,17 @@ void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> b
 
 absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   MutexLock lock(&mu_);
-  // A small batch's buffers are on the stack: a one-request batch is what a
-  // latency-bound caller posts.
+  if (batch.size() == 1) {
+    // A latency-bound caller's lone request: no buffers, no grouping.
+    Resolved found;
+    RETURN_IF_ERROR(ValidateLocked(batch, {&found, 1}));
+    ibv_send_wr swr;
+    ibv_sge sge;
+    const size_t only = 0;
+    PostChainLocked(*found.link, batch, {&only, 1}, {&found, 1}, {&swr, 1}, {&sge, 1});
+    return absl::OkStatus();
+  }
+  // A small batch's buffers are on the stack.
   constexpr size_t kOnStack = 4;
   const SmallScratch<Resolved, kOnStack> found_buffer(batch.size());
   const absl::Span<Resolved> found = found_buffer.span();
@@ -143,18 +173,12 @@ absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
       return batch[a].link != batch[b].link ? batch[a].link < batch[b].link : a < b;
     });
   }
-  // For expiry only (ExpireOld, seconds): the coarse clock, cheaper.
-  const absl::Time now = CoarseNow();
   for (size_t k = 0; k < order.size();) {
     Link& link = *found[order[k]].link;
     size_t end = k;
     while (end < order.size() && batch[order[end]].link == link.id) ++end;
     const absl::Span<const size_t> chain(order.data() + k, end - k);
-    ChainLocked(link, batch, chain, found, swrs, sges, now);
-    ibv_send_wr* bad = nullptr;
-    if (absl::Status posted = ibv::PostSend(link.qp.get(), &swrs[chain[0]], &bad); !posted.ok()) {
-      FailChainLocked(link, batch, chain, swrs, bad, posted);
-    }
+    PostChainLocked(link, batch, chain, found, swrs, sges);
     k = end;
   }
   return absl::OkStatus();

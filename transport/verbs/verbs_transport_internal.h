@@ -193,9 +193,20 @@ class VerbsTransport final : public Transport {
   };
   absl::Status ValidateLocked(absl::Span<const WorkRequest> batch, absl::Span<Resolved> found)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ChainLocked(Link& link, absl::Span<const WorkRequest> batch, absl::Span<const size_t> chain,
-                   absl::Span<const Resolved> found, absl::Span<ibv_send_wr> swrs,
-                   absl::Span<ibv_sge> sges, absl::Time now)
+  // The work requests of `chain` (batch indices, one link's), linked.
+  void ChainLocked(const Link& link, absl::Span<const WorkRequest> batch,
+                   absl::Span<const size_t> chain, absl::Span<const Resolved> found,
+                   absl::Span<ibv_send_wr> swrs, absl::Span<ibv_sge> sges)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a posted chain: the link's ring and counters.
+  void BooksLocked(Link& link, absl::Span<const WorkRequest> batch, absl::Span<const size_t> chain,
+                   absl::Span<const Resolved> found, absl::Span<const ibv_send_wr> swrs)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Chains, posts (one doorbell) and records `chain`; a refused post fails
+  // its requests (as completions) and the link (FailChainLocked).
+  void PostChainLocked(Link& link, absl::Span<const WorkRequest> batch,
+                       absl::Span<const size_t> chain, absl::Span<const Resolved> found,
+                       absl::Span<ibv_send_wr> swrs, absl::Span<ibv_sge> sges)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailChainLocked(Link& link, absl::Span<const WorkRequest> batch,
                        absl::Span<const size_t> chain, absl::Span<ibv_send_wr> swrs,
