@@ -154,8 +154,8 @@ class BatchPipeline {
                                                    const LocalUse& local,
                                                    uint64_t peer_engine_id);
   // A lone request as SubmitOne posts it: its slice (not yet in the
-  // lane's table), its work request (the cookie the id the slice will
-  // get), its link's place taken.
+  // lane's table), its work request (its cookie: the id the slice will
+  // get) and the link whose place it took.
   struct LoneRequest {
     LaneSegment* ls = nullptr;
     size_t via = 0;
