@@ -137,17 +137,8 @@ void VerbsTransport::FailChainLocked(Link& link, absl::Span<const WorkRequest> b
 
 absl::Status VerbsTransport::Post(absl::Span<const WorkRequest> batch) {
   MutexLock lock(&mu_);
-  if (batch.size() == 1) {
-    // A latency-bound caller's lone request: no buffers, no grouping.
-    Resolved found;
-    RETURN_IF_ERROR(ValidateLocked(batch, {&found, 1}));
-    ibv_send_wr swr;
-    ibv_sge sge;
-    const size_t only = 0;
-    PostChainLocked(*found.link, batch, {&only, 1}, {&found, 1}, {&swr, 1}, {&sge, 1});
-    return absl::OkStatus();
-  }
-  // A small batch's buffers are on the stack.
+  // A small batch's buffers are on the stack: a one-request batch is what a
+  // latency-bound caller posts.
   constexpr size_t kOnStack = 4;
   const SmallScratch<Resolved, kOnStack> found_buffer(batch.size());
   const absl::Span<Resolved> found = found_buffer.span();
