@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 
 namespace kvferry {
 namespace cuda {
@@ -118,7 +119,6 @@ Driver* Driver::Load(absl::Status* error) {
   bind(f.cuMemFree_v2, "cuMemFree_v2");
   bind(f.cuMemHostAlloc, "cuMemHostAlloc");
   bind(f.cuMemFreeHost, "cuMemFreeHost");
-  bind(f.cuMemcpy, "cuMemcpy");
   bind(f.cuMemcpyAsync, "cuMemcpyAsync");
   bind(f.cuStreamCreate, "cuStreamCreate");
   bind(f.cuStreamSynchronize, "cuStreamSynchronize");
@@ -131,6 +131,12 @@ Driver* Driver::Load(absl::Status* error) {
   optional(f.cuIpcGetMemHandle, "cuIpcGetMemHandle");
   optional(f.cuIpcOpenMemHandle_v2, "cuIpcOpenMemHandle_v2");
   optional(f.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
+  optional(f.cuLaunchHostFunc, "cuLaunchHostFunc");
+  optional(f.cuEventCreate, "cuEventCreate");
+  optional(f.cuEventRecord, "cuEventRecord");
+  optional(f.cuEventSynchronize, "cuEventSynchronize");
+  optional(f.cuEventQuery, "cuEventQuery");
+  optional(f.cuEventDestroy_v2, "cuEventDestroy_v2");
   BindVmm(handle, &f);
   if (!missing.empty()) {
     *error = absl::UnavailableError(
@@ -154,6 +160,7 @@ Driver* Driver::Load(absl::Status* error) {
   }
   MutexLock lock(&d->mu_);
   d->contexts_.assign(d->device_count_, nullptr);
+  d->idle_streams_.resize(d->device_count_);
   return d;
 }
 
@@ -291,12 +298,92 @@ absl::StatusOr<MemoryInfo> Driver::Classify(const void* addr, uint64_t length) c
   return info;
 }
 
+absl::StatusOr<api::CUstream> Driver::TakeStream(int ordinal) const {
+  {
+    MutexLock lock(&mu_);
+    if (ordinal >= 0 && static_cast<size_t>(ordinal) < idle_streams_.size() &&
+        !idle_streams_[ordinal].empty()) {
+      api::CUstream s = idle_streams_[ordinal].back();
+      idle_streams_[ordinal].pop_back();
+      return s;
+    }
+  }
+  ASSIGN_OR_RETURN(void* s, CreateStream(ordinal));
+  return static_cast<api::CUstream>(s);
+}
+
+void Driver::GiveStream(api::CUstream stream, int ordinal) const {
+  MutexLock lock(&mu_);
+  idle_streams_[ordinal].push_back(stream);
+}
+
 absl::Status Driver::Copy(void* dst, const void* src, uint64_t length, int ordinal) const {
   Bound bound(this, ordinal);
   if (!bound.status().ok()) return bound.status();
-  const api::CUresult r = fn_.cuMemcpy(reinterpret_cast<api::CUdeviceptr>(dst),
-                                       reinterpret_cast<api::CUdeviceptr>(src), length);
-  return r == api::kSuccess ? absl::OkStatus() : Error("cuMemcpy", r);
+  ASSIGN_OR_RETURN(api::CUstream stream, TakeStream(ordinal));
+  api::CUresult r = fn_.cuMemcpyAsync(reinterpret_cast<api::CUdeviceptr>(dst),
+                                      reinterpret_cast<api::CUdeviceptr>(src), length, stream);
+  const char* call = "cuMemcpyAsync";
+  if (r == api::kSuccess) {
+    // Landed: only now may anyone be told.
+    r = fn_.cuStreamSynchronize(stream);
+    call = "cuStreamSynchronize";
+  }
+  GiveStream(stream, ordinal);
+  return r == api::kSuccess ? absl::OkStatus() : Error(call, r);
+}
+
+absl::Status Driver::LaunchHostFunc(void* stream, int ordinal, void (*fn)(void*),
+                                    void* data) const {
+  if (fn_.cuLaunchHostFunc == nullptr) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the CUDA driver (version ", version_, ") has no cuLaunchHostFunc (needs 10.0)"));
+  }
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const api::CUresult r = fn_.cuLaunchHostFunc(static_cast<api::CUstream>(stream), fn, data);
+  return r == api::kSuccess ? absl::OkStatus() : Error("cuLaunchHostFunc", r);
+}
+
+absl::StatusOr<void*> Driver::RecordEvent(void* stream, int ordinal) const {
+  if (fn_.cuEventCreate == nullptr || fn_.cuEventRecord == nullptr ||
+      fn_.cuEventQuery == nullptr || fn_.cuEventSynchronize == nullptr ||
+      fn_.cuEventDestroy_v2 == nullptr) {
+    return absl::UnimplementedError("the CUDA driver has no events");
+  }
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  api::CUevent event = nullptr;
+  api::CUresult r = fn_.cuEventCreate(&event, api::kEventDisableTiming);
+  if (r != api::kSuccess) return Error("cuEventCreate", r);
+  r = fn_.cuEventRecord(event, static_cast<api::CUstream>(stream));
+  if (r != api::kSuccess) {
+    (void)fn_.cuEventDestroy_v2(event);
+    return Error("cuEventRecord", r);
+  }
+  return static_cast<void*>(event);
+}
+
+absl::StatusOr<bool> Driver::EventDone(void* event, int ordinal) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const api::CUresult r = fn_.cuEventQuery(static_cast<api::CUevent>(event));
+  if (r == api::kErrorNotReady) return false;
+  if (r != api::kSuccess) return Error("cuEventQuery", r);
+  return true;
+}
+
+absl::Status Driver::WaitEvent(void* event, int ordinal) const {
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  const api::CUresult r = fn_.cuEventSynchronize(static_cast<api::CUevent>(event));
+  return r == api::kSuccess ? absl::OkStatus() : Error("cuEventSynchronize", r);
+}
+
+void Driver::DestroyEvent(void* event, int ordinal) const {
+  if (event == nullptr || fn_.cuEventDestroy_v2 == nullptr) return;
+  Bound bound(this, ordinal);
+  (void)fn_.cuEventDestroy_v2(static_cast<api::CUevent>(event));
 }
 
 absl::StatusOr<Driver::DmaBuf> Driver::ExportDmaBuf(const void* addr, uint64_t length,
@@ -544,7 +631,8 @@ absl::StatusOr<void*> Driver::CreateStream(int ordinal) const {
   Bound bound(this, ordinal);
   if (!bound.status().ok()) return bound.status();
   api::CUstream stream = nullptr;
-  const api::CUresult r = fn_.cuStreamCreate(&stream, /*CU_STREAM_NON_BLOCKING*/ 1);
+  // Non-blocking: it waits for no work on the legacy default stream.
+  const api::CUresult r = fn_.cuStreamCreate(&stream, api::kStreamNonBlocking);
   if (r != api::kSuccess) return Error("cuStreamCreate", r);
   return static_cast<void*>(stream);
 }

@@ -56,15 +56,38 @@ class Driver {
   // first byte that is wrong.
   absl::StatusOr<MemoryInfo> Classify(const void* addr, uint64_t length) const;
   // Copies `length` bytes in any direction (the driver tells host and device
-  // pointers apart); `ordinal`: the device of the device side.
+  // pointers apart); `ordinal`: the device of the device side. When it
+  // returns OK the bytes are in place, for this process and any other that
+  // maps the memory: the copy runs on a stream of the driver's own (kept
+  // for reuse, one per concurrent caller) and that stream is synchronized.
+  // A plain cuMemcpy would not do: device to device and pageable host to
+  // device it may return before the copy ran (NVIDIA's "API
+  // synchronization behavior"). It waits for nothing else: not the
+  // caller's streams, not the context.
   absl::Status Copy(void* dst, const void* src, uint64_t length, int ordinal) const;
   // Copies queued on a stream of device `ordinal` (a CUstream), to overlap
-  // them with other work; Synchronize waits for the stream's copies.
+  // them with other work. They have landed only once Synchronize(stream)
+  // returned OK.
   absl::StatusOr<void*> CreateStream(int ordinal) const;
   void DestroyStream(void* stream, int ordinal) const;
   absl::Status CopyAsync(void* dst, const void* src, uint64_t length, void* stream,
                          int ordinal) const;
   absl::Status Synchronize(void* stream, int ordinal) const;
+
+  // Stream order with a caller's stream (a CUstream of device `ordinal`;
+  // null: the legacy default stream). LaunchHostFunc queues `fn(data)`
+  // behind the work already on the stream: the driver calls it on a thread
+  // of its own once that work finished, and the stream's later work waits
+  // until it returns. `fn` must make no CUDA call. kUnimplemented where the
+  // driver lacks it (before CUDA 10.0).
+  absl::Status LaunchHostFunc(void* stream, int ordinal, void (*fn)(void*), void* data) const;
+  // An event recorded now on `stream`; EventDone says whether the stream's
+  // work before it finished, WaitEvent waits for that, DestroyEvent frees
+  // it (for tests and tools).
+  absl::StatusOr<void*> RecordEvent(void* stream, int ordinal) const;
+  absl::StatusOr<bool> EventDone(void* event, int ordinal) const;
+  absl::Status WaitEvent(void* event, int ordinal) const;
+  void DestroyEvent(void* event, int ordinal) const;
   // Pinned host memory, for staging buffers.
   absl::StatusOr<void*> AllocPinned(size_t length) const;
   void FreePinned(void* p) const;
@@ -178,12 +201,18 @@ class Driver {
     api::cuMemFree_v2_t cuMemFree_v2;
     api::cuMemHostAlloc_t cuMemHostAlloc;
     api::cuMemFreeHost_t cuMemFreeHost;
-    api::cuMemcpy_t cuMemcpy;
     api::cuMemcpyAsync_t cuMemcpyAsync;
     api::cuStreamCreate_t cuStreamCreate;
     api::cuStreamSynchronize_t cuStreamSynchronize;
     api::cuStreamDestroy_v2_t cuStreamDestroy_v2;
     api::cuGetErrorName_t cuGetErrorName;
+    // Optional (all since CUDA 10.0 or earlier; null where missing).
+    api::cuLaunchHostFunc_t cuLaunchHostFunc;
+    api::cuEventCreate_t cuEventCreate;
+    api::cuEventRecord_t cuEventRecord;
+    api::cuEventSynchronize_t cuEventSynchronize;
+    api::cuEventQuery_t cuEventQuery;
+    api::cuEventDestroy_v2_t cuEventDestroy_v2;
     // Optional: null when the driver lacks them (dma-buf export: 11.7).
     api::cuMemGetHandleForAddressRange_t cuMemGetHandleForAddressRange;
     api::cuIpcGetMemHandle_t cuIpcGetMemHandle;
@@ -207,6 +236,11 @@ class Driver {
   mutable Mutex mu_;
   // Primary contexts retained so far, by ordinal (kept for the process).
   mutable std::vector<api::CUcontext> contexts_ ABSL_GUARDED_BY(mu_);
+  // Copy's streams not in use, by ordinal: as many as callers ever copied
+  // at once (kept for the process).
+  mutable std::vector<std::vector<api::CUstream>> idle_streams_ ABSL_GUARDED_BY(mu_);
+  absl::StatusOr<api::CUstream> TakeStream(int ordinal) const;
+  void GiveStream(api::CUstream stream, int ordinal) const;
 };
 
 }  // namespace cuda

@@ -24,6 +24,10 @@ struct CUctx_st;
 using CUcontext = CUctx_st*;
 struct CUstream_st;
 using CUstream = CUstream_st*;
+struct CUevent_st;
+using CUevent = CUevent_st*;
+// cuLaunchHostFunc's function (CUDA_CB is empty on Linux).
+using CUhostFn = void (*)(void* user_data);
 
 // cuIpcGetMemHandle's handle: 64 opaque bytes, passed by value to
 // cuIpcOpenMemHandle_v2.
@@ -70,7 +74,9 @@ constexpr CUresult kErrorStubLibrary = 34;
 constexpr CUresult kErrorNoDevice = 100;
 constexpr CUresult kErrorInvalidDevice = 101;
 constexpr CUresult kErrorInvalidContext = 201;
+constexpr CUresult kErrorInvalidHandle = 400;
 constexpr CUresult kErrorNotFound = 500;
+constexpr CUresult kErrorNotReady = 600;
 constexpr CUresult kErrorIllegalAddress = 700;
 constexpr CUresult kErrorNotSupported = 801;
 
@@ -99,6 +105,10 @@ constexpr int kMemRangeHandleTypeDmaBufFd = 1;
 // cuMemHostAlloc flags
 constexpr unsigned kMemHostAllocPortable = 0x1;
 
+// cuStreamCreate / cuEventCreate flags
+constexpr unsigned kStreamNonBlocking = 0x1;
+constexpr unsigned kEventDisableTiming = 0x2;
+
 // The entry points, by the name they are exported under.
 using cuInit_t = CUresult (*)(unsigned flags);
 using cuDriverGetVersion_t = CUresult (*)(int* version);
@@ -125,6 +135,12 @@ using cuMemcpyAsync_t = CUresult (*)(CUdeviceptr dst, CUdeviceptr src, size_t by
 using cuStreamCreate_t = CUresult (*)(CUstream* stream, unsigned flags);
 using cuStreamSynchronize_t = CUresult (*)(CUstream stream);
 using cuStreamDestroy_v2_t = CUresult (*)(CUstream stream);
+using cuLaunchHostFunc_t = CUresult (*)(CUstream stream, CUhostFn fn, void* user_data);
+using cuEventCreate_t = CUresult (*)(CUevent* event, unsigned flags);
+using cuEventRecord_t = CUresult (*)(CUevent event, CUstream stream);
+using cuEventSynchronize_t = CUresult (*)(CUevent event);
+using cuEventQuery_t = CUresult (*)(CUevent event);
+using cuEventDestroy_v2_t = CUresult (*)(CUevent event);
 using cuGetErrorName_t = CUresult (*)(CUresult error, const char** name);
 using cuIpcGetMemHandle_t = CUresult (*)(CUipcMemHandle* handle, CUdeviceptr ptr);
 using cuIpcOpenMemHandle_v2_t = CUresult (*)(CUdeviceptr* ptr, CUipcMemHandle handle,

@@ -48,6 +48,10 @@ static_assert(api::kErrorNoDevice == CUDA_ERROR_NO_DEVICE, "");
 static_assert(api::kErrorInvalidDevice == CUDA_ERROR_INVALID_DEVICE, "");
 static_assert(api::kErrorInvalidContext == CUDA_ERROR_INVALID_CONTEXT, "");
 static_assert(api::kErrorNotFound == CUDA_ERROR_NOT_FOUND, "");
+static_assert(api::kErrorInvalidHandle == CUDA_ERROR_INVALID_HANDLE, "");
+static_assert(api::kErrorNotReady == CUDA_ERROR_NOT_READY, "");
+static_assert(api::kStreamNonBlocking == CU_STREAM_NON_BLOCKING, "");
+static_assert(api::kEventDisableTiming == CU_EVENT_DISABLE_TIMING, "");
 static_assert(api::kErrorIllegalAddress == CUDA_ERROR_ILLEGAL_ADDRESS, "");
 static_assert(api::kErrorNotSupported == CUDA_ERROR_NOT_SUPPORTED, "");
 static_assert(api::kPointerAttributeMemoryType == CU_POINTER_ATTRIBUTE_MEMORY_TYPE, "");
@@ -106,6 +110,12 @@ KVF_SAME_PARAMS(cuMemAddressFree);
 KVF_SAME_PARAMS(cuMemAddressReserve);
 KVF_SAME_PARAMS(cuMemRelease);
 KVF_SAME_PARAMS(cuMemRetainAllocationHandle);
+// The stream and event entry points (opaque handle types compared by size).
+static_assert(std::tuple_size<Params<api::cuLaunchHostFunc_t>::type>::value ==
+              std::tuple_size<Params<decltype(&cuLaunchHostFunc)>::type>::value, "");
+static_assert(std::is_same<std::tuple_element<1, Params<decltype(&cuLaunchHostFunc)>::type>::type,
+                           void (*)(void*)>::value, "cuLaunchHostFunc's CUhostFn");
+static_assert(sizeof(api::CUevent) == sizeof(CUevent), "");
 int main() {}
 CC
 g++ -std=c++17 -fsyntax-only -I"$include" -I"$src" "$tmp/check.cc"

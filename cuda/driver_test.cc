@@ -5,11 +5,13 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "cuda/driver_api.h"
 #include "cuda/testing/fake_driver.h"
 #include "gtest/gtest.h"
@@ -56,8 +58,30 @@ TEST(DriverApiTest, ValuesAreTheDriversOwn) {
 class FakeDriverTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // Queued copies land only when synchronized (not after a latency), so
+    // that what a test sees before a synchronization is certain.
+    setenv("KVFERRY_FAKE_CUDA_LATENCY_MS", "never", 1);
     d_ = UseFakeDriver();
     ASSERT_NE(d_, nullptr);
+  }
+  // An entry point of the loaded fake, called on a thread whose current
+  // context is device `ordinal`'s primary one.
+  template <class F>
+  F Entry(const char* name) {
+    void* lib = dlopen(d_->library().c_str(), RTLD_NOW | RTLD_NOLOAD);
+    return lib == nullptr ? nullptr : reinterpret_cast<F>(dlsym(lib, name));
+  }
+  void MakeCurrent(int ordinal) {
+    auto retain = Entry<api::CUresult (*)(void**, int)>("cuDevicePrimaryCtxRetain");
+    auto set = Entry<api::CUresult (*)(void*)>("cuCtxSetCurrent");
+    void* ctx = nullptr;
+    ASSERT_EQ(retain(&ctx, ordinal), 0);
+    ASSERT_EQ(set(ctx), 0);
+  }
+  std::vector<char> Read(void* device, size_t n, int ordinal) {
+    std::vector<char> out(n);
+    EXPECT_TRUE(d_->Copy(out.data(), device, n, ordinal).ok());
+    return out;
   }
   const Driver* d_ = nullptr;
 };
@@ -142,6 +166,8 @@ TEST_F(FakeDriverTest, LeavesTheCallersContextAsItWas) {
   EXPECT_EQ(d_->AllocDevice(5, 16).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+
+
 }  // namespace
 }  // namespace cuda
 }  // namespace kvferry
@@ -218,6 +244,123 @@ TEST_F(FakeDriverTest, ImportingSomethingThatIsNotAnAllocationFails) {
   EXPECT_FALSE(d_->ImportVmm({}, 0).ok());
   close(pipe_fds[0]);
   close(pipe_fds[1]);
+}
+
+
+// NVIDIA's rules, which the fake keeps: a copy queued on a stream lands when
+// the stream is synchronized, not when the call returns; Copy waits for its
+// own copy only.
+TEST_F(FakeDriverTest, AQueuedCopyLandsOnlyWhenItsStreamIsSynchronized) {
+  auto dev = d_->AllocDevice(0, 4096);
+  auto pinned = d_->AllocPinned(4096);
+  auto stream = d_->CreateStream(0);
+  ASSERT_TRUE(dev.ok() && pinned.ok() && stream.ok());
+  const std::vector<char> zeros(4096, 0);
+  ASSERT_TRUE(d_->Copy(*dev, zeros.data(), zeros.size(), 0).ok());
+  std::vector<char> pattern(4096);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<char>(i * 13 + 1);
+  std::memcpy(*pinned, pattern.data(), pattern.size());
+  ASSERT_TRUE(d_->CopyAsync(*dev, *pinned, 4096, *stream, 0).ok());
+  EXPECT_EQ(Read(*dev, 4096, 0), zeros);  // queued, not landed
+  ASSERT_TRUE(d_->Synchronize(*stream, 0).ok());
+  EXPECT_EQ(Read(*dev, 4096, 0), pattern);
+  // Device to pinned host: not there before the synchronization either.
+  std::memset(*pinned, 0, 4096);
+  ASSERT_TRUE(d_->CopyAsync(*pinned, *dev, 4096, *stream, 0).ok());
+  EXPECT_EQ(std::memcmp(*pinned, zeros.data(), 4096), 0);
+  ASSERT_TRUE(d_->Synchronize(*stream, 0).ok());
+  EXPECT_EQ(std::memcmp(*pinned, pattern.data(), 4096), 0);
+  d_->DestroyStream(*stream, 0);
+  d_->FreePinned(*pinned);
+  ASSERT_TRUE(d_->FreeDevice(*dev, 0).ok());
+}
+
+// A plain cuMemcpy device to device, or from pageable host memory to the
+// device, may return before the copy ran; from pinned memory, and anything
+// to the host, it returns once landed.
+TEST_F(FakeDriverTest, APlainCuMemcpyMayReturnBeforeItsBytesLanded) {
+  auto a = d_->AllocDevice(0, 4096);
+  auto b = d_->AllocDevice(0, 4096);
+  auto pinned = d_->AllocPinned(4096);
+  ASSERT_TRUE(a.ok() && b.ok() && pinned.ok());
+  std::vector<char> pattern(4096), zeros(4096, 0), other(4096, 'x');
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<char>(i * 7 + 3);
+  ASSERT_TRUE(d_->Copy(*a, pattern.data(), 4096, 0).ok());
+  ASSERT_TRUE(d_->Copy(*b, zeros.data(), 4096, 0).ok());
+  auto memcpy_ = Entry<api::CUresult (*)(uint64_t, uint64_t, size_t)>("cuMemcpy");
+  auto ctx_sync = Entry<api::CUresult (*)()>("cuCtxSynchronize");
+  ASSERT_NE(memcpy_, nullptr);
+  ASSERT_NE(ctx_sync, nullptr);
+  std::thread([&] {
+    MakeCurrent(0);
+    const auto at = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
+    ASSERT_EQ(memcpy_(at(*b), at(*a), 4096), 0);  // device to device
+    EXPECT_EQ(Read(*b, 4096, 0), zeros);
+    ASSERT_EQ(ctx_sync(), 0);
+    EXPECT_EQ(Read(*b, 4096, 0), pattern);
+    // Pageable host to device: the source is staged at once (changing it
+    // afterwards changes nothing), the bytes land later.
+    std::vector<char> pageable = other;
+    ASSERT_EQ(memcpy_(at(*b), at(pageable.data()), 4096), 0);
+    pageable.assign(4096, 'y');
+    EXPECT_EQ(Read(*b, 4096, 0), pattern);
+    ASSERT_EQ(ctx_sync(), 0);
+    EXPECT_EQ(Read(*b, 4096, 0), other);
+    // Pinned host to device: landed on return.
+    std::memcpy(*pinned, pattern.data(), 4096);
+    ASSERT_EQ(memcpy_(at(*b), at(*pinned), 4096), 0);
+    EXPECT_EQ(Read(*b, 4096, 0), pattern);
+    // To the host, after the stream's earlier work.
+    ASSERT_EQ(memcpy_(at(*b), at(other.data()), 4096), 0);
+    std::vector<char> back(4096);
+    ASSERT_EQ(memcpy_(at(back.data()), at(*b), 4096), 0);
+    EXPECT_EQ(back, other);
+  }).join();
+  d_->FreePinned(*pinned);
+  ASSERT_TRUE(d_->FreeDevice(*a, 0).ok());
+  ASSERT_TRUE(d_->FreeDevice(*b, 0).ok());
+}
+
+struct HostFuncSeen {
+  const char* pinned = nullptr;
+  std::vector<char> bytes;
+  std::atomic<bool> ran{false};
+};
+
+void SeeHostBytes(void* p) {
+  auto* seen = static_cast<HostFuncSeen*>(p);
+  seen->bytes.assign(seen->pinned, seen->pinned + 4096);
+  seen->ran = true;
+}
+
+// A host function runs once the stream's earlier work landed; an event says
+// when the stream reached it.
+TEST_F(FakeDriverTest, HostFunctionsAndEventsFollowTheStreamsOrder) {
+  auto dev = d_->AllocDevice(1, 4096);
+  auto pinned = d_->AllocPinned(4096);
+  auto stream = d_->CreateStream(1);
+  ASSERT_TRUE(dev.ok() && pinned.ok() && stream.ok());
+  std::vector<char> pattern(4096);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<char>(i * 5 + 2);
+  ASSERT_TRUE(d_->Copy(*dev, pattern.data(), 4096, 1).ok());
+  std::memset(*pinned, 0, 4096);
+  ASSERT_TRUE(d_->CopyAsync(*pinned, *dev, 4096, *stream, 1).ok());
+  HostFuncSeen seen;
+  seen.pinned = static_cast<const char*>(*pinned);
+  ASSERT_TRUE(d_->LaunchHostFunc(*stream, 1, &SeeHostBytes, &seen).ok());
+  auto event = d_->RecordEvent(*stream, 1);
+  ASSERT_TRUE(event.ok()) << event.status();
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(seen.ran);  // the copy before it has not landed
+  EXPECT_FALSE(d_->EventDone(*event, 1).value_or(true));
+  ASSERT_TRUE(d_->WaitEvent(*event, 1).ok());
+  EXPECT_TRUE(d_->EventDone(*event, 1).value_or(false));
+  ASSERT_TRUE(seen.ran);
+  EXPECT_EQ(seen.bytes, pattern);  // it ran after the copy
+  d_->DestroyEvent(*event, 1);
+  d_->DestroyStream(*stream, 1);
+  d_->FreePinned(*pinned);
+  ASSERT_TRUE(d_->FreeDevice(*dev, 1).ok());
 }
 
 }  // namespace

@@ -40,10 +40,15 @@ class FakeCuda:
         assert self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)) == 0
         return ptr.value
 
-    def put(self, ordinal, dst, array):
+    def put(self, ordinal, dst, array, sync=True):
+        """A plain cuMemcpy from pageable memory may return before the copy
+        ran (the fake, like the driver, lands it later): a caller without a
+        stream synchronizes before handing the memory to kvferry."""
         self.use(ordinal)
         assert self.lib.cuMemcpy(ctypes.c_ulonglong(dst), ctypes.c_ulonglong(array.ctypes.data),
                                  ctypes.c_size_t(array.nbytes)) == 0
+        if sync:
+            assert self.lib.cuCtxSynchronize() == 0
 
     def get(self, ordinal, src, size):
         self.use(ordinal)

@@ -19,11 +19,28 @@
 //     memfd of its own, exported as a POSIX fd (a dup of it) that another
 //     process imports; a mapping is PROT_NONE to the CPU like the arena,
 //     and copies fail until cuMemSetAccess made it accessible.
+//   * copies are asynchronous where NVIDIA documents that they may be
+//     ("API synchronization behavior"): a plain cuMemcpy device -> device or
+//     pageable host -> device, and every cuMemcpyAsync except the ones the
+//     driver documents as synchronous (device -> pageable host), only land
+//     when their stream is synchronized (cuStreamSynchronize, an event
+//     recorded after them and synchronized, cuCtxSynchronize, a blocking
+//     copy on the legacy stream behind them) or, at the latest, a latency
+//     after they were queued (a thread of the fake's plays the GPU). Until
+//     then the destination holds its old bytes, for this process and for
+//     every other one that maps it. A pageable source is staged when the
+//     call is made; a pinned or device source is read when the copy runs.
+//     Streams run in order; cuLaunchHostFunc's function runs on the GPU
+//     thread once the stream's earlier work has landed, and later work on
+//     the stream waits for it to return.
 // Environment: KVFERRY_FAKE_CUDA_DEVICES (default 2),
 // KVFERRY_FAKE_CUDA_PCI ("0000:1B:00.0,..."), KVFERRY_FAKE_CUDA_MIB (arena
 // size, default 256), KVFERRY_FAKE_CUDA_VMM_NO_EXPORT=1 (VMM allocations
-// exportable as nothing, whatever was asked).
+// exportable as nothing, whatever was asked), KVFERRY_FAKE_CUDA_LATENCY_MS
+// (how long queued copies take at most when nobody waits for them, default
+// 300; "never": only a synchronization lands them).
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -32,11 +49,16 @@
 #include <iterator>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -45,12 +67,39 @@ using CUresult = int;
 using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int)
 
 constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kNotInitialized = 3,
-                   kInvalidDevice = 101, kInvalidContext = 201, kNotFound = 500,
-                   kIllegalAddress = 700, kNotSupported = 801;
+                   kInvalidDevice = 101, kInvalidContext = 201, kInvalidHandle = 400,
+                   kNotFound = 500, kNotReady = 600, kIllegalAddress = 700,
+                   kNotSupported = 801;
 constexpr size_t kAlign = 64 << 10;
 
 struct Context {
   int device;
+};
+
+using Clock = std::chrono::steady_clock;
+
+// Work queued on a stream: a copy, or a host function (cuLaunchHostFunc).
+struct Op {
+  uint64_t seq = 0;
+  Clock::time_point due;
+  CUdeviceptr dst = 0, src = 0;
+  size_t bytes = 0;
+  std::vector<char> staged;  // a pageable source, copied when queued
+  bool use_staged = false;
+  void (*fn)(void*) = nullptr;
+  void* data = nullptr;
+};
+
+// A stream's queue; events keep it alive past cuStreamDestroy.
+struct Queue {
+  int device = 0;
+  bool blocking = false;  // created without CU_STREAM_NON_BLOCKING
+  bool legacy = false;    // the context's legacy default stream
+  std::deque<Op> ops;
+  uint64_t queued = 0;     // seq of the last op queued
+  uint64_t completed = 0;  // seq of the last op finished
+  bool running = false;    // its front host function is running (unlocked)
+  CUresult error = 0;      // an asynchronous failure, for the next sync
 };
 
 struct State {
@@ -67,7 +116,13 @@ struct State {
     int device;
   };
   std::map<size_t, Allocation> allocations;  // by offset in the arena
-  std::set<void*> pinned;
+  std::map<uintptr_t, size_t> pinned;  // cuMemHostAlloc'd, by address
+  std::vector<std::shared_ptr<Queue>> queues;  // every stream's, legacy ones first
+  std::condition_variable cv;  // work queued or finished
+  bool gpu_running = false;    // the thread that plays the GPU
+  bool latency_never = false;
+  Clock::duration latency = std::chrono::milliseconds(300);
+  uint64_t deferred = 0;  // copies queued to land later (tests)
   int fd = -1;  // the arena's memfd, kept for other processes' IPC imports
   struct Import {
     size_t size;
@@ -167,6 +222,168 @@ CUresult Translate(const State& s, uintptr_t p, size_t n, char** out, size_t* ru
   return kSuccess;
 }
 
+bool IsPinned(const State& s, uintptr_t p) {
+  auto it = s.pinned.upper_bound(p);
+  if (it == s.pinned.begin()) return false;
+  --it;
+  return p - it->first < it->second;
+}
+
+bool IsDevice(const State& s, uintptr_t p) {
+  if (InArena(s, p)) return true;
+  auto imp = s.imports.upper_bound(p);
+  return imp != s.imports.begin() && p - std::prev(imp)->first < std::prev(imp)->second.size;
+}
+
+// Copies now, mapping by mapping; kInvalidValue for memory that is not
+// (all) there.
+CUresult CopyNow(const State& s, CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+  while (bytes > 0) {
+    char* d;
+    char* from;
+    size_t d_run, from_run;
+    if (Translate(s, dst, bytes, &d, &d_run) != kSuccess ||
+        Translate(s, src, bytes, &from, &from_run) != kSuccess) {
+      return kInvalidValue;
+    }
+    const size_t n = d_run < from_run ? d_run : from_run;
+    std::memmove(d, from, n);
+    dst += n;
+    src += n;
+    bytes -= n;
+  }
+  return kSuccess;
+}
+
+// Whether both ranges are mapped now (checked when a copy is queued).
+CUresult CheckCopy(const State& s, CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+  for (CUdeviceptr p : {dst, src}) {
+    for (size_t left = bytes; left > 0;) {
+      char* at;
+      size_t run;
+      if (Translate(s, p, left, &at, &run) != kSuccess) return kInvalidValue;
+      p += run;
+      left -= run;
+    }
+  }
+  return kSuccess;
+}
+
+void StartGpu(State& s);
+
+// Runs q's front op (the lock held; unlocked around a host function).
+void RunFront(State& s, Queue& q, std::unique_lock<std::mutex>& lock) {
+  Op op = std::move(q.ops.front());
+  if (op.fn != nullptr) {
+    q.running = true;
+    lock.unlock();
+    op.fn(op.data);
+    lock.lock();
+    q.running = false;
+  } else if (op.use_staged) {
+    if (CopyNow(s, op.dst, reinterpret_cast<uintptr_t>(op.staged.data()), op.bytes) != kSuccess) {
+      q.error = kIllegalAddress;
+    }
+  } else if (CopyNow(s, op.dst, op.src, op.bytes) != kSuccess) {
+    q.error = kIllegalAddress;  // freed under the copy: the sticky error
+  }
+  q.ops.pop_front();
+  q.completed = op.seq;
+  s.cv.notify_all();
+}
+
+// Lands q's work up to `seq` on this thread (host functions run on the
+// GPU thread, as the driver's own thread runs them: this one waits).
+void Drain(State& s, Queue& q, uint64_t seq, std::unique_lock<std::mutex>& lock) {
+  while (q.completed < seq) {
+    if (q.running || (!q.ops.empty() && q.ops.front().fn != nullptr)) {
+      if (!q.running) q.ops.front().due = Clock::time_point::min();
+      StartGpu(s);
+      s.cv.notify_all();
+      s.cv.wait(lock);
+      continue;
+    }
+    RunFront(s, q, lock);
+  }
+}
+
+// A blocking copy on the legacy stream waits for it and for the device's
+// blocking streams (the legacy stream's implicit synchronization).
+void DrainLegacy(State& s, int device, std::unique_lock<std::mutex>& lock) {
+  for (size_t i = 0; i < s.queues.size(); ++i) {
+    std::shared_ptr<Queue> q = s.queues[i];
+    if (q->device == device && (q->legacy || q->blocking)) Drain(s, *q, q->queued, lock);
+  }
+}
+
+void DrainAll(State& s, std::unique_lock<std::mutex>& lock) {
+  for (size_t i = 0; i < s.queues.size(); ++i) {
+    std::shared_ptr<Queue> q = s.queues[i];
+    Drain(s, *q, q->queued, lock);
+  }
+}
+
+void Enqueue(State& s, Queue& q, Op op) {
+  op.seq = ++q.queued;
+  op.due = op.fn != nullptr ? Clock::now()
+           : s.latency_never ? Clock::time_point::max()
+                             : Clock::now() + s.latency;
+  if (op.fn == nullptr) ++s.deferred;
+  q.ops.push_back(std::move(op));
+  StartGpu(s);
+  s.cv.notify_all();
+}
+
+// The GPU: lands each stream's front op once it is due, in stream order.
+void GpuLoop() {
+  State& s = S();
+  std::unique_lock<std::mutex> lock(s.mu);
+  for (;;) {
+    Clock::time_point next = Clock::time_point::max();
+    Queue* ready = nullptr;
+    for (const std::shared_ptr<Queue>& q : s.queues) {
+      if (q->running || q->ops.empty()) continue;
+      if (q->ops.front().due <= Clock::now()) {
+        ready = q.get();
+        break;
+      }
+      next = std::min(next, q->ops.front().due);
+    }
+    if (ready != nullptr) {
+      std::shared_ptr<Queue> keep;  // alive while it runs unlocked
+      for (const std::shared_ptr<Queue>& q : s.queues) {
+        if (q.get() == ready) keep = q;
+      }
+      RunFront(s, *ready, lock);
+      continue;
+    }
+    if (next == Clock::time_point::max()) {
+      s.cv.wait(lock);
+    } else {
+      s.cv.wait_until(lock, next);
+    }
+  }
+}
+
+void StartGpu(State& s) {
+  if (s.gpu_running) return;
+  s.gpu_running = true;
+  std::thread(GpuLoop).detach();
+}
+
+// A stream handle names its queue.
+struct Stream {
+  std::shared_ptr<Queue> queue;
+};
+
+// The queue of a stream argument on the current context: the legacy stream
+// for NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD (the fake has one).
+std::shared_ptr<Queue> QueueOf(State& s, void* stream) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(stream);
+  if (v == 0 || v == 1 || v == 2) return s.queues[current->device];
+  return static_cast<Stream*>(stream)->queue;
+}
+
 }  // namespace
 
 extern "C" {
@@ -186,7 +403,26 @@ CUresult cuInit(unsigned flags) {
     start = end + 1;
   }
   s.contexts.resize(s.devices);
-  for (int i = 0; i < s.devices; ++i) s.contexts[i].device = i;
+  for (int i = 0; i < s.devices; ++i) {
+    s.contexts[i].device = i;
+    auto legacy = std::make_shared<Queue>();
+    legacy->device = i;
+    legacy->legacy = true;
+    s.queues.push_back(legacy);
+  }
+  if (const char* l = std::getenv("KVFERRY_FAKE_CUDA_LATENCY_MS")) {
+    if (std::strcmp(l, "never") == 0) {
+      s.latency_never = true;
+    } else {
+      s.latency = std::chrono::milliseconds(std::strtoull(l, nullptr, 10));
+    }
+  }
+  // CUDA allows no use across fork(); the fake's child gets no GPU thread.
+  pthread_atfork([] { S().mu.lock(); }, [] { S().mu.unlock(); },
+                 [] {
+                   S().mu.unlock();
+                   S().gpu_running = false;
+                 });
   size_t mib = 256;
   if (const char* m = std::getenv("KVFERRY_FAKE_CUDA_MIB")) mib = std::strtoull(m, nullptr, 10);
   s.arena_bytes = mib << 20;
@@ -204,7 +440,7 @@ CUresult cuInit(unsigned flags) {
 
 #define KVF_FAKE_READY()                        \
   State& s = S();                               \
-  std::lock_guard<std::mutex> lock(s.mu);       \
+  std::unique_lock<std::mutex> lock(s.mu);      \
   if (!s.initialized) return kNotInitialized
 
 CUresult cuDriverGetVersion(int* v) {
@@ -272,7 +508,7 @@ CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
   const uintptr_t p = ptr;
   size_t base;
   const State::Allocation* a = InArena(s, p) ? Find(s, p, &base) : nullptr;
-  const bool pinned = !InArena(s, p) && s.pinned.count(reinterpret_cast<void*>(p)) > 0;
+  const bool pinned = !InArena(s, p) && IsPinned(s, p);
   State::Allocation imported{0, 0};
   auto imp = s.imports.upper_bound(p);
   if (a == nullptr && imp != s.imports.begin() && p - std::prev(imp)->first < std::prev(imp)->second.size) {
@@ -344,6 +580,8 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
   if (!InArena(s, ptr)) return kInvalidValue;
+  if (s.allocations.count(ptr - reinterpret_cast<uintptr_t>(s.arena)) == 0) return kInvalidValue;
+  DrainAll(s, lock);  // as the driver: the memory's queued copies finish first
   auto it = s.allocations.find(ptr - reinterpret_cast<uintptr_t>(s.arena));
   if (it == s.allocations.end()) return kInvalidValue;
   std::memset(s.alias + it->first, 0xdd, it->second.size);  // freed: garbage
@@ -357,7 +595,7 @@ CUresult cuMemHostAlloc(void** out, size_t bytes, unsigned flags) {
   if (bytes == 0 || (flags & ~7u) != 0) return kInvalidValue;
   void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
   if (p == nullptr) return kOutOfMemory;
-  s.pinned.insert(p);
+  s.pinned[reinterpret_cast<uintptr_t>(p)] = bytes;
   *out = p;
   return kSuccess;
 }
@@ -365,29 +603,39 @@ CUresult cuMemHostAlloc(void** out, size_t bytes, unsigned flags) {
 CUresult cuMemFreeHost(void* p) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
-  if (s.pinned.erase(p) == 0) return kInvalidValue;
+  if (s.pinned.count(reinterpret_cast<uintptr_t>(p)) == 0) return kInvalidValue;
+  DrainAll(s, lock);  // copies to or from it land first
+  s.pinned.erase(reinterpret_cast<uintptr_t>(p));
   std::free(p);
   return kSuccess;
 }
 
+// The legacy stream's copy: device -> device and pageable host -> device
+// may return before the copy ran (NVIDIA: "no host-side synchronization";
+// the pageable source is staged first); pinned host -> device and anything
+// to the host return once it landed, after the legacy stream's earlier
+// work.
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
-  while (bytes > 0) {
-    char* d;
-    char* from;
-    size_t d_run, from_run;
-    if (Translate(s, dst, bytes, &d, &d_run) != kSuccess ||
-        Translate(s, src, bytes, &from, &from_run) != kSuccess) {
-      return kInvalidValue;
+  if (CheckCopy(s, dst, src, bytes) != kSuccess) return kInvalidValue;
+  std::shared_ptr<Queue> legacy = QueueOf(s, nullptr);
+  const bool to_device = IsDevice(s, dst), from_device = IsDevice(s, src);
+  if (to_device && (from_device || !IsPinned(s, src))) {
+    Op op;
+    op.dst = dst;
+    op.src = src;
+    op.bytes = bytes;
+    if (!from_device) {
+      const char* from = reinterpret_cast<const char*>(src);
+      op.staged.assign(from, from + bytes);
+      op.use_staged = true;
     }
-    const size_t n = d_run < from_run ? d_run : from_run;
-    std::memmove(d, from, n);
-    dst += n;
-    src += n;
-    bytes -= n;
+    Enqueue(s, *legacy, std::move(op));
+    return kSuccess;
   }
-  return kSuccess;
+  DrainLegacy(s, current->device, lock);
+  return CopyNow(s, dst, src, bytes);
 }
 
 CUresult cuIpcGetMemHandle(IpcHandle* h, CUdeviceptr ptr) {
@@ -425,8 +673,10 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, IpcHandle h, unsigned flags) {
 CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
+  if (s.imports.count(ptr) == 0 || s.imports.at(ptr).handle != 0) return kInvalidValue;
+  DrainAll(s, lock);
   auto it = s.imports.find(ptr);
-  if (it == s.imports.end() || it->second.handle != 0) return kInvalidValue;
+  if (it == s.imports.end()) return kInvalidValue;
   const size_t size = (it->second.size + 4095) / 4096 * 4096;
   munmap(reinterpret_cast<void*>(it->first), size);
   munmap(it->second.alias, size);
@@ -434,36 +684,139 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
   return kSuccess;
 }
 
-// Streams: the fake copies at once, so a stream is a token and waiting on
-// it returns at once; the context rules are the driver's.
-struct Stream {
-  int device;
-};
-
 CUresult cuStreamCreate(Stream** out, unsigned flags) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
-  if (flags > 1) return kInvalidValue;
-  *out = new Stream{current->device};
+  if (out == nullptr || flags > 1) return kInvalidValue;
+  auto q = std::make_shared<Queue>();
+  q->device = current->device;
+  q->blocking = flags == 0;
+  s.queues.push_back(q);
+  *out = new Stream{q};
   return kSuccess;
 }
 
 CUresult cuStreamSynchronize(Stream* stream) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
-  return stream == nullptr || stream->device >= 0 ? kSuccess : kInvalidValue;
+  std::shared_ptr<Queue> q = QueueOf(s, stream);
+  if (q->legacy) {
+    DrainLegacy(s, q->device, lock);
+  } else {
+    Drain(s, *q, q->queued, lock);
+  }
+  const CUresult e = q->error;
+  q->error = kSuccess;
+  return e;
 }
 
 CUresult cuStreamDestroy_v2(Stream* stream) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
+  if (reinterpret_cast<uintptr_t>(stream) <= 2) return kInvalidHandle;
+  // The driver lets queued work finish after the call returns: it lands.
+  std::shared_ptr<Queue> q = stream->queue;
+  Drain(s, *q, q->queued, lock);
+  for (auto it = s.queues.begin(); it != s.queues.end(); ++it) {
+    if (*it == q) {
+      s.queues.erase(it);
+      break;
+    }
+  }
   delete stream;
   return kSuccess;
 }
 
+CUresult cuCtxSynchronize() {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  for (size_t i = 0; i < s.queues.size(); ++i) {
+    std::shared_ptr<Queue> q = s.queues[i];
+    if (q->device == current->device) Drain(s, *q, q->queued, lock);
+  }
+  return kSuccess;
+}
+
+// Queued on the stream, landing later (see the top of this file), except
+// device -> pageable host, which the driver documents as returning once
+// the copy completed (after the stream's earlier work).
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, Stream* stream) {
-  (void)stream;
-  return cuMemcpy(dst, src, bytes);
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  if (CheckCopy(s, dst, src, bytes) != kSuccess) return kInvalidValue;
+  std::shared_ptr<Queue> q = QueueOf(s, stream);
+  const bool to_device = IsDevice(s, dst), from_device = IsDevice(s, src);
+  if (!to_device && !IsPinned(s, dst) && from_device) {
+    Drain(s, *q, q->queued, lock);
+    return CopyNow(s, dst, src, bytes);
+  }
+  Op op;
+  op.dst = dst;
+  op.src = src;
+  op.bytes = bytes;
+  if (!from_device && !IsPinned(s, src)) {
+    const char* from = reinterpret_cast<const char*>(src);
+    op.staged.assign(from, from + bytes);
+    op.use_staged = true;
+  }
+  Enqueue(s, *q, std::move(op));
+  return kSuccess;
+}
+
+// Runs `fn(data)` on the GPU thread once the stream's earlier work landed;
+// the stream's later work waits for it to return.
+CUresult cuLaunchHostFunc(Stream* stream, void (*fn)(void*), void* data) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  if (fn == nullptr) return kInvalidValue;
+  Op op;
+  op.fn = fn;
+  op.data = data;
+  Enqueue(s, *QueueOf(s, stream), std::move(op));
+  return kSuccess;
+}
+
+// Events: a point in a stream's queue.
+struct Event {
+  std::shared_ptr<Queue> queue;  // null: never recorded (complete)
+  uint64_t seq = 0;
+};
+
+CUresult cuEventCreate(Event** out, unsigned flags) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  if (out == nullptr || (flags & ~7u) != 0) return kInvalidValue;
+  *out = new Event();
+  return kSuccess;
+}
+
+CUresult cuEventRecord(Event* event, Stream* stream) {
+  KVF_FAKE_READY();
+  if (current == nullptr) return kInvalidContext;
+  if (event == nullptr) return kInvalidHandle;
+  event->queue = QueueOf(s, stream);
+  event->seq = event->queue->queued;
+  return kSuccess;
+}
+
+CUresult cuEventQuery(Event* event) {
+  KVF_FAKE_READY();
+  if (event == nullptr) return kInvalidHandle;
+  return event->queue == nullptr || event->queue->completed >= event->seq ? kSuccess : kNotReady;
+}
+
+CUresult cuEventSynchronize(Event* event) {
+  KVF_FAKE_READY();
+  if (event == nullptr) return kInvalidHandle;
+  if (event->queue != nullptr) Drain(s, *event->queue, event->seq, lock);
+  return kSuccess;
+}
+
+CUresult cuEventDestroy_v2(Event* event) {
+  KVF_FAKE_READY();
+  if (event == nullptr) return kInvalidHandle;
+  delete event;
+  return kSuccess;
 }
 
 CUresult cuGetErrorName(CUresult error, const char** name) {
@@ -476,7 +829,9 @@ CUresult cuGetErrorName(CUresult error, const char** name) {
       {100, "CUDA_ERROR_NO_DEVICE"},
       {101, "CUDA_ERROR_INVALID_DEVICE"},
       {201, "CUDA_ERROR_INVALID_CONTEXT"},
+      {400, "CUDA_ERROR_INVALID_HANDLE"},
       {500, "CUDA_ERROR_NOT_FOUND"},
+      {600, "CUDA_ERROR_NOT_READY"},
       {700, "CUDA_ERROR_ILLEGAL_ADDRESS"},
       {801, "CUDA_ERROR_NOT_SUPPORTED"},
   };
@@ -641,8 +996,10 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     }
     p += m->second.size;
   }
+  DrainAll(s, lock);
   for (uintptr_t p = ptr; p < ptr + size;) {
     auto m = s.imports.find(p);
+    if (m == s.imports.end()) return kInvalidValue;
     const size_t n = m->second.size;
     // Back to reserved, inaccessible address space.
     mmap(reinterpret_cast<void*>(p), n, PROT_NONE,
@@ -727,6 +1084,14 @@ uint64_t kvferry_fake_cuda_vmm_imports() {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   return s.vmm_imports;
+}
+
+// For tests (not a driver entry point): how many copies were queued to
+// land later.
+uint64_t kvferry_fake_cuda_deferred_copies() {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.deferred;
 }
 
 // For tests (not a driver entry point): how many IPC handles this process
