@@ -333,6 +333,58 @@ absl::Status Driver::Copy(void* dst, const void* src, uint64_t length, int ordin
   return r == api::kSuccess ? absl::OkStatus() : Error(call, r);
 }
 
+absl::Status Driver::ReadDevice(const void* src, uint64_t length, int ordinal,
+                                absl::FunctionRef<void(const char*, size_t)> fn) const {
+  if (length == 0) return absl::OkStatus();
+  Bound bound(this, ordinal);
+  if (!bound.status().ok()) return bound.status();
+  void* buffer = nullptr;
+  {
+    MutexLock lock(&mu_);
+    if (!idle_read_buffers_.empty()) {
+      buffer = idle_read_buffers_.back();
+      idle_read_buffers_.pop_back();
+    }
+  }
+  if (buffer == nullptr) {
+    ASSIGN_OR_RETURN(buffer, AllocPinned(2 * kReadPiece));
+  }
+  absl::StatusOr<api::CUstream> stream = TakeStream(ordinal);
+  absl::Status status = stream.status();
+  const char* from = static_cast<const char*>(src);
+  auto half = [&](int i) { return static_cast<char*>(buffer) + i * kReadPiece; };
+  auto start = [&](uint64_t off, int i) {
+    const api::CUresult r = fn_.cuMemcpyAsync(
+        reinterpret_cast<api::CUdeviceptr>(half(i)), reinterpret_cast<api::CUdeviceptr>(from + off),
+        std::min<uint64_t>(kReadPiece, length - off), *stream);
+    return r == api::kSuccess ? absl::OkStatus() : Error("cuMemcpyAsync", r);
+  };
+  if (status.ok()) status = start(0, 0);
+  int cur = 0;
+  for (uint64_t off = 0; status.ok() && off < length;) {
+    // Piece `cur` has landed once the stream is synchronized; the next one
+    // is queued behind it and runs while fn reads this one.
+    const api::CUresult r = fn_.cuStreamSynchronize(*stream);
+    if (r != api::kSuccess) {
+      status = Error("cuStreamSynchronize", r);
+      break;
+    }
+    const uint64_t next = off + std::min<uint64_t>(kReadPiece, length - off);
+    if (next < length) status = start(next, 1 - cur);
+    if (!status.ok()) break;
+    fn(half(cur), next - off);
+    off = next;
+    cur = 1 - cur;
+  }
+  if (stream.ok()) {
+    if (!status.ok()) (void)fn_.cuStreamSynchronize(*stream);  // nothing in flight into the buffer
+    GiveStream(*stream, ordinal);
+  }
+  MutexLock lock(&mu_);
+  idle_read_buffers_.push_back(buffer);
+  return status;
+}
+
 absl::Status Driver::LaunchHostFunc(void* stream, int ordinal, void (*fn)(void*),
                                     void* data) const {
   if (fn_.cuLaunchHostFunc == nullptr) {

@@ -74,6 +74,14 @@ class Driver {
                          int ordinal) const;
   absl::Status Synchronize(void* stream, int ordinal) const;
 
+  // Reads [src, +length) of device `ordinal` for the CPU: calls
+  // `fn(bytes, n)` on consecutive pieces, in order, each in pinned host
+  // memory and landed; the driver copies the next piece while `fn` works
+  // on this one. The CPU never touches device memory. The first error of
+  // a copy is returned, and `fn` is not called past it.
+  absl::Status ReadDevice(const void* src, uint64_t length, int ordinal,
+                          absl::FunctionRef<void(const char*, size_t)> fn) const;
+
   // Stream order with a caller's stream (a CUstream of device `ordinal`;
   // null: the legacy default stream). LaunchHostFunc queues `fn(data)`
   // behind the work already on the stream: the driver calls it on a thread
@@ -241,6 +249,9 @@ class Driver {
   mutable std::vector<std::vector<api::CUstream>> idle_streams_ ABSL_GUARDED_BY(mu_);
   absl::StatusOr<api::CUstream> TakeStream(int ordinal) const;
   void GiveStream(api::CUstream stream, int ordinal) const;
+  // ReadDevice's pinned buffers (two pieces each) not in use.
+  static constexpr size_t kReadPiece = 1 << 20;
+  mutable std::vector<void*> idle_read_buffers_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace cuda

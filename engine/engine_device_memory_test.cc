@@ -189,6 +189,56 @@ TEST_P(EngineDeviceMemoryTest, KvPagesOnDevicePoolsArriveWhole) {
   }
 }
 
+// Checksums over device pools: the CRCs are computed on both sides through
+// the driver (the fake's device memory is PROT_NONE: a CPU read would
+// crash). Intact pages pass; a bit flipped in a landed device page before
+// the receiver looks fails the request with kDataLoss.
+TEST_P(EngineDeviceMemoryTest, ChecksumsOnDevicePoolsPassAndCatchAFlippedBit) {
+  const KvLayout l{3, false, 16, 128, 24};  // 2 KiB pages
+  std::vector<void*> src_buffers, dst_buffers;
+  for (uint32_t b = 0; b < l.buffer_count(); ++b) {
+    src_buffers.push_back(Device(0, l.buffer_bytes()));
+    dst_buffers.push_back(Device(1, l.buffer_bytes()));
+    std::vector<char> fill(l.buffer_bytes());
+    for (size_t i = 0; i < fill.size(); ++i) fill[i] = static_cast<char>(b * 11 + i * 7 + (i >> 9));
+    ASSERT_TRUE(d_->Copy(src_buffers.back(), fill.data(), fill.size(), 0).ok());
+  }
+  auto src = KvPool::Wrap(l, src_buffers);
+  auto dst = KvPool::Wrap(l, dst_buffers);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  EXPECT_EQ(src->device(0), 0);
+  EXPECT_EQ(dst->device(l.buffer_count() - 1), 1);
+  KvSender::Options so;
+  so.checksums = true;
+  auto sender = KvSender::Create(prefill_.get(), *src, so);
+  auto receiver = KvReceiver::Create(decode_.get(), *dst);
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  const std::vector<uint32_t> s = {3, 4, 5, 20, 9}, d = {0, 1, 2, 23, 17};
+  ASSERT_TRUE((*sender)->Send("intact", decode_->address(), s, d, "aux").ok());
+  auto ok = (*receiver)->Wait("intact", absl::Seconds(20));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->state, KvReceiver::State::kComplete) << ok->error;
+  EXPECT_EQ(ok->aux, "aux");
+
+  auto h = (*sender)->Begin("flipped", decode_->address(), s, d);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE((*sender)->SendAll(*h).ok());
+  ASSERT_TRUE((*sender)->Finish(*h, "aux").ok());
+  // One bit of destination page 17 in V of layer 1 (buffer 3), on the GPU.
+  char* at = static_cast<char*>(dst_buffers[3]) + 17 * l.page_bytes() + 1000;
+  char byte = 0;
+  ASSERT_TRUE(d_->Copy(&byte, at, 1, 1).ok());
+  byte ^= 0x04;
+  ASSERT_TRUE(d_->Copy(at, &byte, 1, 1).ok());
+  auto bad = (*receiver)->Wait("flipped", absl::Seconds(20));
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_EQ(bad->state, KvReceiver::State::kFailed);
+  EXPECT_EQ(bad->error.code(), absl::StatusCode::kDataLoss) << bad->error;
+  EXPECT_NE(bad->error.message().find("page 17"), std::string::npos) << bad->error;
+  EXPECT_EQ((*receiver)->checksum_failures(), 1u);
+}
+
 // A TCP transport whose "NICs" cannot register GPU memory, as RDMA NICs
 // without dma-buf or nvidia-peermem: kFailedPrecondition, like the verbs
 // transport's.

@@ -1,5 +1,7 @@
 #include "engine/kv_cache.h"
 
+#include "cuda/driver.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -91,6 +93,15 @@ absl::StatusOr<KvPool> KvPool::Wrap(const KvLayout& layout, std::vector<void*> b
   }
   KvPool pool;
   pool.layout_ = layout;
+  if (const cuda::Driver* driver = cuda::Driver::Get()) {
+    bool any = false;
+    for (void* b : buffers) {
+      ASSIGN_OR_RETURN(cuda::MemoryInfo where, driver->Classify(b, layout.buffer_bytes()));
+      pool.devices_.push_back(where.device ? where.ordinal : -1);
+      any = any || where.device;
+    }
+    if (!any) pool.devices_.clear();
+  }
   pool.buffers_ = std::move(buffers);
   return pool;
 }

@@ -68,7 +68,9 @@ class KvPool {
   // Allocates one contiguous, zeroed pool owned by the returned object.
   static absl::StatusOr<KvPool> Allocate(const KvLayout& layout);
   // Describes buffers the caller owns (one per layer and K/V), e.g. a
-  // serving framework's per-layer tensors.
+  // serving framework's per-layer tensors. They may be CUDA device memory
+  // (asked of the driver, where one loads): the pool then reads them for
+  // checksums only through the driver, never with the CPU.
   static absl::StatusOr<KvPool> Wrap(const KvLayout& layout, std::vector<void*> buffers);
 
   const KvLayout& layout() const { return layout_; }
@@ -77,12 +79,15 @@ class KvPool {
     return buffer(layer * layout_.buffers_per_layer() + kv) + uint64_t{page} * layout_.page_bytes();
   }
   bool contiguous() const { return storage_ != nullptr; }
+  // The CUDA device buffer `b` lives on; -1 for host memory.
+  int device(uint32_t b) const { return devices_.empty() ? -1 : devices_[b]; }
   // Registers every buffer with `engine` (one region for a contiguous pool).
   absl::Status Register(TransferEngine& engine, transport::Access access) const;
 
  private:
   KvLayout layout_;
   std::vector<void*> buffers_;
+  std::vector<int> devices_;       // per buffer (empty: all host memory)
   std::shared_ptr<char> storage_;  // set when Allocate owns the memory
 };
 
@@ -110,6 +115,8 @@ class KvSender {
     // in every buffer, K and V of every layer) with the completion, and the
     // receiver checks its copy before reporting the request complete; a
     // mismatch fails it with kDataLoss. At most kMaxChecksumPages pages.
+    // Pages in GPU memory are read through pinned host buffers by the
+    // driver (docs/kv.md gives the cost).
     bool checksums = false;
     // How long a completion or failure that cannot reach the decode is
     // retried (at least the decode's KvReceiver peer_timeout).

@@ -22,7 +22,7 @@ namespace kvferry {
 
 using kv_internal::CheckRequestId;
 using kv_internal::GetU32;
-using kv_internal::PageCrc;
+using kv_internal::PageCrcs;
 using kv_internal::ParseWord;
 using kv_internal::Word;
 
@@ -308,17 +308,29 @@ absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,
       return malformed();
     }
   }
+  std::vector<uint32_t> want;
   for (const PageRun& r : runs) {
     for (uint32_t i = 0; i < r.count; ++i) {
-      uint32_t want = 0;
-      if (!GetU32(&body, &want)) return malformed();
-      const uint32_t got = PageCrc(pool_, r.dst + i);
-      if (got != want) {
+      uint32_t crc = 0;
+      if (!GetU32(&body, &crc)) return malformed();
+      want.push_back(crc);
+    }
+  }
+  absl::StatusOr<std::vector<uint32_t>> got = PageCrcs(pool_, runs, /*dst=*/true);
+  if (!got.ok()) {
+    return absl::DataLossError(absl::StrCat("KV request ", request_id,
+                                            ": its pages cannot be checked: ",
+                                            got.status().message()));
+  }
+  size_t k = 0;
+  for (const PageRun& r : runs) {
+    for (uint32_t i = 0; i < r.count; ++i, ++k) {
+      if ((*got)[k] != want[k]) {
         ++checksum_failures_;
         return absl::DataLossError(absl::StrFormat(
             "KV request %s: page %u differs from what the sender sent (CRC-32C %08x, expected "
             "%08x): corrupted in transit",
-            request_id, r.dst + i, got, want));
+            request_id, r.dst + i, (*got)[k], want[k]));
       }
     }
   }

@@ -221,7 +221,14 @@ absl::Status KvSender::Finish(Handle h, const std::string& aux) {
     return Annotate(data, absl::StrCat("KV request ", r->id));
   }
   if (options_.checksums) {
-    return Tell(*r, KvMessage("donc", r->id, r->token, ChecksummedBody(pool_, r->runs, aux)));
+    absl::StatusOr<std::string> body = ChecksummedBody(pool_, r->runs, aux);
+    if (!body.ok()) {
+      // The bytes are at the decode, unvouched for: it must not use them.
+      (void)Tell(*r, KvMessage("fail", r->id, r->token,
+                               absl::StrCat("checksums: ", body.status().message())));
+      return Annotate(body.status(), absl::StrCat("KV request ", r->id, ": checksums"));
+    }
+    return Tell(*r, KvMessage("donc", r->id, r->token, *body));
   }
   return Tell(*r, KvMessage("done", r->id, r->token, aux));
 }

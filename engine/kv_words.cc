@@ -1,5 +1,6 @@
 #include "engine/kv_words.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <random>
@@ -8,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/crc32c.h"
+#include "base/status_macros.h"
+#include "cuda/driver.h"
 
 namespace kvferry {
 namespace kv_internal {
@@ -54,13 +57,42 @@ uint64_t NewToken() {
   return t == 0 ? 1 : t;
 }
 
-uint32_t PageCrc(const KvPool& pool, uint32_t page) {
+absl::StatusOr<std::vector<uint32_t>> PageCrcs(const KvPool& pool,
+                                               const std::vector<PageRun>& runs, bool dst) {
   const KvLayout& l = pool.layout();
-  uint32_t crc = 0;
+  const uint64_t pb = l.page_bytes();
+  std::vector<uint32_t> crcs;
+  for (const PageRun& r : runs) crcs.resize(crcs.size() + r.count, 0);
+  // Buffer by buffer, each run's pages in one read: page i's CRC goes on
+  // where the buffer before left it.
   for (uint32_t b = 0; b < l.buffer_count(); ++b) {
-    crc = Crc32c(pool.buffer(b) + uint64_t{page} * l.page_bytes(), l.page_bytes(), crc);
+    size_t first = 0;  // index in crcs of the run's first page
+    for (const PageRun& r : runs) {
+      const char* at = pool.buffer(b) + uint64_t{dst ? r.dst : r.src} * pb;
+      const uint64_t length = uint64_t{r.count} * pb;
+      if (pool.device(b) < 0) {
+        for (uint32_t i = 0; i < r.count; ++i) {
+          crcs[first + i] = Crc32c(at + i * pb, pb, crcs[first + i]);
+        }
+      } else {
+        const cuda::Driver* driver = cuda::Driver::Get();
+        uint64_t pos = 0;  // bytes of the run read so far
+        RETURN_IF_ERROR(driver->ReadDevice(at, length, pool.device(b),
+                                           [&](const char* bytes, size_t n) {
+          while (n > 0) {
+            const uint64_t page = pos / pb;
+            const size_t part = static_cast<size_t>(std::min<uint64_t>(n, pb - pos % pb));
+            crcs[first + page] = Crc32c(bytes, part, crcs[first + page]);
+            bytes += part;
+            n -= part;
+            pos += part;
+          }
+        }));
+      }
+      first += r.count;
+    }
   }
-  return crc;
+  return crcs;
 }
 
 bool GetU32(absl::string_view* in, uint32_t* v) {
@@ -70,17 +102,16 @@ bool GetU32(absl::string_view* in, uint32_t* v) {
   return true;
 }
 
-std::string ChecksummedBody(const KvPool& pool, const std::vector<PageRun>& runs,
-                            absl::string_view aux) {
+absl::StatusOr<std::string> ChecksummedBody(const KvPool& pool, const std::vector<PageRun>& runs,
+                                            absl::string_view aux) {
+  ASSIGN_OR_RETURN(std::vector<uint32_t> crcs, PageCrcs(pool, runs, /*dst=*/false));
   std::string out;
   PutU32(&out, static_cast<uint32_t>(runs.size()));
   for (const PageRun& r : runs) {
     PutU32(&out, r.dst);
     PutU32(&out, r.count);
   }
-  for (const PageRun& r : runs) {
-    for (uint32_t i = 0; i < r.count; ++i) PutU32(&out, PageCrc(pool, r.src + i));
-  }
+  for (uint32_t crc : crcs) PutU32(&out, crc);
   out.append(aux.data(), aux.size());
   return out;
 }

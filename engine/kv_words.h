@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "engine/kv_cache.h"
 
@@ -40,15 +41,19 @@ std::optional<Word> ParseWord(absl::string_view message);
 // A fresh attempt token: random per process, then counted.
 uint64_t NewToken();
 
-// The CRC-32C of page `page` across every buffer of `pool`.
-uint32_t PageCrc(const KvPool& pool, uint32_t page);
+// The CRC-32C of every page of `runs` (their src pages, or with `dst`
+// their dst pages), in run order; a page's CRC runs across every buffer of
+// `pool`, K and V of every layer. Device buffers are read through the
+// driver (cuda::Driver::ReadDevice), host buffers in place.
+absl::StatusOr<std::vector<uint32_t>> PageCrcs(const KvPool& pool,
+                                               const std::vector<PageRun>& runs, bool dst);
 
 bool GetU32(absl::string_view* in, uint32_t* v);
 
 // The body of a "donc" message: u32 runs, (u32 dst, u32 count) each, the
 // CRC of every destination page in run order, then the aux payload.
-std::string ChecksummedBody(const KvPool& pool, const std::vector<PageRun>& runs,
-                            absl::string_view aux);
+absl::StatusOr<std::string> ChecksummedBody(const KvPool& pool, const std::vector<PageRun>& runs,
+                                            absl::string_view aux);
 
 absl::Status CheckRequestId(const std::string& id);
 
