@@ -338,17 +338,7 @@ absl::Status Driver::ReadDevice(const void* src, uint64_t length, int ordinal,
   if (length == 0) return absl::OkStatus();
   Bound bound(this, ordinal);
   if (!bound.status().ok()) return bound.status();
-  void* buffer = nullptr;
-  {
-    MutexLock lock(&mu_);
-    if (!idle_read_buffers_.empty()) {
-      buffer = idle_read_buffers_.back();
-      idle_read_buffers_.pop_back();
-    }
-  }
-  if (buffer == nullptr) {
-    ASSIGN_OR_RETURN(buffer, AllocPinned(2 * kReadPiece));
-  }
+  ASSIGN_OR_RETURN(void* buffer, TakePinned(2 * kReadPiece));
   absl::StatusOr<api::CUstream> stream = TakeStream(ordinal);
   absl::Status status = stream.status();
   const char* from = static_cast<const char*>(src);
@@ -380,9 +370,36 @@ absl::Status Driver::ReadDevice(const void* src, uint64_t length, int ordinal,
     if (!status.ok()) (void)fn_.cuStreamSynchronize(*stream);  // nothing in flight into the buffer
     GiveStream(*stream, ordinal);
   }
-  MutexLock lock(&mu_);
-  idle_read_buffers_.push_back(buffer);
+  GivePinned(buffer, 2 * kReadPiece);
   return status;
+}
+
+absl::StatusOr<void*> Driver::TakePinned(size_t length) const {
+  {
+    MutexLock lock(&mu_);
+    for (auto it = kept_pinned_.begin(); it != kept_pinned_.end(); ++it) {
+      if (it->first == length) {
+        void* p = it->second;
+        kept_pinned_.erase(it);
+        kept_pinned_bytes_ -= length;
+        return p;
+      }
+    }
+  }
+  return AllocPinned(length);
+}
+
+void Driver::GivePinned(void* p, size_t length) const {
+  if (p == nullptr) return;
+  {
+    MutexLock lock(&mu_);
+    if (kept_pinned_bytes_ + length <= kKeptPinnedBytes) {
+      kept_pinned_.emplace_back(length, p);
+      kept_pinned_bytes_ += length;
+      return;
+    }
+  }
+  FreePinned(p);
 }
 
 absl::Status Driver::LaunchHostFunc(void* stream, int ordinal, void (*fn)(void*),

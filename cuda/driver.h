@@ -99,6 +99,15 @@ class Driver {
   // Pinned host memory, for staging buffers.
   absl::StatusOr<void*> AllocPinned(size_t length) const;
   void FreePinned(void* p) const;
+  // Pinned buffers kept for reuse: TakePinned gives one of `length` bytes
+  // (a kept one, else a new one); GivePinned keeps it again, up to
+  // kKeptPinnedBytes in all, and frees past that. Freeing pinned memory
+  // waits for the whole device (cuMemFreeHost), which can wait on a
+  // caller's stream held by a stream-ordered transfer: the data path
+  // gives its buffers back instead of freeing them.
+  static constexpr size_t kKeptPinnedBytes = 64 << 20;
+  absl::StatusOr<void*> TakePinned(size_t length) const;
+  void GivePinned(void* p, size_t length) const;
   // Device memory (tests and tools).
   absl::StatusOr<void*> AllocDevice(int ordinal, size_t length) const;
   absl::Status FreeDevice(void* p, int ordinal) const;
@@ -249,9 +258,11 @@ class Driver {
   mutable std::vector<std::vector<api::CUstream>> idle_streams_ ABSL_GUARDED_BY(mu_);
   absl::StatusOr<api::CUstream> TakeStream(int ordinal) const;
   void GiveStream(api::CUstream stream, int ordinal) const;
-  // ReadDevice's pinned buffers (two pieces each) not in use.
+  // ReadDevice's pieces (it takes two at once).
   static constexpr size_t kReadPiece = 1 << 20;
-  mutable std::vector<void*> idle_read_buffers_ ABSL_GUARDED_BY(mu_);
+  // Kept pinned buffers, by size.
+  mutable std::vector<std::pair<size_t, void*>> kept_pinned_ ABSL_GUARDED_BY(mu_);
+  mutable size_t kept_pinned_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace cuda

@@ -1,6 +1,7 @@
 // TransferEngine with CUDA device memory, through the fake driver
 // (//cuda/testing: device memory PROT_NONE to the CPU), over TCP sockets
 // and the in-process shortcut.
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -237,6 +238,82 @@ TEST_P(EngineDeviceMemoryTest, ChecksumsOnDevicePoolsPassAndCatchAFlippedBit) {
   EXPECT_EQ(bad->error.code(), absl::StatusCode::kDataLoss) << bad->error;
   EXPECT_NE(bad->error.message().find("page 17"), std::string::npos) << bad->error;
   EXPECT_EQ((*receiver)->checksum_failures(), 1u);
+}
+
+// Stream order: a WRITE queued behind a copy still pending on the caller's
+// stream sends what that copy writes, not what the buffer held before; with
+// hold_stream the stream's synchronization comes after the transfer.
+TEST_P(EngineDeviceMemoryTest, AStreamOrderedWriteWaitsForTheStreamsEarlierWork) {
+  constexpr size_t kBytes = 256 << 10;
+  void* src = Device(0, kBytes);
+  void* dst = Device(1, kBytes);
+  const std::vector<char> before(kBytes, 'A');
+  ASSERT_TRUE(d_->Copy(src, before.data(), kBytes, 0).ok());
+  ASSERT_TRUE(prefill_->RegisterMemory(src, kBytes).ok());
+  ASSERT_TRUE(decode_->RegisterMemory(dst, kBytes).ok());
+  auto seg = prefill_->OpenSegment(decode_->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  auto stream = d_->CreateStream(0);
+  auto pinned = d_->AllocPinned(kBytes);
+  ASSERT_TRUE(stream.ok() && pinned.ok());
+  std::vector<char> after(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) after[i] = static_cast<char>(i * 29 + 5);
+  std::memcpy(*pinned, after.data(), kBytes);
+  // The layer is still being written on the stream (the fake lands it at
+  // the stream's synchronization, or a latency later).
+  ASSERT_TRUE(d_->CopyAsync(src, *pinned, kBytes, *stream, 0).ok());
+  const TransferRequest req{Opcode::kWrite, src, reinterpret_cast<uintptr_t>(dst), kBytes};
+  auto id = prefill_->SubmitOnStream(*seg, {&req, 1}, *stream);
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Synchronizing the stream waits for the transfer too (hold_stream).
+  ASSERT_TRUE(d_->Synchronize(*stream, 0).ok());
+  EXPECT_EQ(Get(dst, kBytes, 1), after);
+  auto st = prefill_->WaitOnStream(*id, absl::Seconds(20));
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->ok());
+  EXPECT_EQ(prefill_->WaitOnStream(*id, absl::Seconds(1)).status().code(),
+            absl::StatusCode::kNotFound);  // collected
+
+  // A request outside registered memory fails in WaitOnStream, and the
+  // stream goes on.
+  const TransferRequest bad{Opcode::kWrite, src, reinterpret_cast<uintptr_t>(dst) + kBytes, 16};
+  auto bad_id = prefill_->SubmitOnStream(*seg, {&bad, 1}, *stream);
+  ASSERT_TRUE(bad_id.ok()) << bad_id.status();
+  auto bad_st = prefill_->WaitOnStream(*bad_id, absl::Seconds(20));
+  EXPECT_EQ(bad_st.status().code(), absl::StatusCode::kInvalidArgument) << bad_st.status();
+  ASSERT_TRUE(d_->Synchronize(*stream, 0).ok());
+  d_->DestroyStream(*stream, 0);
+  d_->FreePinned(*pinned);
+}
+
+std::atomic<bool> blocker_open{false};
+void Blocker(void*) {
+  while (!blocker_open) absl::SleepFor(absl::Milliseconds(1));
+}
+
+// A stream-ordered batch the stream has not reached when the engine goes
+// away ends cancelled, and its gate (run later by the driver) touches
+// nothing of the engine: the stream goes on.
+TEST_P(EngineDeviceMemoryTest, AnEngineDestroyedBeforeTheStreamReachedItsBatch) {
+  void* src = Device(0, 4096);
+  void* dst = Device(1, 4096);
+  ASSERT_TRUE(prefill_->RegisterMemory(src, 4096).ok());
+  ASSERT_TRUE(decode_->RegisterMemory(dst, 4096).ok());
+  auto seg = prefill_->OpenSegment(decode_->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  auto stream = d_->CreateStream(0);
+  ASSERT_TRUE(stream.ok());
+  blocker_open = false;
+  ASSERT_TRUE(d_->LaunchHostFunc(*stream, 0, &Blocker, nullptr).ok());
+  const TransferRequest req{Opcode::kWrite, src, reinterpret_cast<uintptr_t>(dst), 4096};
+  auto id = prefill_->SubmitOnStream(*seg, {&req, 1}, *stream);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(prefill_->WaitOnStream(*id, absl::Milliseconds(50)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  prefill_.reset();
+  blocker_open = true;
+  ASSERT_TRUE(d_->Synchronize(*stream, 0).ok());
+  d_->DestroyStream(*stream, 0);
 }
 
 // A TCP transport whose "NICs" cannot register GPU memory, as RDMA NICs

@@ -28,6 +28,7 @@
 #include "engine/notifications.h"
 #include "engine/peer_client.h"
 #include "engine/peer_service.h"
+#include "engine/stream_order.h"
 #include "handshake/auth.h"
 #include "net/socket.h"
 
@@ -135,7 +136,13 @@ class TransferEngine::Impl {
         inbox_(std::move(parts.wait)),
         client_(network_.get(), engine_id_, options_.handshake_timeout),
         service_(engine_id_, Transports(), &regions_, &inbox_, &metadata_),
-        pipeline_(ConfigOf(options_), engine_id_, Transports(), &regions_, &client_, clock_) {
+        pipeline_(ConfigOf(options_), engine_id_, Transports(), &regions_, &client_, clock_),
+        streams_(
+            [this](SegmentId segment, const std::vector<TransferRequest>& requests,
+                   absl::Duration timeout, BatchId* running) {
+              return RunToEnd(segment, requests, timeout, running);
+            },
+            [this](BatchId batch) { return pipeline_.Release(batch); }) {
     if (!near_nics_) {
       near_nics_ = [t = transport_.get()](const std::string& location) {
         return absl::StatusOr<std::vector<NicIndex>>(SameNumaNode(*t, location));
@@ -203,6 +210,29 @@ class TransferEngine::Impl {
     return client_.Notify(v.peer, message, target);
   }
   absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
+  // A stream-ordered batch, run on StreamOrder's thread.
+  absl::StatusOr<BatchStatus> RunToEnd(SegmentId segment,
+                                       const std::vector<TransferRequest>& requests,
+                                       absl::Duration timeout, BatchId* running) {
+    ASSIGN_OR_RETURN(BatchId batch, pipeline_.Submit(segment, requests, 0));
+    BatchStatus status;
+    RETURN_IF_ERROR(pipeline_.Wait(batch, timeout, &status));
+    if (!status.done()) {
+      *running = batch;
+      return absl::DeadlineExceededError(
+          absl::StrCat("stream-ordered transfer not done within ", absl::FormatDuration(timeout)));
+    }
+    (void)pipeline_.Release(batch);
+    return status;
+  }
+  // The device whose context a stream-ordered batch's stream belongs to.
+  static int StreamDevice(absl::Span<const TransferRequest> requests, int device) {
+    if (device >= 0 || requests.empty()) return device < 0 ? 0 : device;
+    const cuda::Driver* driver = cuda::Driver::Get();
+    if (driver == nullptr) return 0;
+    absl::StatusOr<cuda::MemoryInfo> where = driver->Classify(requests[0].local, 1);
+    return where.ok() && where->device ? where->ordinal : 0;
+  }
   absl::StatusOr<std::string> FetchMetadata(SegmentId id, const std::string& key);
   EngineMetrics GetMetrics() const {
     EngineMetrics m;
@@ -254,6 +284,7 @@ class TransferEngine::Impl {
   engine_internal::PeerClient client_;
   engine_internal::PeerService service_;
   engine_internal::BatchPipeline pipeline_;
+  engine_internal::StreamOrder streams_;  // before pipeline_ in destruction
   std::string address_;
   const handshake::AuthenticatedNetwork* auth_ = nullptr;  // inside network_, if any
   std::unique_ptr<handshake::Server> server_;
@@ -385,6 +416,15 @@ absl::StatusOr<BatchStatus> TransferEngine::Wait(BatchId batch, absl::Duration t
   return out;
 }
 absl::Status TransferEngine::Release(BatchId batch) { return impl_->pipeline_.Release(batch); }
+absl::StatusOr<uint64_t> TransferEngine::SubmitOnStream(SegmentId segment,
+                                                        absl::Span<const TransferRequest> requests,
+                                                        void* stream, const StreamOptions& options) {
+  return impl_->streams_.Submit(segment, requests, stream,
+                                Impl::StreamDevice(requests, options.device), options);
+}
+absl::StatusOr<BatchStatus> TransferEngine::WaitOnStream(uint64_t id, absl::Duration timeout) {
+  return impl_->streams_.Wait(id, timeout);
+}
 absl::Status TransferEngine::Notify(SegmentId segment, const std::string& message,
                                     uint64_t peer_engine_id) {
   return impl_->NotifyInstance(segment, message, peer_engine_id);

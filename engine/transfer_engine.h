@@ -134,6 +134,22 @@ struct BatchStatus {
   bool ok() const { return pending == 0 && failed == 0; }
 };
 
+// How a stream-ordered batch (TransferEngine::SubmitOnStream) runs.
+struct StreamOptions {
+  // The stream's later work waits until the batch finished, failed or
+  // timed out: a stream synchronization then means its bytes are at the
+  // peer (Mooncake's *_on_cuda calls do the same).
+  bool hold_stream = true;
+  // The batch's bound once the stream reached it.
+  absl::Duration timeout = absl::Seconds(30);
+  // Keep the outcome for WaitOnStream; false: drop it when done (a failure
+  // is logged).
+  bool keep_result = true;
+  // The CUDA device whose context the stream belongs to; -1: the device of
+  // the first request's local memory (device 0 for host memory).
+  int device = -1;
+};
+
 struct Notification {
   uint64_t engine_id = 0;  // the sender
   std::string message;
@@ -264,6 +280,28 @@ class TransferEngine {
   absl::Status Wait(BatchId batch, absl::Duration timeout, BatchStatus* out);
   // Forgets a finished batch. kFailedPrecondition while it is running.
   absl::Status Release(BatchId batch);
+
+  // Stream order (CUDA). Submit reads the local memory of a WRITE when the
+  // call is made: memory a kernel or an asynchronous copy is still writing
+  // must be finished first, by the caller synchronizing the stream (or an
+  // event) that writes it. SubmitOnStream does that in the stream's order
+  // instead, without blocking the caller: the batch is queued on `stream`
+  // (a CUstream; null: the legacy default stream) behind the work already
+  // there, and submitted only once that work finished (the driver calls
+  // back, cuLaunchHostFunc). With options.hold_stream the stream's later
+  // work waits for the batch (see StreamOptions). Returns at once with an
+  // id for WaitOnStream. kFailedPrecondition without a CUDA driver,
+  // kResourceExhausted with too many stream-ordered batches outstanding.
+  // Errors of the batch itself (a request out of bounds, a peer gone) are
+  // WaitOnStream's.
+  absl::StatusOr<uint64_t> SubmitOnStream(SegmentId segment,
+                                          absl::Span<const TransferRequest> requests,
+                                          void* stream, const StreamOptions& options = {});
+  // The outcome of a stream-ordered batch once the stream reached it and it
+  // finished (and forgets it): its status, or the error that kept it from
+  // being submitted. kDeadlineExceeded when that takes longer than
+  // `timeout` (ask again); kNotFound for an unknown or collected id.
+  absl::StatusOr<BatchStatus> WaitOnStream(uint64_t id, absl::Duration timeout);
 
   // Sends `message` to the peer now.
   // `peer_engine_id`, if not 0, is the peer instance the message is meant

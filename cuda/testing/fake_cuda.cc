@@ -673,10 +673,10 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, IpcHandle h, unsigned flags) {
 CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
-  if (s.imports.count(ptr) == 0 || s.imports.at(ptr).handle != 0) return kInvalidValue;
-  DrainAll(s, lock);
+  // Copies still queued to or from it fail when they run (the sticky
+  // error of their stream's next synchronization).
   auto it = s.imports.find(ptr);
-  if (it == s.imports.end()) return kInvalidValue;
+  if (it == s.imports.end() || it->second.handle != 0) return kInvalidValue;
   const size_t size = (it->second.size + 4095) / 4096 * 4096;
   munmap(reinterpret_cast<void*>(it->first), size);
   munmap(it->second.alias, size);
@@ -996,7 +996,6 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     }
     p += m->second.size;
   }
-  DrainAll(s, lock);
   for (uintptr_t p = ptr; p < ptr + size;) {
     auto m = s.imports.find(p);
     if (m == s.imports.end()) return kInvalidValue;

@@ -49,7 +49,7 @@ class Staging {
     const cuda::Driver* d = cuda::Driver::Get();
     if (d == nullptr) return;
     for (size_t i = 0; i < streams_.size(); ++i) d->DestroyStream(streams_[i], static_cast<int>(i));
-    if (buffer_ != nullptr) d->FreePinned(buffer_);
+    d->GivePinned(buffer_, 2 * kBytes);  // kept for the next link: no cuMemFreeHost here
   }
   // Sends [src, +n) of CUDA device `device` on `fd`: chunk k+1 is copied
   // to one buffer while chunk k is sent from the other.
@@ -115,7 +115,7 @@ class Staging {
     const cuda::Driver* driver = cuda::Driver::Get();
     if (driver == nullptr) return absl::FailedPreconditionError("device memory without a CUDA driver");
     if (buffer_ == nullptr) {
-      ASSIGN_OR_RETURN(buffer_, driver->AllocPinned(2 * kBytes));
+      ASSIGN_OR_RETURN(buffer_, driver->TakePinned(2 * kBytes));
     }
     if (device < 0) return absl::InvalidArgumentError("staging host memory");
     if (static_cast<size_t>(device) >= streams_.size()) streams_.resize(device + 1, nullptr);
