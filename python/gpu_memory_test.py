@@ -58,6 +58,27 @@ class FakeCuda:
         return out
 
 
+    def stream(self, ordinal):
+        self.use(ordinal)
+        s = ctypes.c_void_p()
+        assert self.lib.cuStreamCreate(ctypes.byref(s), 1) == 0
+        return s.value
+
+    def pinned(self, size):
+        p = ctypes.c_void_p()
+        assert self.lib.cuMemHostAlloc(ctypes.byref(p), ctypes.c_size_t(size), 0) == 0
+        return p.value
+
+    def put_async(self, ordinal, dst, src, size, stream):
+        self.use(ordinal)
+        assert self.lib.cuMemcpyAsync(ctypes.c_ulonglong(dst), ctypes.c_ulonglong(src),
+                                      ctypes.c_size_t(size), ctypes.c_void_p(stream)) == 0
+
+    def sync(self, ordinal, stream):
+        self.use(ordinal)
+        assert self.lib.cuStreamSynchronize(ctypes.c_void_p(stream)) == 0
+
+
 class GpuMemoryTest(unittest.TestCase):
     def test_device_pointers_move_between_engines(self):
         cuda = FakeCuda()
@@ -74,6 +95,49 @@ class GpuMemoryTest(unittest.TestCase):
         peer = "127.0.0.1:%d" % decode.get_rpc_port()
         prefill.transfer(peer, [("write", src, dst, size)], timeout=30)
         self.assertTrue(np.array_equal(cuda.get(1, dst, size), data))
+
+    def test_stream_ordered_calls_wait_for_the_streams_earlier_work(self):
+        """Mooncake's *_on_cuda: the write starts after the copy still
+        pending on the stream (so the peer gets what it writes, not what the
+        buffer held before), and the stream's synchronization comes after
+        the transfer."""
+        self.assertTrue(kvferry.SUPPORT_CUDA)
+        cuda = FakeCuda()
+        size = 1 << 20
+        src = cuda.alloc(0, size)
+        dst = cuda.alloc(1, 2 * size)
+        back = cuda.alloc(0, size)
+        before = np.full(size, 7, dtype=np.uint8)
+        cuda.put(0, src, before)
+        after = (np.arange(size, dtype=np.uint64) * 40503 % 253).astype(np.uint8)
+        host = cuda.pinned(size)
+        ctypes.memmove(host, after.ctypes.data, size)
+        prefill = kvferry.TransferEngine()
+        decode = kvferry.TransferEngine()
+        for e in (prefill, decode):
+            self.assertEqual(e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
+        self.assertEqual(prefill.register_memory(src, size), 0)
+        self.assertEqual(prefill.register_memory(back, size, access="none"), 0)
+        self.assertEqual(decode.register_memory(dst, 2 * size, access="rw"), 0)
+        peer = "127.0.0.1:%d" % decode.get_rpc_port()
+        stream = cuda.stream(0)
+        cuda.put_async(0, src, host, size, stream)  # the "kernel" writing the layer
+        self.assertIsNone(prefill.transfer_write_on_cuda(peer, src, dst, size, stream_ptr=stream))
+        prefill.batch_transfer_write_on_cuda(peer, [src, src + 4096], [dst + size, dst + size + 8192],
+                                             [4096, 4096], stream)
+        cuda.sync(0, stream)
+        got = cuda.get(1, dst, 2 * size)
+        self.assertTrue(np.array_equal(got[:size], after))
+        self.assertTrue(np.array_equal(got[size:size + 4096], after[:4096]))
+        self.assertTrue(np.array_equal(got[size + 8192:size + 12288], after[4096:8192]))
+        # And back, stream-ordered READs.
+        prefill.transfer_read_on_cuda(peer, back, dst, 4096, stream)
+        prefill.batch_transfer_read_on_cuda(peer, [back + 4096], [dst + 4096], [size - 4096],
+                                            stream_ptr=stream)
+        cuda.sync(0, stream)
+        self.assertTrue(np.array_equal(cuda.get(0, back, size), after))
+        with self.assertRaisesRegex(RuntimeError, "differ in count"):
+            prefill.batch_transfer_write_on_cuda(peer, [src], [], [8], stream)
 
     def test_a_location_that_contradicts_the_memory_is_refused(self):
         cuda = FakeCuda()

@@ -79,7 +79,18 @@ class SurfaceTest(unittest.TestCase):
         self.assertIs(kvferry.TransferEngine.TransferOpcode, kvferry.TransferOpcode)
         n = kvferry.TransferNotify("a", "b")
         self.assertEqual((n.name, n.msg), ("a", "b"))
-        self.assertFalse(kvferry.SUPPORT_CUDA)
+        # True exactly where a CUDA driver loads (none here unless the host has one).
+        try:
+            ctypes.CDLL("libcuda.so.1")
+            has_driver = "KVFERRY_CUDA_LIBRARY" not in os.environ or bool(os.environ["KVFERRY_CUDA_LIBRARY"])
+        except OSError:
+            has_driver = bool(os.environ.get("KVFERRY_CUDA_LIBRARY"))
+        if not has_driver:
+            self.assertFalse(kvferry.SUPPORT_CUDA)
+            with self.assertRaisesRegex(RuntimeError, "CUDA driver"):
+                e = kvferry.TransferEngine()
+                self.assertEqual(e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
+                e.transfer_write_on_cuda("127.0.0.1:%d" % e.get_rpc_port(), 0, 0, 8, 0)
 
     def test_keyword_arguments_and_last_error_reset(self):
         e = kvferry.TransferEngine()

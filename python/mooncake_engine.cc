@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "cuda/driver.h"
 #include "python/module_util.h"
 #include "python/mooncake_config.h"
 #include "transport/verbs/discovery.h"
@@ -308,6 +310,29 @@ uint64_t MooncakeEngine::Async(const std::string& target, Opcode op,
   return *batch;
 }
 
+void MooncakeEngine::OnCuda(const std::string& target, Opcode op,
+                            const std::vector<uintptr_t>& local,
+                            const std::vector<uint64_t>& remote,
+                            const std::vector<uint64_t>& lengths, uintptr_t stream) {
+  if (!Ready()) throw std::runtime_error(last_error_);
+  absl::StatusOr<std::vector<TransferRequest>> requests = Requests(op, local, remote, lengths);
+  if (!requests.ok()) throw std::runtime_error((Fail(requests.status()), last_error_));
+  uint64_t bytes = 0;
+  for (uint64_t l : lengths) bytes += l;
+  StreamOptions options;
+  options.timeout = Timeout(bytes);
+  options.keep_result = false;  // Mooncake's calls return nothing to wait on
+  absl::StatusOr<uint64_t> id;
+  {
+    py::gil_scoped_release release;
+    absl::StatusOr<SegmentId> seg = engine_->OpenSegment(PeerName(target));
+    id = seg.ok() ? engine_->SubmitOnStream(*seg, *requests, reinterpret_cast<void*>(stream),
+                                            options)
+                  : seg.status();
+  }
+  if (!id.ok()) throw std::runtime_error((Fail(id.status()), last_error_));
+}
+
 absl::Duration MooncakeEngine::Timeout(uint64_t bytes) const {
   // Mooncake's: MC_TRANSFER_TIMEOUT plus one second per GiB.
   return transfer_timeout_ + absl::Nanoseconds(static_cast<int64_t>(bytes));
@@ -491,10 +516,11 @@ int MooncakeEngine::Fail(const absl::Status& s) {
 
 void BindMooncake(py::module_& m) {
   using E = MooncakeEngine;
-  for (const char* flag : {"SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_MNNVL", "SUPPORT_INTRA_NVLINK",
-                           "SUPPORT_CUDA"}) {
-    m.attr(flag) = false;  // no stream-ordered *_on_cuda calls, no EFA/HIP/MNNVL transports
+  for (const char* flag : {"SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_MNNVL", "SUPPORT_INTRA_NVLINK"}) {
+    m.attr(flag) = false;  // no EFA/HIP/MNNVL transports
   }
+  // The stream-ordered *_on_cuda calls work where a CUDA driver loads.
+  m.attr("SUPPORT_CUDA") = cuda::Driver::Get() != nullptr;
   py::enum_<E::Opcode> opcode(m, "TransferOpcode", py::arithmetic());
   opcode.value("Read", E::Opcode::kRead).value("Write", E::Opcode::kWrite).export_values();
   py::class_<E::Notify>(m, "TransferNotify")
@@ -547,6 +573,16 @@ void BindMooncake(py::module_& m) {
            py::arg("notify") = nullptr, hint)
       .def("batch_transfer_async", &E::batch_transfer_async, target, py::arg("buffers"),
            py::arg("peer_buffer_addresses"), py::arg("lengths"), py::arg("opcode"), hint)
+      .def("transfer_write_on_cuda", &E::transfer_write_on_cuda, target, py::arg("buffer"),
+           py::arg("peer_buffer_address"), py::arg("length"), py::arg("stream_ptr") = 0, hint)
+      .def("transfer_read_on_cuda", &E::transfer_read_on_cuda, target, py::arg("buffer"),
+           py::arg("peer_buffer_address"), py::arg("length"), py::arg("stream_ptr") = 0, hint)
+      .def("batch_transfer_write_on_cuda", &E::batch_transfer_write_on_cuda, target,
+           py::arg("buffers"), py::arg("peer_buffer_addresses"), py::arg("lengths"),
+           py::arg("stream_ptr") = 0, hint)
+      .def("batch_transfer_read_on_cuda", &E::batch_transfer_read_on_cuda, target,
+           py::arg("buffers"), py::arg("peer_buffer_addresses"), py::arg("lengths"),
+           py::arg("stream_ptr") = 0, hint)
       .def("get_batch_transfer_status", &E::get_batch_transfer_status, py::arg("batch_ids"))
       .def("transfer_submit_write", &E::transfer_submit_write, target, py::arg("buffer"),
            py::arg("peer_buffer_address"), py::arg("length"), hint)

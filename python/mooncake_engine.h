@@ -97,6 +97,34 @@ class MooncakeEngine {
                                 const std::string&) {
     return Async(target, op, buffers, peers, lengths);
   }
+  // Stream-ordered (Mooncake's *_on_cuda): the transfer starts once the work
+  // queued on `stream_ptr` (a cudaStream_t / CUstream as an integer; 0: the
+  // legacy default stream) before the call has finished, and the stream's
+  // later work waits for it. Returns None at once; raises RuntimeError when
+  // it cannot be queued (no CUDA driver, no such peer, ...). A transfer
+  // that fails once queued is logged (Mooncake ends the process instead).
+  void transfer_write_on_cuda(const std::string& target, uintptr_t buffer, uint64_t peer,
+                              uint64_t length, uintptr_t stream_ptr, const std::string&) {
+    OnCuda(target, Opcode::kWrite, {buffer}, {peer}, {length}, stream_ptr);
+  }
+  void transfer_read_on_cuda(const std::string& target, uintptr_t buffer, uint64_t peer,
+                             uint64_t length, uintptr_t stream_ptr, const std::string&) {
+    OnCuda(target, Opcode::kRead, {buffer}, {peer}, {length}, stream_ptr);
+  }
+  void batch_transfer_write_on_cuda(const std::string& target,
+                                    const std::vector<uintptr_t>& buffers,
+                                    const std::vector<uint64_t>& peers,
+                                    const std::vector<uint64_t>& lengths, uintptr_t stream_ptr,
+                                    const std::string&) {
+    OnCuda(target, Opcode::kWrite, buffers, peers, lengths, stream_ptr);
+  }
+  void batch_transfer_read_on_cuda(const std::string& target,
+                                   const std::vector<uintptr_t>& buffers,
+                                   const std::vector<uint64_t>& peers,
+                                   const std::vector<uint64_t>& lengths, uintptr_t stream_ptr,
+                                   const std::string&) {
+    OnCuda(target, Opcode::kRead, buffers, peers, lengths, stream_ptr);
+  }
   // Waits for every batch: 0 when all completed, -1 when one failed or
   // timed out. Completed batches are released.
   int get_batch_transfer_status(const std::vector<uint64_t>& batch_ids);
@@ -136,6 +164,9 @@ class MooncakeEngine {
            const Notify* notify);
   uint64_t Async(const std::string& target, Opcode op, const std::vector<uintptr_t>& local,
                  const std::vector<uint64_t>& remote, const std::vector<uint64_t>& lengths);
+  void OnCuda(const std::string& target, Opcode op, const std::vector<uintptr_t>& local,
+              const std::vector<uint64_t>& remote, const std::vector<uint64_t>& lengths,
+              uintptr_t stream);
   absl::Duration Timeout(uint64_t bytes) const;
   void Forget(uint64_t batch_id);
   // Every call starts with a clean last error; Ready() also says whether
