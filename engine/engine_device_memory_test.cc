@@ -316,6 +316,37 @@ TEST_P(EngineDeviceMemoryTest, AnEngineDestroyedBeforeTheStreamReachedItsBatch) 
   d_->DestroyStream(*stream, 0);
 }
 
+// A fenced prefill writes no more device memory: over the socket and over
+// the in-process shortcut alike, its next WRITE fails and lands nothing.
+TEST_P(EngineDeviceMemoryTest, AFencedPrefillWritesNoMoreDeviceMemory) {
+  constexpr size_t kBytes = 64 << 10;
+  void* src = Device(0, kBytes);
+  void* dst = Device(1, kBytes);
+  const std::vector<char> first(kBytes, 'f'), second(kBytes, 's');
+  ASSERT_TRUE(d_->Copy(src, first.data(), kBytes, 0).ok());
+  ASSERT_TRUE(prefill_->RegisterMemory(src, kBytes).ok());
+  ASSERT_TRUE(decode_->RegisterMemory(dst, kBytes).ok());
+  auto seg = prefill_->OpenSegment(decode_->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  const TransferRequest req{Opcode::kWrite, src, reinterpret_cast<uintptr_t>(dst), kBytes};
+  auto run = [&] {
+    auto batch = prefill_->Submit(*seg, {&req, 1});
+    if (!batch.ok()) return batch.status();
+    auto st = prefill_->Wait(*batch, absl::Seconds(20));
+    if (!st.ok()) return st.status();
+    return st->ok() ? absl::OkStatus() : st->requests[0];
+  };
+  ASSERT_TRUE(run().ok());
+  EXPECT_EQ(Get(dst, kBytes, 1), first);
+  decode_->FencePeer(prefill_->engine_id());
+  ASSERT_TRUE(d_->Copy(src, second.data(), kBytes, 0).ok());
+  const absl::Status refused = run();
+  EXPECT_FALSE(refused.ok());
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("declared failed"), std::string::npos) << refused;
+  EXPECT_EQ(Get(dst, kBytes, 1), first);
+}
+
 // A TCP transport whose "NICs" cannot register GPU memory, as RDMA NICs
 // without dma-buf or nvidia-peermem: kFailedPrecondition, like the verbs
 // transport's.

@@ -32,6 +32,7 @@ constexpr size_t kBytes = (4 << 20) + 12288;
 
 using gpu::Fnv;
 using gpu::ReadLine;
+using gpu::WriteLine;
 
 // kVmmUnshareable: VMM memory made without a shareable handle type (PyTorch
 // with TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0) goes staged.
@@ -75,12 +76,22 @@ void* Alloc(const cuda::Driver* d, int device, Path path) {
   const std::string hello = engine->address() + " " + std::to_string(reinterpret_cast<uintptr_t>(dst)) + "\n";
   if (write(out, hello.data(), hello.size()) < 0) _exit(3);
   char cmd;
-  while (read(in, &cmd, 1) == 1 && cmd == 'h') {
+  while (read(in, &cmd, 1) == 1 && (cmd == 'h' || cmd == 'f')) {
+    if (cmd == 'f') {
+      // Fence the prefill instance named on the line; report what of other
+      // processes' memory is still mapped here.
+      const uint64_t id = std::stoull(ReadLine(in));
+      engine->FencePeer(id);
+      const std::string answer = std::to_string(FakeCount("kvferry_fake_cuda_live_imports")) + "\n";
+      if (write(out, answer.data(), answer.size()) < 0) _exit(5);
+      continue;
+    }
     std::vector<char> bytes(kBytes);
     if (!d->Copy(bytes.data(), dst, kBytes, 1).ok()) _exit(4);
     const std::string answer = std::to_string(Fnv(bytes)) + " " +
                                std::to_string(FakeCount("kvferry_fake_cuda_ipc_opens")) + " " +
-                               std::to_string(FakeCount("kvferry_fake_cuda_vmm_imports")) + "\n";
+                               std::to_string(FakeCount("kvferry_fake_cuda_vmm_imports")) + " " +
+                               std::to_string(FakeCount("kvferry_fake_cuda_live_imports")) + "\n";
     if (write(out, answer.data(), answer.size()) < 0) _exit(5);
   }
   engine.reset();  // its threads end before the process does
@@ -129,8 +140,8 @@ std::string Prefill(Path path, int to_decode, int from_decode) {
   const size_t sp = report.find(' ');
   if (sp == std::string::npos) return "no report from decode: '" + report + "'";
   if (std::stoull(report.substr(0, sp)) != Fnv(pattern)) return "the decode's bytes differ";
-  uint64_t opens = 0, imports = 0;
-  if (std::sscanf(report.c_str() + sp + 1, "%lu %lu", &opens, &imports) != 2) {
+  uint64_t opens = 0, imports = 0, live = 0;
+  if (std::sscanf(report.c_str() + sp + 1, "%lu %lu %lu", &opens, &imports, &live) != 3) {
     return "a bad report from decode: '" + report + "'";
   }
   if (path == Path::kCudaIpc && (opens == 0 || imports != 0)) {
@@ -151,6 +162,23 @@ std::string Prefill(Path path, int to_decode, int from_decode) {
   std::vector<char> got(kBytes);
   if (!d->Copy(got.data(), back, kBytes, 1).ok()) return "copy back failed";
   if (got != pattern) return "the READ brought different bytes";
+  if ((path == Path::kCudaIpc || path == Path::kVmm) && live == 0) {
+    return "the decode process holds no mapping of this process's memory after a WRITE";
+  }
+  // Fenced: the decode drops every mapping of this process's memory, and
+  // a later WRITE (new bytes) is refused and lands nothing.
+  WriteLine(to_decode, "f" + std::to_string(engine->engine_id()));
+  const std::string mapped = ReadLine(from_decode);
+  if (mapped != "0") return "after the fence the decode still maps " + mapped + " allocations";
+  std::vector<char> other(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) other[i] = static_cast<char>(~pattern[i]);
+  if (!d->Copy(src, other.data(), kBytes, 0).ok()) return "refill failed";
+  if (run(Opcode::kWrite, src).empty()) return "a fenced prefill's WRITE succeeded";
+  if (write(to_decode, "h", 1) != 1) return "decode gone";
+  const std::string after = ReadLine(from_decode);
+  if (after.substr(0, after.find(' ')) != std::to_string(Fnv(pattern))) {
+    return "a fenced prefill's WRITE changed the decode's bytes";
+  }
   return "";
 }
 

@@ -141,6 +141,7 @@ struct State {
     int device;
     int handle_types;  // requested at cuMemCreate (bit 1: POSIX fd)
     int refs;
+    bool imported = false;  // from another process's fd
   };
   std::map<uint64_t, Physical> physical;
   uint64_t last_handle = 0;
@@ -1072,7 +1073,8 @@ CUresult cuMemImportFromShareableHandle(uint64_t* handle, void* os_handle, int t
   if (own < 0) return kOutOfMemory;
   *handle = ++s.last_handle;
   s.physical[*handle] = State::Physical{own, static_cast<size_t>(st.st_size),
-                                        std::atoi(tag + std::strlen("kvferry-fake-vmm-")), 1, 1};
+                                        std::atoi(tag + std::strlen("kvferry-fake-vmm-")), 1, 1,
+                                        /*imported=*/true};
   ++s.vmm_imports;
   return kSuccess;
 }
@@ -1083,6 +1085,19 @@ uint64_t kvferry_fake_cuda_vmm_imports() {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   return s.vmm_imports;
+}
+
+// For tests (not a driver entry point): how many of another process's
+// allocations this process has mapped now (IPC handles open, VMM chunks
+// imported and mapped).
+uint64_t kvferry_fake_cuda_live_imports() {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  uint64_t n = 0;
+  for (const auto& [at, m] : s.imports) {
+    if (m.handle == 0 || (s.physical.count(m.handle) > 0 && s.physical.at(m.handle).imported)) ++n;
+  }
+  return n;
 }
 
 // For tests (not a driver entry point): how many copies were queued to
