@@ -38,7 +38,12 @@
 // size, default 256), KVFERRY_FAKE_CUDA_VMM_NO_EXPORT=1 (VMM allocations
 // exportable as nothing, whatever was asked), KVFERRY_FAKE_CUDA_LATENCY_MS
 // (how long queued copies take at most when nobody waits for them, default
-// 300; "never": only a synchronization lands them).
+// 300; "never": only a synchronization lands them),
+// KVFERRY_FAKE_CUDA_PEERMEM=1 (the arena is mapped readable and writable at
+// the addresses handed out, so that an RDMA NIC can pin it, as
+// nvidia-peermem lets ibv_reg_mr pin GPU memory; kvferry_fake_cuda_hide()
+// makes it PROT_NONE again once registered: the NIC keeps its pinned pages,
+// the CPU loses access).
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -429,7 +434,9 @@ CUresult cuInit(unsigned flags) {
   s.arena_bytes = mib << 20;
   const int fd = memfd_create("kvferry-fake-cuda", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, s.arena_bytes) != 0) return kOutOfMemory;
-  void* arena = mmap(nullptr, s.arena_bytes, PROT_NONE, MAP_SHARED, fd, 0);
+  const char* peermem = std::getenv("KVFERRY_FAKE_CUDA_PEERMEM");
+  const int prot = peermem != nullptr && *peermem == '1' ? PROT_READ | PROT_WRITE : PROT_NONE;
+  void* arena = mmap(nullptr, s.arena_bytes, prot, MAP_SHARED, fd, 0);
   void* alias = mmap(nullptr, s.arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   s.fd = fd;
   if (arena == MAP_FAILED || alias == MAP_FAILED) return kOutOfMemory;
@@ -1085,6 +1092,15 @@ uint64_t kvferry_fake_cuda_vmm_imports() {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   return s.vmm_imports;
+}
+
+// For tests (not a driver entry point): takes the CPU's access to the
+// arena away again (KVFERRY_FAKE_CUDA_PEERMEM); pages a NIC pinned stay
+// pinned.
+int kvferry_fake_cuda_hide() {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.arena == nullptr ? -1 : mprotect(s.arena, s.arena_bytes, PROT_NONE);
 }
 
 // For tests (not a driver entry point): how many of another process's

@@ -3,7 +3,15 @@
 // tools/softroce/vm.sh; skipped where there are none). The fake has no
 // dma-buf export and its device memory is not host memory a NIC can pin, so
 // both registration paths fail: the error must name both and what to enable,
-// and host memory must still register.
+// and host memory must still register. The peermem success path runs in
+// tests/gpu_verbs_test.cc. Whether this kernel's rxe takes dma-buf memory
+// regions at all is probed the way NCCL and UCX do (fd -1: EOPNOTSUPP or
+// EPROTONOSUPPORT means no, EBADF means yes).
+#include <infiniband/verbs.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "cuda/driver.h"
@@ -43,6 +51,36 @@ TEST(VerbsDeviceMemoryTest, WithoutDmaBufOrPeermemTheErrorSaysWhatToEnable) {
   std::vector<char> host(1 << 16);
   EXPECT_TRUE((*t)->RegisterMemory(host.data(), host.size(), Access::kRemoteReadWrite).ok());
   ASSERT_TRUE(d->FreeDevice(*dev, 1).ok());
+}
+
+TEST(VerbsDeviceMemoryTest, WhetherThisKernelsRxeTakesDmaBufMemoryRegions) {
+  transport::verbs::TestPorts ports;
+  if (!ports.SkipReason().empty()) GTEST_SKIP() << ports.SkipReason();
+  int n = 0;
+  ibv_device** list = ibv_get_device_list(&n);
+  ASSERT_NE(list, nullptr);
+  ASSERT_GT(n, 0);
+  ibv_context* ctx = ibv_open_device(list[0]);
+  ASSERT_NE(ctx, nullptr);
+  ibv_pd* pd = ibv_alloc_pd(ctx);
+  ASSERT_NE(pd, nullptr);
+  errno = 0;
+  ibv_mr* mr = ibv_reg_dmabuf_mr(pd, 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE);
+  const int err = errno;
+  EXPECT_EQ(mr, nullptr);  // fd -1 is never a dma-buf
+  std::printf("ibv_reg_dmabuf_mr(fd=-1) on %s: errno %d (%s)\n", ibv_get_device_name(list[0]),
+              err, std::strerror(err));
+  ibv_dealloc_pd(pd);
+  ibv_close_device(ctx);
+  ibv_free_device_list(list);
+  // The answers NCCL's and UCX's probes tell apart; anything else is a
+  // change worth a look.
+  ASSERT_TRUE(err == EOPNOTSUPP || err == EPROTONOSUPPORT || err == EBADF) << std::strerror(err);
+  if (err != EBADF) {
+    GTEST_SKIP() << "this kernel's rxe registers no dma-buf memory regions (errno " << err
+                 << ", " << std::strerror(err)
+                 << "): the dma-buf path cannot run under Soft-RoCE; the peermem path does";
+  }
 }
 
 }  // namespace
