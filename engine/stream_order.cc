@@ -68,7 +68,7 @@ void StreamOrder::Gate(void* p) {
   // never held longer.
   const absl::Time deadline = absl::Now() + job.options.timeout + absl::Seconds(1);
   s.cv.AwaitWithDeadline(&s.mu, deadline,
-                         [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+                         [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
                            return job.state == Job::State::kDone;
                          });
 }
@@ -165,7 +165,7 @@ absl::StatusOr<BatchStatus> StreamOrder::Wait(uint64_t id, absl::Duration timeou
   std::shared_ptr<Job> job = it->second;
   const bool done = shared_->cv.AwaitWithDeadline(
       &shared_->mu, absl::Now() + timeout,
-      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_->mu) { return job->state == Job::State::kDone; });
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return job->state == Job::State::kDone; });
   if (!done) {
     return absl::DeadlineExceededError(absl::StrCat(
         "stream-ordered transfer ", id,
