@@ -10,6 +10,7 @@
 //
 //   ./bazelw run -c opt //bench:kv_device_checksum_benchmark
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -127,6 +128,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace kvferry
 
 int main(int argc, char** argv) {
+  // Four device pools of 128 MiB at 32 KiB pages, kept for the run.
+  setenv("KVFERRY_FAKE_CUDA_MIB", "1024", 0);
   if (kvferry::cuda::UseFakeDriver() == nullptr) return 1;
   for (int64_t page : {2 << 10, 32 << 10}) {
     for (int64_t device : {0, 1}) {
