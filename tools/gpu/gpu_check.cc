@@ -1,10 +1,14 @@
 // The check on a real GPU (tools/gpu/check.sh runs it from the bundle
 // tools/gpu/bundle.sh makes): device memory moved between two processes of
 // this host, over TCP staging, over CUDA IPC (cudaMalloc memory) and as
-// VMM memory through POSIX fds, verified by hashes of the
-// bytes read back through the driver; throughput beside a device-to-device
-// cuMemcpy and a host-to-host TCP stream of the same bytes, measured in the
-// same run. Ends with "N passed, N failed".
+// VMM memory through POSIX fds, each transfer verified in the receiving
+// process by a hash of the bytes it reads back through the driver after the
+// sender's Wait; on each path also a stream-ordered WRITE
+// (SubmitOnStream behind an asynchronous device-to-device copy that makes
+// the bytes it sends) and a KV request over device pools with checksums.
+// Throughput beside a device-to-device cuMemcpy and a host-to-host TCP
+// stream of the same bytes, measured in the same run. Ends with
+// "N passed, N failed".
 //
 //   gpu_check [--mib=256] [--rounds=3] [--src_device=0] [--dst_device=N]
 //
@@ -30,9 +34,9 @@
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
 #include "cuda/driver.h"
+#include "engine/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "tools/gpu/two_process.h"
-
 ABSL_FLAG(int, mib, 256, "bytes moved per transfer, MiB");
 ABSL_FLAG(int, rounds, 3, "transfers per path (the best rate is reported)");
 ABSL_FLAG(int, src_device, 0, "CUDA ordinal of the sending process's buffer");
@@ -56,6 +60,36 @@ using gpu::WriteLine;
 uint64_t DeviceHash(const cuda::Driver* d, const void* p, size_t n, int device) {
   std::vector<char> host(n);
   return d->Copy(host.data(), p, n, device).ok() ? Fnv(host) : 0;
+}
+
+// The KV check's pools: 4 layers, K and V, 64 pages of 32 KiB (vLLM's
+// 16-token blocks) per buffer, on each side's device.
+constexpr KvLayout kKvLayout{4, false, 16, 2048, 64};
+
+// A device pool of kKvLayout on `device`, each buffer filled with `seed`'s
+// pattern (seed 0: left as allocated); its buffers in *buffers.
+absl::StatusOr<KvPool> DevicePool(const cuda::Driver* d, int device, int seed,
+                                  std::vector<void*>* buffers) {
+  std::vector<char> fill(kKvLayout.buffer_bytes());
+  for (uint32_t b = 0; b < kKvLayout.buffer_count(); ++b) {
+    void* p = d->AllocDevice(device, fill.size()).value_or(nullptr);
+    if (p == nullptr) return absl::ResourceExhaustedError("cuMemAlloc for the KV pool");
+    buffers->push_back(p);
+    if (seed == 0) continue;
+    for (size_t i = 0; i < fill.size(); i += 64) fill[i] = static_cast<char>(i / 64 * seed + b);
+    if (absl::Status st = d->Copy(p, fill.data(), fill.size(), device); !st.ok()) return st;
+  }
+  return KvPool::Wrap(kKvLayout, *buffers);
+}
+
+// The hash of a pool's buffers one after the other, read through the driver.
+uint64_t PoolHash(const cuda::Driver* d, const std::vector<void*>& buffers, int device) {
+  std::vector<char> all, one(kKvLayout.buffer_bytes());
+  for (void* p : buffers) {
+    if (!d->Copy(one.data(), p, one.size(), device).ok()) return 0;
+    all.insert(all.end(), one.begin(), one.end());
+  }
+  return Fnv(all);
 }
 
 // The three paths: staged over TCP (IPC off), cudaMalloc memory through a
@@ -119,6 +153,14 @@ void Free(const cuda::Driver* d, const DeviceBuffer& b) {
       getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
     _exit(3);
   }
+  std::vector<void*> kv_buffers;
+  absl::StatusOr<KvPool> pool = DevicePool(d, device, 0, &kv_buffers);
+  auto kv = pool.ok() ? KvReceiver::Create(engine.get(), *std::move(pool))
+                      : absl::StatusOr<std::unique_ptr<KvReceiver>>(pool.status());
+  if (!kv.ok()) {
+    WriteLine(out, "error");
+    _exit(2);
+  }
   WriteLine(out, engine->address() + " " + std::to_string(reinterpret_cast<uintptr_t>(dst)) + " " +
                      std::to_string(ntohs(sa.sin_port)));
   std::vector<char> sink(1 << 20);
@@ -126,6 +168,15 @@ void Free(const cuda::Driver* d, const DeviceBuffer& b) {
     const std::string cmd = ReadLine(in);
     if (cmd == "h") {
       WriteLine(out, std::to_string(DeviceHash(d, dst, bytes, device)));
+    } else if (cmd.rfind("k ", 0) == 0) {  // a KV request: its outcome, the pool's hash
+      auto st = (*kv)->Wait(cmd.substr(2), absl::Seconds(120));
+      const bool complete = st.ok() && st->state == KvReceiver::State::kComplete;
+      if (!complete) {
+        std::printf("KV request: %s\n",
+                    st.ok() ? st->error.ToString().c_str() : st.status().ToString().c_str());
+      }
+      WriteLine(out, std::string(complete ? "1 " : "0 ") +
+                         std::to_string(PoolHash(d, kv_buffers, device)));
     } else if (cmd == "s") {  // the reference stream: take `bytes`, then say so
       const int c = accept(lfd, nullptr, nullptr);
       size_t got = 0;
@@ -137,6 +188,7 @@ void Free(const cuda::Driver* d, const DeviceBuffer& b) {
       close(c);
       WriteLine(out, std::to_string(got));
     } else {
+      kv->reset();
       engine.reset();  // its threads end before the process does
       _exit(0);
     }
@@ -146,7 +198,60 @@ void Free(const cuda::Driver* d, const DeviceBuffer& b) {
 struct PathResult {
   double best_gbps = 0;
   bool ok = false;
+  bool stream_ok = false;  // the stream-ordered WRITE landed whole, verified
+  bool kv_ok = false;      // the checksummed KV request completed, verified
 };
+
+// A stream-ordered WRITE of [src, +bytes): the bytes are made on a stream
+// by an asynchronous device-to-device copy from a second buffer, and the
+// WRITE is queued behind it (SubmitOnStream), so it lands the second
+// buffer's bytes only if it waited for the copy. True when it succeeded;
+// *sent gets the bytes the peer must now hold.
+bool StreamOrderedWrite(const cuda::Driver* d, TransferEngine* engine, SegmentId seg, void* src,
+                        uint64_t remote, size_t bytes, int device, std::vector<char>* sent) {
+  void* next = d->AllocDevice(device, bytes).value_or(nullptr);
+  auto stream = d->CreateStream(device);
+  bool ok = next != nullptr && stream.ok();
+  for (size_t i = 0; i < bytes; i += 8) (*sent)[i] = static_cast<char>(i / 8 * 7 + 101);
+  ok = ok && d->Copy(next, sent->data(), bytes, device).ok() &&
+       d->CopyAsync(src, next, bytes, *stream, device).ok();
+  if (ok) {
+    TransferRequest w{transport::Opcode::kWrite, src, remote, bytes};
+    StreamOptions options;
+    options.timeout = absl::Seconds(120);
+    auto id = engine->SubmitOnStream(seg, {&w, 1}, *stream, options);
+    // hold_stream: the stream's synchronization comes after the transfer.
+    ok = id.ok() && d->Synchronize(*stream, device).ok();
+    auto st = id.ok() ? engine->WaitOnStream(*id, absl::Seconds(10)) : id.status();
+    ok = ok && st.ok() && st->ok();
+    if (!ok) std::printf("stream-ordered WRITE: %s\n", st.ok() ? "a request failed" : st.status().ToString().c_str());
+  }
+  if (stream.ok()) d->DestroyStream(*stream, device);
+  if (next != nullptr) (void)d->FreeDevice(next, device);
+  return ok;
+}
+
+// A KV request of every page of a device pool on this process's device to
+// the peer's KvReceiver, with checksums; true when it was sent. *expected
+// gets the hash the peer's pool must then have.
+bool ChecksummedKv(const cuda::Driver* d, TransferEngine* engine, const std::string& peer,
+                   int device, uint64_t* expected) {
+  std::vector<void*> buffers;
+  absl::StatusOr<KvPool> pool = DevicePool(d, device, 13, &buffers);
+  if (!pool.ok()) return false;
+  *expected = PoolHash(d, buffers, device);
+  KvSender::Options options;
+  options.checksums = true;
+  auto sender = KvSender::Create(engine, *std::move(pool), options);
+  std::vector<uint32_t> pages(kKvLayout.pages);
+  for (uint32_t i = 0; i < kKvLayout.pages; ++i) pages[i] = i;
+  const absl::Status sent =
+      sender.ok() ? (*sender)->Send("gpu-check-kv", peer, pages, pages, "") : sender.status();
+  if (!sent.ok()) std::printf("KV send: %s\n", sent.ToString().c_str());
+  sender = absl::CancelledError("done");  // unregisters the pool before it is freed
+  for (void* p : buffers) (void)d->FreeDevice(p, device);
+  return sent.ok();
+}
 
 // One path: WRITEs of the whole buffer, each verified; the best rate.
 // Runs in a process that has not used CUDA yet (a child of Main): forks the
@@ -198,6 +303,18 @@ PathResult RunPath(Mode mode, size_t bytes, int rounds, int src_dev, int dst_dev
       WriteLine(to[1], "h");
       result.ok = result.ok && std::stoull(ReadLine(from[0])) == Fnv(pattern);
       if (result.ok) result.best_gbps = std::max(result.best_gbps, bytes / s / 1e9);
+    }
+    if (result.ok) {
+      auto seg = engine->OpenSegment(peer);
+      result.stream_ok = seg.ok() && StreamOrderedWrite(d, engine.get(), *seg, src, remote, bytes,
+                                                        src_dev, &pattern);
+      WriteLine(to[1], "h");
+      result.stream_ok = std::stoull(ReadLine(from[0])) == Fnv(pattern) && result.stream_ok;
+      uint64_t expected = 0;
+      if (ChecksummedKv(d, engine.get(), peer, src_dev, &expected)) {
+        WriteLine(to[1], "k gpu-check-kv");
+        result.kv_ok = ReadLine(from[0]) == "1 " + std::to_string(expected);
+      }
     }
     // The host-to-host reference: the same bytes over one TCP connection
     // between the same two processes.
@@ -308,31 +425,40 @@ int Main() {
   }
   dst_dev = static_cast<int>(info[1]);
   const double d2d = info[2];
-  const std::vector<double> staged = InChild([&](std::vector<double>* out) {
-    double host_tcp = 0;
-    const PathResult r = RunPath(Mode::kStaged, bytes, rounds, src_dev, dst_dev, &host_tcp);
-    out->push_back(r.best_gbps);
-    out->push_back(host_tcp);
-    return r.ok;
-  });
-  Check(!staged.empty(), "device memory between two processes over TCP staging, verified");
-  const std::vector<double> ipc = InChild([&](std::vector<double>* out) {
-    const PathResult r = RunPath(Mode::kIpc, bytes, rounds, src_dev, dst_dev, nullptr);
-    out->push_back(r.best_gbps);
-    return r.ok;
-  });
-  Check(!ipc.empty(), "device memory between two processes over CUDA IPC, verified");
-  const std::vector<double> vmm = InChild([&](std::vector<double>* out) {
-    const PathResult r = RunPath(Mode::kVmm, bytes, rounds, src_dev, dst_dev, nullptr);
-    out->push_back(r.best_gbps);
-    return r.ok;
-  });
-  Check(!vmm.empty(),
-        "VMM device memory (20 MiB chunks) between two processes through POSIX fds, verified");
-  const double staged_rate = staged.empty() ? 0 : staged[1];
-  const double host_tcp = staged.empty() ? 0 : staged[2];
-  const double ipc_rate = ipc.empty() ? 0 : ipc[1];
-  const double vmm_rate = vmm.empty() ? 0 : vmm[1];
+  // Each path: its rate, whether its stream-ordered WRITE and its
+  // checksummed KV request were verified, and (staging) the host TCP
+  // reference.
+  struct Path {
+    Mode mode;
+    const char* what;
+    std::vector<double> result;
+  };
+  Path paths[] = {
+      {Mode::kStaged, "device memory between two processes over TCP staging", {}},
+      {Mode::kIpc, "device memory between two processes over CUDA IPC", {}},
+      {Mode::kVmm, "VMM device memory (20 MiB chunks) between two processes through POSIX fds",
+       {}},
+  };
+  for (Path& path : paths) {
+    path.result = InChild([&](std::vector<double>* out) {
+      double host_tcp = 0;
+      const PathResult r = RunPath(path.mode, bytes, rounds, src_dev, dst_dev,
+                                   path.mode == Mode::kStaged ? &host_tcp : nullptr);
+      *out = {r.best_gbps, r.stream_ok ? 1.0 : 0.0, r.kv_ok ? 1.0 : 0.0, host_tcp};
+      return r.ok;
+    });
+    const bool ran = !path.result.empty();
+    Check(ran, std::string(path.what) + ", verified");
+    Check(ran && path.result[2] == 1.0,
+          std::string(path.what) + ": a stream-ordered WRITE behind an asynchronous copy, verified");
+    Check(ran && path.result[3] == 1.0,
+          std::string(path.what) + ": a KV request over device pools with checksums, verified");
+  }
+  auto rate = [](const Path& p, size_t i) { return p.result.empty() ? 0.0 : p.result[i]; };
+  const double staged_rate = rate(paths[0], 1);
+  const double host_tcp = rate(paths[0], 4);
+  const double ipc_rate = rate(paths[1], 1);
+  const double vmm_rate = rate(paths[2], 1);
   std::printf("rates (best of %d): TCP staging %.2f GB/s, CUDA IPC %.2f GB/s, VMM fds %.2f GB/s; "
               "references in this run: host-to-host TCP stream %.2f GB/s, device-to-device "
               "cuMemcpy %.2f GB/s\n",

@@ -15,7 +15,9 @@ grep -q "PASS device memory between two processes over CUDA IPC, verified" <<<"$
 grep -q "PASS VMM device memory (20 MiB chunks) between two processes through POSIX fds, verified" <<<"$out"
 grep -q "TCP staging / host TCP stream: " <<<"$out"
 grep -q "VMM fds / device-to-device cuMemcpy: " <<<"$out"
-grep -qx "4 passed, 0 failed" <<<"$out"
+grep -q "PASS device memory between two processes over CUDA IPC: a stream-ordered WRITE behind an asynchronous copy, verified" <<<"$out"
+grep -q "PASS VMM device memory (20 MiB chunks) between two processes through POSIX fds: a KV request over device pools with checksums, verified" <<<"$out"
+grep -qx "10 passed, 0 failed" <<<"$out"
 if KVFERRY_CUDA_LIBRARY=/nonexistent/libcuda.so.1 "$dir/check.sh" --mib=1 >"$TEST_TMPDIR/none.txt" 2>&1; then
   echo "passed without a driver"; exit 1
 fi
