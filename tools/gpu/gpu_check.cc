@@ -95,10 +95,22 @@ uint64_t PoolHash(const cuda::Driver* d, const std::vector<void*>& buffers, int 
 // The three paths: staged over TCP (IPC off), cudaMalloc memory through a
 // CUDA IPC handle, and VMM memory (PyTorch's expandable segments) through
 // its chunks' POSIX fds.
-enum class Mode { kStaged, kIpc, kVmm };
+// And, where the host has an RDMA device, the NIC reading and writing
+// cudaMalloc memory (dma-buf or nvidia-peermem), over the RDMA transport
+// alone.
+enum class Mode { kStaged, kIpc, kVmm, kVerbs };
 
 // One link: as many connections as the host TCP reference; large slices.
 std::unique_ptr<TransferEngine> Engine(Mode mode) {
+  if (mode == Mode::kVerbs) {
+    EngineOptions o;
+    o.transport = "rdma";
+    o.links_per_peer = 1;
+    o.slice_bytes = 4 << 20;
+    auto e = TransferEngine::Create(o);
+    if (!e.ok()) std::printf("rdma engine: %s\n", e.status().ToString().c_str());
+    return e.ok() ? std::move(*e) : nullptr;
+  }
   return gpu::LoopbackEngine(mode != Mode::kStaged, /*links=*/1, /*slice_bytes=*/4 << 20);
 }
 
@@ -439,7 +451,14 @@ int Main() {
       {Mode::kVmm, "VMM device memory (20 MiB chunks) between two processes through POSIX fds",
        {}},
   };
-  for (Path& path : paths) {
+  // The verbs path only where an RDMA engine starts (it says why not).
+  const bool rdma = !InChild([](std::vector<double>*) { return Engine(Mode::kVerbs) != nullptr; })
+                         .empty();
+  if (!rdma) std::printf("SKIP device memory over RDMA: no RDMA engine on this host (above)\n");
+  const Path verbs_path{Mode::kVerbs, "device memory between two processes over RDMA", {}};
+  std::vector<Path> all(std::begin(paths), std::end(paths));
+  if (rdma) all.push_back(verbs_path);
+  for (Path& path : all) {
     path.result = InChild([&](std::vector<double>* out) {
       double host_tcp = 0;
       const PathResult r = RunPath(path.mode, bytes, rounds, src_dev, dst_dev,
@@ -455,10 +474,11 @@ int Main() {
           std::string(path.what) + ": a KV request over device pools with checksums, verified");
   }
   auto rate = [](const Path& p, size_t i) { return p.result.empty() ? 0.0 : p.result[i]; };
-  const double staged_rate = rate(paths[0], 1);
-  const double host_tcp = rate(paths[0], 4);
-  const double ipc_rate = rate(paths[1], 1);
-  const double vmm_rate = rate(paths[2], 1);
+  const double staged_rate = rate(all[0], 1);
+  const double host_tcp = rate(all[0], 4);
+  const double ipc_rate = rate(all[1], 1);
+  const double vmm_rate = rate(all[2], 1);
+  if (rdma) std::printf("RDMA: %.2f GB/s\n", rate(all[3], 1));
   std::printf("rates (best of %d): TCP staging %.2f GB/s, CUDA IPC %.2f GB/s, VMM fds %.2f GB/s; "
               "references in this run: host-to-host TCP stream %.2f GB/s, device-to-device "
               "cuMemcpy %.2f GB/s\n",
