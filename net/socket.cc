@@ -60,6 +60,27 @@ std::string HostPort::ToString() const {
   return absl::StrCat(host, ":", port);
 }
 
+// What is wrong with `text`, whose host part `host` holds a ':'.
+static std::string ColonsInHost(absl::string_view text, const std::string& host) {
+  in6_addr a;
+  const std::string whole(text);
+  const bool whole_is_ipv6 = inet_pton(AF_INET6, whole.c_str(), &a) == 1;
+  const bool host_is_ipv6 = inet_pton(AF_INET6, host.c_str(), &a) == 1;
+  if (whole_is_ipv6 && host_is_ipv6) {
+    return absl::StrCat("an IPv6 address goes in brackets: [", host, "]", text.substr(host.size()),
+                        ", or [", text, "]:PORT if all of it is the address");
+  }
+  if (whole_is_ipv6) {
+    return absl::StrCat("'", text, "' is an IPv6 address without a port: write it as [", text,
+                        "]:PORT");
+  }
+  if (host_is_ipv6) {
+    return absl::StrCat("an IPv6 address goes in brackets: [", host, "]", text.substr(host.size()));
+  }
+  return absl::StrCat("more than one ':' and '", host,
+                      "' is not an IPv6 address (a port given twice?)");
+}
+
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view text) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -79,9 +100,7 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text) {
     const size_t colon = text.rfind(':');
     if (colon == absl::string_view::npos) return bad("missing port");
     hp.host = std::string(text.substr(0, colon));
-    if (hp.host.find(':') != std::string::npos) {
-      return bad("IPv6 addresses need brackets");
-    }
+    if (hp.host.find(':') != std::string::npos) return bad(ColonsInHost(text, hp.host));
     port = text.substr(colon + 1);
   }
   if (hp.host.empty()) return bad("empty host");

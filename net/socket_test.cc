@@ -40,6 +40,22 @@ TEST(ParseHostPort, RejectsWithAClearMessage) {
   }
 }
 
+// A host part with ':' in it: the message says which mistake it is.
+TEST(ParseHostPort, SaysWhatIsWrongWithColonsInTheHost) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"localhost:10010:10010", "more than one ':' and 'localhost:10010' is not an IPv6 address"},
+      {"fe80::1", "'fe80::1' is an IPv6 address without a port: write it as [fe80::1]:PORT"},
+      {"2001:db8::7:15000", "an IPv6 address goes in brackets: [2001:db8::7]:15000"},
+      {"::1:8080", "an IPv6 address goes in brackets: [::1]:8080"},
+      {"10.0.0.1:80:90", "'10.0.0.1:80' is not an IPv6 address"},
+  };
+  for (const auto& [text, want] : cases) {
+    auto r = ParseHostPort(text);
+    ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status();
+  }
+}
+
 // "::" binds every interface, IPv4 included (not IPv6 only).
 TEST(Listen, UnspecifiedIpv6AddressAlsoTakesIpv4) {
   auto any = Listen("::", 0, {15000, 17000});
