@@ -126,7 +126,22 @@ absl::StatusOr<Decision> Detect(const EngineOptions& options) {
 
 }  // namespace
 
+// "[v6]" as the engine's own address() writes it: the address inside.
+static absl::Status Unbracket(const char* option, std::string* host) {
+  if (host->empty() || host->front() != '[') return absl::OkStatus();
+  if (host->size() < 3 || host->back() != ']') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EngineOptions::", option, " '", *host,
+        "': an IPv6 address in brackets needs its ']' and nothing after it (the port is "
+        "EngineOptions::port)"));
+  }
+  *host = host->substr(1, host->size() - 2);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOptions options) {
+  RETURN_IF_ERROR(Unbracket("local_host", &options.local_host));
+  RETURN_IF_ERROR(Unbracket("bind_host", &options.bind_host));
   RETURN_IF_ERROR(engine_internal::CheckOptions(options));
   // The data connections prove the secret too (TcpTransportOptions::secret).
   ASSIGN_OR_RETURN(options.secret, engine_internal::ResolveSecret(options.secret));

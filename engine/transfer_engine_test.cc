@@ -931,6 +931,22 @@ TEST(TransferEngine, Ipv6LoopbackPeer) {
   EXPECT_EQ(src, dst);
 }
 
+// An IPv6 host may be given in brackets, as the engine's own address()
+// writes it.
+TEST(TransferEngine, AnIpv6HostInBracketsIsTheSameHost) {
+  EngineOptions o;
+  o.local_host = "[::1]";
+  o.bind_host = "[::1]";
+  auto a = TransferEngine::Create(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)->address().rfind("[::1]:", 0), 0u) << (*a)->address();
+  EXPECT_EQ((*a)->detection().bind_host, "::1");
+  o.local_host = "[::1";
+  o.bind_host = "";
+  auto bad = TransferEngine::Create(o);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+}
+
 TEST(TransferEngine, BindsEveryInterfaceOnlyWhenAskedAndShowsPeerRegions) {
   EngineOptions all = Local();
   all.bind_host = "0.0.0.0";

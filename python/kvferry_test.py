@@ -128,6 +128,13 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(int(dst[-1]), 1)
 
 
+    def test_an_ipv6_host_in_brackets_is_accepted(self):
+        engine = kvferry.Engine(host="[::1]", transport="tcp")
+        self.assertTrue(engine.address.startswith("[::1]:"), engine.address)
+        with self.assertRaises(Exception) as bad:
+            kvferry.Engine(host="[::1", transport="tcp")
+        self.assertIn("needs its ']'", str(bad.exception))
+
     def test_buffers_are_writable_not_readable_unless_registered_so(self):
         a = kvferry.Engine(host="127.0.0.1", transport="tcp")
         b = kvferry.Engine(host="127.0.0.1", transport="tcp")
