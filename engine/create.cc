@@ -142,6 +142,14 @@ static absl::Status Unbracket(const char* option, std::string* host) {
 absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOptions options) {
   RETURN_IF_ERROR(Unbracket("local_host", &options.local_host));
   RETURN_IF_ERROR(Unbracket("bind_host", &options.bind_host));
+  if ((options.local_host == "0.0.0.0" || options.local_host == "::") &&
+      options.bind_host.empty()) {
+    // Every interface: bound, and the address peers are told is detected
+    // (an unspecified address reaches no one).
+    KVF_LOG(INFO) << "local_host " << options.local_host
+                  << " binds every interface; the advertised address is detected";
+    options.bind_host = std::exchange(options.local_host, "");
+  }
   RETURN_IF_ERROR(engine_internal::CheckOptions(options));
   // The data connections prove the secret too (TcpTransportOptions::secret).
   ASSIGN_OR_RETURN(options.secret, engine_internal::ResolveSecret(options.secret));

@@ -48,6 +48,8 @@ namespace kvferry {
 struct EngineOptions {
   // Address to advertise; empty: detected (RDMA netdev, default route,
   // first up interface, loopback — the choice and its reason are logged).
+  // "[::1]" is taken for "::1". "0.0.0.0" or "::" with bind_host empty
+  // binds every interface and advertises the detected address.
   std::string local_host;
   // Address the handshake and data listeners bind; empty: the advertised
   // address. "0.0.0.0" or "::" binds every interface (only when asked).

@@ -947,6 +947,35 @@ TEST(TransferEngine, AnIpv6HostInBracketsIsTheSameHost) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
 }
 
+// local_host "0.0.0.0" or "::" (what a server is often given): every
+// interface is bound, and the address peers are told is a real one.
+TEST(TransferEngine, AnUnspecifiedLocalHostBindsEverywhereAndAdvertisesARealAddress) {
+  for (const char* any : {"0.0.0.0", "::"}) {
+    EngineOptions o;
+    o.local_host = any;
+    o.transport = "tcp";
+    auto a = TransferEngine::Create(o);
+    if (!a.ok() && std::string(any) == "::") GTEST_SKIP() << "no IPv6: " << a.status();
+    ASSERT_TRUE(a.ok()) << any << ": " << a.status();
+    EXPECT_EQ((*a)->detection().bind_host, any);
+    const std::string advertised = (*a)->address();
+    EXPECT_NE(advertised.rfind("0.0.0.0:", 0), 0u) << advertised;
+    EXPECT_NE(advertised.rfind("[::]:", 0), 0u) << advertised;
+    auto b = MakeEngine();
+    ASSERT_TRUE(b);
+    std::vector<char> src = Pattern(4096, 3), dst(4096, 0);
+    ASSERT_TRUE((*a)->RegisterMemory(dst.data(), dst.size()).ok());
+    ASSERT_TRUE(b->RegisterMemory(src.data(), src.size()).ok());
+    auto seg = b->OpenSegment(advertised);
+    ASSERT_TRUE(seg.ok()) << advertised << ": " << seg.status();
+    TransferRequest w{Opcode::kWrite, src.data(), Addr(dst), src.size()};
+    auto batch = b->Submit(*seg, {&w, 1});
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    EXPECT_TRUE(b->Wait(*batch, absl::Seconds(5))->ok());
+    EXPECT_EQ(src, dst);
+  }
+}
+
 TEST(TransferEngine, BindsEveryInterfaceOnlyWhenAskedAndShowsPeerRegions) {
   EngineOptions all = Local();
   all.bind_host = "0.0.0.0";

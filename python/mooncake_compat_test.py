@@ -92,6 +92,13 @@ class SurfaceTest(unittest.TestCase):
                 self.assertEqual(e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
                 e.transfer_write_on_cuda("127.0.0.1:%d" % e.get_rpc_port(), 0, 0, 8, 0)
 
+    def test_an_unspecified_local_hostname_advertises_a_real_address(self):
+        e = kvferry.TransferEngine()
+        self.assertEqual(e.initialize("0.0.0.0", "P2PHANDSHAKE", "tcp", ""), 0, e.get_last_error())
+        address = e.get_engine().address
+        self.assertFalse(address.startswith("0.0.0.0:"), address)
+        self.assertEqual(int(address.rsplit(":", 1)[1]), e.get_rpc_port())
+
     def test_keyword_arguments_and_last_error_reset(self):
         e = kvferry.TransferEngine()
         self.assertEqual(e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
