@@ -118,7 +118,7 @@ class SurfaceTest(unittest.TestCase):
         self.assertEqual(e.transfer_check_status(12345), -1)
         self.assertIn("unknown batch", e.get_last_error())
         self.assertEqual(e.batch_transfer_async_write("127.0.0.1:1", [addr], [0], [1]), 0)
-        self.assertEqual(e.transfer_submit_write("127.0.0.1:1", addr, 0, 1), 2**64 - 1)
+        self.assertEqual(e.transfer_submit_write("127.0.0.1:1", addr, 0, 1), 0)
         self.assertEqual(e.free_managed_buffer(addr, 8192), -1)
         self.assertIn("not from allocate_managed_buffer", e.get_last_error())
         self.assertEqual(e.write_bytes_to_buffer(addr, b"xy", 3), -1)  # longer than given

@@ -370,8 +370,8 @@ uint64_t MooncakeEngine::transfer_submit_write(const std::string& target, uintpt
                                                uint64_t peer_buffer_address, uint64_t length,
                                                const std::string& transport_hint) {
   (void)transport_hint;
-  const uint64_t id = Async(target, Opcode::kWrite, {buffer}, {peer_buffer_address}, {length});
-  return id == 0 ? ~uint64_t{0} : id;  // Mooncake's -1 as a batch_id_t
+  // 0 when it cannot start, as Mooncake's: batch ids are never 0.
+  return Async(target, Opcode::kWrite, {buffer}, {peer_buffer_address}, {length});
 }
 
 int MooncakeEngine::transfer_check_status(uint64_t batch_id) {

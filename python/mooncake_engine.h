@@ -128,7 +128,7 @@ class MooncakeEngine {
   // Waits for every batch: 0 when all completed, -1 when one failed or
   // timed out. Completed batches are released.
   int get_batch_transfer_status(const std::vector<uint64_t>& batch_ids);
-  // A batch id, or 2^64-1 (Mooncake's -1 as a batch_id_t) on failure.
+  // A batch id, or 0 (never a batch id) on failure, as Mooncake's.
   uint64_t transfer_submit_write(const std::string& target, uintptr_t buffer, uint64_t peer,
                                  uint64_t length, const std::string& transport_hint);
   // 1 completed, 0 pending, -1 failed, -2 past the timeout (Mooncake's).
