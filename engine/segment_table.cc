@@ -37,9 +37,11 @@ SliceCheck CheckRegion(const SegmentCore& seg, const handshake::RegionDescriptor
   }
   if (write ? !transport::AllowsRemoteWrite(found->access)
             : !transport::AllowsRemoteRead(found->access)) {
-    *error = absl::PermissionDeniedError(absl::StrFormat("peer %s does not allow remote %s of [%#x, +%u)",
-                                                         seg.peer, write ? "write" : "read",
-                                                         remote, length));
+    *error = absl::PermissionDeniedError(absl::StrFormat(
+        "peer %s does not allow remote %s of [%#x, +%u): it registered that memory without %s "
+        "access (the peer chooses: RegisterMemory's access; in Python register_memory(access=\"rw\") "
+        "or KVFERRY_REMOTE_ACCESS=rw in the peer's environment)",
+        seg.peer, write ? "write" : "read", remote, length, write ? "write" : "read"));
     return SliceCheck::kForbidden;
   }
   if (seg.links.empty()) {

@@ -147,6 +147,7 @@ class EngineTest(unittest.TestCase):
         with self.assertRaises(kvferry.Error) as e:
             a.transfer(b.address, [("read", mine.ctypes.data, secret.ctypes.data, 4096)])
         self.assertIn("does not allow remote read", str(e.exception))
+        self.assertIn("KVFERRY_REMOTE_ACCESS=rw", str(e.exception))  # what allows it
         self.assertEqual(int(mine[5]), 5)  # nothing was read
         a.transfer(b.address, [("write", mine.ctypes.data, secret.ctypes.data, 4096)])
         self.assertEqual(int(secret[5]), 5)
