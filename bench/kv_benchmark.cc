@@ -10,10 +10,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
+#include "bench/kv_checksum_cost.h"
 #include "benchmark/benchmark.h"
 #include "engine/kv_cache.h"
 #include "engine/transfer_engine.h"
@@ -135,42 +137,15 @@ void BM_RawOneBlock(benchmark::State& state) {
 void BM_KvChecksumCost(benchmark::State& state) {
   const uint64_t page_bytes = state.range(0);
   const bool checksums = state.range(1) != 0;
-  struct Pair {
-    std::unique_ptr<TransferEngine> prefill, decode;
-    std::unique_ptr<KvSender> sender;
-    std::unique_ptr<KvReceiver> receiver;
-  };
-  static std::map<std::pair<uint64_t, bool>, std::unique_ptr<Pair>> pairs;
+  static std::map<std::pair<uint64_t, bool>, std::unique_ptr<bench::KvPair>> pairs;
   auto& p = pairs[{page_bytes, checksums}];
   const KvLayout l{32, false, 1, page_bytes, 64};
   if (!p) {
-    p = std::make_unique<Pair>();
-    p->prefill = Engine();
-    p->decode = Engine();
     KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
     for (uint32_t b = 0; b < l.buffer_count(); ++b) std::memset(src.buffer(b), 3, l.buffer_bytes());
-    KvSender::Options o;
-    o.checksums = checksums;
-    p->sender = *KvSender::Create(p->prefill.get(), src, o);
-    p->receiver = *KvReceiver::Create(p->decode.get(), dst);
+    p = bench::MakeKvPair(Engine(), Engine(), std::move(src), std::move(dst), checksums);
   }
-  std::vector<uint32_t> pages(kRequestPages);
-  for (uint32_t i = 0; i < kRequestPages; ++i) pages[i] = i;
-  const std::string peer = p->decode->address();
-  uint64_t n = 0;
-  for (auto _ : state) {
-    const std::string id = "crc-" + std::to_string(n++);
-    auto done = p->sender->Send(id, peer, pages, pages, "").ok()
-                    ? p->receiver->Wait(id, absl::Seconds(30))
-                    : absl::StatusOr<KvReceiver::Status>(absl::InternalError("send"));
-    if (!done.ok() || done->state != KvReceiver::State::kComplete) {
-      state.SkipWithError("request failed");
-      break;
-    }
-    p->receiver->Forget(id);
-  }
-  state.SetBytesProcessed(int64_t(state.iterations()) * kRequestPages * page_bytes *
-                          l.buffer_count());
+  bench::RunChecksummedRequests(state, *p, l);
   state.SetLabel(absl::StrCat(page_bytes >> 10, " KiB pages, checksums ",
                               checksums ? "on" : "off"));
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bench/kv_checksum_cost.h"
 #include "benchmark/benchmark.h"
 #include "cuda/driver.h"
 #include "cuda/testing/fake_driver.h"
@@ -27,8 +28,6 @@
 
 namespace kvferry {
 namespace {
-
-constexpr uint32_t kRequestPages = 32;
 
 std::unique_ptr<TransferEngine> Engine() {
   EngineOptions o;
@@ -60,40 +59,14 @@ void BM_KvChecksum(benchmark::State& state) {
   const uint64_t page_bytes = state.range(0);
   const bool device = state.range(1) != 0;
   const bool checksums = state.range(2) != 0;
-  struct Pair {
-    std::unique_ptr<TransferEngine> prefill, decode;
-    std::unique_ptr<KvSender> sender;
-    std::unique_ptr<KvReceiver> receiver;
-  };
-  static std::map<std::tuple<uint64_t, bool, bool>, std::unique_ptr<Pair>> pairs;
+  static std::map<std::tuple<uint64_t, bool, bool>, std::unique_ptr<bench::KvPair>> pairs;
   auto& p = pairs[{page_bytes, device, checksums}];
   const KvLayout l{32, false, 1, page_bytes, 64};
   if (!p) {
-    p = std::make_unique<Pair>();
-    p->prefill = Engine();
-    p->decode = Engine();
-    KvSender::Options o;
-    o.checksums = checksums;
-    p->sender = *KvSender::Create(p->prefill.get(), Pool(l, device ? 0 : -1), o);
-    p->receiver = *KvReceiver::Create(p->decode.get(), Pool(l, device ? 1 : -1));
+    p = bench::MakeKvPair(Engine(), Engine(), Pool(l, device ? 0 : -1), Pool(l, device ? 1 : -1),
+                          checksums);
   }
-  std::vector<uint32_t> pages(kRequestPages);
-  for (uint32_t i = 0; i < kRequestPages; ++i) pages[i] = i;
-  const std::string peer = p->decode->address();
-  uint64_t n = 0;
-  for (auto _ : state) {
-    const std::string id = "crc-" + std::to_string(n++);
-    auto done = p->sender->Send(id, peer, pages, pages, "").ok()
-                    ? p->receiver->Wait(id, absl::Seconds(30))
-                    : absl::StatusOr<KvReceiver::Status>(absl::InternalError("send"));
-    if (!done.ok() || done->state != KvReceiver::State::kComplete) {
-      state.SkipWithError("request failed");
-      break;
-    }
-    p->receiver->Forget(id);
-  }
-  state.SetBytesProcessed(int64_t(state.iterations()) * kRequestPages * page_bytes *
-                          l.buffer_count());
+  bench::RunChecksummedRequests(state, *p, l);
   state.SetLabel(absl::StrCat(page_bytes >> 10, " KiB ", device ? "device" : "host",
                               ", checksums ", checksums ? "on" : "off"));
 }

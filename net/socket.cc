@@ -66,16 +66,14 @@ static std::string ColonsInHost(absl::string_view text, const std::string& host)
   const std::string whole(text);
   const bool whole_is_ipv6 = inet_pton(AF_INET6, whole.c_str(), &a) == 1;
   const bool host_is_ipv6 = inet_pton(AF_INET6, host.c_str(), &a) == 1;
-  if (whole_is_ipv6 && host_is_ipv6) {
+  if (host_is_ipv6) {
     return absl::StrCat("an IPv6 address goes in brackets: [", host, "]", text.substr(host.size()),
-                        ", or [", text, "]:PORT if all of it is the address");
+                        whole_is_ipv6 ? absl::StrCat(", or [", text, "]:PORT if all of it is the address")
+                                      : "");
   }
   if (whole_is_ipv6) {
     return absl::StrCat("'", text, "' is an IPv6 address without a port: write it as [", text,
                         "]:PORT");
-  }
-  if (host_is_ipv6) {
-    return absl::StrCat("an IPv6 address goes in brackets: [", host, "]", text.substr(host.size()));
   }
   return absl::StrCat("more than one ':' and '", host,
                       "' is not an IPv6 address (a port given twice?)");

@@ -127,11 +127,10 @@ class EngineTest(unittest.TestCase):
         self.assertGreater(ticks[0], 100, f"{ticks[0]} ticks in {took:.3f} s")
         self.assertEqual(int(dst[-1]), 1)
 
-
     def test_an_ipv6_host_in_brackets_is_accepted(self):
         engine = kvferry.Engine(host="[::1]", transport="tcp")
         self.assertTrue(engine.address.startswith("[::1]:"), engine.address)
-        with self.assertRaises(Exception) as bad:
+        with self.assertRaises(kvferry.Error) as bad:
             kvferry.Engine(host="[::1", transport="tcp")
         self.assertIn("needs its ']'", str(bad.exception))
 

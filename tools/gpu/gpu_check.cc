@@ -37,6 +37,7 @@
 #include "engine/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "tools/gpu/two_process.h"
+
 ABSL_FLAG(int, mib, 256, "bytes moved per transfer, MiB");
 ABSL_FLAG(int, rounds, 3, "transfers per path (the best rate is reported)");
 ABSL_FLAG(int, src_device, 0, "CUDA ordinal of the sending process's buffer");
@@ -236,7 +237,10 @@ bool StreamOrderedWrite(const cuda::Driver* d, TransferEngine* engine, SegmentId
     ok = id.ok() && d->Synchronize(*stream, device).ok();
     auto st = id.ok() ? engine->WaitOnStream(*id, absl::Seconds(10)) : id.status();
     ok = ok && st.ok() && st->ok();
-    if (!ok) std::printf("stream-ordered WRITE: %s\n", st.ok() ? "a request failed" : st.status().ToString().c_str());
+    if (!ok) {
+      std::printf("stream-ordered WRITE: %s\n",
+                  st.ok() ? "a request failed" : st.status().ToString().c_str());
+    }
   }
   if (stream.ok()) d->DestroyStream(*stream, device);
   if (next != nullptr) (void)d->FreeDevice(next, device);
@@ -445,7 +449,7 @@ int Main() {
     const char* what;
     std::vector<double> result;
   };
-  Path paths[] = {
+  std::vector<Path> all = {
       {Mode::kStaged, "device memory between two processes over TCP staging", {}},
       {Mode::kIpc, "device memory between two processes over CUDA IPC", {}},
       {Mode::kVmm, "VMM device memory (20 MiB chunks) between two processes through POSIX fds",
@@ -454,10 +458,11 @@ int Main() {
   // The verbs path only where an RDMA engine starts (it says why not).
   const bool rdma = !InChild([](std::vector<double>*) { return Engine(Mode::kVerbs) != nullptr; })
                          .empty();
-  if (!rdma) std::printf("SKIP device memory over RDMA: no RDMA engine on this host (above)\n");
-  const Path verbs_path{Mode::kVerbs, "device memory between two processes over RDMA", {}};
-  std::vector<Path> all(std::begin(paths), std::end(paths));
-  if (rdma) all.push_back(verbs_path);
+  if (rdma) {
+    all.push_back({Mode::kVerbs, "device memory between two processes over RDMA", {}});
+  } else {
+    std::printf("SKIP device memory over RDMA: no RDMA engine on this host (above)\n");
+  }
   for (Path& path : all) {
     path.result = InChild([&](std::vector<double>* out) {
       double host_tcp = 0;
