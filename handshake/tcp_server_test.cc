@@ -112,6 +112,8 @@ TEST(TcpServerTest, AtTheCapTheQuietestConnectionMakesRoom) {
   std::vector<net::Fd> idle;
   for (int i = 0; i < 40; ++i) idle.push_back(Attacker(s));
   ASSERT_TRUE(Eventually([&] { return s.server->stats().accepted == 40; }));
+  // The count of evictions may trail the count of accepts by one.
+  EXPECT_TRUE(Eventually([&] { return s.server->stats().evicted >= 24u; }));
   EXPECT_LE(s.server->stats().open, 16u);
   EXPECT_GE(s.server->stats().evicted, 24u);
   // The first ones were quietest: the server closed them.
