@@ -19,6 +19,7 @@
 #include "net/interfaces.h"
 #include "transport/tcp/tcp_transport.h"
 #include "transport/verbs/discovery.h"
+#include "transport/verbs/ibv.h"
 #include "transport/verbs/verbs_transport.h"
 
 namespace kvferry {
@@ -56,6 +57,17 @@ absl::StatusOr<std::vector<NicIndex>> NearestNics(const transport::verbs::Discov
 // rdma), filling `out`.
 absl::Status DetectRdma(const EngineOptions& options, Decision* out) {
   Detection& d = out->detection;
+  // rdma-core is loaded at run time: a host without it runs over TCP.
+  if (absl::Status loaded = transport::ibv::Load(); !loaded.ok()) {
+    if (options.transport == "rdma") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport=rdma but ", loaded.message(), "; install rdma-core (libibverbs1) or set "
+          "KVFERRY_IBVERBS_LIBRARY"));
+    }
+    d.transport = "tcp";
+    d.transport_reason = absl::StrCat(loaded.message(), ", TCP");
+    return absl::OkStatus();
+  }
   transport::verbs::DiscoveryOptions discovery;
   discovery.devices = options.devices;
   if (options.gid_index >= 0) {

@@ -1,5 +1,11 @@
-// The seam over libibverbs: every ibv_* call the verbs transport makes goes
-// through here. Calls return Status with the call and its context in the
+// The seam over libibverbs and librdmacm: every ibv_* and rdma_* call the
+// verbs transport makes goes through here. Neither library is linked: both
+// are loaded at run time, on first use, with dlopen ("libibverbs.so.1" and
+// "librdmacm.so.1", or the files KVFERRY_IBVERBS_LIBRARY and
+// KVFERRY_RDMACM_LIBRARY name), so a host without rdma-core runs the engine
+// over TCP. Each entry point is bound to the symbol version its header
+// declares (dlvsym), never to libibverbs' IBVERBS_1.0 compatibility entry
+// points, whose contexts have no operations. Calls return Status with the call and its context in the
 // message and the errno mapped to the matching code (ENOMEM ->
 // kResourceExhausted, EINVAL -> kInvalidArgument, EPERM/EACCES ->
 // kPermissionDenied, ENODEV -> kNotFound, ETIMEDOUT -> kDeadlineExceeded,
@@ -10,6 +16,7 @@
 #define KVFERRY_TRANSPORT_VERBS_IBV_H_
 
 #include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
 
 #include <cstdint>
 #include <memory>
@@ -23,17 +30,28 @@ namespace kvferry {
 namespace transport {
 namespace ibv {
 
+// Loads libibverbs (once; later calls return the first answer). OK when
+// every entry point the transport uses was found; otherwise kUnavailable:
+// "libibverbs.so.1 not found: RDMA unavailable (<dlerror>)". The other
+// functions below may be called only after Load() returned OK.
+absl::Status Load();
+// The same for librdmacm (route-aware pairing); it needs Load() first.
+absl::Status LoadRdmacm();
+// The library names Load() and LoadRdmacm() open.
+std::string LibraryName();
+std::string RdmacmLibraryName();
+
 // libibverbs reports failure as an errno value, or -1 (or null) with errno
 // set: `rc` is what the call returned (0 or -1 means "read errno").
 absl::Status Error(int rc, absl::string_view what);
 
 struct Deleter {
-  void operator()(ibv_context* c) const { ibv_close_device(c); }
-  void operator()(ibv_pd* p) const { ibv_dealloc_pd(p); }
-  void operator()(ibv_comp_channel* c) const { ibv_destroy_comp_channel(c); }
-  void operator()(ibv_cq* c) const { ibv_destroy_cq(c); }
-  void operator()(ibv_qp* q) const { ibv_destroy_qp(q); }
-  void operator()(ibv_mr* m) const { ibv_dereg_mr(m); }
+  void operator()(ibv_context* c) const;
+  void operator()(ibv_pd* p) const;
+  void operator()(ibv_comp_channel* c) const;
+  void operator()(ibv_cq* c) const;
+  void operator()(ibv_qp* q) const;
+  void operator()(ibv_mr* m) const;
 };
 using Context = std::unique_ptr<ibv_context, Deleter>;
 using Pd = std::unique_ptr<ibv_pd, Deleter>;
@@ -76,6 +94,25 @@ inline absl::StatusOr<int> PollCq(ibv_cq* cq, int max, ibv_wc* wc) {
   if (n < 0) return Error(-n, "ibv_poll_cq");
   return n;
 }
+const char* WcStatusStr(ibv_wc_status status);
+const char* PortStateStr(ibv_port_state state);
+const char* DeviceName(ibv_device* device);
+
+// librdmacm's entry points (after LoadRdmacm() returned OK).
+struct Rdmacm {
+  rdma_event_channel* (*create_event_channel)();
+  void (*destroy_event_channel)(rdma_event_channel*);
+  int (*create_id)(rdma_event_channel*, rdma_cm_id**, void*, rdma_port_space);
+  int (*destroy_id)(rdma_cm_id*);
+  int (*resolve_addr)(rdma_cm_id*, sockaddr*, sockaddr*, int);
+  int (*resolve_route)(rdma_cm_id*, int);
+  int (*get_cm_event)(rdma_event_channel*, rdma_cm_event**);
+  int (*ack_cm_event)(rdma_cm_event*);
+  const char* (*event_str)(rdma_cm_event_type);
+  sockaddr* (*get_local_addr)(rdma_cm_id*);
+};
+const Rdmacm& Cm();
+
 // The CQ whose completion event is waiting on `channel` (its event is
 // acknowledged at once).
 absl::StatusOr<ibv_cq*> GetCqEvent(ibv_comp_channel* channel);

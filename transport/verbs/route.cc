@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <rdma/rdma_cma.h>
 
 #include <cerrno>
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/errno_status.h"
+#include "transport/verbs/ibv.h"
 
 namespace kvferry {
 namespace transport {
@@ -24,8 +24,8 @@ struct CmSession {
   rdma_event_channel* channel = nullptr;
   rdma_cm_id* id = nullptr;
   ~CmSession() {
-    if (id != nullptr) rdma_destroy_id(id);
-    if (channel != nullptr) rdma_destroy_event_channel(channel);
+    if (id != nullptr) ibv::Cm().destroy_id(id);
+    if (channel != nullptr) ibv::Cm().destroy_event_channel(channel);
   }
 };
 
@@ -38,15 +38,15 @@ absl::Status Await(rdma_event_channel* channel, rdma_cm_event_type want, const s
   if (ready < 0) return ErrnoError(errno, "poll rdma_cm channel");
   if (ready == 0) {
     return absl::UnavailableError(
-        absl::StrCat("rdma_cm: no ", rdma_event_str(want), " for ", peer, " in time"));
+        absl::StrCat("rdma_cm: no ", ibv::Cm().event_str(want), " for ", peer, " in time"));
   }
   rdma_cm_event* event = nullptr;
-  if (rdma_get_cm_event(channel, &event) != 0) return ErrnoError(errno, "rdma_get_cm_event");
+  if (ibv::Cm().get_cm_event(channel, &event) != 0) return ErrnoError(errno, "rdma_get_cm_event");
   const rdma_cm_event_type got = event->event;
   const int status = event->status;
-  rdma_ack_cm_event(event);
+  ibv::Cm().ack_cm_event(event);
   if (got != want) {
-    return absl::UnavailableError(absl::StrCat("rdma_cm: ", rdma_event_str(got), " resolving ",
+    return absl::UnavailableError(absl::StrCat("rdma_cm: ", ibv::Cm().event_str(got), " resolving ",
                                                peer, " (status ", status, ")"));
   }
   return absl::OkStatus();
@@ -68,18 +68,22 @@ absl::StatusOr<Route> ResolveRoute(const std::string& peer_ip, absl::Duration ti
   }
   const absl::Time deadline = absl::Now() + timeout;
   const int ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout)));
+  if (absl::Status loaded = ibv::LoadRdmacm(); !loaded.ok()) {
+    return absl::UnavailableError(absl::StrCat("rdma_cm unavailable (", loaded.message(), ")"));
+  }
+  const ibv::Rdmacm& cm = ibv::Cm();
   CmSession s;
-  s.channel = rdma_create_event_channel();
+  s.channel = cm.create_event_channel();
   if (s.channel == nullptr) {
     return absl::UnavailableError(absl::StrCat(
         "rdma_cm unavailable (rdma_create_event_channel: ", std::strerror(errno), ")"));
   }
-  if (rdma_create_id(s.channel, &s.id, nullptr, RDMA_PS_TCP) != 0) {
+  if (cm.create_id(s.channel, &s.id, nullptr, RDMA_PS_TCP) != 0) {
     s.id = nullptr;
     return absl::UnavailableError(
         absl::StrCat("rdma_cm unavailable (rdma_create_id: ", std::strerror(errno), ")"));
   }
-  if (rdma_resolve_addr(s.id, nullptr, reinterpret_cast<sockaddr*>(&dst), ms) != 0) {
+  if (cm.resolve_addr(s.id, nullptr, reinterpret_cast<sockaddr*>(&dst), ms) != 0) {
     return absl::UnavailableError(
         absl::StrCat("rdma_resolve_addr ", peer_ip, ": ", std::strerror(errno)));
   }
@@ -87,7 +91,7 @@ absl::StatusOr<Route> ResolveRoute(const std::string& peer_ip, absl::Duration ti
       !st.ok()) {
     return st;
   }
-  if (rdma_resolve_route(s.id, ms) != 0) {
+  if (cm.resolve_route(s.id, ms) != 0) {
     return absl::UnavailableError(
         absl::StrCat("rdma_resolve_route ", peer_ip, ": ", std::strerror(errno)));
   }
@@ -99,10 +103,10 @@ absl::StatusOr<Route> ResolveRoute(const std::string& peer_ip, absl::Duration ti
     return absl::UnavailableError(absl::StrCat("rdma_cm resolved ", peer_ip, " without a device"));
   }
   Route route;
-  route.device = ibv_get_device_name(s.id->verbs->device);
+  route.device = ibv::DeviceName(s.id->verbs->device);
   route.port = s.id->port_num;
   char text[INET6_ADDRSTRLEN] = {};
-  const sockaddr* src = rdma_get_local_addr(s.id);
+  const sockaddr* src = cm.get_local_addr(s.id);
   if (src->sa_family == AF_INET) {
     inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(src)->sin_addr, text, sizeof(text));
   } else if (src->sa_family == AF_INET6) {

@@ -224,7 +224,7 @@ void VerbsTransport::DeliverLocked(size_t nic, const ibv_wc& wc) {
       if (wc.status != IBV_WC_SUCCESS) {
         status = absl::Status(CodeOf(wc.status),
                               absl::StrFormat("%s (QP %#x, vendor error %#x)",
-                                              ibv_wc_status_str(wc.status), wc.qp_num,
+                                              ibv::WcStatusStr(wc.status), wc.qp_num,
                                               wc.vendor_err));
         l.state = Link::State::kError;
       }

@@ -96,7 +96,7 @@ absl::Status VerbsTransport::OpenNic(Nic& nic) {
   RETURN_IF_ERROR(ibv::QueryPort(c, nic.port.port, &nic.attr, where));
   if (nic.attr.state != IBV_PORT_ACTIVE) {
     return absl::UnavailableError(absl::StrCat(where, " is not ACTIVE (state ",
-                                               ibv_port_state_str(nic.attr.state), ")"));
+                                               ibv::PortStateStr(nic.attr.state), ")"));
   }
   RETURN_IF_ERROR(ibv::QueryGid(c, nic.port.port, nic.port.gid_index, &nic.gid, where));
   ibv_device_attr dev{};
