@@ -35,7 +35,10 @@ class Scratch {
   std::vector<T>* operator->() { return &v_; }
 
  private:
-  static std::vector<std::vector<T>>& Pool() {
+  // Hidden: a pool is private to each shared object, so none of them
+  // exports it (a default-visibility static of a template would be a GNU
+  // unique symbol, which libkvferry.so's version script cannot hide).
+  __attribute__((visibility("hidden"))) static std::vector<std::vector<T>>& Pool() {
     thread_local std::vector<std::vector<T>> pool;
     return pool;
   }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <random>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -11,6 +10,7 @@
 #include "base/crc32c.h"
 #include "base/status_macros.h"
 #include "cuda/driver.h"
+#include "net/socket.h"
 
 namespace kvferry {
 namespace kv_internal {
@@ -49,10 +49,7 @@ std::optional<Word> ParseWord(absl::string_view message) {
 }
 
 uint64_t NewToken() {
-  static std::atomic<uint64_t> next{[] {
-    std::random_device rd;
-    return (uint64_t{rd()} << 32) ^ rd();
-  }()};
+  static std::atomic<uint64_t> next{net::RandomU64()};
   const uint64_t t = next.fetch_add(0x9e3779b97f4a7c15ull);
   return t == 0 ? 1 : t;
 }

@@ -81,8 +81,9 @@ struct Lane {
 constexpr size_t kLanes = CompletionPump::kLanes;
 
 // The calling thread's lane: threads take lanes in turn, so the first
-// kLanes threads that submit each have their own.
-inline size_t ThisThreadsLane() {
+// kLanes threads that submit each have their own. Hidden, as Scratch's
+// pools (base/scratch.h).
+__attribute__((visibility("hidden"))) inline size_t ThisThreadsLane() {
   static std::atomic<size_t> next{0};
   thread_local const size_t mine = next.fetch_add(1, std::memory_order_relaxed) % kLanes;
   return mine;

@@ -1,6 +1,6 @@
 // The Mooncake surface's configuration (kvferry.TransferEngine,
 // mooncake_engine.cc): the MC_* environment variables, the names peers are
-// given by, and the topology JSON get_local_topology returns.
+// given by.
 #ifndef KVFERRY_PYTHON_MOONCAKE_CONFIG_H_
 #define KVFERRY_PYTHON_MOONCAKE_CONFIG_H_
 
@@ -38,10 +38,6 @@ absl::StatusOr<absl::Duration> TransferTimeout();
 // handshake uses (IPv6 in brackets); anything else is returned unchanged
 // and fails where it is used.
 std::string PeerName(const std::string& target);
-
-// Mooncake's topology JSON: for each "cpu:N" and "cuda:N", the nearest
-// devices, then the others.
-std::string TopologyJson(const transport::verbs::Discovery& d);
 
 }  // namespace python
 }  // namespace kvferry

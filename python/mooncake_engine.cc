@@ -436,7 +436,7 @@ std::string MooncakeEngine::get_local_topology(const std::optional<std::string>&
     Fail(found.status());
     return "{}";
   }
-  return TopologyJson(*found);
+  return transport::verbs::TopologyJson(*found);
 }
 
 uintptr_t MooncakeEngine::get_first_buffer_address(const std::string& segment_name) {

@@ -423,6 +423,37 @@ absl::StatusOr<std::vector<SelectedPort>> NearestPorts(const Discovery& d,
   return out;
 }
 
+std::string TopologyJson(const Discovery& d) {
+  std::set<std::string> locations;
+  for (const auto& port : d.selected) {
+    locations.insert(absl::StrCat("cpu:", std::max(0, port.numa_node)));
+  }
+  for (const auto& gpu : d.gpus) locations.insert(gpu.name);
+  auto list = [](const std::vector<std::string>& names) {
+    std::vector<std::string> quoted;
+    for (const std::string& n : names) quoted.push_back(absl::StrCat("\"", n, "\""));
+    return absl::StrCat("[", absl::StrJoin(quoted, ", "), "]");
+  };
+  std::vector<std::string> entries;
+  for (const std::string& loc : locations) {
+    std::vector<int> distance;
+    absl::StatusOr<std::vector<SelectedPort>> ports =
+        NearestPorts(d, loc, &distance);
+    if (!ports.ok() || ports->empty()) continue;
+    std::vector<std::string> near, far;
+    for (size_t i = 0; i < ports->size(); ++i) {
+      auto& bucket = distance[i] == distance[0] ? near : far;
+      if (std::find(near.begin(), near.end(), (*ports)[i].device) == near.end() &&
+          std::find(far.begin(), far.end(), (*ports)[i].device) == far.end()) {
+        bucket.push_back((*ports)[i].device);
+      }
+    }
+    entries.push_back(absl::StrCat("\"", loc, "\": [", list(near), ", ", list(far), "]"));
+  }
+  return absl::StrCat("{", absl::StrJoin(entries, ", "), "}");
+}
+
+
 }  // namespace verbs
 }  // namespace transport
 }  // namespace kvferry

@@ -127,6 +127,10 @@ absl::StatusOr<std::vector<SelectedPort>> NearestPorts(const Discovery& d,
                                                        const std::string& location,
                                                        std::vector<int>* distances = nullptr);
 
+// The topology as Mooncake's get_local_topology writes it (JSON): for each
+// "cpu:N" and "cuda:N", the nearest devices, then the others.
+std::string TopologyJson(const Discovery& d);
+
 }  // namespace verbs
 }  // namespace transport
 }  // namespace kvferry
