@@ -49,8 +49,8 @@ class ConfigurationTest(unittest.TestCase):
     def test_every_environment_variable_is_read_somewhere(self):
         sources = "".join(read(p) for p in [
             "base/logging.cc", "cuda/driver.cc", "engine/secret.h", "handshake/auth.h",
-            "python/kvferry_module.cc", "python/mooncake_config.cc", "python/mooncake_engine.cc",
-            "sim/seed.cc",
+            "c/kvferry.cc", "python/kvferry/_lib.py", "python/kvferry/_mooncake.py",
+            "sim/seed.cc", "transport/verbs/ibv.cc",
             "tests/soak_test.cc",
             "tools/softroce/vm.sh", "transport/verbs/discovery.cc",
             "transport/verbs/verbs_conformance_test.cc"])
@@ -79,11 +79,11 @@ class ConfigurationTest(unittest.TestCase):
 class MooncakeTest(unittest.TestCase):
     def setUp(self):
         self.page = read("docs/migrating-from-mooncake.md")
-        self.source = read("python/mooncake_engine.cc")
-        self.config = read("python/mooncake_config.cc")
+        self.source = read("python/kvferry/_mooncake.py")
+        self.engine = self.source[self.source.index("class TransferEngine:"):]
 
     def test_every_method_is_in_the_table(self):
-        methods = re.findall(r'\.def\("(\w+)"', self.source)
+        methods = re.findall(r"^    def ([a-z]\w*)\(", self.engine, re.M)
         self.assertGreaterEqual(len(methods), 30)
         table = section(self.page, "Every method of Mooncake's Python `TransferEngine`")
         for name in methods:
@@ -92,7 +92,7 @@ class MooncakeTest(unittest.TestCase):
             self.assertRegex(table, r"\| `%s[(`]" % name, name)
 
     def test_every_variable_read_is_in_the_table(self):
-        known = re.search(r"KnownMooncakeVariables\(\) \{(.*?)\};", self.config, re.S).group(1)
+        known = re.search(r"_KNOWN_MC = \{(.*?)\}", self.source, re.S).group(1)
         names = re.findall(r'"(MC_\w+)"', known)
         self.assertGreaterEqual(len(names), 15)
         table = section(self.page, "Environment variables")

@@ -35,6 +35,7 @@ from kvferry import (  # noqa: F401
     SUPPORT_HIP,
     SUPPORT_INTRA_NVLINK,
     SUPPORT_MNNVL,
+    SUPPORT_MUSA,
     TransferEngine,
     TransferNotify,
     TransferOpcode,
@@ -46,7 +47,11 @@ def _default_target():
     spec = importlib.util.find_spec("kvferry")
     if spec is None or spec.origin is None:
         raise SystemExit("kvferry_compat: kvferry is not importable here; install kvferry first")
-    return os.path.dirname(os.path.abspath(spec.origin))
+    # The directory holding the kvferry package (or module).
+    origin = os.path.abspath(spec.origin)
+    if spec.submodule_search_locations is not None:  # a package: .../kvferry/__init__.py
+        origin = os.path.dirname(origin)
+    return os.path.dirname(origin)
 
 
 def _ours(package_dir):

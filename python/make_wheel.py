@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Builds kvferry's wheel from the module Bazel built (//python:wheel).
+"""Builds kvferry's wheel (//python:wheel).
 
-    make_wheel.py OUT.whl VERSION kvferry.so kvferry_compat.py
+    make_wheel.py OUT.whl VERSION libkvferry.so kvferry_compat.py kvferry/*.py
 
-The wheel holds the extension module (kvferry.so), kvferry_compat.py (the
-opt-in `mooncake.engine` stand-in) and the metadata pip needs. The module is
-built against this machine's python3 and Debian's shared libraries, so the
-wheel says `Requires-Python: ==X.Y.*` for the python3 that built it, and pip
-refuses it elsewhere with that reason.
+The wheel holds the pure-Python package kvferry (over the C API, ctypes),
+libkvferry.so inside it, kvferry_compat.py (the opt-in `mooncake.engine`
+stand-in) and the metadata pip needs. Nothing in it depends on the Python
+version, so it is tagged py3-none: any CPython from 3.9 (Requires-Python)
+and PyPy. The platform tag is manylinux_2_34_x86_64: built with
+--config=wheel, libkvferry.so needs glibc 2.34 or later and nothing else
+(tools/wheel_check.sh checks it with readelf).
 """
 import base64
 import hashlib
@@ -16,6 +18,7 @@ import sys
 import zipfile
 
 SUMMARY = "Zero-configuration KV-cache transfer engine (Mooncake-compatible Python API)"
+TAG = "py3-none-manylinux_2_34_x86_64"
 
 
 def record_line(name, data):
@@ -24,24 +27,27 @@ def record_line(name, data):
 
 
 def main(argv):
-    if len(argv) != 5:
+    if len(argv) < 6:
         print(__doc__, file=sys.stderr)
         return 2
-    out, version, module, compat = argv[1:]
+    out, version, library, compat = argv[1:5]
+    package = argv[5:]
     dist = f"kvferry-{version}.dist-info"
-    python = f"{sys.version_info.major}.{sys.version_info.minor}"
     files = {}
-    with open(module, "rb") as f:
-        files["kvferry.so"] = f.read()
+    with open(library, "rb") as f:
+        files["kvferry/libkvferry.so"] = f.read()
     with open(compat, "rb") as f:
         files["kvferry_compat.py"] = f.read()
+    for path in package:
+        with open(path, "rb") as f:
+            files["kvferry/" + os.path.basename(path)] = f.read()
     files[f"{dist}/METADATA"] = (
         "Metadata-Version: 2.1\n"
         f"Name: kvferry\nVersion: {version}\nSummary: {SUMMARY}\n"
-        f"Requires-Python: =={python}.*\nLicense: Apache-2.0\n").encode()
+        "Requires-Python: >=3.9\nLicense: Apache-2.0\n").encode()
     files[f"{dist}/WHEEL"] = (
         "Wheel-Version: 1.0\nGenerator: kvferry make_wheel.py\nRoot-Is-Purelib: false\n"
-        "Tag: py3-none-linux_x86_64\n").encode()
+        f"Tag: {TAG}\n").encode()
     files[f"{dist}/top_level.txt"] = b"kvferry\nkvferry_compat\n"
     record = [record_line(name, data) for name, data in sorted(files.items())]
     record.append(f"{dist}/RECORD,,")
