@@ -59,10 +59,14 @@ absl::Status DetectRdma(const EngineOptions& options, Decision* out) {
   Detection& d = out->detection;
   // rdma-core is loaded at run time: a host without it runs over TCP.
   if (absl::Status loaded = transport::ibv::Load(); !loaded.ok()) {
-    if (options.transport == "rdma") {
+    // Asked for RDMA, or for devices by name: an error, as for a device
+    // that does not exist.
+    if (options.transport == "rdma" || !options.devices.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "transport=rdma but ", loaded.message(), "; install rdma-core (libibverbs1) or set "
-          "KVFERRY_IBVERBS_LIBRARY"));
+          options.transport == "rdma" ? "transport=rdma" : "RDMA device(s) ",
+          options.devices.empty() ? "" : absl::StrJoin(options.devices, ","),
+          options.transport == "rdma" && !options.devices.empty() ? " named" : "", " but ",
+          loaded.message(), "; install rdma-core (libibverbs1) or set KVFERRY_IBVERBS_LIBRARY"));
     }
     d.transport = "tcp";
     d.transport_reason = absl::StrCat(loaded.message(), ", TCP");

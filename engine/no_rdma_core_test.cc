@@ -62,5 +62,16 @@ TEST_F(NoRdmaCore, AskingForRdmaNamesTheMissingLibrary) {
   EXPECT_NE(e.status().message().find("rdma-core"), std::string::npos) << e.status();
 }
 
+TEST_F(NoRdmaCore, NamingADeviceNamesItAndTheMissingLibrary) {
+  EngineOptions o;
+  o.local_host = "127.0.0.1";
+  o.devices = {"mlx5_3"};
+  auto e = TransferEngine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(e.status().message().find("mlx5_3"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find(kMissing), std::string::npos) << e.status();
+}
+
 }  // namespace
 }  // namespace kvferry
