@@ -136,6 +136,91 @@ class SurfaceTest(unittest.TestCase):
         self.assertIn("P2PHANDSHAKE", e.get_last_error())
 
 
+class DefectTest(unittest.TestCase):
+    """Defects found by running other people's Mooncake code on kvferry."""
+
+    def test_every_support_flag_mooncake_defines(self):
+        for flag in ("SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_MNNVL", "SUPPORT_INTRA_NVLINK",
+                     "SUPPORT_CUDA", "SUPPORT_MUSA"):
+            self.assertIsInstance(getattr(kvferry, flag, None), bool, flag)
+            self.assertIn(flag, kvferry_compat._ENGINE, f"mooncake.engine lacks {flag}")
+        self.assertFalse(kvferry.SUPPORT_MUSA)
+
+    def test_first_buffer_address_of_the_own_segment_is_live(self):
+        e = kvferry.TransferEngine()
+        self.assertEqual(e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
+        me = e.get_local_address()
+        a, b = (ctypes.c_char * 8192)(), (ctypes.c_char * 8192)()
+        self.assertEqual(e.get_first_buffer_address(me), 0)  # nothing registered yet
+        self.assertEqual(e.register_memory(ctypes.addressof(a), 8192), 0)
+        self.assertEqual(e.get_first_buffer_address(me), ctypes.addressof(a))
+        self.assertEqual(e.register_memory(ctypes.addressof(b), 8192), 0)
+        self.assertEqual(e.get_first_buffer_address(me), ctypes.addressof(a))  # the first
+        self.assertEqual(e.unregister_memory(ctypes.addressof(a)), 0)
+        self.assertEqual(e.get_first_buffer_address(me), ctypes.addressof(b))
+        self.assertEqual(e.unregister_memory(ctypes.addressof(b)), 0)
+
+    def _read_from_a_peer(self, env):
+        """A server and a client engine made under `env`; the client reads
+        the server's buffer (registered with the default access): (return
+        value, client's last error, the bytes read)."""
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update({k: v for k, v in env.items() if v is not None})
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+        try:
+            server, client = kvferry.TransferEngine(), kvferry.TransferEngine()
+            for x in (server, client):
+                self.assertEqual(x.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
+            theirs, mine = (ctypes.c_char * 4096)(), (ctypes.c_char * 4096)()
+            theirs[0:6] = b"secret"
+            self.assertEqual(server.register_memory(ctypes.addressof(theirs), 4096), 0)
+            self.assertEqual(client.register_memory(ctypes.addressof(mine), 4096), 0)
+            r = client.transfer_sync_read(server.get_local_address(), ctypes.addressof(mine),
+                                          ctypes.addressof(theirs), 6)
+            return r, client.get_last_error(), bytes(mine[0:6])
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def test_authenticated_peers_may_read_as_in_mooncake(self):
+        r, why, got = self._read_from_a_peer({"KVFERRY_SECRET": "0123456789abcdef-test",
+                                              "KVFERRY_REMOTE_ACCESS": None})
+        self.assertEqual(r, 0, why)
+        self.assertEqual(got, b"secret")
+
+    def test_without_a_secret_reads_stay_opt_in_and_the_refusal_says_how(self):
+        r, why, got = self._read_from_a_peer({"KVFERRY_SECRET": None,
+                                              "KVFERRY_REMOTE_ACCESS": None})
+        self.assertEqual(r, -1)
+        self.assertIn("KVFERRY_REMOTE_ACCESS=rw", why)
+        self.assertEqual(got, bytes(6))  # nothing was read
+
+    def test_rdma_means_rdma_where_both_ends_have_it(self):
+        # "rdma" makes an automatic engine, which keeps TCP beside RDMA for
+        # peers without it (an engine made for "rdma" alone refuses them).
+        code = ("import kvferry\ne = kvferry.TransferEngine()\n"
+                "assert e.initialize('127.0.0.1', 'P2PHANDSHAKE', 'rdma', '') == 0\n"
+                "print(e.get_engine().transport_reason)\n")
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("MC_") and k != "KVFERRY_REQUIRE_RDMA"}
+        env["PYTHONPATH"] = HERE
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        reason = out.stdout.strip()
+        self.assertNotIn("set explicitly", reason)
+        if has_rdma():
+            self.assertIn("TCP beside it for peers RDMA cannot reach", reason)
+        else:
+            self.assertTrue("no RDMA devices" in reason or "not found" in reason
+                            or "no usable RDMA port" in reason, reason)
+
+
 class FallbackTest(unittest.TestCase):
     @unittest.skipIf(has_rdma(), "this host has RDMA: rdma does not fall back")
     def test_rdma_without_a_device_falls_back_to_tcp_with_one_warning(self):

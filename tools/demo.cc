@@ -400,10 +400,21 @@ int RunPrefill(const std::string& peer, uint32_t kill_after = 0) {
   return ok ? 0 : 1;
 }
 
+// How this binary was compiled, for the throughput line's reader.
+const char* BuildMode() {
+#ifdef __OPTIMIZE__
+  return "optimized build (-c opt)";
+#else
+  return "UNOPTIMIZED build (fastbuild or dbg): the throughput understates the engine; "
+         "./bazelw run builds -c opt";
+#endif
+}
+
 int RunBoth() {
   int pipefd[2], deathfd[2];
   if (::pipe(pipefd) != 0 || ::pipe(deathfd) != 0) return 1;
   std::printf("kvferry demo: a prefill and a decode engine, two processes, zero configuration\n");
+  std::printf("  %s\n", BuildMode());
   std::fflush(stdout);
   const pid_t child = ::fork();
   if (child < 0) return 1;
