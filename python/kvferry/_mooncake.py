@@ -29,6 +29,8 @@ SUPPORT_INTRA_NVLINK = False
 SUPPORT_MUSA = False
 SUPPORT_CUDA = bool(lib.kvferry_cuda_available())
 
+_U64x3 = ctypes.c_uint64 * 3
+
 # A notification sent with transfer_sync(..., notify=TransferNotify(name,
 # msg)) travels as this tag, the name, a NUL and the message.
 _NOTIFY_TAG = b"\x01mooncake-notify\x01"
@@ -250,6 +252,7 @@ class TransferEngine:
         self._batches = {}   # async batches not yet collected: id -> (start, timeout s)
         self._managed = {}   # allocate_managed_buffer: address -> mmap
         self._local = []     # addresses registered here, in registration order
+        self._peers = {}     # target -> the handshake's peer name (bounded)
 
     def __del__(self):
         e, self._e = getattr(self, "_e", None), None
@@ -300,12 +303,16 @@ class TransferEngine:
 
     def _segment(self, target):
         segment = ctypes.c_uint64()
-        self._call(lib.kvferry_open_segment(self._e, text(peer_name(target)),
-                                            ctypes.byref(segment)))
+        self._call(lib.kvferry_open_segment(self._e, self._peer(target), ctypes.byref(segment)))
         return segment
 
     def _columns(self, buffers, peers, lengths):
-        buffers, peers, lengths = list(buffers), list(peers), list(lengths)
+        if not isinstance(buffers, list):
+            buffers = list(buffers)
+        if not isinstance(peers, list):
+            peers = list(peers)
+        if not isinstance(lengths, list):
+            lengths = list(lengths)
         if not (len(buffers) == len(peers) == len(lengths)):
             raise _Failure("buffers, peer addresses and lengths differ in count",
                            "INVALID_ARGUMENT")
@@ -523,12 +530,41 @@ class TransferEngine:
 
     # ---------------------------------------------------------- transfers
 
+    def _peer(self, target):
+        """peer_name(target) as C text, remembered (callers repeat targets)."""
+        name = self._peers.get(target)
+        if name is None:
+            if len(self._peers) >= 4096:
+                self._peers.clear()
+            name = self._peers[target] = text(peer_name(target))
+        return name
+
+    def _sync1(self, target, opcode, buffer, peer, length):
+        """One block: the common call, without building arrays."""
+        try:
+            e = self._ready()
+            try:
+                cols = _U64x3(buffer, peer, length)
+            except TypeError as err:
+                raise _Failure(f"addresses and lengths must be integers ({err})",
+                               "INVALID_ARGUMENT")
+            if cols[0] != buffer or cols[1] != peer or cols[2] != length:
+                raise _Failure("addresses and lengths must be integers from 0 to 2**64-1",
+                               "INVALID_ARGUMENT")
+            base = ctypes.addressof(cols)
+            self._call(lib.kvferry_transfer_sync(
+                e, self._peer(target), int(opcode == TransferOpcode.Read), base, base + 8,
+                base + 16, 1, int(self._timeout_for(length) * 1000)))
+            return 0
+        except _Failure as f:
+            return self._fail(f)
+
     def _sync(self, target, opcode, buffers, peers, lengths, notify=None):
         try:
             e = self._ready()
             (local, remote, length), nbytes = self._columns(buffers, peers, lengths)
             self._call(lib.kvferry_transfer_sync(
-                e, text(peer_name(target)), int(opcode == TransferOpcode.Read), local[1],
+                e, self._peer(target), int(opcode == TransferOpcode.Read), local[1],
                 remote[1], length[1], local[2], int(self._timeout_for(nbytes) * 1000)))
             if notify is not None:
                 message = _NOTIFY_TAG + _lib.blob(notify.name) + b"\0" + _lib.blob(notify.msg)
@@ -576,13 +612,13 @@ class TransferEngine:
 
     def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length,
                             transport_hint=""):
-        return self._sync(target_hostname, TransferOpcode.Write, [buffer],
-                          [peer_buffer_address], [length])
+        return self._sync1(target_hostname, TransferOpcode.Write, buffer, peer_buffer_address,
+                           length)
 
     def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length,
                            transport_hint=""):
-        return self._sync(target_hostname, TransferOpcode.Read, [buffer], [peer_buffer_address],
-                          [length])
+        return self._sync1(target_hostname, TransferOpcode.Read, buffer, peer_buffer_address,
+                           length)
 
     def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses,
                                   lengths, transport_hint=""):
