@@ -500,6 +500,7 @@ int kvferry_next_notification(kvferry_engine* e, int64_t timeout_ms, uint64_t* s
                               char** message, size_t* length) {
   KVF_REQUIRE(sender != nullptr && message != nullptr && length != nullptr, "null argument");
   kvferry::Notification n;
+  bool have = false;
   {
     kvferry::MutexLock lock(&e->mu);
     if (e->notes.empty()) {
@@ -510,9 +511,10 @@ int kvferry_next_notification(kvferry_engine* e, int64_t timeout_ms, uint64_t* s
     if (!e->notes.empty()) {
       n = std::move(e->notes.front());
       e->notes.pop_front();
+      have = true;
     }
   }
-  if (n.engine_id == 0 && n.message.empty()) {
+  if (!have) {
     if (timeout_ms <= 0) {
       return Fail(absl::DeadlineExceededError("no notification"));
     }
