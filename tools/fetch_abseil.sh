@@ -43,6 +43,7 @@ fi
 
 if [[ "$(readlink -f "$dest" 2>/dev/null)" != "$(readlink -f "$tree")" ]]; then
   rm -rf "$dest"
+  mkdir -p "$(dirname "$dest")"
   ln -s "$tree" "$dest"
 fi
 echo "$dest -> $tree"

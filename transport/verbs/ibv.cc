@@ -129,7 +129,6 @@ absl::Status LoadCm() {
   Bind(h, c.get_cm_event, "rdma_get_cm_event", k, true, &missing);
   Bind(h, c.ack_cm_event, "rdma_ack_cm_event", k, true, &missing);
   Bind(h, c.event_str, "rdma_event_str", k, true, &missing);
-  Bind(h, c.get_local_addr, "rdma_get_local_addr", k, true, &missing);
   if (!missing.empty()) return absl::UnavailableError(absl::StrCat(library, " lacks ", missing));
   return absl::OkStatus();
 }

@@ -109,7 +109,7 @@ struct Rdmacm {
   int (*get_cm_event)(rdma_event_channel*, rdma_cm_event**);
   int (*ack_cm_event)(rdma_cm_event*);
   const char* (*event_str)(rdma_cm_event_type);
-  sockaddr* (*get_local_addr)(rdma_cm_id*);
+  // rdma_get_local_addr is inline in rdma_cma.h: no entry point.
 };
 const Rdmacm& Cm();
 

@@ -106,7 +106,7 @@ absl::StatusOr<Route> ResolveRoute(const std::string& peer_ip, absl::Duration ti
   route.device = ibv::DeviceName(s.id->verbs->device);
   route.port = s.id->port_num;
   char text[INET6_ADDRSTRLEN] = {};
-  const sockaddr* src = cm.get_local_addr(s.id);
+  const sockaddr* src = rdma_get_local_addr(s.id);  // inline in rdma_cma.h
   if (src->sa_family == AF_INET) {
     inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(src)->sin_addr, text, sizeof(text));
   } else if (src->sa_family == AF_INET6) {
