@@ -62,11 +62,14 @@ absl::Status DetectRdma(const EngineOptions& options, Decision* out) {
     // Asked for RDMA, or for devices by name: an error, as for a device
     // that does not exist.
     if (options.transport == "rdma" || !options.devices.empty()) {
+      std::vector<std::string> asked;
+      if (options.transport == "rdma") asked.push_back("transport=rdma");
+      if (!options.devices.empty()) {
+        asked.push_back(absl::StrCat("RDMA device(s) ", absl::StrJoin(options.devices, ",")));
+      }
       return absl::FailedPreconditionError(absl::StrCat(
-          options.transport == "rdma" ? "transport=rdma" : "RDMA device(s) ",
-          options.devices.empty() ? "" : absl::StrJoin(options.devices, ","),
-          options.transport == "rdma" && !options.devices.empty() ? " named" : "", " but ",
-          loaded.message(), "; install rdma-core (libibverbs1) or set KVFERRY_IBVERBS_LIBRARY"));
+          absl::StrJoin(asked, " and "), " asked for, but ", loaded.message(),
+          "; install rdma-core (libibverbs1) or set KVFERRY_IBVERBS_LIBRARY"));
     }
     d.transport = "tcp";
     d.transport_reason = absl::StrCat(loaded.message(), ", TCP");

@@ -69,8 +69,15 @@ TEST_F(NoRdmaCore, NamingADeviceNamesItAndTheMissingLibrary) {
   auto e = TransferEngine::Create(o);
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(e.status().message().find("mlx5_3"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("RDMA device(s) mlx5_3 asked for"), std::string::npos)
+      << e.status();
   EXPECT_NE(e.status().message().find(kMissing), std::string::npos) << e.status();
+  o.transport = "rdma";
+  e = TransferEngine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("transport=rdma and RDMA device(s) mlx5_3 asked for"),
+            std::string::npos)
+      << e.status();
 }
 
 }  // namespace
