@@ -4,6 +4,7 @@
 // or type crosses the boundary.
 #include "c/kvferry.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -45,6 +46,9 @@ struct kvferry_engine {
   kvferry::Mutex mu;
   // Notifications taken from the engine and not handed out yet.
   std::deque<kvferry::Notification> notes ABSL_GUARDED_BY(mu);
+  // kvferry_transfer_sync batches that outlived their timeout: each later
+  // call releases those that finished (so none stays in the engine).
+  std::vector<kvferry::BatchId> abandoned ABSL_GUARDED_BY(mu);
 };
 
 struct kvferry_kv_pool {
@@ -157,38 +161,51 @@ absl::Status SetOption(EngineOptions& o, const std::string& key, const char* val
   return absl::OkStatus();
 }
 
-void Fill(const BatchStatus& st, kvferry_batch_status* out) {
-  if (out == nullptr) return;
-  *out = kvferry_batch_status{};
-  out->pending = st.pending;
-  out->succeeded = st.succeeded;
-  out->failed = st.failed;
+// The first request that failed (a pending one reads kUnavailable
+// "pending", see BatchStatus), or -1.
+int64_t FirstFailed(const BatchStatus& st) {
+  if (st.failed == 0) return -1;
   for (size_t i = 0; i < st.requests.size(); ++i) {
-    if (!st.requests[i].ok() && st.requests[i].message() != "pending") {
-      out->first_error = static_cast<int32_t>(st.requests[i].code());
-      out->first_failed = i;
-      break;
+    const absl::Status& s = st.requests[i];
+    if (!s.ok() && !(s.code() == absl::StatusCode::kUnavailable && s.message() == "pending")) {
+      return static_cast<int64_t>(i);
     }
   }
+  return -1;
 }
 
-// OK when every request succeeded; the first failure; DEADLINE_EXCEEDED
-// while pending (when `pending_is_error`).
-int Outcome(const BatchStatus& st, bool pending_is_error) {
-  if (st.failed > 0) {
-    for (size_t i = 0; i < st.requests.size(); ++i) {
-      const absl::Status& s = st.requests[i];
-      if (!s.ok() && !(st.pending > 0 && s.code() == absl::StatusCode::kUnavailable &&
-                       s.message() == "pending")) {
-        return Fail(absl::Status(s.code(), absl::StrCat("request ", i, ": ", s.message())));
-      }
+// Fills `out` (may be null) and returns OK when every request succeeded;
+// else the first failure, or DEADLINE_EXCEEDED while some are pending (when
+// `pending_is_error`).
+int Outcome(const BatchStatus& st, bool pending_is_error, kvferry_batch_status* out) {
+  const int64_t first = FirstFailed(st);
+  if (out != nullptr) {
+    *out = kvferry_batch_status{};
+    out->pending = st.pending;
+    out->succeeded = st.succeeded;
+    out->failed = st.failed;
+    if (first >= 0) {
+      out->first_error = static_cast<int32_t>(st.requests[first].code());
+      out->first_failed = static_cast<uint64_t>(first);
     }
+  }
+  if (first >= 0) {
+    const absl::Status& s = st.requests[first];
+    return Fail(absl::Status(s.code(), absl::StrCat("request ", first, ": ", s.message())));
   }
   if (st.pending > 0 && pending_is_error) {
     return Fail(absl::DeadlineExceededError(
         absl::StrCat(st.pending, " of ", st.requests.size(), " requests still pending")));
   }
   return Ok();
+}
+
+void ReleaseAbandoned(kvferry_engine& e) {
+  MutexLock lock(&e.mu);
+  auto& v = e.abandoned;
+  v.erase(std::remove_if(v.begin(), v.end(),
+                         [&](BatchId b) { return e.engine->Release(b).ok(); }),
+          v.end());
 }
 
 absl::StatusOr<std::vector<TransferRequest>> Columns(int opcode, const uint64_t* local,
@@ -424,16 +441,14 @@ int kvferry_submit_columns(kvferry_engine* e, kvferry_segment segment, int opcod
 int kvferry_poll(kvferry_engine* e, kvferry_batch batch, kvferry_batch_status* out) {
   auto st = e->engine->Poll(batch);
   if (!st.ok()) return Fail(st.status());
-  kvferry::Fill(*st, out);
-  return kvferry::Outcome(*st, /*pending_is_error=*/false);
+  return kvferry::Outcome(*st, /*pending_is_error=*/false, out);
 }
 
 int kvferry_wait(kvferry_engine* e, kvferry_batch batch, int64_t timeout_ms,
                  kvferry_batch_status* out) {
   auto st = e->engine->Wait(batch, kvferry::Millis(timeout_ms));
   if (!st.ok()) return Fail(st.status());
-  kvferry::Fill(*st, out);
-  return kvferry::Outcome(*st, /*pending_is_error=*/true);
+  return kvferry::Outcome(*st, /*pending_is_error=*/true, out);
 }
 
 int kvferry_release(kvferry_engine* e, kvferry_batch batch) {
@@ -446,14 +461,19 @@ int kvferry_transfer_sync(kvferry_engine* e, const char* peer, int opcode, const
   KVF_REQUIRE(peer != nullptr, "null peer");
   auto reqs = kvferry::Columns(opcode, local, remote, lengths, count);
   if (!reqs.ok()) return Fail(reqs.status());
+  kvferry::ReleaseAbandoned(*e);
   auto seg = e->engine->OpenSegment(peer);
   if (!seg.ok()) return Fail(seg.status());
   auto batch = e->engine->Submit(*seg, *reqs);
   if (!batch.ok()) return Fail(batch.status());
   auto st = e->engine->Wait(*batch, kvferry::Millis(timeout_ms));
   if (!st.ok()) return Fail(st.status());
-  (void)e->engine->Release(*batch);
-  return kvferry::Outcome(*st, /*pending_is_error=*/true);
+  if (!e->engine->Release(*batch).ok()) {
+    // Still running past the timeout: released by a later call once done.
+    kvferry::MutexLock lock(&e->mu);
+    e->abandoned.push_back(*batch);
+  }
+  return kvferry::Outcome(*st, /*pending_is_error=*/true, nullptr);
 }
 
 int kvferry_submit_on_stream(kvferry_engine* e, kvferry_segment segment, int opcode,
@@ -478,8 +498,7 @@ int kvferry_wait_on_stream(kvferry_engine* e, uint64_t id, int64_t timeout_ms,
                            kvferry_batch_status* out) {
   auto st = e->engine->WaitOnStream(id, kvferry::Millis(timeout_ms));
   if (!st.ok()) return Fail(st.status());
-  kvferry::Fill(*st, out);
-  return kvferry::Outcome(*st, /*pending_is_error=*/true);
+  return kvferry::Outcome(*st, /*pending_is_error=*/true, out);
 }
 
 int kvferry_notify(kvferry_engine* e, kvferry_segment segment, const void* message, size_t length,
