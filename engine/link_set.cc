@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "transport/stream_links.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -153,10 +154,11 @@ namespace {
 
 // Offers `count` links of `transport`'s only NIC (closed again on failure).
 absl::StatusOr<std::vector<transport::LinkOffer>> OfferLinks(transport::Transport* transport,
+                                                             transport::StreamLinks* streams,
                                                              uint32_t count) {
   std::vector<transport::LinkOffer> offers;
   for (uint32_t k = 0; k < count; ++k) {
-    absl::StatusOr<transport::LinkOffer> offer = transport->OfferLink(0);
+    absl::StatusOr<transport::LinkOffer> offer = streams->OfferLink(0);
     if (!offer.ok()) {
       for (const transport::LinkOffer& o : offers) (void)transport->CloseLink(o.link);
       return offer.status();
@@ -172,10 +174,13 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
                                                  const PeerClient& client, uint64_t engine_id,
                                                  const std::string& peer, const std::string& kind,
                                                  uint32_t links_per_peer, absl::Time now) {
+  transport::StreamLinks* streams = transport::ExtensionOf<transport::StreamLinks>(transport);
+  if (streams == nullptr) return absl::UnimplementedError("links need the peer's NICs first");
   const transport::EndpointDescription local = transport->LocalEndpoint();
   absl::StatusOr<std::vector<transport::LinkOffer>> offers =
-      local.nics.size() == 1 ? OfferLinks(transport, std::max<uint32_t>(1, links_per_peer))
-                             : absl::UnimplementedError("several local NICs");
+      local.nics.size() == 1
+          ? OfferLinks(transport, streams, std::max<uint32_t>(1, links_per_peer))
+          : absl::UnimplementedError("several local NICs");
   RETURN_IF_ERROR(offers.status());  // kUnimplemented: the usual way
   std::vector<handshake::ConnectRequest> requests;
   for (const transport::LinkOffer& o : *offers) {
@@ -185,7 +190,7 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
   std::vector<absl::Status> outcome;
   // The first link rides the handshake's connection where it can: one
   // connection to set up instead of two.
-  const bool ride = client.CanRide() && transport->GetLimits().adopts_connections;
+  const bool ride = client.CanRide();
   absl::StatusOr<PeerClient::Described> described = client.DescribeAndConnect(
       peer, kind, std::move(requests),
       [&](const handshake::EngineDescriptor& d) {
@@ -194,12 +199,12 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
           Link& link = links.emplace_back(PlanLink(transport, local, d, k, now));
           link.id = (*offers)[k].link;
           outcome.push_back(k == 0 && ride ? absl::OkStatus()
-                                           : transport->ConnectOffered(link.id, d.nics[0]));
+                                           : streams->ConnectOffered(link.id, d.nics[0]));
         }
         return true;
       },
       ride ? PeerClient::Ride([&](net::Fd connection) {
-        return transport->AdoptConnection((*offers)[0].link, std::move(connection));
+        return streams->AdoptConnection((*offers)[0].link, std::move(connection));
       })
            : nullptr);
   absl::StatusOr<PeerClient::LinkAnswers> answers =

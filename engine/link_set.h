@@ -87,7 +87,7 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
 
 // The peer's descriptor for `kind` and links to it, in one handshake round
 // trip: for a transport with one NIC whose links can be offered before the
-// peer is described (Transport::OfferLink), the offers travel with the
+// peer is described (transport::StreamLinks::OfferLink), the offers travel with the
 // request for the descriptor, and each link connects once the descriptor is
 // in. kUnimplemented when the transport cannot offer early (or has several
 // NICs); `links` is kUnimplemented when the peer's descriptor is not one

@@ -71,12 +71,12 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
   // After every reply: the connection is the first link's once the peer
   // accepted it there (never back to the pool, whatever `ride` says).
   auto take = [&](net::Fd& connection) {
-    if (!here || !out.ok() || !out->links.ok() || !(*out->links)[0].ok()) return false;
+    if (!out.ok() || !out->links.ok() || !(*out->links)[0].ok()) return false;
     absl::Status rode = ride(std::move(connection));
     if (!rode.ok()) (*out->links)[0] = rode;
     return true;
   };
-  network_->CallThenTake(peer, frames, timeout_, [&](size_t i, absl::StatusOr<Frame> reply) {
+  auto on_reply = [&](size_t i, absl::StatusOr<Frame> reply) {
     if (i == 0) {
       reply = Expect(peer, MessageType::kDescribe, std::move(reply), MessageType::kDescriptor);
       absl::StatusOr<handshake::EngineDescriptor> d =
@@ -91,7 +91,12 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
     reply = Expect(peer, sent, std::move(reply), MessageType::kConnectLinksReply);
     out->links = reply.ok() ? DecodeLinks(peer, *reply, count) : reply.status();
     return true;
-  }, take);
+  };
+  if (here) {
+    hand_over_->CallThenTake(peer, frames, timeout_, on_reply, take);
+  } else {
+    network_->CallPipelined(peer, frames, timeout_, on_reply);
+  }
   return out;
 }
 

@@ -13,6 +13,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "handshake/hand_over.h"
 #include "handshake/messages.h"
 #include "handshake/network.h"
 
@@ -23,7 +24,10 @@ class PeerClient {
  public:
   // `network` outlives the client; `timeout` bounds each call but Probe.
   PeerClient(handshake::Network* network, uint64_t engine_id, absl::Duration timeout)
-      : network_(network), engine_id_(engine_id), timeout_(timeout) {}
+      : network_(network),
+        hand_over_(handshake::ExtensionOf<handshake::HandOver>(network)),
+        engine_id_(engine_id),
+        timeout_(timeout) {}
 
   // The peer's descriptor for its transport of `kind` (empty: its primary),
   // regions sorted by address.
@@ -44,7 +48,8 @@ class PeerClient {
   // them unread. `links` is kAborted then, and the peer's own error when it
   // refuses kConnectLinks as a whole.
   //
-  // With `ride`, where the network can hand its connections over, the
+  // With `ride`, where the network can hand its connections over
+  // (handshake::HandOver), the
   // first link rides the call's own connection (kConnectLinksHere): once
   // the reply accepts that link, `ride` takes the connection (the peer's
   // end is that link's by then), and what it returns becomes the first
@@ -60,7 +65,7 @@ class PeerClient {
       absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor,
       const Ride& ride = nullptr) const;
   // Whether DescribeAndConnect's first link can ride the call's connection.
-  bool CanRide() const { return network_->CanHandOver(); }
+  bool CanRide() const { return hand_over_ != nullptr; }
   // Asks the peer to close its halves of links this engine opened, named by
   // the parameters it answered for them (at most kMaxLinksPerConnect). OK
   // once they are closed; OK too from a peer that predates kCloseLinks
@@ -90,6 +95,7 @@ class PeerClient {
   static absl::StatusOr<LinkAnswers> DecodeLinks(const std::string& peer,
                                                  const handshake::Frame& reply, size_t count);
   handshake::Network* const network_;
+  handshake::HandOver* const hand_over_;  // null: the network cannot hand over
   const uint64_t engine_id_;
   const absl::Duration timeout_;
 };

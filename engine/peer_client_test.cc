@@ -127,7 +127,7 @@ TEST(PeerClient, ConnectLinksToAnUnreachablePeerFailsOnceWithoutRetrying) {
 
 // A network whose calls run on connections that can be handed over: the
 // descriptor, then each link accepted unless its parameters say "refuse".
-class HandingNetwork final : public ClientOnlyNetwork {
+class HandingNetwork final : public ClientOnlyNetwork, public handshake::HandOver {
  public:
   absl::StatusOr<Frame> Call(const std::string&, const Frame& request,
                              absl::Duration) override {
@@ -143,7 +143,13 @@ class HandingNetwork final : public ClientOnlyNetwork {
     if (!reply.ok()) return reply.status();
     return Frame{MessageType::kConnectLinksReply, handshake::Encode(*reply)};
   }
-  bool CanHandOver() const override { return true; }
+  void* QueryExtension(absl::string_view name) override {
+    return name == HandOver::kName ? static_cast<HandOver*>(this) : nullptr;
+  }
+  absl::StatusOr<std::unique_ptr<handshake::Server>> ServeHandingOver(
+      const handshake::ServeOptions&, handshake::HandingHandler) override {
+    return absl::UnimplementedError("a client only");
+  }
   void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,
                     absl::Duration timeout, const ReplyFn& on_reply,
                     const TakeFn& take) override {

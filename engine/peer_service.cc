@@ -11,6 +11,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "transport/link_params.h"
+#include "transport/stream_links.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -123,6 +124,11 @@ Frame PeerService::CloseLinks(const Frame& request) {
 }
 
 absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest& c) {
+  ASSIGN_OR_RETURN(Tracked link, AcceptLink(c));
+  return std::move(link.params);
+}
+
+absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::ConnectRequest& c) {
   RETURN_IF_ERROR(RefuseFenced(c.engine_id));
   // With several transports, the link parameters say which one made them
   // (transport/link_params.h); with one, it is that one whatever its format.
@@ -133,8 +139,9 @@ absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest&
     absl::StatusOr<transport::LinkOffer> offer =
         t->AcceptLink(c.target_nic, c.requester_nic_info, c.params);
     if (!offer.ok()) return offer.status();
-    RETURN_IF_ERROR(Track(c.engine_id, Tracked{t, offer->link, offer->params}));
-    return std::move(offer->params);
+    Tracked link{t, offer->link, std::move(offer->params)};
+    RETURN_IF_ERROR(Track(c.engine_id, link));
+    return link;
   }
   return absl::FailedPreconditionError(
       absl::StrCat("this engine has no ", *kind, " transport to accept the link"));
@@ -149,11 +156,13 @@ Frame PeerService::Connect(const Frame& request) {
                handshake::Encode(handshake::ConnectReply{std::move(*params)})};
 }
 
-Frame PeerService::ConnectLinks(const Frame& request) {
+handshake::Answer PeerService::ConnectLinks(const Frame& request) {
   absl::StatusOr<handshake::ConnectLinksRequest> c =
       handshake::DecodeConnectLinksRequest(request.payload);
   if (!c.ok()) return ErrorFrame(c.status());
   handshake::ConnectLinksReply reply;
+  transport::StreamLinks* first_streams = nullptr;  // the first link's, when it can adopt
+  transport::LinkId first = 0;
   for (const handshake::ConnectRequest& link : c->links) {
     // A link whose data connection never arrived waited out the transport's
     // connect timeout (kUnavailable), and the requester gives up the whole
@@ -168,39 +177,24 @@ Frame PeerService::ConnectLinks(const Frame& request) {
         continue;
       }
     }
-    reply.links.push_back(Accept(link));
+    absl::StatusOr<Tracked> accepted = AcceptLink(link);
+    if (accepted.ok() && reply.links.empty()) {
+      first_streams = transport::ExtensionOf<transport::StreamLinks>(accepted->transport);
+      first = accepted->link;
+    }
+    reply.links.push_back(accepted.ok() ? absl::StatusOr<std::string>(std::move(accepted->params))
+                                        : accepted.status());
   }
-  return Frame{MessageType::kConnectLinksReply, handshake::Encode(reply)};
-}
-
-handshake::TakeConnection PeerService::HandOver(const Frame& request, const Frame& reply) {
-  if (request.type != MessageType::kConnectLinksHere ||
-      reply.type != MessageType::kConnectLinksReply) {
-    return nullptr;
-  }
-  absl::StatusOr<handshake::ConnectLinksRequest> asked =
-      handshake::DecodeConnectLinksRequest(request.payload);
-  absl::StatusOr<handshake::ConnectLinksReply> answered =
-      handshake::DecodeConnectLinksReply(reply.payload);
-  if (!asked.ok() || asked->links.empty() || !answered.ok() || answered->links.empty() ||
-      !answered->links[0].ok()) {
-    return nullptr;
-  }
-  const uint64_t engine = asked->links[0].engine_id;
-  const std::string& params = *answered->links[0];
-  MutexLock lock(&mu_);
-  auto it = links_by_engine_.find(engine);
-  if (it == links_by_engine_.end()) return nullptr;
-  for (const Tracked& l : it->second) {
-    if (l.params != params) continue;
-    return [t = l.transport, link = l.link](net::Fd connection) {
-      // Refused (the link closed meanwhile): the connection closes, and
-      // the requester's link with it.
-      absl::Status adopted = t->AdoptConnection(link, std::move(connection));
-      if (!adopted.ok()) KVF_LOG(WARNING) << "a link could not take its connection: " << adopted;
-    };
-  }
-  return nullptr;
+  Frame answer{MessageType::kConnectLinksReply, handshake::Encode(reply)};
+  // kConnectLinksHere: the first link, accepted, takes the connection once
+  // the reply is out.
+  if (request.type != MessageType::kConnectLinksHere || first_streams == nullptr) return answer;
+  return handshake::Answer(std::move(answer), [first_streams, first](net::Fd connection) {
+    // Refused (the link closed meanwhile): the connection closes, and the
+    // requester's link with it.
+    absl::Status adopted = first_streams->AdoptConnection(first, std::move(connection));
+    if (!adopted.ok()) KVF_LOG(WARNING) << "a link could not take its connection: " << adopted;
+  });
 }
 
 Frame PeerService::Notify(const Frame& request) {
@@ -220,7 +214,7 @@ Frame PeerService::Notify(const Frame& request) {
   return Frame{MessageType::kNotifyAck, ""};
 }
 
-Frame PeerService::Handle(const Frame& request) {
+handshake::Answer PeerService::Handle(const Frame& request) {
   switch (request.type) {
     case MessageType::kDescribe: {
       // The payload names the transport asked for (empty: the primary).

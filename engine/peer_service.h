@@ -16,6 +16,7 @@
 
 #include "engine/local_regions.h"
 #include "engine/notifications.h"
+#include "handshake/hand_over.h"
 #include "handshake/messages.h"
 #include "handshake/network.h"
 #include "transport/transport.h"
@@ -48,13 +49,11 @@ class PeerService {
                         type == handshake::MessageType::kConnectLinksHere;
     return (accept && accept_waits) || type == handshake::MessageType::kCloseLinks;
   }
-  // Answers one request (an error frame for anything malformed).
-  handshake::Frame Handle(const handshake::Frame& request);
-  // After `reply` to a kConnectLinksHere that accepted its first link: that
-  // link, which takes the connection (ServeOptions::hand_over). Null
-  // otherwise.
-  handshake::TakeConnection HandOver(const handshake::Frame& request,
-                                     const handshake::Frame& reply);
+  // Answers one request (an error frame for anything malformed). The
+  // answer to a kConnectLinksHere whose first link was accepted by a
+  // transport with stream links hands the connection to that link
+  // (handshake::HandOver); a network that cannot hand over keeps it.
+  handshake::Answer Handle(const handshake::Frame& request);
 
   // Fences the peer instance `engine_id` (declared failed): closes every
   // link it opened to this engine and refuses its links and notifications
@@ -66,14 +65,6 @@ class PeerService {
   bool Fenced(uint64_t engine_id) const;
 
  private:
-  // One link: the accepting transport's parameters.
-  absl::StatusOr<std::string> Accept(const handshake::ConnectRequest& c);
-  handshake::Frame Connect(const handshake::Frame& request);
-  handshake::Frame ConnectLinks(const handshake::Frame& request);
-  handshake::Frame Notify(const handshake::Frame& request);
-  // Closes the named links of the requesting engine (kCloseLinks).
-  handshake::Frame CloseLinks(const handshake::Frame& request);
-  absl::Status RefuseFenced(uint64_t engine_id) const;
   // A link a peer opened, and the parameters this engine answered for it
   // (the name kCloseLinks uses).
   struct Tracked {
@@ -81,6 +72,16 @@ class PeerService {
     transport::LinkId link;
     std::string params;
   };
+  // One link: the accepting transport's parameters.
+  absl::StatusOr<std::string> Accept(const handshake::ConnectRequest& c);
+  // The same, with the link (tracked as the requester's).
+  absl::StatusOr<Tracked> AcceptLink(const handshake::ConnectRequest& c);
+  handshake::Frame Connect(const handshake::Frame& request);
+  handshake::Answer ConnectLinks(const handshake::Frame& request);
+  handshake::Frame Notify(const handshake::Frame& request);
+  // Closes the named links of the requesting engine (kCloseLinks).
+  handshake::Frame CloseLinks(const handshake::Frame& request);
+  absl::Status RefuseFenced(uint64_t engine_id) const;
   // Remembers that `engine_id` opened `link`; closes it at once (and says
   // so) if that engine was fenced meanwhile.
   absl::Status Track(uint64_t engine_id, Tracked link);

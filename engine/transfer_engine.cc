@@ -155,12 +155,17 @@ class TransferEngine::Impl {
   }
 
   absl::Status Start(handshake::ServeOptions serve) {
-    serve.hand_over = [this](const handshake::Frame& request, const handshake::Frame& reply) {
-      return service_.HandOver(request, reply);
-    };
-    ASSIGN_OR_RETURN(server_, network_->Serve(serve, [this](const handshake::Frame& f) {
-                       return service_.Handle(f);
-                     }));
+    // Where the network can hand a connection over, the first link from a
+    // new peer runs on the handshake's connection (kConnectLinksHere).
+    if (auto* hand_over = handshake::ExtensionOf<handshake::HandOver>(network_.get())) {
+      ASSIGN_OR_RETURN(server_, hand_over->ServeHandingOver(serve, [this](const handshake::Frame& f) {
+                         return service_.Handle(f);
+                       }));
+    } else {
+      ASSIGN_OR_RETURN(server_, network_->Serve(serve, [this](const handshake::Frame& f) {
+                         return service_.Handle(f).reply;
+                       }));
+    }
     address_ = server_->address();
     absl::StatusOr<net::HostPort> hp = net::ParseHostPort(address_);
     if (hp.ok()) detection_.port = hp->port;

@@ -257,9 +257,9 @@ uint64_t AuthenticatedNetwork::rejected() const { return state_->rejected.load()
 
 absl::StatusOr<std::unique_ptr<Server>> AuthenticatedNetwork::Serve(const ServeOptions& options,
                                                                     Handler handler) {
+  // Its connections carry wrapped frames, never a link: it offers no
+  // hand-over (QueryExtension), whatever its inner network does.
   ServeOptions wrapped = options;
-  // Its connections carry wrapped frames, never a link (CanHandOver).
-  wrapped.hand_over = nullptr;
   if (options.may_block) {
     // Challenges and refusals never wait; an authenticated request waits as
     // the request inside it would (its type travels in clear).

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "handshake/messages.h"
-#include "net/socket.h"
 
 namespace kvferry {
 namespace handshake {
@@ -27,10 +27,6 @@ struct Frame {
 // Answers one request. Runs on a server thread (TCP) or in a simulator
 // event (sim); must not block for long.
 using Handler = std::function<Frame(const Frame& request)>;
-
-// Takes over a connection the handshake ran on (kConnectLinksHere): from
-// then on it carries something else, and the network forgets it.
-using TakeConnection = std::function<void(net::Fd connection)>;
 
 // A running service; stops serving when destroyed.
 class Server {
@@ -55,13 +51,6 @@ struct ServeOptions {
   // request; the handler must then return promptly. Empty: every request
   // may wait.
   std::function<bool(const Frame& request)> may_block;
-  // Asked after each reply: a function to hand the connection to once
-  // `reply` is written (the server stops serving it), or null to go on
-  // serving it. A connection with bytes after `request` is refused instead
-  // (the requester must wait for the reply). Only a network whose
-  // connections carry plain frames asks (CanHandOver); a decorator that
-  // wraps frames (auth.h) drops it.
-  std::function<TakeConnection(const Frame& request, const Frame& reply)> hand_over;
 };
 
 class Network {
@@ -90,22 +79,21 @@ class Network {
       if (!on_reply(i, Call(peer, requests[i], timeout))) return;
     }
   }
-  // Whether CallThenTake can hand the call's connection over: the calls run
-  // on connections of their own, carrying the frames as they are.
-  virtual bool CanHandOver() const { return false; }
-  // CallPipelined; then, when every reply came, `take` may take the
-  // connection they came on (it returns true when it did, and the network
-  // forgets the connection). For a last request whose reply hands the
-  // peer's end over too (kConnectLinksHere). Where CanHandOver is false,
-  // `take` is never called.
-  using TakeFn = std::function<bool(net::Fd& connection)>;
-  virtual void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,
-                            absl::Duration timeout, const ReplyFn& on_reply,
-                            const TakeFn& take) {
-    (void)take;
-    CallPipelined(peer, requests, timeout, on_reply);
+  // An extension interface this network also implements, by the name its
+  // header gives it (HandOver::kName in handshake/hand_over.h); null when
+  // it has none of that name (a decorator hides its inner network's). The
+  // pointer lives as long as the network. Use ExtensionOf<E>() below.
+  virtual void* QueryExtension(absl::string_view name) {
+    (void)name;
+    return nullptr;
   }
 };
+
+// `network`'s extension E (a class with a `kName`), or null.
+template <typename E>
+E* ExtensionOf(Network* network) {
+  return static_cast<E*>(network->QueryExtension(E::kName));
+}
 
 // An error reply frame carrying `status`.
 inline Frame ErrorFrame(const absl::Status& status) {

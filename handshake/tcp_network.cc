@@ -40,19 +40,23 @@ absl::StatusOr<Frame> ReadFrame(int fd, uint32_t max_bytes, absl::Time deadline)
   return f;
 }
 
-class TcpNetwork final : public Network {
+class TcpNetwork final : public Network, public HandOver {
  public:
   explicit TcpNetwork(TcpNetworkOptions options) : options_(options) {}
 
   absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions& o,
                                                 Handler handler) override {
+    return ServeHandingOver(o, std::move(handler));
+  }
+
+  absl::StatusOr<std::unique_ptr<Server>> ServeHandingOver(const ServeOptions& o,
+                                                           HandingHandler handler) override {
     ASSIGN_OR_RETURN(net::ListeningSocket socket,
                      net::Listen(o.bind_host, o.port, {o.first_port, o.last_port}));
     std::string host = o.advertise_host.empty() ? o.bind_host : o.advertise_host;
     std::string address = net::HostPort{host, socket.address.port()}.ToString();
     TcpServerOptions server_options = options_.server;
     server_options.may_block = o.may_block;
-    server_options.hand_over = o.hand_over;
     ASSIGN_OR_RETURN(std::unique_ptr<TcpServer> server,
                      TcpServer::Start(std::move(socket), std::move(address), std::move(handler),
                                       std::move(server_options)));
@@ -74,7 +78,9 @@ class TcpNetwork final : public Network {
     CallThenTake(peer, requests, timeout, on_reply, nullptr);
   }
 
-  bool CanHandOver() const override { return true; }
+  void* QueryExtension(absl::string_view name) override {
+    return name == HandOver::kName ? static_cast<HandOver*>(this) : nullptr;
+  }
 
   void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,
                     absl::Duration timeout, const ReplyFn& on_reply,

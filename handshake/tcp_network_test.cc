@@ -1,3 +1,4 @@
+#include "handshake/hand_over.h"
 #include "handshake/tcp_network.h"
 
 #include "handshake/tcp_server.h"
@@ -125,30 +126,24 @@ TEST(TcpNetwork, APipelineStopsWhereTheCallerSays) {
 }
 
 // A connection handed over after its last reply (kConnectLinksHere): the
-// server gives its end to the hand_over function once the reply is out, the
+// server gives its end to the answer's `take` once the reply is out, the
 // caller's `take` gets the other, and the two ends then carry bytes of their
 // own, outside the handshake; a second connection, started while the peer
 // answered, serves the calls that follow. A request that hands nothing
 // over leaves the connection with the handshake (pooled, reused by the
 // next call).
 TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
-  auto network = NewTcpNetwork();
-  ASSERT_TRUE(network->CanHandOver());
+  auto network_owner = NewTcpNetwork();
+  HandOver* network = ExtensionOf<HandOver>(network_owner.get());
+  ASSERT_NE(network, nullptr);
   std::mutex mu;
   std::vector<net::Fd> taken;  // the server's ends
-  ServeOptions o = Loopback();
-  o.hand_over = [&](const Frame& request, const Frame& reply) -> TakeConnection {
-    if (request.type != MessageType::kConnectLinksHere || reply.type == MessageType::kError) {
-      return nullptr;
-    }
-    return [&](net::Fd fd) {
+  auto server = network->ServeHandingOver(Loopback(), [&](const Frame& request) -> Answer {
+    if (request.type == MessageType::kProbe) return Frame{MessageType::kProbeReply, request.payload};
+    return Answer(Frame{MessageType::kConnectLinksReply, "ok"}, [&](net::Fd fd) {
       std::lock_guard<std::mutex> lock(mu);
       taken.push_back(std::move(fd));
-    };
-  };
-  auto server = network->Serve(o, [](const Frame& request) {
-    if (request.type == MessageType::kProbe) return Frame{MessageType::kProbeReply, request.payload};
-    return Frame{MessageType::kConnectLinksReply, "ok"};
+    });
   });
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string at = (*server)->address();
@@ -207,7 +202,7 @@ TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
                           return false;
                         });
   EXPECT_TRUE(asked);
-  auto again = network->Call(at, Frame{MessageType::kProbe, Encode(Probe{1, 7})}, absl::Seconds(5));
+  auto again = network_owner->Call(at, Frame{MessageType::kProbe, Encode(Probe{1, 7})}, absl::Seconds(5));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(DecodeProbe(again->payload)->nonce, 7u);
   // The handed-over one, the first spare (which both calls used) and the
@@ -227,12 +222,13 @@ TEST(TcpNetwork, AfterAPeerRestartsTheNextCallConnectsAfresh) {
   auto first = network->Serve(Loopback(), EchoHandler);
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string at = (*first)->address();
-  network->CallThenTake(at, {Frame{MessageType::kProbe, Encode(Probe{1, 1})}}, absl::Seconds(5),
-                        [](size_t, absl::StatusOr<Frame> reply) {
-                          EXPECT_TRUE(reply.ok()) << reply.status();
-                          return true;
-                        },
-                        [](net::Fd&) { return false; });  // both kept idle
+  ExtensionOf<HandOver>(network.get())
+      ->CallThenTake(at, {Frame{MessageType::kProbe, Encode(Probe{1, 1})}}, absl::Seconds(5),
+                     [](size_t, absl::StatusOr<Frame> reply) {
+                       EXPECT_TRUE(reply.ok()) << reply.status();
+                       return true;
+                     },
+                     [](net::Fd&) { return false; });  // both kept idle
   ServeOptions same = Loopback();
   same.port = static_cast<uint16_t>(std::stoi(at.substr(at.rfind(':') + 1)));
   first->reset();  // the peer goes away, closing both

@@ -49,7 +49,7 @@ struct TcpServer::State {
 
   net::ListeningSocket socket;
   std::string address;
-  Handler handler;
+  HandingHandler handler;
   TcpServerOptions options;
   std::unique_ptr<net::EventLoop> loop;
 
@@ -77,9 +77,6 @@ struct TcpServer::State {
   bool ReadSome(uint64_t id, Conn* c);
   void Dispatch(uint64_t id, Conn* c);
   void OnReply(uint64_t id, Frame reply, TakeConnection take);
-  TakeConnection TakeAfter(const Frame& request, const Frame& reply) const {
-    return options.hand_over ? options.hand_over(request, reply) : nullptr;
-  }
   bool Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take, bool flush = true);
   bool SendReply(uint64_t id, Conn* c, const Frame& reply, bool flush = true);
   bool WholeRequestIn(const Conn& c) const;
@@ -212,11 +209,11 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
     buffered -= total;
     c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
     if (inline_answer) {
-      const Frame reply = handler(request);
-      TakeConnection take = TakeAfter(request, reply);
+      handshake::Answer answer = handler(request);
       // The next request is in whole: its reply goes with this one.
-      const bool more = take == nullptr && answered + 1 < kInlineBurst && WholeRequestIn(*c);
-      if (!Answer(id, c, reply, std::move(take), /*flush=*/!more)) return;
+      const bool more =
+          answer.take == nullptr && answered + 1 < kInlineBurst && WholeRequestIn(*c);
+      if (!Answer(id, c, answer.reply, std::move(answer.take), /*flush=*/!more)) return;
       deferred = more;
       if (++answered == kInlineBurst) {
         loop->Post([this, id] {
@@ -367,11 +364,10 @@ void TcpServer::State::Worker() {
       job = std::move(jobs.front());
       jobs.pop_front();
     }
-    Frame reply = handler(job.request);
-    TakeConnection take = TakeAfter(job.request, reply);
+    handshake::Answer answer = handler(job.request);
     const uint64_t id = job.conn;
-    loop->Post([this, id, r = std::move(reply), t = std::move(take)]() mutable {
-      OnReply(id, std::move(r), std::move(t));
+    loop->Post([this, id, a = std::move(answer)]() mutable {
+      OnReply(id, std::move(a.reply), std::move(a.take));
     });
   }
 }
@@ -380,7 +376,7 @@ TcpServer::TcpServer(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
 absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(net::ListeningSocket socket,
                                                             std::string address,
-                                                            Handler handler,
+                                                            HandingHandler handler,
                                                             TcpServerOptions options) {
   auto s = std::make_unique<State>();
   s->socket = std::move(socket);

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "handshake/hand_over.h"
 #include "handshake/network.h"
 #include "net/socket.h"
 
@@ -40,8 +41,6 @@ struct TcpServerOptions {
   // Which requests those are (ServeOptions::may_block); the others are
   // answered on the loop thread. Empty: all of them.
   std::function<bool(const Frame& request)> may_block;
-  // ServeOptions::hand_over. Empty: no connection is handed over.
-  std::function<TakeConnection(const Frame& request, const Frame& reply)> hand_over;
 };
 
 // Counters a server keeps (for tests and metrics).
@@ -52,13 +51,16 @@ struct TcpServerStats {
   uint64_t refused_frames = 0;  // malformed or oversized
   uint64_t reaped = 0;          // idle, too slow, or over the buffer budget
   uint64_t accept_pauses = 0;   // at the file-descriptor limit
-  uint64_t handed_over = 0;     // to another owner (ServeOptions::hand_over)
+  uint64_t handed_over = 0;     // to another owner (Answer::take)
 };
 
 class TcpServer : public Server {
  public:
+  // `handler` answers each request, and may hand its connection over
+  // (hand_over.h).
   static absl::StatusOr<std::unique_ptr<TcpServer>> Start(net::ListeningSocket socket,
-                                                          std::string address, Handler handler,
+                                                          std::string address,
+                                                          HandingHandler handler,
                                                           TcpServerOptions options);
   ~TcpServer() override;
   std::string address() const override;

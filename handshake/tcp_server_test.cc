@@ -36,12 +36,12 @@ struct Served {
   net::HostPort at;
 };
 
-Served Serve(TcpServerOptions o) {
+Served Serve(TcpServerOptions o, HandingHandler handler = EchoHandler) {
   auto socket = net::Listen("127.0.0.1", 0, {0, 0});
   EXPECT_TRUE(socket.ok()) << socket.status();
   Served s;
   s.at = net::HostPort{"127.0.0.1", socket->address.port()};
-  auto server = TcpServer::Start(std::move(*socket), s.at.ToString(), EchoHandler, o);
+  auto server = TcpServer::Start(std::move(*socket), s.at.ToString(), std::move(handler), o);
   EXPECT_TRUE(server.ok()) << server.status();
   s.server = std::move(*server);
   return s;
@@ -339,12 +339,10 @@ TEST(TcpServerTest, PipelinedRepliesKeepTheirOrder) {
 // reply, then closed), and nothing is handed over.
 TEST(TcpServerTest, BytesAfterAHandOverRequestAreRefused) {
   std::atomic<int> handed{0};
-  TcpServerOptions o;
-  o.hand_over = [&](const Frame& request, const Frame&) -> TakeConnection {
-    if (request.type != MessageType::kConnectLinksHere) return nullptr;
-    return [&](net::Fd) { ++handed; };
-  };
-  Served s = Serve(o);
+  Served s = Serve(TcpServerOptions(), [&](const Frame& request) -> Answer {
+    if (request.type != MessageType::kConnectLinksHere) return EchoHandler(request);
+    return Answer(EchoHandler(request), [&](net::Fd) { ++handed; });
+  });
   net::Fd fd = Attacker(s);
   const std::string bytes = EncodeFrame(MessageType::kConnectLinksHere, "") + "data too early";
   ASSERT_EQ(::send(fd.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL),

@@ -15,9 +15,9 @@
 //    one remote key per local NIC (keys[i] is valid for requests arriving on
 //    NIC i). The caller owns the memory and must keep it alive until
 //    UnregisterMemory returns OK (which waits for peer writes in progress;
-//    requests a peer cancelled may still be landing until then). A region's Access decides what peers may
-//    do; local use (as the source of a WRITE or the sink of a READ) is always
-//    allowed. Regions may overlap.
+//    requests a peer cancelled may still be landing until then). A region's
+//    Access decides what peers may do; local use (as the source of a WRITE
+//    or the sink of a READ) is always allowed. Regions may overlap.
 //
 //  * Links. A link joins one local NIC to one NIC of a peer (an RC queue
 //    pair). It is set up in three steps whose `params` bytes travel over the
@@ -95,7 +95,6 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "net/socket.h"
 
 namespace kvferry {
 namespace transport {
@@ -188,9 +187,6 @@ struct Limits {
   // its event loop instead of handing them to a handler thread (two thread
   // hand-offs fewer per new peer).
   bool accept_waits = true;
-  // Whether a link can run on a stream connection the handshake opened
-  // (AdoptConnection).
-  bool adopts_connections = false;
 };
 
 class Transport {
@@ -221,31 +217,6 @@ class Transport {
       absl::string_view peer_params) = 0;
   virtual absl::Status CompleteLink(LinkId link,
                                     absl::string_view peer_params) = 0;
-  // CreateLink in two steps, for a transport whose offer does not depend on
-  // the peer NIC (TCP): OfferLink makes the local half without touching the
-  // network, so that the offer can travel with the request for the peer's
-  // description; ConnectOffered reaches `peer_nic` once it is known (before
-  // CompleteLink, and before or after the peer's AcceptLink). The default
-  // (kUnimplemented): the offer needs the peer NIC; use CreateLink.
-  virtual absl::StatusOr<LinkOffer> OfferLink(NicIndex local_nic) {
-    (void)local_nic;
-    return absl::UnimplementedError("this transport's link offers depend on the peer NIC");
-  }
-  virtual absl::Status ConnectOffered(LinkId link, const NicInfo& peer_nic) {
-    (void)link;
-    (void)peer_nic;
-    return absl::UnimplementedError("this transport's link offers depend on the peer NIC");
-  }
-  // For a transport whose links are stream connections (TCP): `connection`,
-  // on which the peer's handshake answered the request for this link
-  // (kConnectLinksHere), becomes the link's connection, as if the link had
-  // connected to the peer's data port (an offered link, before
-  // CompleteLink) or the peer's connection had arrived there (an accepted
-  // link still waiting for it). kUnimplemented by default.
-  virtual absl::Status AdoptConnection(LinkId link, net::Fd connection) {
-    (void)link;
-    return absl::UnimplementedError("this transport's links are not stream connections");
-  }
   // The local NIC that reaches `peer_nic` by this host's routes, when the
   // transport can tell (verbs, through rdma_cm); otherwise an error saying
   // why, and the caller pairs NICs by its own rule.
@@ -289,10 +260,26 @@ class Transport {
   // Input from the network this transport refused or cut off so far, by
   // reason (for metrics; docs/security.md). Empty where nothing is counted.
   virtual std::vector<std::pair<std::string, uint64_t>> RefusedInput() const { return {}; }
+  // An extension interface this transport also implements, by the name the
+  // extension's header gives it (e.g. StreamLinks::kName in
+  // transport/stream_links.h); null when it has none of that name. What
+  // only some transports can do lives in extensions, so that this interface
+  // stays the one every transport implements. The pointer lives as long as
+  // the transport. Use ExtensionOf<E>() below.
+  virtual void* QueryExtension(absl::string_view name) {
+    (void)name;
+    return nullptr;
+  }
 
  protected:
   Transport() = default;
 };
+
+// `transport`'s extension E (a class with a `kName`), or null.
+template <typename E>
+E* ExtensionOf(Transport* transport) {
+  return static_cast<E*>(transport->QueryExtension(E::kName));
+}
 
 }  // namespace transport
 }  // namespace kvferry

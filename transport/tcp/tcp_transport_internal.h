@@ -41,6 +41,7 @@
 #include "transport/completion_queue.h"
 #include "transport/id_window.h"
 #include "transport/link_params.h"
+#include "transport/stream_links.h"
 #include "transport/tcp/hello_acceptor.h"
 #include "transport/tcp/stream_reader.h"
 #include "transport/tcp/tcp_io.h"
@@ -94,7 +95,7 @@ uint64_t HostId();
 
 constexpr uint64_t kPreferredRequestBytes = 1 << 20;
 
-class TcpTransport final : public Transport {
+class TcpTransport final : public Transport, public StreamLinks {
  public:
   explicit TcpTransport(TcpTransportOptions options) : options_(std::move(options)) {}
   ~TcpTransport() override;
@@ -112,7 +113,7 @@ class TcpTransport final : public Transport {
                   options_.max_region_bytes,
                   std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes),
                   UsableCpus() < 4 ? 1u : 2u,
-                  /*accept_waits=*/false, /*adopts_connections=*/true};
+                  /*accept_waits=*/false};
   }
   absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
                                         Access access) override;
@@ -131,6 +132,9 @@ class TcpTransport final : public Transport {
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
   void InterruptWait() override;
+  void* QueryExtension(absl::string_view name) override {
+    return name == StreamLinks::kName ? static_cast<StreamLinks*>(this) : nullptr;
+  }
   std::vector<std::pair<std::string, uint64_t>> RefusedInput() const override {
     const HelloAcceptorStats s = acceptor_->stats();
     return {{"data_connection_bad_hello", s.bad_hellos},

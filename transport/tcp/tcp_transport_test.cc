@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "transport/in_process.h"
+#include "transport/stream_links.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
@@ -115,7 +116,9 @@ TEST(TcpTransport, LinksCanAdoptAConnectionMadeElsewhere) {
   auto a = CreateTcpTransport(o);
   auto b = CreateTcpTransport(o);
   ASSERT_TRUE(a.ok() && b.ok());
-  ASSERT_TRUE((*a)->GetLimits().adopts_connections);
+  StreamLinks* sa = ExtensionOf<StreamLinks>(a->get());
+  StreamLinks* sb = ExtensionOf<StreamLinks>(b->get());
+  ASSERT_TRUE(sa != nullptr && sb != nullptr);
   auto listener = net::Listen("127.0.0.1", 0, {0, 0});
   ASSERT_TRUE(listener.ok()) << listener.status();
   auto pair = [&]() -> std::pair<net::Fd, net::Fd> {
@@ -127,21 +130,21 @@ TEST(TcpTransport, LinksCanAdoptAConnectionMadeElsewhere) {
     return {near.ok() ? std::move(*near) : net::Fd(), std::move(far)};
   };
   auto [near, far] = pair();
-  auto offer = (*a)->OfferLink(0);
+  auto offer = sa->OfferLink(0);
   ASSERT_TRUE(offer.ok()) << offer.status();
   auto accepted = (*b)->AcceptLink(0, (*a)->LocalEndpoint().nics[0], offer->params);
   ASSERT_TRUE(accepted.ok()) << accepted.status();
   // The accepted end arrives non-blocking, as a server's does.
-  ASSERT_TRUE((*b)->AdoptConnection(accepted->link, std::move(far)).ok());
-  ASSERT_TRUE((*a)->AdoptConnection(offer->link, std::move(near)).ok());
+  ASSERT_TRUE(sb->AdoptConnection(accepted->link, std::move(far)).ok());
+  ASSERT_TRUE(sa->AdoptConnection(offer->link, std::move(near)).ok());
   ASSERT_TRUE((*a)->CompleteLink(offer->link, accepted->params).ok());
 
   auto [spare_near, spare_far] = pair();
-  EXPECT_EQ((*a)->AdoptConnection(offer->link, std::move(spare_near)).code(),
+  EXPECT_EQ(sa->AdoptConnection(offer->link, std::move(spare_near)).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*b)->AdoptConnection(accepted->link, std::move(spare_far)).code(),
+  EXPECT_EQ(sb->AdoptConnection(accepted->link, std::move(spare_far)).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*a)->AdoptConnection(offer->link + 1000, net::Fd()).code(),
+  EXPECT_EQ(sa->AdoptConnection(offer->link + 1000, net::Fd()).code(),
             absl::StatusCode::kInvalidArgument);
 
   std::vector<char> src(8192), dst(8192, 0), back(8192, 0);

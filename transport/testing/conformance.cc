@@ -12,6 +12,7 @@
 #include "cuda/driver.h"
 #include "sim/prng.h"
 #include "transport/in_process.h"
+#include "transport/stream_links.h"
 
 namespace kvferry {
 namespace transport {
@@ -502,29 +503,30 @@ TEST_P(TransportConformanceTest, LinkSetupValidatesInput) {
   EXPECT_EQ((*a)->Post({&wr, 1}).code(), absl::StatusCode::kFailedPrecondition);
 }
 
-// A link offered before the peer NIC is known (OfferLink), accepted by the
-// peer before it is connected (ConnectOffered), then completed: it moves
-// bytes like any other. Refuses what is out of order. Transports whose
-// offers need the peer NIC say kUnimplemented.
+// A link offered before the peer NIC is known (StreamLinks::OfferLink),
+// accepted by the peer before it is connected (ConnectOffered), then
+// completed: it moves bytes like any other. Refuses what is out of order.
+// Transports without the extension skip.
 TEST_P(TransportConformanceTest, OfferedLinksAcceptedBeforeTheyConnectCarryData) {
   auto a = harness_->NewTransport();
   auto b = harness_->NewTransport();
   ASSERT_TRUE(a.ok() && b.ok());
-  absl::StatusOr<LinkOffer> offer = (*a)->OfferLink(0);
-  if (offer.status().code() == absl::StatusCode::kUnimplemented) {
-    EXPECT_EQ((*a)->ConnectOffered(1, (*b)->LocalEndpoint().nics[0]).code(),
-              absl::StatusCode::kUnimplemented);
-    GTEST_SKIP() << "this transport's offers need the peer NIC";
+  StreamLinks* streams = ExtensionOf<StreamLinks>(a->get());
+  if (streams == nullptr) {
+    EXPECT_EQ((*a)->QueryExtension("no.such.extension"), nullptr);
+    GTEST_SKIP() << "this transport's links are not stream connections";
   }
+  EXPECT_EQ((*a)->QueryExtension("no.such.extension"), nullptr);
+  absl::StatusOr<LinkOffer> offer = streams->OfferLink(0);
   ASSERT_TRUE(offer.ok()) << offer.status();
-  EXPECT_EQ((*a)->OfferLink(999).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(streams->OfferLink(999).status().code(), absl::StatusCode::kInvalidArgument);
   // Not connected yet: it cannot complete.
   EXPECT_EQ((*a)->CompleteLink(offer->link, "whatever").code(),
             absl::StatusCode::kFailedPrecondition);
   auto accepted = (*b)->AcceptLink(0, (*a)->LocalEndpoint().nics[0], offer->params);
   ASSERT_TRUE(accepted.ok()) << accepted.status();
-  ASSERT_TRUE((*a)->ConnectOffered(offer->link, (*b)->LocalEndpoint().nics[0]).ok());
-  EXPECT_EQ((*a)->ConnectOffered(offer->link, (*b)->LocalEndpoint().nics[0]).code(),
+  ASSERT_TRUE(streams->ConnectOffered(offer->link, (*b)->LocalEndpoint().nics[0]).ok());
+  EXPECT_EQ(streams->ConnectOffered(offer->link, (*b)->LocalEndpoint().nics[0]).code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE((*a)->CompleteLink(offer->link, accepted->params).ok());
   Buffer src = MakeBuffer(**a, 4096, 36);
@@ -532,7 +534,7 @@ TEST_P(TransportConformanceTest, OfferedLinksAcceptedBeforeTheyConnectCarryData)
   ASSERT_TRUE(RunOne(**a, Write(offer->link, src, 0, dst, 0, 4096)).ok());
   EXPECT_TRUE(SameBytes(dst.data(), src.data(), 4096));
   // One offered and never connected closes cleanly.
-  absl::StatusOr<LinkOffer> unused = (*a)->OfferLink(0);
+  absl::StatusOr<LinkOffer> unused = streams->OfferLink(0);
   ASSERT_TRUE(unused.ok());
   EXPECT_TRUE((*a)->CloseLink(unused->link).ok());
 }
