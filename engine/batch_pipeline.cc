@@ -4,13 +4,10 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
-#include "cuda/driver.h"
-#include "net/interfaces.h"
 #include "net/socket.h"
 
 namespace kvferry {
@@ -18,9 +15,11 @@ namespace engine_internal {
 
 BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
                              std::vector<transport::Transport*> transports,
-                             const LocalRegions* regions, const PeerClient* client, Clock* clock)
+                             const LocalRegions* regions, const PeerClient* client, Clock* clock,
+                             HostFacts facts)
     : config_(config),
       engine_id_(engine_id),
+      facts_(std::move(facts)),
       regions_(regions),
       client_(client),
       clock_(clock),
@@ -45,6 +44,7 @@ BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
     for (const transport::NicInfo& nic : endpoint.nics) {
       nic_counters_.push_back(NicCounters{nic.name, 0, 0});
     }
+    kinds_.push_back(v.kind);
     vias_.push_back(std::move(v));
   }
   for (size_t i = 0; i < kLanes; ++i) {
@@ -84,32 +84,13 @@ absl::StatusOr<BatchPipeline::Path> BatchPipeline::Connect(const std::string& pe
   return p;
 }
 
-// The best transport both ends have: this engine's primary if the peer's
-// primary is of the same kind and its links come up; else a transport of
-// this engine that the peer also has (asked for by kind).
-namespace {
-
-// Whether `peer` ("host:port") is an address of this host: a numeric
-// address of one of its interfaces, or loopback.
-bool OnThisHost(const std::string& peer) {
-  absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
-  if (!hp.ok()) return false;
-  absl::StatusOr<std::vector<net::InterfaceAddress>> mine = net::ListInterfaceAddresses();
-  if (!mine.ok()) return false;
-  for (const net::InterfaceAddress& a : *mine) {
-    if (a.ip == hp->host) return true;
-  }
-  return hp->host == "localhost" || absl::StartsWith(hp->host, "127.");
-}
-
-}  // namespace
-
 absl::StatusOr<std::optional<BatchPipeline::Path>> BatchPipeline::OneRoundTrip(
-    const std::string& peer) const {
-  absl::StatusOr<DescribedLinks> quick = DescribeWithLinks(
-      vias_[0].transport, *client_, engine_id_, peer, "tcp", vias_[0].links, clock_->Now());
-  // No TCP at the peer (kNotFound): the usual choice says so; a transport
-  // that cannot offer links early (kUnimplemented) takes it too.
+    const std::string& peer, size_t via) const {
+  absl::StatusOr<DescribedLinks> quick =
+      DescribeWithLinks(vias_[via].transport, *client_, engine_id_, peer, vias_[via].kind,
+                        vias_[via].links, clock_->Now());
+  // No such transport at the peer (kNotFound): the usual choice says so; a
+  // transport that cannot offer links early (kUnimplemented) takes it too.
   if (!quick.ok() && quick.status().code() != absl::StatusCode::kNotFound &&
       quick.status().code() != absl::StatusCode::kUnimplemented) {
     return quick.status();
@@ -118,62 +99,64 @@ absl::StatusOr<std::optional<BatchPipeline::Path>> BatchPipeline::OneRoundTrip(
     return std::nullopt;
   }
   if (!quick->links.ok()) return quick->links.status();
-  return Path{0, std::move(quick->descriptor), std::move(*quick->links),
-              "this engine has only tcp; the peer has it too"};
+  return Path{via, std::move(quick->descriptor), std::move(*quick->links), ""};
 }
 
-absl::StatusOr<BatchPipeline::Path> BatchPipeline::ChoosePath(const std::string& peer) const {
-  // A peer on this host of a GPU host: TCP, whose links copy device memory
-  // GPU to GPU through CUDA IPC, not through the NIC (host memory goes over
-  // loopback TCP then).
-  if (vias_.size() > 1 && vias_[0].kind != "tcp" && cuda::Driver::Get() != nullptr &&
-      OnThisHost(peer)) {
-    for (size_t via = 1; via < vias_.size(); ++via) {
-      if (vias_[via].kind != "tcp") continue;
-      absl::StatusOr<handshake::EngineDescriptor> d = client_->Describe(peer, "tcp");
-      if (!d.ok() || d->transport_kind != "tcp") break;
-      absl::StatusOr<Path> p = Connect(peer, via, std::move(*d));
-      if (!p.ok()) break;  // the usual choice below
-      p->why = "the peer is on this host: tcp, with CUDA IPC for device memory";
-      return p;
+// Runs the steps ChoosePath (path_choice.h) gives until one succeeds or it
+// says no: describing the peer and connecting links are the only I/O.
+absl::StatusOr<BatchPipeline::Path> BatchPipeline::FindPath(const std::string& peer) const {
+  PeerFacts theirs;
+  theirs.address = peer;
+  absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
+  theirs.host = hp.ok() ? hp->host : peer;
+  std::optional<handshake::EngineDescriptor> primary;
+  // Every step but the last adds a fact; this bounds a choice gone wrong.
+  for (size_t steps = 0; steps < 4 + 2 * kinds_.size(); ++steps) {
+    const PathStep step = ChoosePath(kinds_, theirs, facts_);
+    switch (step.action) {
+      case PathStep::Action::kFail:
+        return step.error;
+      case PathStep::Action::kDescribe: {
+        ASSIGN_OR_RETURN(handshake::EngineDescriptor d, client_->Describe(peer));
+        theirs.primary = d.transport_kind;
+        primary = std::move(d);
+        continue;
+      }
+      case PathStep::Action::kOneRoundTrip: {
+        ASSIGN_OR_RETURN(std::optional<Path> quick, OneRoundTrip(peer, step.via));
+        if (quick.has_value()) {
+          quick->why = step.why;
+          return std::move(*quick);
+        }
+        theirs.one_round_trip_tried = true;
+        continue;
+      }
+      case PathStep::Action::kConnect:
+        break;
     }
-  }
-  if (vias_.size() == 1 && vias_[0].kind == "tcp") {
-    ASSIGN_OR_RETURN(std::optional<Path> quick, OneRoundTrip(peer));
-    if (quick.has_value()) return std::move(*quick);
-  }
-  ASSIGN_OR_RETURN(handshake::EngineDescriptor theirs, client_->Describe(peer));
-  const std::string& their_kind = theirs.transport_kind;
-  const bool same_primary = their_kind == vias_[0].kind;
-  absl::Status primary_failed;
-  if (same_primary) {
-    absl::StatusOr<Path> p = Connect(peer, 0, theirs);
-    if (p.ok()) p->why = absl::StrCat("both ends have ", vias_[0].kind);
-    if (p.ok() || vias_.size() == 1) return p;
-    primary_failed = p.status();
-  }
-  for (size_t via = same_primary ? 1 : 0; via < vias_.size(); ++via) {
+    // Before the peer is described, a connect step is the same-host one:
+    // its failure leaves the usual choice.
+    const bool same_host = theirs.primary.empty();
     absl::StatusOr<handshake::EngineDescriptor> d =
-        vias_[via].kind == their_kind ? absl::StatusOr<handshake::EngineDescriptor>(theirs)
-                                      : client_->Describe(peer, vias_[via].kind);
+        primary.has_value() && primary->transport_kind == step.kind
+            ? absl::StatusOr<handshake::EngineDescriptor>(*primary)
+            : client_->Describe(peer, step.kind);
     // The peer has no such transport (an older peer answers with its
     // primary whatever is asked).
-    if (!d.ok() || d->transport_kind != vias_[via].kind) continue;
-    absl::StatusOr<Path> p = Connect(peer, via, std::move(*d));
-    if (!p.ok()) return p.status();
-    p->why = same_primary
-                 ? absl::StrCat(vias_[0].kind, " links to the peer failed (",
-                                primary_failed.message(), "); fell back to ", vias_[via].kind)
-                 : absl::StrCat("the peer's primary transport is ", their_kind, "; both ends have ",
-                                vias_[via].kind);
-    return p;
+    if (!d.ok() || d->transport_kind != step.kind) {
+      if (same_host) theirs.same_host_tried = true;
+      if (!same_host) theirs.lacks.insert(step.kind);
+      continue;
+    }
+    absl::StatusOr<Path> p = Connect(peer, step.via, std::move(*d));
+    if (p.ok()) {
+      p->why = step.why;
+      return p;
+    }
+    if (same_host) theirs.same_host_tried = true;
+    if (!same_host) theirs.failed.emplace_back(step.kind, p.status());
   }
-  if (!primary_failed.ok()) return primary_failed;
-  std::vector<std::string> mine;
-  for (const Via& v : vias_) mine.push_back(v.kind);
-  return absl::FailedPreconditionError(absl::StrCat("peer ", peer, " uses the ", their_kind,
-                                                    " transport; this engine has ",
-                                                    absl::StrJoin(mine, " and ")));
+  return absl::InternalError(absl::StrCat("no transport chosen for peer ", peer));
 }
 
 absl::StatusOr<SegmentId> BatchPipeline::Open(const std::string& peer) {
@@ -186,7 +169,7 @@ absl::StatusOr<SegmentId> BatchPipeline::Open(const std::string& peer) {
     }
     ExpireIdle(now);
   }
-  ASSIGN_OR_RETURN(Path path, ChoosePath(peer));
+  ASSIGN_OR_RETURN(Path path, FindPath(peer));
   MutexLock lock(&mu_);
   if (SegmentId id = segments_.ByPeer(peer); id != 0) {  // another thread won the race
     CloseLinks(path.via, path.links);
@@ -317,7 +300,7 @@ absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_g
   // The old links' peer halves close first: nothing posted on them lands
   // after what goes on the new ones (a restarted peer has none of them).
   absl::Status closed = old.empty() ? absl::OkStatus() : ClosePeerHalves(id, old);
-  absl::StatusOr<Path> path = closed.ok() ? ChoosePath(peer) : closed;
+  absl::StatusOr<Path> path = closed.ok() ? FindPath(peer) : closed;
   MutexLock lock(&mu_);
   Segment& seg = *segments_.Find(id);  // not closed: Close refuses while refreshing
   refreshed_.SignalAll();

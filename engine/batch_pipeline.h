@@ -35,6 +35,7 @@
 #include "engine/completion_pump.h"
 #include "engine/lanes.h"
 #include "engine/local_regions.h"
+#include "engine/path_choice.h"
 #include "engine/peer_client.h"
 #include "engine/segment_table.h"
 #include "engine/transfer_engine.h"
@@ -63,14 +64,13 @@ class BatchPipeline {
   // best one both ends have (see Open).
   BatchPipeline(PipelineConfig config, uint64_t engine_id,
                 std::vector<transport::Transport*> transports, const LocalRegions* regions,
-                const PeerClient* client, Clock* clock);
+                const PeerClient* client, Clock* clock, HostFacts facts);
   ~BatchPipeline();
 
   // ---- segments (batch_pipeline.cc)
-  // `peer` in canonical "host:port" form. The segment goes over this
-  // engine's primary transport when the peer has the same kind and links
-  // can be built, else over the fallback (TCP) if both have it; the choice
-  // and its reason are logged and kept in the peer's metrics.
+  // `peer` in canonical "host:port" form. The transport is chosen as
+  // path_choice.h says; the choice and its reason are logged and kept in
+  // the peer's metrics.
   absl::StatusOr<SegmentId> Open(const std::string& peer);
   absl::Status Close(SegmentId id);
   absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> Regions(SegmentId id) const;
@@ -293,11 +293,12 @@ class BatchPipeline {
     std::vector<Link> links;
     std::string why;
   };
-  absl::StatusOr<Path> ChoosePath(const std::string& peer) const;
-  // An engine with TCP alone offers its links with the request for the
-  // peer's TCP descriptor: one round trip for both (DescribeWithLinks).
-  // Nullopt when the usual choice must be made.
-  absl::StatusOr<std::optional<Path>> OneRoundTrip(const std::string& peer) const;
+  // The path ChoosePath (path_choice.h) leads to, and why.
+  absl::StatusOr<Path> FindPath(const std::string& peer) const;
+  // Links offered with the request for the peer's descriptor of transport
+  // `via`'s kind: one round trip for both (DescribeWithLinks). Nullopt when
+  // the usual choice must be made.
+  absl::StatusOr<std::optional<Path>> OneRoundTrip(const std::string& peer, size_t via) const;
   absl::StatusOr<Path> Connect(const std::string& peer, size_t via,
                                handshake::EngineDescriptor d) const;
   void ExpireIdle(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -307,7 +308,9 @@ class BatchPipeline {
 
   const PipelineConfig config_;
   const uint64_t engine_id_;
+  const HostFacts facts_;
   std::vector<Via> vias_;
+  std::vector<std::string> kinds_;  // vias_' kinds, in order
   const LocalRegions* const regions_;
   const PeerClient* const client_;
   Clock* const clock_;

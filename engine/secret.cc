@@ -13,6 +13,7 @@
 #include "base/errno_status.h"
 #include "base/logging.h"
 #include "handshake/auth.h"
+#include "net/interfaces.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -47,20 +48,8 @@ absl::StatusOr<std::string> ResolveSecret(const std::string& configured) {
   return secret;
 }
 
-bool IsLoopbackHost(const std::string& host) {
-  in_addr v4;
-  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) {
-    return (ntohl(v4.s_addr) >> 24) == 127;
-  }
-  in6_addr v6;
-  if (::inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
-    return IN6_IS_ADDR_LOOPBACK(&v6);
-  }
-  return host == "localhost";
-}
-
 bool WarnIfUnauthenticated(bool has_secret, const std::string& bind_host) {
-  if (has_secret || IsLoopbackHost(bind_host)) return false;
+  if (has_secret || net::IsLoopbackHost(bind_host)) return false;
   // Only real network addresses: the simulator's hosts are names.
   in6_addr any;
   if (::inet_pton(AF_INET, bind_host.c_str(), &any) != 1 &&

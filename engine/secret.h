@@ -19,9 +19,6 @@ inline constexpr char kSecretFileEnv[] = "KVFERRY_SECRET_FILE";
 // variables are set, or the file is empty; the file's errno otherwise.
 absl::StatusOr<std::string> ResolveSecret(const std::string& configured);
 
-// True for addresses only this host can reach: 127.0.0.0/8 and ::1.
-bool IsLoopbackHost(const std::string& host);
-
 // Logs one warning when an engine listening on `bind_host` has no secret
 // and is reachable from other hosts. Returns whether it warned.
 bool WarnIfUnauthenticated(bool has_secret, const std::string& bind_host);

@@ -136,7 +136,8 @@ class TransferEngine::Impl {
         inbox_(std::move(parts.wait)),
         client_(network_.get(), engine_id_, options_.handshake_timeout),
         service_(engine_id_, Transports(), &regions_, &inbox_, &metadata_),
-        pipeline_(ConfigOf(options_), engine_id_, Transports(), &regions_, &client_, clock_),
+        pipeline_(ConfigOf(options_), engine_id_, Transports(), &regions_, &client_, clock_,
+                  engine_internal::HostFacts::OfThisHost()),
         streams_(
             [this](SegmentId segment, const std::vector<TransferRequest>& requests,
                    absl::Duration timeout, BatchId* running) {

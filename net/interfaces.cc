@@ -101,5 +101,25 @@ HostChoice ChooseLocalHost(const std::string& explicit_host,
   return {"127.0.0.1", "no usable network interface; loopback only"};
 }
 
+bool IsLoopbackHost(const std::string& host) {
+  in_addr v4;
+  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) {
+    return (ntohl(v4.s_addr) >> 24) == 127;
+  }
+  in6_addr v6;
+  if (::inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+    return IN6_IS_ADDR_LOOPBACK(&v6);
+  }
+  return host == "localhost";
+}
+
+bool IsThisHost(const std::string& host, const std::vector<InterfaceAddress>& addresses) {
+  if (IsLoopbackHost(host)) return true;
+  for (const InterfaceAddress& a : addresses) {
+    if (a.ip == host) return true;
+  }
+  return false;
+}
+
 }  // namespace net
 }  // namespace kvferry

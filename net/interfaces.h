@@ -34,6 +34,14 @@ struct HostChoice {
   std::string reason;
 };
 
+// True for addresses only this host can reach: 127.0.0.0/8, ::1 and
+// "localhost".
+bool IsLoopbackHost(const std::string& host);
+
+// Whether `host` (an address, as in "host:port") names this host: loopback
+// (IsLoopbackHost), or equal to one of `addresses` (this host's, read once).
+bool IsThisHost(const std::string& host, const std::vector<InterfaceAddress>& addresses);
+
 // Applies the order above. Within one interface IPv4 is preferred.
 HostChoice ChooseLocalHost(const std::string& explicit_host,
                            const std::string& rdma_netdev,

@@ -53,6 +53,24 @@ TEST(DefaultRouteInterface, ReadsProcNetRoute) {
   EXPECT_EQ(DefaultRouteInterface(root + "/nonexistent"), "");
 }
 
+TEST(IsThisHost, LoopbackOrOneOfTheListedAddresses) {
+  EXPECT_TRUE(IsLoopbackHost("127.0.0.1"));
+  EXPECT_TRUE(IsLoopbackHost("127.1.2.3"));
+  EXPECT_TRUE(IsLoopbackHost("::1"));
+  EXPECT_TRUE(IsLoopbackHost("localhost"));
+  EXPECT_FALSE(IsLoopbackHost("10.0.0.5"));
+  EXPECT_FALSE(IsLoopbackHost("0.0.0.0"));
+  EXPECT_FALSE(IsLoopbackHost("::"));
+  const std::vector<InterfaceAddress> mine = {{"eth0", "10.0.0.5", AF_INET, true, false},
+                                              {"eth0", "2001:db8::5", AF_INET6, true, false}};
+  EXPECT_TRUE(IsThisHost("10.0.0.5", mine));
+  EXPECT_TRUE(IsThisHost("2001:db8::5", mine));
+  EXPECT_TRUE(IsThisHost("127.0.0.2", mine));
+  EXPECT_FALSE(IsThisHost("10.0.0.6", mine));
+  EXPECT_FALSE(IsThisHost("10.0.0.5", {}));
+  EXPECT_FALSE(IsThisHost("peer.example", mine));
+}
+
 TEST(ListInterfaceAddresses, FindsLoopback) {
   auto list = ListInterfaceAddresses();
   ASSERT_TRUE(list.ok()) << list.status();

@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "base/status_macros.h"
 #include "transport/checks.h"
+#include "transport/kinds.h"
 #include "transport/link_params.h"
 
 namespace kvferry {
@@ -29,11 +30,11 @@ constexpr uint8_t kResponse = 2;
 enum : uint8_t { kQpnField = 1, kNicField = 2 };
 
 std::string EncodeParams(uint64_t qpn, sim::NicId nic) {
-  return LinkParams("sim").Put(kQpnField, qpn).Put(kNicField, nic).Encode();
+  return LinkParams(kind::kSim).Put(kQpnField, qpn).Put(kNicField, nic).Encode();
 }
 
 bool DecodeParams(absl::string_view in, uint64_t* qpn, sim::NicId* nic) {
-  absl::StatusOr<LinkParams> p = LinkParams::Decode(in, "sim");
+  absl::StatusOr<LinkParams> p = LinkParams::Decode(in, kind::kSim);
   if (!p.ok()) return false;
   absl::StatusOr<uint64_t> q = p->Get(kQpnField, "QP number");
   absl::StatusOr<uint64_t> n = p->Get(kNicField, "NIC");
@@ -165,7 +166,7 @@ absl::Duration SimTransport::PeerLossBound() const {
 
 EndpointDescription SimTransport::LocalEndpoint() const {
   EndpointDescription d;
-  d.kind = "sim";
+  d.kind = kind::kSim;
   for (NicIndex i = 0; i < options_.nics.size(); ++i) {
     const sim::NicId nic = options_.nics[i];
     const sim::NicSpec& spec = fabric_->nic_spec(nic);

@@ -1,5 +1,6 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include "transport/kinds.h"
 #include "transport/tcp/tcp_transport_internal.h"
 
 namespace kvferry {
@@ -77,9 +78,9 @@ TcpTransport::~TcpTransport() {
 
 EndpointDescription TcpTransport::LocalEndpoint() const {
   EndpointDescription d;
-  d.kind = "tcp";
+  d.kind = kind::kTcp;
   NicInfo nic;
-  nic.name = "tcp";
+  nic.name = kind::kTcp;
   nic.address = advertised_;
   d.nics.push_back(nic);
   return d;

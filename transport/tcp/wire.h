@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "base/status_macros.h"
+#include "transport/kinds.h"
 #include "transport/link_params.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -56,7 +57,7 @@ static_assert(sizeof(DataHeader) == 40, "wire header size");
 enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3, kVmmField = 4 };
 inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host,
                                     uint64_t vmm = 0) {
-  LinkParams p("tcp");
+  LinkParams p(kind::kTcp);
   p.Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host);
   if (vmm != 0) p.Put(kVmmField, vmm);
   return p.Encode();
@@ -68,7 +69,7 @@ struct PeerParams {
   uint64_t vmm = 0;
 };
 inline absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes) {
-  ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, "tcp"));
+  ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, kind::kTcp));
   PeerParams out;
   ASSIGN_OR_RETURN(out.token, p.Get(kTokenField, "pairing token"));
   ASSIGN_OR_RETURN(out.key, p.Get(kKeyField, "in-process key"));

@@ -20,6 +20,7 @@
 #include "base/mutex.h"
 #include "base/status_macros.h"
 #include "cuda/driver.h"
+#include "transport/kinds.h"
 #include "transport/link_params.h"
 #include "transport/verbs/ibv.h"
 
@@ -59,7 +60,7 @@ absl::StatusCode CodeOf(ibv_wc_status s) {
 enum : uint8_t { kQpnField = 1, kPsnField = 2, kLidField = 3, kGidField = 4, kMtuField = 5 };
 
 std::string EncodeParams(const Params& p) {
-  return LinkParams("verbs")
+  return LinkParams(kind::kVerbs)
       .Put(kQpnField, p.qpn)
       .Put(kPsnField, p.psn)
       .Put(kLidField, p.lid)
@@ -69,7 +70,7 @@ std::string EncodeParams(const Params& p) {
 }
 
 absl::StatusOr<Params> DecodeParams(absl::string_view bytes) {
-  ASSIGN_OR_RETURN(LinkParams in, LinkParams::Decode(bytes, "verbs"));
+  ASSIGN_OR_RETURN(LinkParams in, LinkParams::Decode(bytes, kind::kVerbs));
   Params p;
   ASSIGN_OR_RETURN(uint64_t qpn, in.Get(kQpnField, "QP number"));
   ASSIGN_OR_RETURN(uint64_t psn, in.Get(kPsnField, "PSN"));
@@ -143,7 +144,7 @@ VerbsTransport::~VerbsTransport() {
 
 EndpointDescription VerbsTransport::LocalEndpoint() const {
   EndpointDescription d;
-  d.kind = "verbs";
+  d.kind = kind::kVerbs;
   for (const Nic& nic : nics_) {
     NicInfo info;
     info.name = absl::StrCat(nic.port.device, ":", nic.port.port);
