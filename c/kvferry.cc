@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -130,8 +130,9 @@ absl::Status SetOption(EngineOptions& o, const std::string& key, const char* val
     }
   } else if (key == "port" || key == "first_port" || key == "last_port") {
     RETURN_IF_ERROR(integer(key == "port" ? 0 : 1, 65535));
-    (key == "port" ? o.port : key == "first_port" ? o.first_port : o.last_port) =
-        static_cast<uint16_t>(v);
+    (key == "port"         ? o.port
+     : key == "first_port" ? o.first_port
+                           : o.last_port) = static_cast<uint16_t>(v);
   } else if (key == "gid_index") {
     RETURN_IF_ERROR(integer(-1, 65535));
     o.gid_index = static_cast<int>(v);
@@ -203,14 +204,13 @@ int Outcome(const BatchStatus& st, bool pending_is_error, kvferry_batch_status* 
 void ReleaseAbandoned(kvferry_engine& e) {
   MutexLock lock(&e.mu);
   auto& v = e.abandoned;
-  v.erase(std::remove_if(v.begin(), v.end(),
-                         [&](BatchId b) { return e.engine->Release(b).ok(); }),
+  v.erase(std::remove_if(v.begin(), v.end(), [&](BatchId b) { return e.engine->Release(b).ok(); }),
           v.end());
 }
 
 absl::StatusOr<std::vector<TransferRequest>> Columns(int opcode, const uint64_t* local,
-                                                    const uint64_t* remote,
-                                                    const uint64_t* lengths, size_t count) {
+                                                     const uint64_t* remote,
+                                                     const uint64_t* lengths, size_t count) {
   if (opcode != KVFERRY_OP_WRITE && opcode != KVFERRY_OP_READ) {
     return absl::InvalidArgumentError(absl::StrCat("opcode ", opcode, ": write (0) or read (1)"));
   }
@@ -297,8 +297,8 @@ using kvferry::Invalid;
 using kvferry::Ok;
 using kvferry::Result;
 
-#define KVF_REQUIRE(cond, what) \
-  do {                          \
+#define KVF_REQUIRE(cond, what)        \
+  do {                                 \
     if (!(cond)) return Invalid(what); \
   } while (0)
 
@@ -310,12 +310,23 @@ const char* kvferry_last_error(void) { return kvferry::last_error.c_str(); }
 void kvferry_free(void* p) { std::free(p); }
 
 const char* kvferry_status_name(int status) {
-  static const char* const kNames[] = {
-      "OK",       "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",  "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",     "UNAVAILABLE",      "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static const char* const kNames[] = {"OK",
+                                       "CANCELLED",
+                                       "UNKNOWN",
+                                       "INVALID_ARGUMENT",
+                                       "DEADLINE_EXCEEDED",
+                                       "NOT_FOUND",
+                                       "ALREADY_EXISTS",
+                                       "PERMISSION_DENIED",
+                                       "RESOURCE_EXHAUSTED",
+                                       "FAILED_PRECONDITION",
+                                       "ABORTED",
+                                       "OUT_OF_RANGE",
+                                       "UNIMPLEMENTED",
+                                       "INTERNAL",
+                                       "UNAVAILABLE",
+                                       "DATA_LOSS",
+                                       "UNAUTHENTICATED"};
   return status >= 0 && status <= 16 ? kNames[status] : "UNKNOWN";
 }
 
@@ -330,8 +341,8 @@ int kvferry_options_set(kvferry_options* options, const char* key, const char* v
 int kvferry_engine_create(const kvferry_options* options, kvferry_engine** out) {
   KVF_REQUIRE(out != nullptr, "null output pointer");
   *out = nullptr;
-  auto e = kvferry::TransferEngine::Create(options != nullptr ? options->o
-                                                              : kvferry::EngineOptions());
+  auto e =
+      kvferry::TransferEngine::Create(options != nullptr ? options->o : kvferry::EngineOptions());
   if (!e.ok()) return Fail(e.status());
   auto* h = new kvferry_engine();
   h->engine = std::move(*e);
@@ -366,7 +377,8 @@ int kvferry_register_memory(kvferry_engine* e, void* addr, uint64_t length, int 
                             const char* location) {
   KVF_REQUIRE(access >= KVFERRY_ACCESS_NONE && access <= KVFERRY_ACCESS_READ_WRITE,
               absl::StrCat("access ", access, ": 0 none, 1 read, 2 write or 3 read-write"));
-  return Result(e->engine->RegisterMemory(addr, length, static_cast<kvferry::transport::Access>(access),
+  return Result(e->engine->RegisterMemory(addr, length,
+                                          static_cast<kvferry::transport::Access>(access),
                                           location != nullptr ? location : ""));
 }
 
@@ -415,10 +427,9 @@ int kvferry_submit(kvferry_engine* e, kvferry_segment segment, const kvferry_req
     const int op = requests[i].opcode;
     KVF_REQUIRE(op == KVFERRY_OP_WRITE || op == KVFERRY_OP_READ,
                 absl::StrCat("request ", i, ": opcode ", op, ": write (0) or read (1)"));
-    reqs[i] = kvferry::TransferRequest{
-        op == KVFERRY_OP_WRITE ? kvferry::transport::Opcode::kWrite
-                               : kvferry::transport::Opcode::kRead,
-        requests[i].local, requests[i].remote, requests[i].length};
+    reqs[i] = kvferry::TransferRequest{op == KVFERRY_OP_WRITE ? kvferry::transport::Opcode::kWrite
+                                                              : kvferry::transport::Opcode::kRead,
+                                       requests[i].local, requests[i].remote, requests[i].length};
   }
   auto batch = e->engine->Submit(segment, reqs, peer_engine_id);
   if (!batch.ok()) return Fail(batch.status());
@@ -477,10 +488,9 @@ int kvferry_transfer_sync(kvferry_engine* e, const char* peer, int opcode, const
 }
 
 int kvferry_submit_on_stream(kvferry_engine* e, kvferry_segment segment, int opcode,
-                             const uint64_t* local, const uint64_t* remote,
-                             const uint64_t* lengths, size_t count, void* stream,
-                             int hold_stream, int64_t timeout_ms, int keep_result,
-                             uint64_t* out) {
+                             const uint64_t* local, const uint64_t* remote, const uint64_t* lengths,
+                             size_t count, void* stream, int hold_stream, int64_t timeout_ms,
+                             int keep_result, uint64_t* out) {
   KVF_REQUIRE(out != nullptr, "null output pointer");
   auto reqs = kvferry::Columns(opcode, local, remote, lengths, count);
   if (!reqs.ok()) return Fail(reqs.status());
@@ -504,12 +514,12 @@ int kvferry_wait_on_stream(kvferry_engine* e, uint64_t id, int64_t timeout_ms,
 int kvferry_notify(kvferry_engine* e, kvferry_segment segment, const void* message, size_t length,
                    uint64_t peer_engine_id) {
   KVF_REQUIRE(message != nullptr || length == 0, "null message");
-  return Result(e->engine->Notify(
-      segment, std::string(static_cast<const char*>(message), length), peer_engine_id));
+  return Result(e->engine->Notify(segment, std::string(static_cast<const char*>(message), length),
+                                  peer_engine_id));
 }
 
-int kvferry_notify_after(kvferry_engine* e, kvferry_batch batch, const void* message,
-                         size_t length, int64_t timeout_ms) {
+int kvferry_notify_after(kvferry_engine* e, kvferry_batch batch, const void* message, size_t length,
+                         int64_t timeout_ms) {
   KVF_REQUIRE(message != nullptr || length == 0, "null message");
   return Result(e->engine->NotifyAfter(
       batch, std::string(static_cast<const char*>(message), length), kvferry::Millis(timeout_ms)));
@@ -545,8 +555,7 @@ int kvferry_next_notification(kvferry_engine* e, int64_t timeout_ms, uint64_t* s
   return kvferry::Give(n.message, message, length);
 }
 
-int kvferry_publish_metadata(kvferry_engine* e, const char* key, const void* value,
-                             size_t length) {
+int kvferry_publish_metadata(kvferry_engine* e, const char* key, const void* value, size_t length) {
   KVF_REQUIRE(key != nullptr && (value != nullptr || length == 0), "null argument");
   return Result(
       e->engine->PublishMetadata(key, std::string(static_cast<const char*>(value), length)));
@@ -606,10 +615,18 @@ int kvferry_set_log_level(int level) {
 void kvferry_log(int level, const char* message) {
   if (message == nullptr || level < KVFERRY_LOG_DEBUG || level > KVFERRY_LOG_ERROR) return;
   switch (static_cast<kvferry::LogSeverity>(level)) {
-    case kvferry::LogSeverity::kDebug: KVF_LOG(DEBUG) << message; break;
-    case kvferry::LogSeverity::kInfo: KVF_LOG(INFO) << message; break;
-    case kvferry::LogSeverity::kWarning: KVF_LOG(WARNING) << message; break;
-    case kvferry::LogSeverity::kError: KVF_LOG(ERROR) << message; break;
+    case kvferry::LogSeverity::kDebug:
+      KVF_LOG(DEBUG) << message;
+      break;
+    case kvferry::LogSeverity::kInfo:
+      KVF_LOG(INFO) << message;
+      break;
+    case kvferry::LogSeverity::kWarning:
+      KVF_LOG(WARNING) << message;
+      break;
+    case kvferry::LogSeverity::kError:
+      KVF_LOG(ERROR) << message;
+      break;
   }
 }
 
@@ -681,8 +698,7 @@ int kvferry_kv_sender_send_all(kvferry_kv_sender* s, uint64_t handle) {
 int kvferry_kv_sender_finish(kvferry_kv_sender* s, uint64_t handle, const void* aux,
                              size_t aux_length) {
   KVF_REQUIRE(aux != nullptr || aux_length == 0, "null aux");
-  return Result(
-      s->sender->Finish(handle, std::string(static_cast<const char*>(aux), aux_length)));
+  return Result(s->sender->Finish(handle, std::string(static_cast<const char*>(aux), aux_length)));
 }
 
 int kvferry_kv_sender_cancel(kvferry_kv_sender* s, uint64_t handle, const char* reason) {
@@ -690,8 +706,8 @@ int kvferry_kv_sender_cancel(kvferry_kv_sender* s, uint64_t handle, const char* 
 }
 
 int kvferry_kv_sender_send(kvferry_kv_sender* s, const char* request_id, const char* peer,
-                           const uint32_t* src, const uint32_t* dst, size_t count,
-                           const void* aux, size_t aux_length) {
+                           const uint32_t* src, const uint32_t* dst, size_t count, const void* aux,
+                           size_t aux_length) {
   KVF_REQUIRE(request_id != nullptr && peer != nullptr &&
                   ((src != nullptr && dst != nullptr) || count == 0) &&
                   (aux != nullptr || aux_length == 0),
@@ -714,8 +730,8 @@ int kvferry_kv_receiver_create(kvferry_engine* e, const kvferry_kv_pool* pool,
 
 void kvferry_kv_receiver_destroy(kvferry_kv_receiver* receiver) { delete receiver; }
 
-int kvferry_kv_receiver_expect(kvferry_kv_receiver* r, const char* request_id,
-                               const char* prefill, uint64_t prefill_engine_id) {
+int kvferry_kv_receiver_expect(kvferry_kv_receiver* r, const char* request_id, const char* prefill,
+                               uint64_t prefill_engine_id) {
   KVF_REQUIRE(request_id != nullptr && prefill != nullptr, "null argument");
   return Result(r->receiver->Expect(request_id, prefill, prefill_engine_id));
 }
@@ -741,8 +757,8 @@ int KvState(const kvferry::KvReceiver::Status& st, int* state, char** aux, size_
 
 }  // namespace
 
-int kvferry_kv_receiver_poll(kvferry_kv_receiver* r, const char* request_id, int* state,
-                             char** aux, size_t* aux_length) {
+int kvferry_kv_receiver_poll(kvferry_kv_receiver* r, const char* request_id, int* state, char** aux,
+                             size_t* aux_length) {
   KVF_REQUIRE(request_id != nullptr && state != nullptr, "null argument");
   return KvState(r->receiver->Poll(request_id), state, aux, aux_length);
 }

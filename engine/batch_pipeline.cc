@@ -31,7 +31,7 @@ BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
     v.kind = endpoint.kind;
     const transport::Limits limits = t->GetLimits();
     v.link_capacity = std::max<uint32_t>(1, limits.max_outstanding_per_link);
-    v.slice_bytes = config_.slice_bytes != 0               ? config_.slice_bytes
+    v.slice_bytes = config_.slice_bytes != 0              ? config_.slice_bytes
                     : limits.preferred_request_bytes != 0 ? limits.preferred_request_bytes
                                                           : kDefaultSliceBytes;
     if (limits.max_request_bytes != 0) {
@@ -187,9 +187,9 @@ absl::StatusOr<SegmentId> BatchPipeline::Open(const std::string& peer) {
   const SegmentId id = segments_.Add(std::move(seg));
   Segment& s = *segments_.Find(id);
   s.Publish();
-  KVF_LOG(INFO) << "opened segment " << id << " to " << peer << ": "
-                << s.descriptor.regions.size() << " region(s), " << s.links.size()
-                << " link(s) over " << s.descriptor.transport_kind << " (" << path.why << ")";
+  KVF_LOG(INFO) << "opened segment " << id << " to " << peer << ": " << s.descriptor.regions.size()
+                << " region(s), " << s.links.size() << " link(s) over "
+                << s.descriptor.transport_kind << " (" << path.why << ")";
   return id;
 }
 
@@ -210,9 +210,9 @@ absl::Status BatchPipeline::Close(SegmentId id) {
     const uint64_t slices = SlicesOf(id);
     if (slices > 0 || seg->state == SegmentState::kRefreshing || seg->probing) {
       seg->Publish();
-      return absl::FailedPreconditionError(absl::StrCat(
-          "segment ", id, " to ", seg->peer, " is in use (", slices,
-          " slice(s) in flight); wait for its batches first"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("segment ", id, " to ", seg->peer, " is in use (", slices,
+                       " slice(s) in flight); wait for its batches first"));
     }
     links = std::move(seg->links);
     via = seg->via;
@@ -314,8 +314,8 @@ absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_g
     KVF_LOG(INFO) << "peer " << peer << " restarted (new engine id); descriptor refreshed";
   }
   if (path->via != seg.via) {
-    KVF_LOG(INFO) << "peer " << peer << " now over " << vias_[path->via].kind << " ("
-                  << path->why << ")";
+    KVF_LOG(INFO) << "peer " << peer << " now over " << vias_[path->via].kind << " (" << path->why
+                  << ")";
   }
   CloseLinks(seg.via, seg.links);
   seg.via = path->via;

@@ -151,8 +151,7 @@ class BatchPipeline {
   // caller's batch). nullopt, nothing changed, when anything is unusual
   // (the general path then decides).
   std::optional<absl::StatusOr<BatchId>> SubmitOne(SegmentId id, const TransferRequest& r,
-                                                   const LocalUse& local,
-                                                   uint64_t peer_engine_id);
+                                                   const LocalUse& local, uint64_t peer_engine_id);
   // A lone request as SubmitOne posts it: its slice (not yet in the
   // lane's table), its work request (its cookie: the id the slice will
   // get) and the link whose place it took.
@@ -177,8 +176,7 @@ class BatchPipeline {
   // already assigned (AssignNow) for transport `via`: posted as they are
   // first, assigned again only for a retry.
   absl::Status PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                          std::vector<transport::WorkRequest>* assigned = nullptr,
-                          size_t via = 0);
+                          std::vector<transport::WorkRequest>* assigned = nullptr, size_t via = 0);
   // Assigns links to the slices under the lock; false when no link is usable.
   // `via`: the transport the work requests are for.
   bool AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
@@ -237,8 +235,7 @@ class BatchPipeline {
   bool DeliverOnLane(Lane& lane, const transport::Completion& done, absl::Time now,
                      LaneLookup* last, LoadReturns* returns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // One completion; the slice goes to `refresh` or `repost`, or finishes.
-  void Deliver(transport::Completion& done, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Deliver(transport::Completion& done, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues a failed slice for RefreshAndRepost; `link` (when not null) is
   // the failed link whose peer half must close before the slice goes again.
   void QueueRetry(SegmentId segment, uint64_t generation, bool refresh, uint64_t slice,
@@ -284,7 +281,7 @@ class BatchPipeline {
     uint32_t link_capacity = 1;
     uint64_t slice_bytes = 0;  // the largest slice it gets
     uint32_t links = 0;        // links it opens per peer (at least one per NIC)
-    size_t nic_offset = 0;  // its NICs' first index in nic_counters_
+    size_t nic_offset = 0;     // its NICs' first index in nic_counters_
   };
   // Which transport a peer goes over, its descriptor for it, the links.
   struct Path {

@@ -134,8 +134,8 @@ void BatchPipeline::Deliver(Completion& done, absl::Time now) {
   retry(true);
 }
 
-void BatchPipeline::QueueRetry(SegmentId segment, uint64_t generation, bool refresh,
-                               uint64_t slice, const Link* link) {
+void BatchPipeline::QueueRetry(SegmentId segment, uint64_t generation, bool refresh, uint64_t slice,
+                               const Link* link) {
   auto it = std::find_if(retry_.begin(), retry_.end(), [&](const Retry& r) {
     return r.segment == segment && r.refresh == refresh;
   });
@@ -163,12 +163,12 @@ absl::Status BatchPipeline::ClosePeerHalves(
   for (const auto& l : links) names.push_back(l.second);
   for (size_t i = 0; i < names.size(); i += handshake::kMaxLinksPerConnect) {
     const size_t end = std::min(names.size(), i + handshake::kMaxLinksPerConnect);
-    absl::Status closed = client_->CloseLinks(
-        peer, std::vector<std::string>(names.begin() + i, names.begin() + end));
+    absl::Status closed =
+        client_->CloseLinks(peer, std::vector<std::string>(names.begin() + i, names.begin() + end));
     if (!closed.ok()) {
-      return Annotate(closed, absl::StrCat("closing the peer's half of ", links.size(),
-                                           " failed link(s) to ", peer,
-                                           ", so that nothing sent on them lands late"));
+      return Annotate(
+          closed, absl::StrCat("closing the peer's half of ", links.size(), " failed link(s) to ",
+                               peer, ", so that nothing sent on them lands late"));
     }
   }
   MutexLock lock(&mu_);
@@ -241,10 +241,9 @@ size_t BatchPipeline::WaitAll(absl::Span<Completion> out, absl::Duration timeout
   {
     // The transports' notifiers bump events_ after queueing completions.
     MutexLock lock(&event_mu_);
-    event_cv_.AwaitWithDeadline(&event_mu_, FastNow() + timeout,
-                                [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                  return events_ != seen || interrupted_;
-                                });
+    event_cv_.AwaitWithDeadline(
+        &event_mu_, FastNow() + timeout,
+        [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return events_ != seen || interrupted_; });
     interrupted_ = false;
   }
   return PollAll(out);
@@ -283,9 +282,9 @@ bool BatchPipeline::DeliverAll(absl::Span<Completion> done, absl::Time now) {
 }
 
 void BatchPipeline::Pump(absl::Duration timeout) {
-  // A per-thread buffer: 64 completions built and destroyed on every call
-  // were a sixth of the cost of a one-request batch. Only the pump's driver
-  // runs this, so it never nests.
+  // A per-thread buffer, not one built and destroyed on every call
+  // (docs/performance.md, the control path). Only the pump's driver runs
+  // this, so it never nests.
   constexpr size_t kDone = kPollBatch;
   thread_local std::unique_ptr<Completion[]> buffer(new Completion[kDone]);
   Completion* done = buffer.get();
@@ -360,10 +359,9 @@ absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus
   if (done) return absl::OkStatus();
   MutexLock lane_lock(&lane.mu);
   const Batch* b = lane.batches.Find(id);
-  return absl::DeadlineExceededError(absl::StrCat("batch ", id, " still has ",
-                                                  b == nullptr ? 0 : b->pending,
-                                                  " request(s) pending after ",
-                                                  absl::FormatDuration(timeout)));
+  return absl::DeadlineExceededError(
+      absl::StrCat("batch ", id, " still has ", b == nullptr ? 0 : b->pending,
+                   " request(s) pending after ", absl::FormatDuration(timeout)));
 }
 
 absl::Status BatchPipeline::Release(BatchId id) {

@@ -30,9 +30,9 @@ absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClie
                                  const transport::NicInfo& peer_nic_info, Link link) {
   ASSIGN_OR_RETURN(transport::LinkOffer offer,
                    transport->CreateLink(link.local_nic, peer_nic_info));
-  absl::StatusOr<std::string> params = client.Connect(
-      peer, handshake::ConnectRequest{engine_id, link.local_nic, local_nic_info, link.remote_nic,
-                                      offer.params});
+  absl::StatusOr<std::string> params =
+      client.Connect(peer, handshake::ConnectRequest{engine_id, link.local_nic, local_nic_info,
+                                                     link.remote_nic, offer.params});
   absl::Status done = params.ok() ? transport->CompleteLink(offer.link, *params) : params.status();
   if (!done.ok()) {
     (void)transport->CloseLink(offer.link);
@@ -178,9 +178,8 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
   if (streams == nullptr) return absl::UnimplementedError("links need the peer's NICs first");
   const transport::EndpointDescription local = transport->LocalEndpoint();
   absl::StatusOr<std::vector<transport::LinkOffer>> offers =
-      local.nics.size() == 1
-          ? OfferLinks(transport, streams, std::max<uint32_t>(1, links_per_peer))
-          : absl::UnimplementedError("several local NICs");
+      local.nics.size() == 1 ? OfferLinks(transport, streams, std::max<uint32_t>(1, links_per_peer))
+                             : absl::UnimplementedError("several local NICs");
   RETURN_IF_ERROR(offers.status());  // kUnimplemented: the usual way
   std::vector<handshake::ConnectRequest> requests;
   for (const transport::LinkOffer& o : *offers) {
@@ -211,9 +210,9 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
       described.ok() ? std::move(described->links) : described.status();
   // A peer that refuses kConnectLinks as a whole (malformed or unknown to
   // it): the caller asks again the usual way.
-  const bool refused = !answers.ok() && (answers.status().code() == absl::StatusCode::kDataLoss ||
-                                         answers.status().code() ==
-                                             absl::StatusCode::kInvalidArgument);
+  const bool refused =
+      !answers.ok() && (answers.status().code() == absl::StatusCode::kDataLoss ||
+                        answers.status().code() == absl::StatusCode::kInvalidArgument);
   if (refused) links.clear();
   for (size_t k = 0; k < links.size(); ++k) {
     if (outcome[k].ok()) outcome[k] = answers.ok() ? (*answers)[k].status() : answers.status();
@@ -265,8 +264,8 @@ const Link* ChooseLink(const std::vector<Link>& links, NicMask near, uint32_t ca
   // Another thread may take the last place between the look and the take:
   // look again then.
   for (;;) {
-    const int i = Choose(links, [&](size_t k) { return links[k].inflight(); }, near, capacity,
-                         start);
+    const int i = Choose(
+        links, [&](size_t k) { return links[k].inflight(); }, near, capacity, start);
     if (i < 0) return nullptr;
     if (links[i].load->TryTake(capacity, now)) return &links[i];
   }

@@ -57,8 +57,8 @@ struct Link {
   transport::NicIndex remote_nic = 0;
   // Relative speed: the slower NIC's rate in Mb/s, 1 when unknown.
   uint64_t weight = 1;
-  bool failed = false;    // an error completion came: no new slices
-  absl::Time failed_at;   // when it failed (its NIC pair is tried again later)
+  bool failed = false;     // an error completion came: no new slices
+  absl::Time failed_at;    // when it failed (its NIC pair is tried again later)
   bool repairing = false;  // a new link for its NIC pair is being built
   std::shared_ptr<LinkLoad> load = std::make_shared<LinkLoad>();
   uint32_t inflight() const { return load->inflight.load(std::memory_order_relaxed); }

@@ -25,7 +25,7 @@ class LatencyHistogram {
   void Record(absl::Duration d);
   // Adds `other`'s observations to these.
   void Merge(const LatencyHistogram& other);
-  // counts()[i]: observations <= Bounds()[i]; the last entry is +Inf (all).
+  // Cumulative()[i]: observations <= Bounds()[i]; the last entry is +Inf (all).
   std::vector<uint64_t> Cumulative() const;
   uint64_t count() const { return count_; }
   double sum_seconds() const { return sum_seconds_; }
@@ -40,17 +40,17 @@ class LatencyHistogram {
 };
 
 struct PeerMetrics {
-  std::string peer;                  // "host:port"
-  std::string transport;             // the kind its data goes over ("verbs", "tcp", ...)
-  std::string transport_reason;      // why that one
-  uint64_t requests = 0;             // submitted
-  uint64_t requests_ok = 0;          // ... that succeeded
-  uint64_t bytes_written = 0;        // by successful WRITE requests
-  uint64_t bytes_read = 0;           // by successful READ requests
-  uint64_t slices = 0;               // posted, re-posts included
-  uint64_t retries = 0;              // slices re-posted after a failure
-  uint64_t reconnects = 0;           // times its links were rebuilt
-  uint32_t links = 0;                // links to it now, failed ones not counted
+  std::string peer;                        // "host:port"
+  std::string transport;                   // the kind its data goes over ("verbs", "tcp", ...)
+  std::string transport_reason;            // why that one
+  uint64_t requests = 0;                   // submitted
+  uint64_t requests_ok = 0;                // ... that succeeded
+  uint64_t bytes_written = 0;              // by successful WRITE requests
+  uint64_t bytes_read = 0;                 // by successful READ requests
+  uint64_t slices = 0;                     // posted, re-posts included
+  uint64_t retries = 0;                    // slices re-posted after a failure
+  uint64_t reconnects = 0;                 // times its links were rebuilt
+  uint32_t links = 0;                      // links to it now, failed ones not counted
   std::map<std::string, uint64_t> errors;  // failed requests by status code
   LatencyHistogram latency;
 };
@@ -60,12 +60,12 @@ struct PeerMetrics {
 void AddCounts(const PeerMetrics& from, PeerMetrics* into);
 
 struct NicMetrics {
-  std::string name;      // the transport's NIC name, e.g. "mlx5_0:1"
-  uint64_t slices = 0;   // posted on it, re-posts included
+  std::string name;     // the transport's NIC name, e.g. "mlx5_0:1"
+  uint64_t slices = 0;  // posted on it, re-posts included
   uint64_t bytes = 0;
-  uint64_t errors = 0;   // slices that failed on it
+  uint64_t errors = 0;                             // slices that failed on it
   std::map<std::string, uint64_t> errors_by_code;  // ... by status code
-  uint64_t retries = 0;  // failed slices of it that were re-posted
+  uint64_t retries = 0;                            // failed slices of it that were re-posted
 };
 
 struct EngineMetrics {

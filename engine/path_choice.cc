@@ -50,18 +50,17 @@ PathStep AfterDescribe(absl::Span<const std::string> mine, const PeerFacts& thei
   }
   for (size_t via = same_primary ? 1 : 0; via < mine.size(); ++via) {
     if (theirs.lacks.contains(mine[via]) || (primary_failed && mine[via] == mine[0])) continue;
-    std::string why =
-        same_primary ? absl::StrCat(mine[0], " links to the peer failed (",
-                                    theirs.failed[0].second.message(), "); fell back to ",
-                                    mine[via])
-                     : absl::StrCat("the peer's primary transport is ", theirs.primary,
-                                    "; both ends have ", mine[via]);
+    std::string why = same_primary ? absl::StrCat(mine[0], " links to the peer failed (",
+                                                  theirs.failed[0].second.message(),
+                                                  "); fell back to ", mine[via])
+                                   : absl::StrCat("the peer's primary transport is ",
+                                                  theirs.primary, "; both ends have ", mine[via]);
     return Step(PathStep::Action::kConnect, via, mine[via], std::move(why));
   }
   if (primary_failed) return Fail(theirs.failed[0].second);
   return Fail(absl::FailedPreconditionError(
-      absl::StrCat("peer ", theirs.address, " uses the ", theirs.primary, " transport; this engine has ",
-                   absl::StrJoin(mine, " and "))));
+      absl::StrCat("peer ", theirs.address, " uses the ", theirs.primary,
+                   " transport; this engine has ", absl::StrJoin(mine, " and "))));
 }
 
 }  // namespace

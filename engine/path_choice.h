@@ -44,10 +44,10 @@ struct HostFacts {
 
 // What the registry learned about the peer so far.
 struct PeerFacts {
-  std::string address;       // "host:port", as the peer is named
-  std::string host;          // the same without the port
-  std::string primary;       // its primary transport's kind; empty: not described yet
-  bool same_host_tried = false;   // step 1 was taken, and failed
+  std::string address;                // "host:port", as the peer is named
+  std::string host;                   // the same without the port
+  std::string primary;                // its primary transport's kind; empty: not described yet
+  bool same_host_tried = false;       // step 1 was taken, and failed
   bool one_round_trip_tried = false;  // step 2 was taken and could not be used
   // Kinds the peer does not have (it answered describe with another kind).
   absl::flat_hash_set<std::string> lacks;
@@ -58,10 +58,10 @@ struct PeerFacts {
 
 struct PathStep {
   enum class Action {
-    kConnect,        // describe the peer's `kind` (unless it is the primary) and connect
-    kOneRoundTrip,   // step 2 over `via`
-    kDescribe,       // ask for the peer's primary descriptor
-    kFail,           // `error` is the answer
+    kConnect,       // describe the peer's `kind` (unless it is the primary) and connect
+    kOneRoundTrip,  // step 2 over `via`
+    kDescribe,      // ask for the peer's primary descriptor
+    kFail,          // `error` is the answer
   };
   Action action = Action::kFail;
   size_t via = 0;    // index into this engine's transports

@@ -22,8 +22,8 @@ absl::StatusOr<Frame> PeerClient::Expect(const std::string& peer, MessageType se
   return reply;
 }
 
-absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request,
-                                       MessageType expected, absl::Duration timeout) const {
+absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request, MessageType expected,
+                                       absl::Duration timeout) const {
   const MessageType sent = request.type;
   return Expect(peer, sent, network_->Call(peer, request, timeout), expected);
 }
@@ -45,13 +45,12 @@ absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::stri
 }
 
 absl::StatusOr<PeerClient::LinkAnswers> PeerClient::DecodeLinks(const std::string& peer,
-                                                                const Frame& reply,
-                                                                size_t count) {
+                                                                const Frame& reply, size_t count) {
   ASSIGN_OR_RETURN(handshake::ConnectLinksReply answer,
                    handshake::DecodeConnectLinksReply(reply.payload));
   if (answer.links.size() != count) {
-    return absl::DataLossError(absl::StrCat("peer ", peer, " answered ", answer.links.size(),
-                                            " of ", count, " links"));
+    return absl::DataLossError(
+        absl::StrCat("peer ", peer, " answered ", answer.links.size(), " of ", count, " links"));
   }
   return std::move(answer.links);
 }
@@ -127,13 +126,12 @@ absl::StatusOr<PeerClient::LinkAnswers> PeerClient::ConnectLinks(
   return one_by_one;
 }
 
-absl::Status PeerClient::CloseLinks(const std::string& peer,
-                                    std::vector<std::string> links) const {
-  absl::StatusOr<Frame> reply = Call(
-      peer,
-      Frame{MessageType::kCloseLinks,
-            handshake::Encode(handshake::CloseLinksRequest{engine_id_, std::move(links)})},
-      MessageType::kCloseLinksReply, timeout_);
+absl::Status PeerClient::CloseLinks(const std::string& peer, std::vector<std::string> links) const {
+  absl::StatusOr<Frame> reply =
+      Call(peer,
+           Frame{MessageType::kCloseLinks,
+                 handshake::Encode(handshake::CloseLinksRequest{engine_id_, std::move(links)})},
+           MessageType::kCloseLinksReply, timeout_);
   // A peer from before kCloseLinks refuses the type as unexpected
   // (kInvalidArgument; this engine never sends it anything malformed).
   if (!reply.ok() && reply.status().code() == absl::StatusCode::kInvalidArgument) {
@@ -142,13 +140,11 @@ absl::Status PeerClient::CloseLinks(const std::string& peer,
   return reply.status();
 }
 
-absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer,
-                                           absl::Duration timeout) const {
-  ASSIGN_OR_RETURN(Frame reply,
-                   Call(peer,
-                        Frame{MessageType::kProbe,
-                              handshake::Encode(handshake::Probe{engine_id_, 0})},
-                        MessageType::kProbeReply, timeout));
+absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer, absl::Duration timeout) const {
+  ASSIGN_OR_RETURN(
+      Frame reply,
+      Call(peer, Frame{MessageType::kProbe, handshake::Encode(handshake::Probe{engine_id_, 0})},
+           MessageType::kProbeReply, timeout));
   ASSIGN_OR_RETURN(handshake::Probe answer, handshake::DecodeProbe(reply.payload));
   return answer.engine_id;
 }
@@ -169,10 +165,9 @@ absl::Status PeerClient::Notify(const std::string& peer, const std::string& mess
 
 absl::StatusOr<handshake::Metadata> PeerClient::GetMetadata(const std::string& peer,
                                                             const std::string& key) const {
-  absl::StatusOr<Frame> reply =
-      Call(peer,
-           Frame{MessageType::kGetMetadata, handshake::Encode(handshake::MetadataRequest{key})},
-           MessageType::kMetadata, timeout_);
+  absl::StatusOr<Frame> reply = Call(
+      peer, Frame{MessageType::kGetMetadata, handshake::Encode(handshake::MetadataRequest{key})},
+      MessageType::kMetadata, timeout_);
   if (!reply.ok()) return Annotate(reply.status(), absl::StrCat("metadata '", key, "' of ", peer));
   return handshake::DecodeMetadata(reply->payload);
 }

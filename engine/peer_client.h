@@ -74,8 +74,7 @@ class PeerClient {
   // The engine id that answers at `peer` within `timeout`.
   absl::StatusOr<uint64_t> Probe(const std::string& peer, absl::Duration timeout) const;
   // Delivers a notification, refused by any instance but `target` (0: any).
-  absl::Status Notify(const std::string& peer, const std::string& message,
-                      uint64_t target) const;
+  absl::Status Notify(const std::string& peer, const std::string& message, uint64_t target) const;
   // A value the peer published, and the instance that answered.
   absl::StatusOr<handshake::Metadata> GetMetadata(const std::string& peer,
                                                   const std::string& key) const;

@@ -48,8 +48,7 @@ class ScriptedNetwork final : public ClientOnlyNetwork {
   enum class Mode { kBatch, kOldPeer, kWrongCount, kDown };
   explicit ScriptedNetwork(Mode mode) : mode_(mode) {}
 
-  absl::StatusOr<Frame> Call(const std::string&, const Frame& request,
-                             absl::Duration) override {
+  absl::StatusOr<Frame> Call(const std::string&, const Frame& request, absl::Duration) override {
     calls.push_back(request.type);
     if (mode_ == Mode::kDown) return absl::UnavailableError("connection refused");
     if (request.type == MessageType::kConnect) {
@@ -105,8 +104,8 @@ TEST(PeerClient, ConnectLinksFallsBackToOneLinkAtATimeForAnOlderPeer) {
   ASSERT_EQ(answers->size(), 2u);
   EXPECT_EQ(*(*answers)[0], "a!");
   EXPECT_EQ(*(*answers)[1], "b!");
-  EXPECT_EQ(net.calls, (std::vector<MessageType>{MessageType::kConnectLinks,
-                                                 MessageType::kConnect, MessageType::kConnect}));
+  EXPECT_EQ(net.calls, (std::vector<MessageType>{MessageType::kConnectLinks, MessageType::kConnect,
+                                                 MessageType::kConnect}));
 }
 
 TEST(PeerClient, ConnectLinksRefusesAReplyForAnotherNumberOfLinks) {
@@ -129,8 +128,7 @@ TEST(PeerClient, ConnectLinksToAnUnreachablePeerFailsOnceWithoutRetrying) {
 // descriptor, then each link accepted unless its parameters say "refuse".
 class HandingNetwork final : public ClientOnlyNetwork, public handshake::HandOver {
  public:
-  absl::StatusOr<Frame> Call(const std::string&, const Frame& request,
-                             absl::Duration) override {
+  absl::StatusOr<Frame> Call(const std::string&, const Frame& request, absl::Duration) override {
     calls.push_back(request.type);
     if (request.type == MessageType::kDescribe) {
       handshake::EngineDescriptor d;
@@ -151,8 +149,7 @@ class HandingNetwork final : public ClientOnlyNetwork, public handshake::HandOve
     return absl::UnimplementedError("a client only");
   }
   void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,
-                    absl::Duration timeout, const ReplyFn& on_reply,
-                    const TakeFn& take) override {
+                    absl::Duration timeout, const ReplyFn& on_reply, const TakeFn& take) override {
     CallPipelined(peer, requests, timeout, on_reply);
     int fds[2];
     ASSERT_EQ(::pipe(fds), 0);
@@ -175,9 +172,9 @@ TEST(PeerClient, TheFirstLinkRidesTheCallsConnectionOnceThePeerAcceptsIt) {
     absl::Status ride;
     bool rides;
   };
-  for (const Case& c : {Case{"a", absl::OkStatus(), true},
-                        Case{"a", absl::FailedPreconditionError("closed"), true},
-                        Case{"refuse", absl::OkStatus(), false}}) {
+  for (const Case& c :
+       {Case{"a", absl::OkStatus(), true}, Case{"a", absl::FailedPreconditionError("closed"), true},
+        Case{"refuse", absl::OkStatus(), false}}) {
     SCOPED_TRACE(c.first + " " + c.ride.ToString());
     HandingNetwork net;
     PeerClient client(&net, 1, absl::Seconds(1));
@@ -193,8 +190,8 @@ TEST(PeerClient, TheFirstLinkRidesTheCallsConnectionOnceThePeerAcceptsIt) {
         });
     ASSERT_TRUE(described.ok()) << described.status();
     ASSERT_TRUE(described->links.ok()) << described->links.status();
-    EXPECT_EQ(net.calls, (std::vector<MessageType>{MessageType::kDescribe,
-                                                   MessageType::kConnectLinksHere}));
+    EXPECT_EQ(net.calls,
+              (std::vector<MessageType>{MessageType::kDescribe, MessageType::kConnectLinksHere}));
     EXPECT_EQ(rode, c.rides ? 1 : 0);
     EXPECT_EQ(net.taken, c.rides);
     const absl::StatusOr<std::string>& first = (*described->links)[0];
@@ -213,8 +210,8 @@ TEST(PeerClient, TheFirstLinkRidesTheCallsConnectionOnceThePeerAcceptsIt) {
   auto described = client.DescribeAndConnect(
       "peer:1", "tcp", Requests({"a"}), [](const handshake::EngineDescriptor&) { return true; });
   ASSERT_TRUE(described.ok()) << described.status();
-  EXPECT_EQ(net.calls, (std::vector<MessageType>{MessageType::kDescribe,
-                                                 MessageType::kConnectLinks}));
+  EXPECT_EQ(net.calls,
+            (std::vector<MessageType>{MessageType::kDescribe, MessageType::kConnectLinks}));
   EXPECT_FALSE(net.taken);
 }
 

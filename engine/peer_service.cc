@@ -172,8 +172,8 @@ handshake::Answer PeerService::ConnectLinks(const Frame& request) {
     if (!reply.links.empty() && !reply.links.back().ok()) {
       const absl::StatusCode code = reply.links.back().status().code();
       if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
-        reply.links.emplace_back(absl::Status(
-            code, "not tried: an earlier link of this request could not be reached"));
+        reply.links.emplace_back(
+            absl::Status(code, "not tried: an earlier link of this request could not be reached"));
         continue;
       }
     }
@@ -255,8 +255,8 @@ handshake::Answer PeerService::Handle(const Frame& request) {
       return ErrorFrame(absl::FailedPreconditionError(
           "this engine has no handshake secret, and its peers must not use one"));
     default:
-      return ErrorFrame(absl::InvalidArgumentError(absl::StrCat(
-          "unexpected ", handshake::MessageTypeName(request.type), " request")));
+      return ErrorFrame(absl::InvalidArgumentError(
+          absl::StrCat("unexpected ", handshake::MessageTypeName(request.type), " request")));
   }
 }
 

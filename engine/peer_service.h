@@ -1,7 +1,10 @@
 // The engine's side of the peer protocol that answers: describes this
 // engine, accepts links, takes notifications, answers probes and metadata
-// requests. Runs on the handshake server's threads; holds no state of its
-// own, only the units it answers from (which outlive it).
+// requests. Runs on the handshake server's threads. Its own state: the links
+// each peer instance opened here (to close them on a fence or a
+// close-links request) and the fenced instances; what it answers from
+// (transports, regions, inbox, metadata) belongs to the engine and outlives
+// it.
 #ifndef KVFERRY_ENGINE_PEER_SERVICE_H_
 #define KVFERRY_ENGINE_PEER_SERVICE_H_
 
@@ -13,7 +16,6 @@
 
 #include "base/mutex.h"
 #include "base/recent_set.h"
-
 #include "engine/local_regions.h"
 #include "engine/notifications.h"
 #include "handshake/hand_over.h"

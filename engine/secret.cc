@@ -25,8 +25,8 @@ absl::StatusOr<std::string> ResolveSecret(const std::string& configured) {
   const bool have_env = env != nullptr && *env != '\0';
   const bool have_file = file != nullptr && *file != '\0';
   if (have_env && have_file) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "both ", handshake::kSecretEnv, " and ", kSecretFileEnv, " are set: set one"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("both ", handshake::kSecretEnv, " and ", kSecretFileEnv, " are set: set one"));
   }
   if (have_env) return std::string(env);
   if (!have_file) return std::string();

@@ -22,12 +22,12 @@
 #include "cuda/driver.h"
 #include "engine/batch_pipeline.h"
 #include "engine/engine_options.h"
-#include "engine/secret.h"
 #include "engine/local_regions.h"
 #include "engine/metrics_server.h"
 #include "engine/notifications.h"
 #include "engine/peer_client.h"
 #include "engine/peer_service.h"
+#include "engine/secret.h"
 #include "engine/stream_order.h"
 #include "handshake/auth.h"
 #include "net/socket.h"
@@ -69,9 +69,8 @@ std::vector<NicIndex> SameNumaNode(const transport::Transport& t, const std::str
 // and a `location` that contradicts the memory is an error. Without one,
 // `location` as given. *derived: the location came from the memory;
 // *device: the memory is GPU memory.
-absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length,
-                                           const std::string& location, bool* derived,
-                                           bool* device) {
+absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length, const std::string& location,
+                                           bool* derived, bool* device) {
   if (addr == nullptr || length == 0) return location;
   const cuda::Driver* driver = cuda::Driver::Get();
   if (driver == nullptr) {
@@ -80,8 +79,8 @@ absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length,
     absl::Status readable = cuda::CheckHostReadable(addr, length);
     if (!readable.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterMemory: ", readable.message(), " (GPU memory needs the CUDA driver: ",
-          cuda::Driver::LoadError().message(), ")"));
+          "RegisterMemory: ", readable.message(),
+          " (GPU memory needs the CUDA driver: ", cuda::Driver::LoadError().message(), ")"));
     }
     return location;
   }
@@ -90,8 +89,8 @@ absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length,
   const bool says_cuda = absl::StartsWith(location, "cuda:");
   if (!info->device) {
     if (says_cuda) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterMemory: location '", location, "' but the buffer is host memory"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterMemory: location '", location, "' but the buffer is host memory"));
     }
     return location;
   }
@@ -113,8 +112,8 @@ absl::Status CheckLocation(const std::string& location) {
   const std::string kind = location.substr(0, colon);
   if (colon == std::string::npos || (kind != "cpu" && kind != "cuda") ||
       !absl::SimpleAtoi(location.substr(colon + 1), &n) || n < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "RegisterMemory: bad location '", location, "' (expected cpu:N or cuda:N)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterMemory: bad location '", location, "' (expected cpu:N or cuda:N)"));
   }
   return absl::OkStatus();
 }
@@ -138,12 +137,10 @@ class TransferEngine::Impl {
         service_(engine_id_, Transports(), &regions_, &inbox_, &metadata_),
         pipeline_(ConfigOf(options_), engine_id_, Transports(), &regions_, &client_, clock_,
                   engine_internal::HostFacts::OfThisHost()),
-        streams_(
-            [this](SegmentId segment, const std::vector<TransferRequest>& requests,
-                   absl::Duration timeout, BatchId* running) {
-              return RunToEnd(segment, requests, timeout, running);
-            },
-            [this](BatchId batch) { return pipeline_.Release(batch); }) {
+        streams_([this](SegmentId segment, const std::vector<TransferRequest>& requests,
+                        absl::Duration timeout,
+                        BatchId* running) { return RunToEnd(segment, requests, timeout, running); },
+                 [this](BatchId batch) { return pipeline_.Release(batch); }) {
     if (!near_nics_) {
       near_nics_ = [t = transport_.get()](const std::string& location) {
         return absl::StatusOr<std::vector<NicIndex>>(SameNumaNode(*t, location));
@@ -159,13 +156,13 @@ class TransferEngine::Impl {
     // Where the network can hand a connection over, the first link from a
     // new peer runs on the handshake's connection (kConnectLinksHere).
     if (auto* hand_over = handshake::ExtensionOf<handshake::HandOver>(network_.get())) {
-      ASSIGN_OR_RETURN(server_, hand_over->ServeHandingOver(serve, [this](const handshake::Frame& f) {
-                         return service_.Handle(f);
-                       }));
+      ASSIGN_OR_RETURN(
+          server_, hand_over->ServeHandingOver(
+                       serve, [this](const handshake::Frame& f) { return service_.Handle(f); }));
     } else {
       ASSIGN_OR_RETURN(server_, network_->Serve(serve, [this](const handshake::Frame& f) {
-                         return service_.Handle(f).reply;
-                       }));
+        return service_.Handle(f).reply;
+      }));
     }
     address_ = server_->address();
     absl::StatusOr<net::HostPort> hp = net::ParseHostPort(address_);
@@ -304,8 +301,8 @@ absl::Status TransferEngine::Impl::NotifyAfter(BatchId id, const std::string& me
   for (size_t i = 0; i < status.requests.size(); ++i) {
     if (!status.requests[i].ok()) {
       return absl::Status(status.requests[i].code(),
-                          absl::StrCat("batch ", id, " failed, notification not sent: request ",
-                                       i, ": ", status.requests[i].message()));
+                          absl::StrCat("batch ", id, " failed, notification not sent: request ", i,
+                                       ": ", status.requests[i].message()));
     }
   }
   ASSIGN_OR_RETURN(auto target, pipeline_.Target(id));
@@ -341,16 +338,17 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
     handshake::AuthOptions a;
     a.secret = options.secret;
     a.clock = parts.clock;
-    ASSIGN_OR_RETURN(std::unique_ptr<handshake::AuthenticatedNetwork> wrapped,
-                     handshake::AuthenticatedNetwork::Create(std::move(parts.network), std::move(a)));
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<handshake::AuthenticatedNetwork> wrapped,
+        handshake::AuthenticatedNetwork::Create(std::move(parts.network), std::move(a)));
     auth = wrapped.get();
     parts.network = std::move(wrapped);
     KVF_LOG(INFO) << "handshake authenticated with a shared secret";
   }
   options.secret.clear();  // kept only inside the authenticated network
   handshake::ServeOptions serve;
-  serve.bind_host = parts.detection.bind_host.empty() ? parts.detection.host
-                                                      : parts.detection.bind_host;
+  serve.bind_host =
+      parts.detection.bind_host.empty() ? parts.detection.host : parts.detection.bind_host;
   serve.advertise_host = parts.detection.host;
   serve.port = options.port;
   serve.first_port = options.first_port;
@@ -366,8 +364,8 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   auto impl = std::make_unique<Impl>(std::move(options), std::move(parts));
   impl->set_auth(auth);
   RETURN_IF_ERROR(impl->Start(serve));
-  RETURN_IF_ERROR(impl->StartMetrics(metrics_host.empty() ? serve.bind_host : metrics_host,
-                                     metrics_port));
+  RETURN_IF_ERROR(
+      impl->StartMetrics(metrics_host.empty() ? serve.bind_host : metrics_host, metrics_port));
   KVF_LOG(INFO) << "handshake listening on " << serve.bind_host << ":" << impl->detection_.port
                 << ", peers reach this engine at " << impl->address_;
   for (const transport::NicInfo& nic : impl->LocalNics()) {
@@ -388,7 +386,9 @@ absl::Status TransferEngine::RegisterMemory(void* addr, uint64_t length, Access 
                                             const std::string& location) {
   return impl_->RegisterMemory(addr, length, access, location);
 }
-absl::Status TransferEngine::UnregisterMemory(void* addr) { return impl_->regions_.Unregister(addr); }
+absl::Status TransferEngine::UnregisterMemory(void* addr) {
+  return impl_->regions_.Unregister(addr);
+}
 std::vector<NicCounters> TransferEngine::GetNicCounters() const {
   return impl_->pipeline_.NicCountersNow();
 }
@@ -424,7 +424,8 @@ absl::StatusOr<BatchStatus> TransferEngine::Wait(BatchId batch, absl::Duration t
 absl::Status TransferEngine::Release(BatchId batch) { return impl_->pipeline_.Release(batch); }
 absl::StatusOr<uint64_t> TransferEngine::SubmitOnStream(SegmentId segment,
                                                         absl::Span<const TransferRequest> requests,
-                                                        void* stream, const StreamOptions& options) {
+                                                        void* stream,
+                                                        const StreamOptions& options) {
   return impl_->streams_.Submit(segment, requests, stream,
                                 Impl::StreamDevice(requests, options.device), options);
 }
@@ -463,9 +464,7 @@ void TransferEngine::FencePeer(uint64_t engine_id) { impl_->service_.Fence(engin
 bool TransferEngine::PeerFenced(uint64_t engine_id) const {
   return impl_->service_.Fenced(engine_id);
 }
-void TransferEngine::DropLinksFrom(uint64_t engine_id) {
-  impl_->service_.CloseLinksOf(engine_id);
-}
+void TransferEngine::DropLinksFrom(uint64_t engine_id) { impl_->service_.CloseLinksOf(engine_id); }
 std::vector<Notification> TransferEngine::TakeNotifications() { return impl_->inbox_.TakeAll(); }
 absl::StatusOr<Notification> TransferEngine::WaitNotification(absl::Duration timeout) {
   return impl_->inbox_.Next(timeout);

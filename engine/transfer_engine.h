@@ -39,8 +39,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/clock.h"
-#include "handshake/network.h"
 #include "engine/metrics.h"
+#include "handshake/network.h"
 #include "transport/transport.h"
 
 namespace kvferry {
@@ -119,8 +119,8 @@ struct Detection {
 // One transfer: WRITE copies local -> peer, READ copies peer -> local.
 struct TransferRequest {
   transport::Opcode opcode = transport::Opcode::kWrite;
-  void* local = nullptr;     // inside memory registered on this engine
-  uint64_t remote = 0;       // address in the peer's registered memory
+  void* local = nullptr;  // inside memory registered on this engine
+  uint64_t remote = 0;    // address in the peer's registered memory
   uint64_t length = 0;
 };
 
@@ -297,8 +297,8 @@ class TransferEngine {
   // Errors of the batch itself (a request out of bounds, a peer gone) are
   // WaitOnStream's.
   absl::StatusOr<uint64_t> SubmitOnStream(SegmentId segment,
-                                          absl::Span<const TransferRequest> requests,
-                                          void* stream, const StreamOptions& options = {});
+                                          absl::Span<const TransferRequest> requests, void* stream,
+                                          const StreamOptions& options = {});
   // The outcome of a stream-ordered batch once the stream reached it and it
   // finished (and forgets it): its status, or the error that kept it from
   // being submitted. kDeadlineExceeded when that takes longer than
@@ -313,8 +313,7 @@ class TransferEngine {
   absl::Status Notify(SegmentId segment, const std::string& message, uint64_t peer_engine_id = 0);
   // Waits for `batch` to finish and, only if every request succeeded (so
   // its bytes are in place at the peer), sends `message` to the peer.
-  absl::Status NotifyAfter(BatchId batch, const std::string& message,
-                           absl::Duration timeout);
+  absl::Status NotifyAfter(BatchId batch, const std::string& message, absl::Duration timeout);
   // Publishes `value` under `key` for peers (replacing an earlier value);
   // FetchMetadata reads a peer's. kNotFound when the peer has no such key.
   absl::Status PublishMetadata(const std::string& key, std::string value);
@@ -340,7 +339,6 @@ class TransferEngine {
   // sent on those links before lands any more.
   void DropLinksFrom(uint64_t engine_id);
 
-  // Notifications received so far (and removes them), or waits for one.
   // Per local NIC: the primary transport's in its order, then the
   // fallback's (EngineParts::fallback).
   std::vector<NicCounters> GetNicCounters() const;
@@ -350,7 +348,10 @@ class TransferEngine {
   // "host:port" of the Prometheus endpoint, "" when off.
   std::string metrics_address() const;
 
+  // Notifications received so far (and removes them from the inbox).
   std::vector<Notification> TakeNotifications();
+  // The oldest notification received (removed from the inbox), waiting up
+  // to `timeout` for one; kDeadlineExceeded when none came.
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
 
  private:

@@ -4,7 +4,6 @@
 #include <openssl/rand.h>
 
 #include <cstring>
-
 #include <deque>
 #include <utility>
 
@@ -45,10 +44,10 @@ absl::StatusOr<AuthenticatedFrame> Decode(absl::string_view payload) {
   AuthenticatedFrame f;
   Reader r(payload);
   if (!r.Bytes(&f.server_nonce, kServerNonceBytes) || !r.Bytes(&f.client_nonce, kNonceBytes) ||
-      !r.U8(&f.type) || !r.Bytes(&f.payload, kDefaultMaxFrameBytes) || !r.Bytes(&f.tag, kTagBytes) ||
-      !r.AtEnd() || f.server_nonce.size() != kServerNonceBytes ||
-      f.client_nonce.size() != kNonceBytes ||
-      f.tag.size() != kTagBytes || f.type == 0 || f.type > kLastMessageType) {
+      !r.U8(&f.type) || !r.Bytes(&f.payload, kDefaultMaxFrameBytes) ||
+      !r.Bytes(&f.tag, kTagBytes) || !r.AtEnd() || f.server_nonce.size() != kServerNonceBytes ||
+      f.client_nonce.size() != kNonceBytes || f.tag.size() != kTagBytes || f.type == 0 ||
+      f.type > kLastMessageType) {
     return absl::DataLossError("malformed authenticated frame");
   }
   return f;
@@ -163,8 +162,8 @@ struct AuthenticatedNetwork::State {
     const uint64_t n = ++rejected;
     uint64_t skipped;
     if (log_limit.Allow(&skipped)) {
-      KVF_LOG(WARNING) << "handshake: refused an unauthenticated request (" << why << "); "
-                       << n << " refused so far" << LogLimiter::Suffix(skipped);
+      KVF_LOG(WARNING) << "handshake: refused an unauthenticated request (" << why << "); " << n
+                       << " refused so far" << LogLimiter::Suffix(skipped);
     }
     return ErrorFrame(absl::UnauthenticatedError(
         "this engine requires an authenticated handshake: give both engines the same secret "
@@ -180,7 +179,8 @@ struct AuthenticatedNetwork::State {
 
   Frame Challenge() {
     std::string nonce = options.random(8);
-    if (nonce.size() != 8) return ErrorFrame(absl::InternalError("no random bytes for a challenge"));
+    if (nonce.size() != 8)
+      return ErrorFrame(absl::InternalError("no random bytes for a challenge"));
     Writer w(&nonce);
     w.U64(static_cast<uint64_t>(absl::ToUnixNanos(Now() + options.challenge_ttl)));
     nonce += NonceMac(nonce);
@@ -279,7 +279,8 @@ absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const 
                                                  absl::Duration timeout) {
   Clock* clock = state_->options.clock;
   const absl::Time deadline = clock->Now() + timeout;
-  ASSIGN_OR_RETURN(Frame challenge, inner_->Call(peer, Frame{MessageType::kChallenge, ""}, timeout));
+  ASSIGN_OR_RETURN(Frame challenge,
+                   inner_->Call(peer, Frame{MessageType::kChallenge, ""}, timeout));
   if (challenge.type != MessageType::kChallengeReply ||
       challenge.payload.size() != kServerNonceBytes) {
     return absl::UnauthenticatedError(absl::StrCat(
@@ -291,8 +292,8 @@ absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const 
   f.client_nonce = state_->options.random(kNonceBytes);
   if (f.client_nonce.size() != kNonceBytes) return absl::InternalError("no random bytes");
   f.type = static_cast<uint8_t>(request.type);
-  f.payload = Seal(PayloadKey(state_->options.secret, "kvferry-enc-req", f), f.type,
-                   request.payload);
+  f.payload =
+      Seal(PayloadKey(state_->options.secret, "kvferry-enc-req", f), f.type, request.payload);
   if (f.payload.empty()) return absl::InternalError("cannot encrypt a handshake request");
   f.tag = Tag(state_->options.secret, "kvferry-req", f);
   ASSIGN_OR_RETURN(Frame reply,
@@ -304,8 +305,8 @@ absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const 
           : absl::StatusOr<AuthenticatedFrame>(absl::DataLossError("not authenticated"));
   if (!got.ok() || got->server_nonce != f.server_nonce || got->client_nonce != f.client_nonce ||
       !SameTag(got->tag, Tag(state_->options.secret, "kvferry-rep", *got))) {
-    return absl::UnauthenticatedError(absl::StrCat(
-        "peer ", peer, " did not prove it holds the handshake secret; reply ignored"));
+    return absl::UnauthenticatedError(
+        absl::StrCat("peer ", peer, " did not prove it holds the handshake secret; reply ignored"));
   }
   absl::StatusOr<std::string> plain =
       Unseal(PayloadKey(state_->options.secret, "kvferry-enc-rep", *got), got->type, got->payload);

@@ -53,14 +53,14 @@ TEST(Auth, HoldersOfTheSecretTalk) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = Auth();
   ASSERT_TRUE(client.ok());
-  auto reply = (*client)->Call((*server)->address(), Frame{MessageType::kDescribe, "x"},
-                               absl::Seconds(5));
+  auto reply =
+      (*client)->Call((*server)->address(), Frame{MessageType::kDescribe, "x"}, absl::Seconds(5));
   ASSERT_TRUE(reply.ok()) << reply.status();
   EXPECT_EQ(reply->type, MessageType::kDescriptor);
   EXPECT_EQ(reply->payload, "KEYS:x");
   // An error reply of the handler comes back as its status, authenticated.
-  auto err = (*client)->Call((*server)->address(), Frame{MessageType::kProbe, ""},
-                             absl::Seconds(5));
+  auto err =
+      (*client)->Call((*server)->address(), Frame{MessageType::kProbe, ""}, absl::Seconds(5));
   EXPECT_EQ(err.status().code(), absl::StatusCode::kNotFound) << err.status();
   EXPECT_EQ((*server_net)->rejected(), 0u);
 }
@@ -247,8 +247,8 @@ TEST(Auth, AClientNeverAcceptsAnUnauthenticatedServer) {
   ASSERT_TRUE(server.ok());
   auto client = Auth();
   ASSERT_TRUE(client.ok());
-  auto reply = (*client)->Call((*server)->address(), Frame{MessageType::kDescribe, ""},
-                               absl::Seconds(5));
+  auto reply =
+      (*client)->Call((*server)->address(), Frame{MessageType::kDescribe, ""}, absl::Seconds(5));
   EXPECT_EQ(reply.status().code(), absl::StatusCode::kUnauthenticated) << reply.status();
 }
 
@@ -272,13 +272,14 @@ TEST(Auth, ConnectionsAreNeverHandedOver) {
   auto client = Auth();
   ASSERT_TRUE(client.ok());
   int replies = 0;
-  (*client)->CallPipelined((*server)->address(),
-                           {Frame{MessageType::kConnectLinksHere, ""}, Frame{MessageType::kProbe, ""}},
-                           absl::Seconds(5), [&](size_t i, absl::StatusOr<Frame> reply) {
-                             EXPECT_TRUE(reply.ok()) << i << ": " << reply.status();
-                             ++replies;
-                             return true;
-                           });
+  (*client)->CallPipelined(
+      (*server)->address(),
+      {Frame{MessageType::kConnectLinksHere, ""}, Frame{MessageType::kProbe, ""}}, absl::Seconds(5),
+      [&](size_t i, absl::StatusOr<Frame> reply) {
+        EXPECT_TRUE(reply.ok()) << i << ": " << reply.status();
+        ++replies;
+        return true;
+      });
   EXPECT_EQ(replies, 2);  // the second on the same connection, still served
 }
 

@@ -44,8 +44,7 @@ class TcpNetwork final : public Network, public HandOver {
  public:
   explicit TcpNetwork(TcpNetworkOptions options) : options_(options) {}
 
-  absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions& o,
-                                                Handler handler) override {
+  absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions& o, Handler handler) override {
     return ServeHandingOver(o, std::move(handler));
   }
 
@@ -83,8 +82,7 @@ class TcpNetwork final : public Network, public HandOver {
   }
 
   void CallThenTake(const std::string& peer, const std::vector<Frame>& requests,
-                    absl::Duration timeout, const ReplyFn& on_reply,
-                    const TakeFn& take) override {
+                    absl::Duration timeout, const ReplyFn& on_reply, const TakeFn& take) override {
     if (requests.empty()) return;
     const absl::Time deadline = absl::Now() + timeout;
     absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
@@ -104,8 +102,8 @@ class TcpNetwork final : public Network, public HandOver {
       if (!pooled) {
         absl::StatusOr<net::Fd> fresh = net::Connect(*hp, deadline - absl::Now());
         if (!fresh.ok()) {
-          on_reply(0, absl::UnavailableError(absl::StrCat("handshake with ", peer, " failed: ",
-                                                          fresh.status().message())));
+          on_reply(0, absl::UnavailableError(absl::StrCat("handshake with ", peer,
+                                                          " failed: ", fresh.status().message())));
           return;
         }
         fd = std::move(*fresh);

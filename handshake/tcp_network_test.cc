@@ -1,7 +1,4 @@
-#include "handshake/hand_over.h"
 #include "handshake/tcp_network.h"
-
-#include "handshake/tcp_server.h"
 
 #include <sys/socket.h>
 
@@ -14,6 +11,8 @@
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "gtest/gtest.h"
+#include "handshake/hand_over.h"
+#include "handshake/tcp_server.h"
 #include "net/socket.h"
 #include "sim/prng.h"
 #include "sim/seed.h"
@@ -44,15 +43,15 @@ TEST(TcpNetwork, CallGetsTheReplyAndErrorsAsStatus) {
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_EQ((*server)->address().rfind("127.0.0.1:", 0), 0u);
   for (int i = 0; i < 3; ++i) {  // the second and third reuse the connection
-    auto reply = network->Call((*server)->address(),
-                               Frame{MessageType::kProbe, Encode(Probe{1, uint64_t(i)})},
-                               absl::Seconds(2));
+    auto reply =
+        network->Call((*server)->address(),
+                      Frame{MessageType::kProbe, Encode(Probe{1, uint64_t(i)})}, absl::Seconds(2));
     ASSERT_TRUE(reply.ok()) << reply.status();
     EXPECT_EQ(reply->type, MessageType::kProbeReply);
     EXPECT_EQ(DecodeProbe(reply->payload)->nonce, uint64_t(i));
   }
-  auto refused = network->Call((*server)->address(), Frame{MessageType::kDescribe, ""},
-                               absl::Seconds(2));
+  auto refused =
+      network->Call((*server)->address(), Frame{MessageType::kDescribe, ""}, absl::Seconds(2));
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(refused.status().message(), "only probes here");
 }
@@ -139,7 +138,8 @@ TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
   std::mutex mu;
   std::vector<net::Fd> taken;  // the server's ends
   auto server = network->ServeHandingOver(Loopback(), [&](const Frame& request) -> Answer {
-    if (request.type == MessageType::kProbe) return Frame{MessageType::kProbeReply, request.payload};
+    if (request.type == MessageType::kProbe)
+      return Frame{MessageType::kProbeReply, request.payload};
     return Answer(Frame{MessageType::kConnectLinksReply, "ok"}, [&](net::Fd fd) {
       std::lock_guard<std::mutex> lock(mu);
       taken.push_back(std::move(fd));
@@ -151,7 +151,8 @@ TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
   net::Fd mine;
   std::vector<MessageType> replies;
   network->CallThenTake(
-      at, {Frame{MessageType::kProbe, Encode(Probe{1, 5})}, Frame{MessageType::kConnectLinksHere, ""}},
+      at,
+      {Frame{MessageType::kProbe, Encode(Probe{1, 5})}, Frame{MessageType::kConnectLinksHere, ""}},
       absl::Seconds(5),
       [&](size_t, absl::StatusOr<Frame> reply) {
         EXPECT_TRUE(reply.ok()) << reply.status();
@@ -162,8 +163,8 @@ TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
         mine = std::move(fd);
         return true;
       });
-  EXPECT_EQ(replies, (std::vector<MessageType>{MessageType::kProbeReply,
-                                               MessageType::kConnectLinksReply}));
+  EXPECT_EQ(replies,
+            (std::vector<MessageType>{MessageType::kProbeReply, MessageType::kConnectLinksReply}));
   ASSERT_TRUE(mine.valid());
   net::Fd theirs;
   for (const absl::Time give_up = absl::Now() + absl::Seconds(5);
@@ -192,17 +193,19 @@ TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
   }
   EXPECT_EQ(tcp->stats().accepted, 2u) << "no second connection was started";
   bool asked = false;
-  network->CallThenTake(at, {Frame{MessageType::kProbe, Encode(Probe{1, 6})}}, absl::Seconds(5),
-                        [&](size_t, absl::StatusOr<Frame> reply) {
-                          EXPECT_TRUE(reply.ok()) << reply.status();
-                          return true;
-                        },
-                        [&](net::Fd&) {
-                          asked = true;
-                          return false;
-                        });
+  network->CallThenTake(
+      at, {Frame{MessageType::kProbe, Encode(Probe{1, 6})}}, absl::Seconds(5),
+      [&](size_t, absl::StatusOr<Frame> reply) {
+        EXPECT_TRUE(reply.ok()) << reply.status();
+        return true;
+      },
+      [&](net::Fd&) {
+        asked = true;
+        return false;
+      });
   EXPECT_TRUE(asked);
-  auto again = network_owner->Call(at, Frame{MessageType::kProbe, Encode(Probe{1, 7})}, absl::Seconds(5));
+  auto again =
+      network_owner->Call(at, Frame{MessageType::kProbe, Encode(Probe{1, 7})}, absl::Seconds(5));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(DecodeProbe(again->payload)->nonce, 7u);
   // The handed-over one, the first spare (which both calls used) and the
@@ -223,12 +226,13 @@ TEST(TcpNetwork, AfterAPeerRestartsTheNextCallConnectsAfresh) {
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string at = (*first)->address();
   ExtensionOf<HandOver>(network.get())
-      ->CallThenTake(at, {Frame{MessageType::kProbe, Encode(Probe{1, 1})}}, absl::Seconds(5),
-                     [](size_t, absl::StatusOr<Frame> reply) {
-                       EXPECT_TRUE(reply.ok()) << reply.status();
-                       return true;
-                     },
-                     [](net::Fd&) { return false; });  // both kept idle
+      ->CallThenTake(
+          at, {Frame{MessageType::kProbe, Encode(Probe{1, 1})}}, absl::Seconds(5),
+          [](size_t, absl::StatusOr<Frame> reply) {
+            EXPECT_TRUE(reply.ok()) << reply.status();
+            return true;
+          },
+          [](net::Fd&) { return false; });  // both kept idle
   ServeOptions same = Loopback();
   same.port = static_cast<uint16_t>(std::stoi(at.substr(at.rfind(':') + 1)));
   first->reset();  // the peer goes away, closing both
@@ -246,8 +250,8 @@ TEST(TcpNetwork, Ipv6Loopback) {
   auto server = network->Serve(o, EchoHandler);
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_EQ((*server)->address().rfind("[::1]:", 0), 0u);
-  auto reply = network->Call((*server)->address(),
-                             Frame{MessageType::kProbe, Encode(Probe{1, 2})}, absl::Seconds(2));
+  auto reply = network->Call((*server)->address(), Frame{MessageType::kProbe, Encode(Probe{1, 2})},
+                             absl::Seconds(2));
   ASSERT_TRUE(reply.ok()) << reply.status();
 }
 
@@ -274,8 +278,7 @@ TEST(TcpNetwork, SilentPeerTimesOut) {
   auto network = NewTcpNetwork();
   const absl::Time start = absl::Now();
   auto r = network->Call(silent->address.ToString(),
-                         Frame{MessageType::kProbe, Encode(Probe{1, 1})},
-                         absl::Milliseconds(300));
+                         Frame{MessageType::kProbe, Encode(Probe{1, 1})}, absl::Milliseconds(300));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
@@ -346,14 +349,14 @@ TEST(TcpNetwork, MalformedFramesAreRefusedAndTheServerKeepsServing) {
     }
     (void)RawExchange(address, m);
     if (i % 500 == 0) {
-      auto ok = network->Call(address, Frame{MessageType::kProbe, Encode(Probe{1, 2})},
-                              absl::Seconds(2));
-      ASSERT_TRUE(ok.ok()) << "server stopped serving after " << i << " bad frames: "
-                           << ok.status();
+      auto ok =
+          network->Call(address, Frame{MessageType::kProbe, Encode(Probe{1, 2})}, absl::Seconds(2));
+      ASSERT_TRUE(ok.ok()) << "server stopped serving after " << i
+                           << " bad frames: " << ok.status();
     }
   }
-  auto ok = network->Call(address, Frame{MessageType::kProbe, Encode(Probe{1, 2})},
-                          absl::Seconds(2));
+  auto ok =
+      network->Call(address, Frame{MessageType::kProbe, Encode(Probe{1, 2})}, absl::Seconds(2));
   EXPECT_TRUE(ok.ok()) << ok.status();
   SetLogSink(nullptr);
   bool reason_logged = false;

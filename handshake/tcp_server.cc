@@ -33,12 +33,12 @@ constexpr absl::Duration kSweepEvery = absl::Milliseconds(500);
 struct TcpServer::State {
   struct Conn {
     net::Fd fd;
-    std::string in;         // bytes of requests not yet handed on
-    std::string out;        // reply bytes not yet written
+    std::string in;   // bytes of requests not yet handed on
+    std::string out;  // reply bytes not yet written
     size_t out_done = 0;
-    bool busy = false;      // a request is with the handler
-    bool closing = false;   // close once the reply is out
-    TakeConnection take;    // hand the connection to it once the reply is out
+    bool busy = false;     // a request is with the handler
+    bool closing = false;  // close once the reply is out
+    TakeConnection take;   // hand the connection to it once the reply is out
     absl::Time last_active;
     absl::Time first_byte = absl::InfiniteFuture();  // of the partial request
   };
@@ -66,8 +66,7 @@ struct TcpServer::State {
   bool stopping ABSL_GUARDED_BY(mu) = false;
   std::vector<std::thread> workers;
 
-  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0},
-      handed_over{0};
+  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0}, handed_over{0};
   std::atomic<uint64_t> open{0};
   LogLimiter log_limit;
 
@@ -89,8 +88,7 @@ struct TcpServer::State {
   void Warn(const std::string& what) {
     uint64_t skipped;
     if (log_limit.Allow(&skipped)) {
-      KVF_LOG(WARNING) << "handshake " << address << ": " << what
-                       << LogLimiter::Suffix(skipped);
+      KVF_LOG(WARNING) << "handshake " << address << ": " << what << LogLimiter::Suffix(skipped);
     }
   }
 };
@@ -211,8 +209,7 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
     if (inline_answer) {
       handshake::Answer answer = handler(request);
       // The next request is in whole: its reply goes with this one.
-      const bool more =
-          answer.take == nullptr && answered + 1 < kInlineBurst && WholeRequestIn(*c);
+      const bool more = answer.take == nullptr && answered + 1 < kInlineBurst && WholeRequestIn(*c);
       if (!Answer(id, c, answer.reply, std::move(answer.take), /*flush=*/!more)) return;
       deferred = more;
       if (++answered == kInlineBurst) {
@@ -287,8 +284,8 @@ bool TcpServer::State::SendReply(uint64_t id, Conn* c, const Frame& reply, bool 
 // Writes what it can of the reply. False when the connection was closed.
 bool TcpServer::State::Flush(uint64_t id, Conn* c) {
   while (c->out_done < c->out.size()) {
-    const ssize_t n = ::send(c->fd.get(), c->out.data() + c->out_done,
-                             c->out.size() - c->out_done, MSG_NOSIGNAL);
+    const ssize_t n =
+        ::send(c->fd.get(), c->out.data() + c->out_done, c->out.size() - c->out_done, MSG_NOSIGNAL);
     if (n > 0) {
       c->out_done += n;
       continue;
@@ -344,7 +341,8 @@ void TcpServer::State::Sweep() {
     if (c->busy) continue;
     const bool slow_request = now - c->first_byte > options.request_timeout;
     const bool slow_reader = !c->out.empty() && now - c->last_active > options.request_timeout;
-    const bool idle = c->in.empty() && c->out.empty() && now - c->last_active > options.idle_timeout;
+    const bool idle =
+        c->in.empty() && c->out.empty() && now - c->last_active > options.idle_timeout;
     if (slow_request || slow_reader || idle) doomed.push_back(id);
   }
   for (uint64_t id : doomed) {
@@ -400,8 +398,8 @@ absl::StatusOr<std::unique_ptr<TcpServer>> TcpServer::Start(net::ListeningSocket
         st->loop.get(), st->socket.fd.get(), [st](net::Fd fd) { st->Admit(std::move(fd)); },
         [st](int error) {
           ++st->pauses;
-          st->Warn(absl::StrCat("cannot accept (", std::strerror(error),
-                                "); pausing the listener"));
+          st->Warn(
+              absl::StrCat("cannot accept (", std::strerror(error), "); pausing the listener"));
         });
     st->sweep_timer = st->loop->After(kSweepEvery, [st] { st->Sweep(); });
   });

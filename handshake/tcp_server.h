@@ -47,7 +47,7 @@ struct TcpServerOptions {
 struct TcpServerStats {
   uint64_t accepted = 0;
   uint64_t open = 0;
-  uint64_t evicted = 0;        // closed at the connection cap
+  uint64_t evicted = 0;         // closed at the connection cap
   uint64_t refused_frames = 0;  // malformed or oversized
   uint64_t reaped = 0;          // idle, too slow, or over the buffer budget
   uint64_t accept_pauses = 0;   // at the file-descriptor limit

@@ -27,9 +27,7 @@ namespace kvferry {
 namespace handshake {
 namespace {
 
-Frame EchoHandler(const Frame& request) {
-  return Frame{MessageType::kProbeReply, request.payload};
-}
+Frame EchoHandler(const Frame& request) { return Frame{MessageType::kProbeReply, request.payload}; }
 
 struct Served {
   std::unique_ptr<TcpServer> server;
@@ -128,14 +126,13 @@ TEST(TcpServerTest, AClaimedLengthAboveTheRequestLimitIsRefusedUnread) {
   std::string header = EncodeFrame(MessageType::kNotify, "");
   const uint32_t claim = 16 << 20;
   std::memcpy(&header[4], &claim, 4);
-  ASSERT_TRUE(net::WriteFull(fd.get(), header.data(), header.size(),
-                             absl::Now() + absl::Seconds(2))
-                  .ok());
+  ASSERT_TRUE(
+      net::WriteFull(fd.get(), header.data(), header.size(), absl::Now() + absl::Seconds(2)).ok());
   // The reply says why, then the connection closes.
   char reply_header[kFrameHeaderBytes];
-  ASSERT_TRUE(net::ReadFull(fd.get(), reply_header, sizeof reply_header,
-                            absl::Now() + absl::Seconds(2))
-                  .ok());
+  ASSERT_TRUE(
+      net::ReadFull(fd.get(), reply_header, sizeof reply_header, absl::Now() + absl::Seconds(2))
+          .ok());
   auto h = ParseFrameHeader(absl::string_view(reply_header, sizeof reply_header), 1 << 20);
   ASSERT_TRUE(h.ok());
   EXPECT_EQ(h->type, MessageType::kError);
@@ -154,9 +151,9 @@ TEST(TcpServerTest, PartialRequestsShareOneBufferBudget) {
   std::string frame = EncodeFrame(MessageType::kNotify, std::string(1 << 20, 'x'));
   for (int i = 0; i < 3; ++i) {
     fds.push_back(Attacker(s));
-    ASSERT_TRUE(net::WriteFull(fds.back().get(), frame.data(), 100 << 10,
-                               absl::Now() + absl::Seconds(2))
-                    .ok());
+    ASSERT_TRUE(
+        net::WriteFull(fds.back().get(), frame.data(), 100 << 10, absl::Now() + absl::Seconds(2))
+            .ok());
   }
   EXPECT_TRUE(ClosedByServer(fds[2].get(), absl::Seconds(3)));
   EXPECT_FALSE(ClosedByServer(fds[0].get(), absl::Milliseconds(50)));
@@ -243,16 +240,15 @@ TEST(TcpServerTest, QuickRequestsAreAnsweredWhileTheHandlerThreadsWait) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto network = NewTcpNetwork();
   std::thread slow([&] {
-    auto reply = network->Call(at.ToString(), Frame{MessageType::kConnect, "wait"},
-                               absl::Seconds(10));
+    auto reply =
+        network->Call(at.ToString(), Frame{MessageType::kConnect, "wait"}, absl::Seconds(10));
     EXPECT_TRUE(reply.ok()) << reply.status();
   });
   // The one handler thread is taken.
   while ((*server)->stats().accepted < 1) absl::SleepFor(absl::Milliseconds(1));
   absl::SleepFor(absl::Milliseconds(50));
 
-  auto quick = network->Call(at.ToString(), Frame{MessageType::kProbe, "quick"},
-                             absl::Seconds(2));
+  auto quick = network->Call(at.ToString(), Frame{MessageType::kProbe, "quick"}, absl::Seconds(2));
   ASSERT_TRUE(quick.ok()) << quick.status();
   EXPECT_EQ(quick->payload, "quick");
   EXPECT_EQ(waited.load(), 0);
@@ -261,8 +257,8 @@ TEST(TcpServerTest, QuickRequestsAreAnsweredWhileTheHandlerThreadsWait) {
   net::Fd fd = Attacker(Served{nullptr, at});
   std::string burst;
   for (int i = 0; i < 40; ++i) burst += EncodeFrame(MessageType::kProbe, std::to_string(i));
-  ASSERT_TRUE(net::WriteFull(fd.get(), burst.data(), burst.size(), absl::Now() + absl::Seconds(2))
-                  .ok());
+  ASSERT_TRUE(
+      net::WriteFull(fd.get(), burst.data(), burst.size(), absl::Now() + absl::Seconds(2)).ok());
   for (int i = 0; i < 40; ++i) {
     char header[kFrameHeaderBytes];
     ASSERT_TRUE(net::ReadFull(fd.get(), header, sizeof header, absl::Now() + absl::Seconds(2)).ok())

@@ -38,15 +38,13 @@ absl::StatusOr<std::vector<InterfaceAddress>> ListInterfaceAddresses() {
     if (family != AF_INET && family != AF_INET6) continue;
     char buf[INET6_ADDRSTRLEN] = {};
     if (family == AF_INET) {
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf,
-                sizeof buf);
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
     } else {
       const in6_addr& a6 = reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr;
       if (IN6_IS_ADDR_LINKLOCAL(&a6)) continue;  // needs a scope id; never advertised
       inet_ntop(AF_INET6, &a6, buf, sizeof buf);
     }
-    out.push_back(InterfaceAddress{i->ifa_name, buf, family,
-                                   (i->ifa_flags & IFF_UP) != 0,
+    out.push_back(InterfaceAddress{i->ifa_name, buf, family, (i->ifa_flags & IFF_UP) != 0,
                                    (i->ifa_flags & IFF_LOOPBACK) != 0});
   }
   ::freeifaddrs(list);
@@ -60,8 +58,7 @@ std::string DefaultRouteInterface(const std::string& proc_root) {
   while (std::getline(route, line)) {
     std::istringstream fields(line);
     std::string iface, destination, gateway, flags, refcnt, use, metric, mask;
-    if (!(fields >> iface >> destination >> gateway >> flags >> refcnt >> use >>
-          metric >> mask)) {
+    if (!(fields >> iface >> destination >> gateway >> flags >> refcnt >> use >> metric >> mask)) {
       continue;
     }
     // Destination and mask 0: the default route. Flag 0x1: the route is up.
@@ -73,15 +70,14 @@ std::string DefaultRouteInterface(const std::string& proc_root) {
   return "";
 }
 
-HostChoice ChooseLocalHost(const std::string& explicit_host,
-                           const std::string& rdma_netdev,
+HostChoice ChooseLocalHost(const std::string& explicit_host, const std::string& rdma_netdev,
                            const std::vector<InterfaceAddress>& addresses,
                            const std::string& default_route_interface) {
   if (!explicit_host.empty()) return {explicit_host, "set explicitly"};
   if (!rdma_netdev.empty()) {
     if (const InterfaceAddress* a = BestOf(addresses, rdma_netdev)) {
-      return {a->ip, absl::StrCat("address of ", rdma_netdev,
-                                  ", the netdev of the chosen RDMA device")};
+      return {a->ip,
+              absl::StrCat("address of ", rdma_netdev, ", the netdev of the chosen RDMA device")};
     }
   }
   if (!default_route_interface.empty()) {
@@ -93,8 +89,8 @@ HostChoice ChooseLocalHost(const std::string& explicit_host,
   for (int family : {AF_INET, AF_INET6}) {
     for (const InterfaceAddress& a : addresses) {
       if (a.up && !a.loopback && a.family == family) {
-        return {a.ip, absl::StrCat("first up non-loopback interface (", a.name,
-                                   "); no default route")};
+        return {a.ip,
+                absl::StrCat("first up non-loopback interface (", a.name, "); no default route")};
       }
     }
   }

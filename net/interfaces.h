@@ -43,8 +43,7 @@ bool IsLoopbackHost(const std::string& host);
 bool IsThisHost(const std::string& host, const std::vector<InterfaceAddress>& addresses);
 
 // Applies the order above. Within one interface IPv4 is preferred.
-HostChoice ChooseLocalHost(const std::string& explicit_host,
-                           const std::string& rdma_netdev,
+HostChoice ChooseLocalHost(const std::string& explicit_host, const std::string& rdma_netdev,
                            const std::vector<InterfaceAddress>& addresses,
                            const std::string& default_route_interface);
 

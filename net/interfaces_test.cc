@@ -14,10 +14,8 @@ namespace {
 
 std::vector<InterfaceAddress> Sample() {
   return {
-      {"lo", "127.0.0.1", AF_INET, true, true},
-      {"eth0", "2001:db8::5", AF_INET6, true, false},
-      {"eth0", "192.0.2.2", AF_INET, true, false},
-      {"ib0", "10.1.0.7", AF_INET, true, false},
+      {"lo", "127.0.0.1", AF_INET, true, true},     {"eth0", "2001:db8::5", AF_INET6, true, false},
+      {"eth0", "192.0.2.2", AF_INET, true, false},  {"ib0", "10.1.0.7", AF_INET, true, false},
       {"down0", "10.9.9.9", AF_INET, false, false},
   };
 }

@@ -115,18 +115,14 @@ enum class Access : uint8_t {
   kRemoteWrite = 2,
   kRemoteReadWrite = 3,
 };
-inline bool AllowsRemoteRead(Access a) {
-  return (static_cast<uint8_t>(a) & 1) != 0;
-}
-inline bool AllowsRemoteWrite(Access a) {
-  return (static_cast<uint8_t>(a) & 2) != 0;
-}
+inline bool AllowsRemoteRead(Access a) { return (static_cast<uint8_t>(a) & 1) != 0; }
+inline bool AllowsRemoteWrite(Access a) { return (static_cast<uint8_t>(a) & 2) != 0; }
 
 // One local NIC as peers see it.
 struct NicInfo {
-  std::string name;     // e.g. "mlx5_0", "lo", "sim-n1-nic0"
-  std::string address;  // opaque transport-specific addressing bytes
-  int32_t numa_node = -1;         // -1 when unknown
+  std::string name;                // e.g. "mlx5_0", "lo", "sim-n1-nic0"
+  std::string address;             // opaque transport-specific addressing bytes
+  int32_t numa_node = -1;          // -1 when unknown
   uint64_t link_bits_per_sec = 0;  // 0 when unknown
   uint32_t mtu = 0;                // active MTU in bytes, 0 when unknown
 };
@@ -201,8 +197,7 @@ class Transport {
 
   // Registers [addr, addr+length) on every local NIC. kInvalidArgument for a
   // null address or zero length; kResourceExhausted above the limits.
-  virtual absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
-                                                Access access) = 0;
+  virtual absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length, Access access) = 0;
   // Revokes the region's keys: later remote requests fail with
   // kPermissionDenied. kFailedPrecondition while local requests using it are
   // outstanding; kNotFound for an unknown id.
@@ -210,13 +205,10 @@ class Transport {
 
   // Link setup, see the file comment. `peer_nic` comes from the peer's
   // EndpointDescription.
-  virtual absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic,
-                                               const NicInfo& peer_nic) = 0;
-  virtual absl::StatusOr<LinkOffer> AcceptLink(
-      NicIndex local_nic, const NicInfo& peer_nic,
-      absl::string_view peer_params) = 0;
-  virtual absl::Status CompleteLink(LinkId link,
-                                    absl::string_view peer_params) = 0;
+  virtual absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic, const NicInfo& peer_nic) = 0;
+  virtual absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
+                                               absl::string_view peer_params) = 0;
+  virtual absl::Status CompleteLink(LinkId link, absl::string_view peer_params) = 0;
   // The local NIC that reaches `peer_nic` by this host's routes, when the
   // transport can tell (verbs, through rdma_cm); otherwise an error saying
   // why, and the caller pairs NICs by its own rule.
@@ -239,8 +231,7 @@ class Transport {
   virtual size_t PollCompletions(absl::Span<Completion> out) = 0;
   // Like PollCompletions, but first waits up to `timeout` for at least one
   // (wall time on real transports, simulated time on sim).
-  virtual size_t WaitCompletions(absl::Span<Completion> out,
-                                 absl::Duration timeout) = 0;
+  virtual size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) = 0;
   // Makes a thread waiting in WaitCompletions return now, with what it has
   // (possibly nothing); when none waits, the next WaitCompletions call
   // returns at once. For callers that poll from several threads: one that

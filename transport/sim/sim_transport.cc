@@ -108,8 +108,9 @@ struct SimTransport::Link {
   std::map<uint64_t, absl::Status> errors;
 };
 
-absl::StatusOr<std::unique_ptr<SimTransport>> SimTransport::Create(
-    sim::Fabric* fabric, SimTransportOptions options, uint64_t seed) {
+absl::StatusOr<std::unique_ptr<SimTransport>> SimTransport::Create(sim::Fabric* fabric,
+                                                                   SimTransportOptions options,
+                                                                   uint64_t seed) {
   if (fabric == nullptr) return absl::InvalidArgumentError("no fabric");
   if (options.nics.empty()) {
     return absl::InvalidArgumentError("a sim transport needs at least one NIC");
@@ -122,21 +123,17 @@ absl::StatusOr<std::unique_ptr<SimTransport>> SimTransport::Create(
       return absl::InvalidArgumentError(absl::StrCat("unknown fabric NIC ", nic));
     }
     if (fabric->node_of(nic) != fabric->node_of(options.nics[0])) {
-      return absl::InvalidArgumentError(
-          "all NICs of a sim transport must be on one node");
+      return absl::InvalidArgumentError("all NICs of a sim transport must be on one node");
     }
   }
   if (options.max_outstanding_per_link == 0 || options.max_request_bytes == 0 ||
       options.max_region_bytes == 0 || options.ack_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        "limits and ack_timeout of a sim transport must be positive");
+    return absl::InvalidArgumentError("limits and ack_timeout of a sim transport must be positive");
   }
-  return std::unique_ptr<SimTransport>(
-      new SimTransport(fabric, std::move(options), seed));
+  return std::unique_ptr<SimTransport>(new SimTransport(fabric, std::move(options), seed));
 }
 
-SimTransport::SimTransport(sim::Fabric* fabric, SimTransportOptions options,
-                           uint64_t seed)
+SimTransport::SimTransport(sim::Fabric* fabric, SimTransportOptions options, uint64_t seed)
     : fabric_(fabric),
       sched_(fabric->scheduler()),
       options_(std::move(options)),
@@ -144,9 +141,8 @@ SimTransport::SimTransport(sim::Fabric* fabric, SimTransportOptions options,
       owner_(sched_->NewOwner()),
       keys_by_nic_(options_.nics.size()) {
   for (NicIndex i = 0; i < options_.nics.size(); ++i) {
-    fabric_->Attach(options_.nics[i], [this, i](sim::Message&& msg) {
-      OnMessage(i, std::move(msg));
-    });
+    fabric_->Attach(options_.nics[i],
+                    [this, i](sim::Message&& msg) { OnMessage(i, std::move(msg)); });
   }
 }
 
@@ -186,9 +182,7 @@ Limits SimTransport::GetLimits() const {
                 options_.max_region_bytes};
 }
 
-absl::StatusOr<Region> SimTransport::RegisterMemory(void* addr,
-                                                    uint64_t length,
-                                                    Access access) {
+absl::StatusOr<Region> SimTransport::RegisterMemory(void* addr, uint64_t length, Access access) {
   if (addr == nullptr) {
     return absl::InvalidArgumentError("RegisterMemory: null address");
   }
@@ -196,9 +190,8 @@ absl::StatusOr<Region> SimTransport::RegisterMemory(void* addr,
     return absl::InvalidArgumentError("RegisterMemory: zero length");
   }
   if (length > options_.max_region_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("RegisterMemory: ", length, " bytes exceeds the limit of ",
-                     options_.max_region_bytes));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "RegisterMemory: ", length, " bytes exceeds the limit of ", options_.max_region_bytes));
   }
   const uint64_t base = reinterpret_cast<uintptr_t>(addr);
   if (base + length < base) {
@@ -229,9 +222,8 @@ absl::Status SimTransport::UnregisterMemory(RegionId region) {
     return absl::NotFoundError(absl::StrCat("unknown region ", region));
   }
   if (it->second->local_uses != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("region ", region, " is used by ", it->second->local_uses,
-                     " outstanding request(s)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "region ", region, " is used by ", it->second->local_uses, " outstanding request(s)"));
   }
   const Region& r = it->second->region;
   for (size_t i = 0; i < keys_by_nic_.size(); ++i) keys_by_nic_[i].erase(r.keys[i]);
@@ -239,36 +231,33 @@ absl::Status SimTransport::UnregisterMemory(RegionId region) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<sim::NicId> SimTransport::ParsePeerNic(
-    const NicInfo& peer_nic) const {
+absl::StatusOr<sim::NicId> SimTransport::ParsePeerNic(const NicInfo& peer_nic) const {
   absl::string_view addr = peer_nic.address;
   uint32_t nic;
-  if (!absl::ConsumePrefix(&addr, kAddressPrefix) ||
-      !absl::SimpleAtoi(addr, &nic) || !fabric_->HasNic(nic)) {
+  if (!absl::ConsumePrefix(&addr, kAddressPrefix) || !absl::SimpleAtoi(addr, &nic) ||
+      !fabric_->HasNic(nic)) {
     return absl::InvalidArgumentError(
         absl::StrCat("not a sim NIC address: '", peer_nic.address, "'"));
   }
   return nic;
 }
 
-SimTransport::Link& SimTransport::NewLink(NicIndex local_nic,
-                                          sim::NicId remote_nic) {
+SimTransport::Link& SimTransport::NewLink(NicIndex local_nic, sim::NicId remote_nic) {
   auto link = std::make_unique<Link>();
   link->id = ++last_link_id_;
   link->local_nic = local_nic;
   link->remote_nic = remote_nic;
   link->qpn = fabric_->NextSerial();
   link->retries_left = options_.retry_count;
-  link->segment_bytes = std::min(fabric_->nic_spec(options_.nics[local_nic]).mtu,
-                                 fabric_->nic_spec(remote_nic).mtu);
+  link->segment_bytes =
+      std::min(fabric_->nic_spec(options_.nics[local_nic]).mtu, fabric_->nic_spec(remote_nic).mtu);
   Link& ref = *link;
   links_by_qpn_.emplace(ref.qpn, &ref);
   links_.emplace(ref.id, std::move(link));
   return ref;
 }
 
-absl::StatusOr<LinkOffer> SimTransport::CreateLink(NicIndex local_nic,
-                                                   const NicInfo& peer_nic) {
+absl::StatusOr<LinkOffer> SimTransport::CreateLink(NicIndex local_nic, const NicInfo& peer_nic) {
   if (local_nic >= options_.nics.size()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
   }
@@ -277,16 +266,15 @@ absl::StatusOr<LinkOffer> SimTransport::CreateLink(NicIndex local_nic,
   return LinkOffer{link.id, EncodeParams(link.qpn, options_.nics[local_nic])};
 }
 
-absl::StatusOr<LinkOffer> SimTransport::AcceptLink(
-    NicIndex local_nic, const NicInfo& peer_nic, absl::string_view peer_params) {
+absl::StatusOr<LinkOffer> SimTransport::AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
+                                                   absl::string_view peer_params) {
   if (local_nic >= options_.nics.size()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
   }
   ASSIGN_OR_RETURN(sim::NicId remote, ParsePeerNic(peer_nic));
   uint64_t remote_qpn;
   sim::NicId params_nic;
-  if (!DecodeParams(peer_params, &remote_qpn, &params_nic) ||
-      params_nic != remote) {
+  if (!DecodeParams(peer_params, &remote_qpn, &params_nic) || params_nic != remote) {
     return absl::InvalidArgumentError("AcceptLink: malformed link parameters");
   }
   Link& link = NewLink(local_nic, remote);
@@ -295,21 +283,18 @@ absl::StatusOr<LinkOffer> SimTransport::AcceptLink(
   return LinkOffer{link.id, EncodeParams(link.qpn, options_.nics[local_nic])};
 }
 
-absl::Status SimTransport::CompleteLink(LinkId id,
-                                        absl::string_view peer_params) {
+absl::Status SimTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
   auto it = links_.find(id);
   if (it == links_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
   }
   Link& link = *it->second;
   if (link.state != Link::State::kPending) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("link ", id, " is already complete"));
+    return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
   }
   uint64_t remote_qpn;
   sim::NicId params_nic;
-  if (!DecodeParams(peer_params, &remote_qpn, &params_nic) ||
-      params_nic != link.remote_nic) {
+  if (!DecodeParams(peer_params, &remote_qpn, &params_nic) || params_nic != link.remote_nic) {
     return absl::InvalidArgumentError("CompleteLink: malformed link parameters");
   }
   link.remote_qpn = remote_qpn;
@@ -326,8 +311,7 @@ absl::Status SimTransport::CloseLink(LinkId id) {
   links_.erase(it);
   links_by_qpn_.erase(link->qpn);
   for (const auto& entry : link->requests) {
-    Complete(entry.second.wr,
-             absl::CancelledError(absl::StrCat("link ", id, " was closed")));
+    Complete(entry.second.wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
   }
   return absl::OkStatus();
 }
@@ -337,8 +321,7 @@ absl::Status SimTransport::ValidateRequest(const WorkRequest& wr) const {
   RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
   auto region = regions_.find(wr.local_region);
   if (region == regions_.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown local region ", wr.local_region));
+    return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
   }
   return CheckLocal(wr, region->second->region, options_.max_request_bytes);
 }
@@ -385,12 +368,10 @@ void SimTransport::Transmit(Link& link, uint64_t psn, Segment& seg) {
   std::string bytes(sizeof h + data, '\0');
   std::memcpy(&bytes[0], &h, sizeof h);
   if (data > 0) {
-    std::memcpy(&bytes[sizeof h], static_cast<const char*>(wr.local_addr) + seg.offset,
-                data);
+    std::memcpy(&bytes[sizeof h], static_cast<const char*>(wr.local_addr) + seg.offset, data);
   }
-  const SimTime tx_end = fabric_->Send(options_.nics[link.local_nic],
-                                       link.remote_nic, options_.header_bytes + data,
-                                       std::move(bytes));
+  const SimTime tx_end = fabric_->Send(options_.nics[link.local_nic], link.remote_nic,
+                                       options_.header_bytes + data, std::move(bytes));
   seg.deadline = tx_end + sim::ToSimTime(options_.ack_timeout);
   if (link.timer_at < 0 || seg.deadline < link.timer_at) ArmTimer(link, seg.deadline);
 }
@@ -399,7 +380,8 @@ void SimTransport::ArmTimer(Link& link, SimTime at) {
   const uint64_t generation = ++link.timer_generation;
   link.timer_at = at;
   const LinkId id = link.id;
-  sched_->At(at, [this, id, generation] { OnTimer(id, generation); }, owner_);
+  sched_->At(
+      at, [this, id, generation] { OnTimer(id, generation); }, owner_);
 }
 
 void SimTransport::OnTimer(LinkId id, uint64_t generation) {
@@ -429,8 +411,7 @@ void SimTransport::OnTimer(LinkId id, uint64_t generation) {
                absl::UnavailableError(absl::StrFormat(
                    "no response from peer on link %u after %u retries "
                    "(ack timeout %s): transport retry counter exceeded",
-                   id, options_.retry_count,
-                   absl::FormatDuration(options_.ack_timeout))));
+                   id, options_.retry_count, absl::FormatDuration(options_.ack_timeout))));
       return;
     }
     --link.retries_left;
@@ -444,8 +425,7 @@ void SimTransport::OnTimer(LinkId id, uint64_t generation) {
   if (link.timer_at < 0 || next < link.timer_at) ArmTimer(link, next);
 }
 
-void SimTransport::FailLink(Link& link, uint64_t first_request,
-                            absl::Status first) {
+void SimTransport::FailLink(Link& link, uint64_t first_request, absl::Status first) {
   link.state = Link::State::kError;
   ++link.timer_generation;  // disarm
   link.timer_at = -1;
@@ -453,8 +433,8 @@ void SimTransport::FailLink(Link& link, uint64_t first_request,
   Complete(link.requests.at(first_request).wr, std::move(first));
   for (const auto& [id, request] : link.requests) {
     if (id == first_request) continue;
-    Complete(request.wr, absl::AbortedError(absl::StrCat(
-                             "flushed: link ", link.id, " failed earlier: ", reason)));
+    Complete(request.wr, absl::AbortedError(
+                             absl::StrCat("flushed: link ", link.id, " failed earlier: ", reason)));
   }
   link.requests.clear();
   link.segments.clear();
@@ -472,8 +452,8 @@ void SimTransport::OnMessage(NicIndex nic, sim::Message&& msg) {
   auto it = links_by_qpn_.find(h.dst_qpn);
   if (it == links_by_qpn_.end()) return;  // stale QP (e.g. before a restart)
   Link& link = *it->second;
-  if (link.state != Link::State::kReady || link.local_nic != nic ||
-      link.remote_qpn != h.src_qpn || link.remote_nic != msg.from) {
+  if (link.state != Link::State::kReady || link.local_nic != nic || link.remote_qpn != h.src_qpn ||
+      link.remote_nic != msg.from) {
     return;
   }
   absl::string_view payload(msg.bytes);
@@ -485,8 +465,7 @@ void SimTransport::OnMessage(NicIndex nic, sim::Message&& msg) {
   }
 }
 
-absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h,
-                                   absl::string_view data,
+absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h, absl::string_view data,
                                    std::string* read_out) {
   if (h.length == 0) return absl::OkStatus();
   auto key = keys_by_nic_[nic].find(h.rkey);
@@ -508,8 +487,8 @@ absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h,
   return absl::OkStatus();
 }
 
-void SimTransport::Respond(Link& link, const WireHeader& request,
-                           absl::StatusCode code, absl::string_view payload) {
+void SimTransport::Respond(Link& link, const WireHeader& request, absl::StatusCode code,
+                           absl::string_view payload) {
   WireHeader h = request;
   h.type = kResponse;
   h.status_code = static_cast<uint8_t>(code);
@@ -518,10 +497,9 @@ void SimTransport::Respond(Link& link, const WireHeader& request,
   std::string bytes(sizeof h + payload.size(), '\0');
   std::memcpy(&bytes[0], &h, sizeof h);
   if (!payload.empty()) std::memcpy(&bytes[sizeof h], payload.data(), payload.size());
-  const uint64_t wire = options_.header_bytes +
-                        (code == absl::StatusCode::kOk ? payload.size() : 0);
-  fabric_->Send(options_.nics[link.local_nic], link.remote_nic, wire,
-                std::move(bytes));
+  const uint64_t wire =
+      options_.header_bytes + (code == absl::StatusCode::kOk ? payload.size() : 0);
+  fabric_->Send(options_.nics[link.local_nic], link.remote_nic, wire, std::move(bytes));
 }
 
 void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
@@ -531,8 +509,7 @@ void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
       (write && payload.size() != h.segment_length)) {
     return;  // malformed: drop
   }
-  const bool duplicate =
-      h.psn < link.executed_below || link.executed_above.count(h.psn) != 0;
+  const bool duplicate = h.psn < link.executed_below || link.executed_above.count(h.psn) != 0;
   if (duplicate) {
     auto error = link.errors.find(h.psn);
     if (error != link.errors.end()) {
@@ -549,8 +526,7 @@ void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
   absl::Status status = Execute(nic, h, payload, &read_data);
   if (!duplicate) {
     link.executed_above.insert(h.psn);
-    while (!link.executed_above.empty() &&
-           *link.executed_above.begin() == link.executed_below) {
+    while (!link.executed_above.empty() && *link.executed_above.begin() == link.executed_below) {
       link.executed_above.erase(link.executed_above.begin());
       ++link.executed_below;
     }
@@ -560,8 +536,7 @@ void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
   Respond(link, h, status.code(), status.ok() ? read_data : status.message());
 }
 
-void SimTransport::OnResponse(Link& link, const WireHeader& h,
-                              absl::string_view payload) {
+void SimTransport::OnResponse(Link& link, const WireHeader& h, absl::string_view payload) {
   auto seg_it = link.segments.find(h.psn);
   if (seg_it == link.segments.end()) return;  // duplicate answer
   const Segment seg = seg_it->second;
@@ -574,8 +549,8 @@ void SimTransport::OnResponse(Link& link, const WireHeader& h,
   if (request.wr.opcode == Opcode::kRead) {
     if (payload.size() != seg.length) return;  // malformed: wait for retry
     if (seg.length > 0) {
-      std::memcpy(static_cast<char*>(request.wr.local_addr) + seg.offset,
-                  payload.data(), seg.length);
+      std::memcpy(static_cast<char*>(request.wr.local_addr) + seg.offset, payload.data(),
+                  seg.length);
     }
   }
   link.segments.erase(seg_it);
@@ -603,8 +578,7 @@ size_t SimTransport::PollCompletions(absl::Span<Completion> out) {
   });
 }
 
-size_t SimTransport::WaitCompletions(absl::Span<Completion> out,
-                                     absl::Duration timeout) {
+size_t SimTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
   if (cq_.empty() && timeout > absl::ZeroDuration()) {
     // Running simulated time may run a simulated crash that destroys this
     // very transport; `alive` outlives it and stops the loop before any

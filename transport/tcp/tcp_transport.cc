@@ -28,8 +28,7 @@ uint64_t HostId() {
 }
 
 absl::Status TcpTransport::Start() {
-  ASSIGN_OR_RETURN(listener_, net::Listen(options_.bind_host, options_.port,
-                                          options_.port_range));
+  ASSIGN_OR_RETURN(listener_, net::Listen(options_.bind_host, options_.port, options_.port_range));
   std::string host = options_.advertise_host;
   if (host.empty()) {
     if (options_.bind_host == "0.0.0.0" || options_.bind_host == "::") {
@@ -86,14 +85,12 @@ EndpointDescription TcpTransport::LocalEndpoint() const {
   return d;
 }
 
-absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
-                                                    Access access) {
+absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length, Access access) {
   if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
   if (length == 0) return absl::InvalidArgumentError("RegisterMemory: zero length");
   if (length > options_.max_region_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "RegisterMemory: ", length, " bytes exceeds the limit of ",
-        options_.max_region_bytes));
+        "RegisterMemory: ", length, " bytes exceeds the limit of ", options_.max_region_bytes));
   }
   const uint64_t base = reinterpret_cast<uintptr_t>(addr);
   if (base + length < base) return absl::InvalidArgumentError("RegisterMemory: range wraps");
@@ -153,8 +150,8 @@ absl::Status TcpTransport::UnregisterMemory(RegionId region) {
     auto it = regions_.find(region);
     if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("unknown region ", region));
     if (const uint64_t uses = it->second->local_uses.load(); uses != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "region ", region, " is used by ", uses, " outstanding request(s)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("region ", region, " is used by ", uses, " outstanding request(s)"));
     }
     by_key_.erase(it->second->region.keys[0]);
     entry = std::move(it->second);
@@ -169,10 +166,9 @@ void TcpTransport::RevokeAndDrain(RegionEntry& entry) {
   constexpr absl::Duration kGrace = absl::Seconds(1);
   MutexLock lock(&entry.use_mu);
   entry.revoked = true;
-  if (entry.use_cv.AwaitWithDeadline(&entry.use_mu, absl::Now() + kGrace,
-                                     [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                       return entry.using_fds.empty();
-                                     })) {
+  if (entry.use_cv.AwaitWithDeadline(
+          &entry.use_mu, absl::Now() + kGrace,
+          [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry.using_fds.empty(); })) {
     return;
   }
   KVF_LOG(WARNING) << "tcp: region " << entry.region.id << " unregistered while "
@@ -183,8 +179,8 @@ void TcpTransport::RevokeAndDrain(RegionEntry& entry) {
 }
 
 absl::StatusOr<TcpTransport::RegionUse> TcpTransport::UseRemote(const DataHeader& h, bool write,
-                                                               int fd, char** target,
-                                                               int* device) {
+                                                                int fd, char** target,
+                                                                int* device) {
   ReaderMutexLock lock(&regions_mu_);
   RETURN_IF_ERROR(CheckRemote(h, write, target, device));
   // CheckRemote found the key: one more lookup of it, none by region id.
@@ -208,8 +204,7 @@ absl::StatusOr<net::HostPort> TcpNicAddress(const NicInfo& nic) {
 
 }  // namespace
 
-absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic,
-                                                   const NicInfo& peer_nic) {
+absl::StatusOr<LinkOffer> TcpTransport::CreateLink(NicIndex local_nic, const NicInfo& peer_nic) {
   RETURN_IF_ERROR(TcpNicAddress(peer_nic).status());
   ASSIGN_OR_RETURN(LinkOffer offer, OfferLink(local_nic));
   if (absl::Status connected = ConnectOffered(offer.link, peer_nic); !connected.ok()) {
@@ -250,8 +245,8 @@ absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
   RETURN_IF_ERROR(net::SetNoDelay(fd.get()));
   RETURN_IF_ERROR(net::SetKeepAlive(fd.get(), options_.dead_peer_timeout));
   const std::string hello = EncodeHello(token, options_.secret);
-  RETURN_IF_ERROR(net::WriteFull(fd.get(), hello.data(), hello.size(),
-                                 absl::Now() + options_.connect_timeout));
+  RETURN_IF_ERROR(
+      net::WriteFull(fd.get(), hello.data(), hello.size(), absl::Now() + options_.connect_timeout));
   return Install(id, std::move(fd));
 }
 
@@ -288,8 +283,7 @@ absl::Status TcpTransport::AdoptConnection(LinkId id, net::Fd connection) {
   return Install(id, std::move(connection));
 }
 
-absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
-                                                   const NicInfo& peer_nic,
+absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
                                                    absl::string_view peer_params) {
   (void)peer_nic;
   if (local_nic != 0) {
@@ -324,8 +318,9 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic,
       token, absl::Now() + options_.connect_timeout, [this, later](absl::StatusOr<net::Fd> fd) {
         if (std::shared_ptr<Link> l = later.lock()) (void)Attach(l, std::move(fd));
       });
-  absl::Status attached =
-      !fd.ok() ? fd.status() : fd->valid() ? Attach(link, std::move(*fd)) : absl::OkStatus();
+  absl::Status attached = !fd.ok()      ? fd.status()
+                          : fd->valid() ? Attach(link, std::move(*fd))
+                                        : absl::OkStatus();
   if (!attached.ok()) {
     MutexLock lock(&mu_);
     links_.erase(link->id);

@@ -105,24 +105,23 @@ class TcpTransport final : public Transport, public StreamLinks {
   EndpointDescription LocalEndpoint() const override;
   Limits GetLimits() const override {
     // Each request costs a header, its share of a system call, an answer and
-    // a completion: 1 MiB blocks moved at 0.88-0.94 of a raw stream in 1 MiB
-    // requests, 0.62-0.76 in 64 KiB ones (docs/performance.md). Each link
-    // keeps two threads busy at each end: on a host with few CPUs one link
-    // moved more than two (docs/performance.md).
-    return Limits{options_.max_outstanding_per_link, options_.max_request_bytes,
+    // a completion, so large requests are preferred; each link keeps two
+    // threads busy at each end, so a host with few CPUs gets one link. The
+    // measurements behind both: docs/performance.md, "TCP request size and
+    // links".
+    return Limits{options_.max_outstanding_per_link,
+                  options_.max_request_bytes,
                   options_.max_region_bytes,
                   std::min<uint64_t>(kPreferredRequestBytes, options_.max_request_bytes),
                   UsableCpus() < 4 ? 1u : 2u,
                   /*accept_waits=*/false};
   }
-  absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
-                                        Access access) override;
+  absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length, Access access) override;
   absl::Status UnregisterMemory(RegionId region) override;
   absl::StatusOr<LinkOffer> OfferLink(NicIndex local_nic) override;
   absl::Status ConnectOffered(LinkId link, const NicInfo& peer_nic) override;
   absl::Status AdoptConnection(LinkId link, net::Fd connection) override;
-  absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic,
-                                       const NicInfo& peer_nic) override;
+  absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic, const NicInfo& peer_nic) override;
   absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
                                        absl::string_view peer_params) override;
   absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
@@ -200,8 +199,8 @@ class TcpTransport final : public Transport, public StreamLinks {
     std::string text;            // error text of a refused request
     bool read_answer = false;    // send region bytes, re-checked under the lock
     bool close_after = false;    // the responder refused: close the connection
-    int device = -1;  // data lies on this CUDA device: sent through a staging buffer
-    bool ipc = false;  // header.flags has kViaIpc: ipc_ref follows the header
+    int device = -1;             // data lies on this CUDA device: sent through a staging buffer
+    bool ipc = false;            // header.flags has kViaIpc: ipc_ref follows the header
     IpcRef ipc_ref;
   };
   // What lets the other end of a link, when it lives in this process, copy
@@ -245,14 +244,14 @@ class TcpTransport final : public Transport, public StreamLinks {
     // when this one was made, so its requests go over the socket).
     std::shared_ptr<DirectGate> gate;
     std::shared_ptr<DirectGate> peer_gate;
-    uint32_t direct_busy = 0;  // shortcut copies running on this link
+    uint32_t direct_busy = 0;   // shortcut copies running on this link
     uint32_t idle_waiters = 0;  // threads in WaitLinkIdle
     net::Fd fd;
     State state = State::kPending;
     uint64_t token = 0;
     IdWindow<WorkRequest> outstanding;  // by request id, handed out in sequence
-    std::vector<Job> jobs;  // the writer takes them all at once
-    uint64_t jobs_from = 0;  // the Post whose jobs started `jobs`
+    std::vector<Job> jobs;              // the writer takes them all at once
+    uint64_t jobs_from = 0;             // the Post whose jobs started `jobs`
     // Sent by the posting thread while the writer was idle (writer_busy is
     // set meanwhile). What the socket
     // did not take at once (inline_rest) the writer sends first, from byte
@@ -262,13 +261,13 @@ class TcpTransport final : public Transport, public StreamLinks {
     bool inline_rest = false;
     bool stopping = false;
     bool writer_busy = false;
-    bool passive = false;      // made by AcceptLink
+    bool passive = false;  // made by AcceptLink
     // A passive link's connection is being attached (Attach): its fd and
     // threads are set outside the lock, and StopAndJoin waits for that.
     bool attaching = false;
-    bool reader_done = false;  // the reader thread has returned
+    bool reader_done = false;     // the reader thread has returned
     uint32_t queued_answers = 0;  // answers in `jobs` (reader and writer, under mu_)
-    CondVar cv;  // jobs arrived / stopping / writer idle
+    CondVar cv;                   // jobs arrived / stopping / writer idle
     ThreadCache::Task reader;
     ThreadCache::Task writer;
     // Pinned host buffers for device memory, made on first use: the
@@ -287,9 +286,9 @@ class TcpTransport final : public Transport, public StreamLinks {
     // handle bytes; closed when the reader ends.
     struct Import {
       void* mapped;
-      uint64_t size;  // of the allocation: requests must stay inside
-      int ordinal;    // opened through this device's context
-      VmmMapping vmm{};  // VMM memory: unmapped, not IpcClose'd
+      uint64_t size;      // of the allocation: requests must stay inside
+      int ordinal;        // opened through this device's context
+      VmmMapping vmm{};   // VMM memory: unmapped, not IpcClose'd
       uint64_t used = 0;  // when last used (imports_used below)
     };
     uint64_t imports_used = 0;  // a counter: the reader's requests served by IPC
@@ -326,7 +325,7 @@ class TcpTransport final : public Transport, public StreamLinks {
     uint64_t rid = 0;
     WorkRequest wr;
     int local_device = -1;  // the local buffer's CUDA device, -1: host
-    bool run = false;  // still outstanding when the copies began
+    bool run = false;       // still outstanding when the copies began
     absl::Status status;
   };
   absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct,
@@ -413,8 +412,7 @@ class TcpTransport final : public Transport, public StreamLinks {
   static void CloseImport(const Link::Import& imp);
   // Device to device on this host: fills in the IpcRef (and flags) of
   // `job` when the peer can copy `wr`'s bytes through CUDA itself.
-  static bool ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr,
-                     Job* job);
+  static bool ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr, Job* job);
   // The VMM server links advertise; 0: none (IPC off, or no VMM in the
   // driver).
   uint64_t VmmName() const {
@@ -469,8 +467,7 @@ class TcpTransport final : public Transport, public StreamLinks {
 
   SharedMutex regions_mu_;
   RegionId last_region_ ABSL_GUARDED_BY(regions_mu_) = 0;
-  absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_
-      ABSL_GUARDED_BY(regions_mu_);
+  absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_ ABSL_GUARDED_BY(regions_mu_);
   absl::flat_hash_map<RemoteKey, RegionEntry*> by_key_ ABSL_GUARDED_BY(regions_mu_);
 
   Mutex mu_;

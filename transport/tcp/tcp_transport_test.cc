@@ -1,4 +1,6 @@
 // TCP-specific behaviour beyond the conformance suite.
+#include "transport/tcp/tcp_transport.h"
+
 #include <dirent.h>
 #include <sys/socket.h>
 
@@ -7,12 +9,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "net/socket.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "net/socket.h"
 #include "transport/in_process.h"
 #include "transport/stream_links.h"
-#include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
 namespace transport {
@@ -40,7 +41,7 @@ TEST(TcpTransport, PeersThatReconnectOftenLeakNoSockets) {
     auto client = CreateTcpTransport(o);
     ASSERT_TRUE(client.ok());
     ASSERT_TRUE(ConnectInProcess(**client, **server).ok());
-    client->reset();                      // the peer goes away
+    client->reset();                        // the peer goes away
     absl::SleepFor(absl::Milliseconds(2));  // its connection ends at the server
   }
   // The last few may still be ending; fifty would be a leak.
@@ -122,8 +123,8 @@ TEST(TcpTransport, LinksCanAdoptAConnectionMadeElsewhere) {
   auto listener = net::Listen("127.0.0.1", 0, {0, 0});
   ASSERT_TRUE(listener.ok()) << listener.status();
   auto pair = [&]() -> std::pair<net::Fd, net::Fd> {
-    auto near = net::Connect(net::HostPort{"127.0.0.1", listener->address.port()},
-                             absl::Seconds(5));
+    auto near =
+        net::Connect(net::HostPort{"127.0.0.1", listener->address.port()}, absl::Seconds(5));
     EXPECT_TRUE(near.ok()) << near.status();
     net::Fd far(::accept4(listener->fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     EXPECT_TRUE(far.valid());
@@ -180,8 +181,10 @@ TEST(TcpTransport, InProcessPeersCopyInsidePost) {
     auto rs = (*a)->RegisterMemory(src.data(), src.size(), Access::kNone);
     auto rd = (*b)->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
     ASSERT_TRUE(rs.ok() && rd.ok());
-    WorkRequest w{Opcode::kWrite, links->first, rs->id, src.data(), src.size(),
-                  reinterpret_cast<uintptr_t>(dst.data()), rd->keys[0], 7};
+    WorkRequest w{Opcode::kWrite, links->first,
+                  rs->id,         src.data(),
+                  src.size(),     reinterpret_cast<uintptr_t>(dst.data()),
+                  rd->keys[0],    7};
     ASSERT_TRUE((*a)->Post({&w, 1}).ok());
     Completion c[1];
     size_t n = (*a)->PollCompletions(c);
@@ -198,8 +201,10 @@ TEST(TcpTransport, InProcessPeersCopyInsidePost) {
     std::vector<char> back(16);
     auto rb = (*a)->RegisterMemory(back.data(), back.size(), Access::kNone);
     ASSERT_TRUE(rb.ok());
-    WorkRequest r{Opcode::kRead, links->first, rb->id, back.data(), back.size(),
-                  reinterpret_cast<uintptr_t>(dst.data()), rd->keys[0], 8};
+    WorkRequest r{Opcode::kRead, links->first,
+                  rb->id,        back.data(),
+                  back.size(),   reinterpret_cast<uintptr_t>(dst.data()),
+                  rd->keys[0],   8};
     ASSERT_TRUE((*a)->Post({&r, 1}).ok());
     n = (*a)->WaitCompletions(c, absl::Seconds(5));
     ASSERT_EQ(n, 1u);
@@ -215,8 +220,8 @@ TEST(TcpTransport, InProcessPeersCopyInsidePost) {
 TEST(TcpTransport, NothingLandsThroughAClosedEnd) {
   for (const bool shortcut : {true, false}) {
     for (const bool close_passive : {true, false}) {
-      SCOPED_TRACE(absl::StrCat(shortcut ? "shortcut" : "sockets", ", closed end: ",
-                                close_passive ? "accepting" : "connecting"));
+      SCOPED_TRACE(absl::StrCat(shortcut ? "shortcut" : "sockets",
+                                ", closed end: ", close_passive ? "accepting" : "connecting"));
       TcpTransportOptions o;
       o.in_process_shortcut = shortcut;
       auto a = CreateTcpTransport(o);
@@ -232,8 +237,9 @@ TEST(TcpTransport, NothingLandsThroughAClosedEnd) {
       auto rs = poster.RegisterMemory(src.data(), src.size(), Access::kNone);
       auto rd = closer.RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
       ASSERT_TRUE(rs.ok() && rd.ok());
-      WorkRequest w{Opcode::kWrite, open, rs->id, src.data(), src.size(),
-                    reinterpret_cast<uintptr_t>(dst.data()), rd->keys[0], 9};
+      WorkRequest w{Opcode::kWrite, open,       rs->id,
+                    src.data(),     src.size(), reinterpret_cast<uintptr_t>(dst.data()),
+                    rd->keys[0],    9};
       // The link works before the close.
       ASSERT_TRUE(poster.Post({&w, 1}).ok());
       Completion c[1];

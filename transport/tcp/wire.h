@@ -39,8 +39,8 @@ constexpr uint16_t kViaVmm = 4;
 // reports an error answers the one request `id` (remote_addr 1).
 struct DataHeader {
   uint8_t type = 0;
-  uint8_t status = 0;  // absl::StatusCode of an answer
-  uint16_t flags = 0;  // requests: kAckNow
+  uint8_t status = 0;     // absl::StatusCode of an answer
+  uint16_t flags = 0;     // requests: kAckNow
   uint32_t text_len = 0;  // error text following an answer that failed
   uint64_t id = 0;
   uint64_t remote_addr = 0;
@@ -49,14 +49,12 @@ struct DataHeader {
 };
 static_assert(sizeof(DataHeader) == 40, "wire header size");
 
-// Link parameters (transport/link_params.h): the pairing token and the
-// transport's in-process key (0: no shortcut).
-// and the host's identity (HostId: 0 when CUDA IPC is off), and the name of
-// the process's VMM server (optional, absent or 0: none; older peers send
-// none).
+// Link parameters (transport/link_params.h): the pairing token, the
+// transport's in-process key (0: no shortcut), the host's identity (HostId:
+// 0 when CUDA IPC is off), and the name of the process's VMM server
+// (optional; absent or 0: none, as older peers send).
 enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3, kVmmField = 4 };
-inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host,
-                                    uint64_t vmm = 0) {
+inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host, uint64_t vmm = 0) {
   LinkParams p(kind::kTcp);
   p.Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host);
   if (vmm != 0) p.Put(kVmmField, vmm);

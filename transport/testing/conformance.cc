@@ -1,8 +1,8 @@
 #include "transport/testing/conformance.h"
 
 #include <algorithm>
-#include <cstring>
 #include <atomic>
+#include <cstring>
 #include <set>
 #include <thread>
 #include <utility>
@@ -18,8 +18,7 @@ namespace kvferry {
 namespace transport {
 namespace testing {
 
-std::string ConformanceParamName(
-    const ::testing::TestParamInfo<ConformanceParam>& info) {
+std::string ConformanceParamName(const ::testing::TestParamInfo<ConformanceParam>& info) {
   return info.param.name;
 }
 
@@ -30,8 +29,10 @@ void TransportConformanceTest::SetUp() {
   if (!skip.empty()) GTEST_SKIP() << skip;
 }
 
-absl::StatusOr<std::pair<LinkId, LinkId>> TransportConformanceTest::Connect(
-    Transport& a, Transport& b, NicIndex na, NicIndex nb) {
+absl::StatusOr<std::pair<LinkId, LinkId>> TransportConformanceTest::Connect(Transport& a,
+                                                                            Transport& b,
+                                                                            NicIndex na,
+                                                                            NicIndex nb) {
   return ConnectInProcess(a, b, na, nb);
 }
 
@@ -62,8 +63,9 @@ void TransportConformanceTest::RefreshDeviceBuffers() {
   }
 }
 
-TransportConformanceTest::Buffer TransportConformanceTest::MakeBuffer(
-    Transport& t, size_t size, uint64_t seed, Access access) {
+TransportConformanceTest::Buffer TransportConformanceTest::MakeBuffer(Transport& t, size_t size,
+                                                                      uint64_t seed,
+                                                                      Access access) {
   Buffer buf;
   buf.guard = 64;
   buf.bytes.resize(size + 2 * buf.guard);
@@ -78,9 +80,8 @@ TransportConformanceTest::Buffer TransportConformanceTest::MakeBuffer(
   if (ordinal >= 0) {
     const cuda::Driver* driver = cuda::Driver::Get();
     auto copy = std::make_shared<DeviceCopy>();
-    absl::StatusOr<void*> mem =
-        driver == nullptr ? absl::UnavailableError("no CUDA driver")
-                          : driver->AllocDevice(ordinal, buf.bytes.size());
+    absl::StatusOr<void*> mem = driver == nullptr ? absl::UnavailableError("no CUDA driver")
+                                                  : driver->AllocDevice(ordinal, buf.bytes.size());
     EXPECT_TRUE(mem.ok()) << mem.status();
     if (mem.ok()) {
       copy->base = static_cast<uint8_t*>(*mem);
@@ -98,8 +99,8 @@ TransportConformanceTest::Buffer TransportConformanceTest::MakeBuffer(
   return buf;
 }
 
-std::vector<Completion> TransportConformanceTest::WaitFor(
-    Transport& t, size_t count, absl::Duration timeout) {
+std::vector<Completion> TransportConformanceTest::WaitFor(Transport& t, size_t count,
+                                                          absl::Duration timeout) {
   std::vector<Completion> got;
   Clock* clock = harness_->clock();
   const absl::Time deadline = clock->Now() + timeout;
@@ -114,8 +115,7 @@ std::vector<Completion> TransportConformanceTest::WaitFor(
   return got;
 }
 
-absl::Status TransportConformanceTest::RunOne(Transport& t,
-                                              const WorkRequest& wr) {
+absl::Status TransportConformanceTest::RunOne(Transport& t, const WorkRequest& wr) {
   absl::Status posted = t.Post({&wr, 1});
   if (!posted.ok()) return posted;
   std::vector<Completion> c = WaitFor(t, 1);
@@ -124,9 +124,8 @@ absl::Status TransportConformanceTest::RunOne(Transport& t,
   return c[0].status;
 }
 
-WorkRequest TransportConformanceTest::Write(LinkId link, Buffer& src,
-                                            size_t src_off, const Buffer& dst,
-                                            size_t dst_off, size_t len,
+WorkRequest TransportConformanceTest::Write(LinkId link, Buffer& src, size_t src_off,
+                                            const Buffer& dst, size_t dst_off, size_t len,
                                             NicIndex dst_nic, uint64_t cookie) {
   WorkRequest wr;
   wr.opcode = Opcode::kWrite;
@@ -140,9 +139,8 @@ WorkRequest TransportConformanceTest::Write(LinkId link, Buffer& src,
   return wr;
 }
 
-WorkRequest TransportConformanceTest::Read(LinkId link, Buffer& dst,
-                                           size_t dst_off, const Buffer& src,
-                                           size_t src_off, size_t len,
+WorkRequest TransportConformanceTest::Read(LinkId link, Buffer& dst, size_t dst_off,
+                                           const Buffer& src, size_t src_off, size_t len,
                                            NicIndex src_nic, uint64_t cookie) {
   WorkRequest wr = Write(link, dst, dst_off, src, src_off, len, src_nic, cookie);
   wr.opcode = Opcode::kRead;
@@ -151,9 +149,7 @@ WorkRequest TransportConformanceTest::Read(LinkId link, Buffer& dst,
 
 namespace {
 
-bool SameBytes(const uint8_t* a, const uint8_t* b, size_t n) {
-  return std::memcmp(a, b, n) == 0;
-}
+bool SameBytes(const uint8_t* a, const uint8_t* b, size_t n) { return std::memcmp(a, b, n) == 0; }
 
 }  // namespace
 
@@ -169,8 +165,8 @@ TEST_P(TransportConformanceTest, WriteMovesBytesAndNothingElse) {
   EXPECT_TRUE(SameBytes(dst.data(), src.data(), 64 << 10));
   // The guards around the destination region are untouched.
   EXPECT_TRUE(SameBytes(dst.bytes.data(), before.data(), dst.guard));
-  EXPECT_TRUE(SameBytes(dst.data() + dst.size(), before.data() + dst.guard + dst.size(),
-                        dst.guard));
+  EXPECT_TRUE(
+      SameBytes(dst.data() + dst.size(), before.data() + dst.guard + dst.size(), dst.guard));
 }
 
 // InterruptWait ends a thread's wait in WaitCompletions at once; with no
@@ -189,8 +185,7 @@ TEST_P(TransportConformanceTest, InterruptWaitEndsAWait) {
   // A thread already waiting.
   std::atomic<size_t> got{99};
   const absl::Time waiting = absl::Now();
-  std::thread waiter(
-      [&] { got = p.a->WaitCompletions(absl::MakeSpan(out), absl::Seconds(60)); });
+  std::thread waiter([&] { got = p.a->WaitCompletions(absl::MakeSpan(out), absl::Seconds(60)); });
   absl::SleepFor(absl::Milliseconds(50));
   p.a->InterruptWait();
   waiter.join();
@@ -232,11 +227,12 @@ TEST_P(TransportConformanceTest, UnalignedOffsetsAndLengths) {
   Buffer src = MakeBuffer(*p.a, 10000, 9);
   Buffer dst = MakeBuffer(*p.b, 10000, 10);
   std::vector<uint8_t> expect(dst.data(), dst.data() + dst.size());
-  struct Case { size_t src_off, dst_off, len; };
+  struct Case {
+    size_t src_off, dst_off, len;
+  };
   const Case cases[] = {{3, 7, 1001}, {1, 4095, 1}, {9999, 0, 1}, {13, 5000, 4997}};
   for (const Case& c : cases) {
-    ASSERT_TRUE(
-        RunOne(*p.a, Write(p.link_a, src, c.src_off, dst, c.dst_off, c.len)).ok());
+    ASSERT_TRUE(RunOne(*p.a, Write(p.link_a, src, c.src_off, dst, c.dst_off, c.len)).ok());
     std::memcpy(expect.data() + c.dst_off, src.data() + c.src_off, c.len);
   }
   EXPECT_TRUE(SameBytes(dst.data(), expect.data(), dst.size()));
@@ -259,8 +255,8 @@ TEST_P(TransportConformanceTest, ManyOutstandingCompleteExactlyOnce) {
     batch.clear();
     const size_t n = std::min<size_t>(1 + posted % 37, count - posted);
     for (size_t i = 0; i < n; ++i, ++posted) {
-      batch.push_back(Write(p.link_a, src, posted * chunk, dst, posted * chunk,
-                            chunk, 0, 1000 + posted));
+      batch.push_back(
+          Write(p.link_a, src, posted * chunk, dst, posted * chunk, chunk, 0, 1000 + posted));
     }
     ASSERT_TRUE(p.a->Post(batch).ok());
   }
@@ -320,8 +316,8 @@ TEST_P(TransportConformanceTest, WrongKeyInABatchFailsThatRequestOnly) {
   }
   batch[kBad].remote_key ^= 0x5a5a;
   ASSERT_TRUE(p.a->Post(batch).ok());
-  WorkRequest other = Write(second->first, src, kCount * kBlock, dst, kCount * kBlock, kBlock, 0,
-                            100);
+  WorkRequest other =
+      Write(second->first, src, kCount * kBlock, dst, kCount * kBlock, kBlock, 0, 100);
   ASSERT_TRUE(p.a->Post({&other, 1}).ok());
   std::vector<Completion> c = WaitFor(*p.a, kCount + 1);
   ASSERT_EQ(c.size(), kCount + 1);
@@ -337,8 +333,8 @@ TEST_P(TransportConformanceTest, WrongKeyInABatchFailsThatRequestOnly) {
     if (i == kBad) {
       EXPECT_EQ(done.status.code(), absl::StatusCode::kPermissionDenied) << done.status;
       ++denied;
-      EXPECT_TRUE(SameBytes(dst.data() + i * kBlock, before.data() + dst.guard + i * kBlock,
-                            kBlock))
+      EXPECT_TRUE(
+          SameBytes(dst.data() + i * kBlock, before.data() + dst.guard + i * kBlock, kBlock))
           << "the rejected write landed";
     } else if (done.status.ok()) {
       EXPECT_TRUE(SameBytes(dst.data() + i * kBlock, src.data() + i * kBlock, kBlock)) << i;
@@ -352,7 +348,9 @@ TEST_P(TransportConformanceTest, WrongKeyInABatchFailsThatRequestOnly) {
 }
 
 TEST_P(TransportConformanceTest, OutOfBoundsIsRejectedAndTargetUntouched) {
-  struct Case { size_t off, len; };
+  struct Case {
+    size_t off, len;
+  };
   // One byte past the end, from the start and from the last byte.
   for (Case c : {Case{1, 4096}, Case{4095, 2}}) {
     Pair p = MakePair();
@@ -424,8 +422,7 @@ TEST_P(TransportConformanceTest, DeregisteredRegionIsRejected) {
   EXPECT_EQ(RunOne(*p.a, Write(p.link_a, src, 16, dst, 16, 64)).code(),
             absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(dst.bytes, before);
-  EXPECT_EQ(p.b->UnregisterMemory(dst.region.id).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(p.b->UnregisterMemory(dst.region.id).code(), absl::StatusCode::kNotFound);
 }
 
 TEST_P(TransportConformanceTest, ErrorPutsLinkInErrorStateOthersKeepWorking) {
@@ -479,20 +476,15 @@ TEST_P(TransportConformanceTest, LinkSetupValidatesInput) {
   const EndpointDescription eb = (*b)->LocalEndpoint();
   ASSERT_FALSE(eb.nics.empty());
   EXPECT_FALSE(eb.kind.empty());
-  EXPECT_EQ((*a)->CreateLink(999, eb.nics[0]).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*a)->CreateLink(999, eb.nics[0]).status().code(), absl::StatusCode::kInvalidArgument);
   NicInfo bogus = eb.nics[0];
   bogus.address = "definitely not an address";
-  EXPECT_EQ((*a)->CreateLink(0, bogus).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*a)->CreateLink(0, bogus).status().code(), absl::StatusCode::kInvalidArgument);
   auto offer = (*a)->CreateLink(0, eb.nics[0]);
   ASSERT_TRUE(offer.ok());
-  EXPECT_EQ((*b)->AcceptLink(0, (*a)->LocalEndpoint().nics[0], "garbage")
-                .status()
-                .code(),
+  EXPECT_EQ((*b)->AcceptLink(0, (*a)->LocalEndpoint().nics[0], "garbage").status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*a)->CompleteLink(offer->link, "garbage").code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*a)->CompleteLink(offer->link, "garbage").code(), absl::StatusCode::kInvalidArgument);
   // A link that is not complete refuses requests.
   Buffer src = MakeBuffer(**a, 64, 35);
   WorkRequest wr;
@@ -567,8 +559,7 @@ TEST_P(TransportConformanceTest, RegionInUseCannotBeUnregistered) {
   WorkRequest wr = Write(p.link_a, src, 0, dst, 0, 4096);
   ASSERT_TRUE(p.a->Post({&wr, 1}).ok());
   // Outstanding until its completion is delivered.
-  EXPECT_EQ(p.a->UnregisterMemory(src.region.id).code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(p.a->UnregisterMemory(src.region.id).code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_EQ(WaitFor(*p.a, 1).size(), 1u);
   EXPECT_TRUE(p.a->UnregisterMemory(src.region.id).ok());
 }
@@ -657,8 +648,8 @@ TEST_P(TransportConformanceTest, PeerClosesLinkMidBatchThenANewLinkWorks) {
                 done.status.code() == absl::StatusCode::kAborted)
         << done.status;
     if (done.status.ok()) {
-      EXPECT_TRUE(SameBytes(dst.data() + done.cookie * block, src.data() + done.cookie * block,
-                            block));
+      EXPECT_TRUE(
+          SameBytes(dst.data() + done.cookie * block, src.data() + done.cookie * block, block));
     }
   }
   // The next batch goes over a new link and succeeds.
@@ -689,8 +680,7 @@ TEST_P(TransportConformanceTest, CloseLinkCancelsOutstanding) {
   std::vector<Completion> c = WaitFor(*p.a, 64);
   ASSERT_EQ(c.size(), 64u);
   for (const Completion& done : c) {
-    EXPECT_TRUE(done.status.ok() ||
-                done.status.code() == absl::StatusCode::kCancelled)
+    EXPECT_TRUE(done.status.ok() || done.status.code() == absl::StatusCode::kCancelled)
         << done.status;
   }
   // Requests cancelled here may still be landing at the peer: its region is

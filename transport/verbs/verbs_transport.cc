@@ -1,8 +1,6 @@
 // The verbs transport: opening the NICs, registering memory, the
 // link-parameter codec, and CreateVerbsTransport (see
 // verbs_transport_internal.h for the other files).
-#include "transport/verbs/verbs_transport_internal.h"
-
 #include <infiniband/verbs.h>
 #include <unistd.h>
 
@@ -15,14 +13,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "base/thread.h"
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/status_macros.h"
+#include "base/thread.h"
 #include "cuda/driver.h"
 #include "transport/kinds.h"
 #include "transport/link_params.h"
 #include "transport/verbs/ibv.h"
+#include "transport/verbs/verbs_transport_internal.h"
 
 namespace kvferry {
 namespace transport {
@@ -30,11 +29,16 @@ namespace verbs_internal {
 
 int MtuBytes(ibv_mtu mtu) {
   switch (mtu) {
-    case IBV_MTU_256: return 256;
-    case IBV_MTU_512: return 512;
-    case IBV_MTU_1024: return 1024;
-    case IBV_MTU_2048: return 2048;
-    case IBV_MTU_4096: return 4096;
+    case IBV_MTU_256:
+      return 256;
+    case IBV_MTU_512:
+      return 512;
+    case IBV_MTU_1024:
+      return 1024;
+    case IBV_MTU_2048:
+      return 2048;
+    case IBV_MTU_4096:
+      return 4096;
   }
   return 0;
 }
@@ -49,10 +53,14 @@ std::string GidText(const ibv_gid& g) {
 
 absl::StatusCode CodeOf(ibv_wc_status s) {
   switch (s) {
-    case IBV_WC_SUCCESS: return absl::StatusCode::kOk;
-    case IBV_WC_REM_ACCESS_ERR: return absl::StatusCode::kPermissionDenied;
-    case IBV_WC_WR_FLUSH_ERR: return absl::StatusCode::kAborted;
-    default: return absl::StatusCode::kUnavailable;
+    case IBV_WC_SUCCESS:
+      return absl::StatusCode::kOk;
+    case IBV_WC_REM_ACCESS_ERR:
+      return absl::StatusCode::kPermissionDenied;
+    case IBV_WC_WR_FLUSH_ERR:
+      return absl::StatusCode::kAborted;
+    default:
+      return absl::StatusCode::kUnavailable;
   }
 }
 
@@ -96,8 +104,8 @@ absl::Status VerbsTransport::OpenNic(Nic& nic) {
   ibv_context* c = nic.context.get();
   RETURN_IF_ERROR(ibv::QueryPort(c, nic.port.port, &nic.attr, where));
   if (nic.attr.state != IBV_PORT_ACTIVE) {
-    return absl::UnavailableError(absl::StrCat(where, " is not ACTIVE (state ",
-                                               ibv::PortStateStr(nic.attr.state), ")"));
+    return absl::UnavailableError(
+        absl::StrCat(where, " is not ACTIVE (state ", ibv::PortStateStr(nic.attr.state), ")"));
   }
   RETURN_IF_ERROR(ibv::QueryGid(c, nic.port.port, nic.port.gid_index, &nic.gid, where));
   ibv_device_attr dev{};
@@ -105,14 +113,15 @@ absl::Status VerbsTransport::OpenNic(Nic& nic) {
   nic.max_rd_atomic = std::max(1, std::min(16, dev.max_qp_rd_atom));
   nic.max_cqe = dev.max_cqe;
   nic.max_mr_size = dev.max_mr_size;
-  if (dev.max_mr_size > 0) max_region_bytes_ = std::min<uint64_t>(max_region_bytes_, dev.max_mr_size);
+  if (dev.max_mr_size > 0)
+    max_region_bytes_ = std::min<uint64_t>(max_region_bytes_, dev.max_mr_size);
   max_request_bytes_ = max_request_bytes_ == 0
                            ? std::min<uint64_t>(options_.max_request_bytes, nic.attr.max_msg_sz)
                            : std::min<uint64_t>(max_request_bytes_, nic.attr.max_msg_sz);
   ASSIGN_OR_RETURN(nic.pd, ibv::AllocPd(c, where));
   ASSIGN_OR_RETURN(nic.channel, ibv::CreateCompChannel(c, where));
-  ASSIGN_OR_RETURN(nic.cq, ibv::CreateCq(c, std::min(8192, std::max(dev.max_cqe, 1)),
-                                         nic.channel.get(), where));
+  ASSIGN_OR_RETURN(
+      nic.cq, ibv::CreateCq(c, std::min(8192, std::max(dev.max_cqe, 1)), nic.channel.get(), where));
   nic.cq_capacity = static_cast<uint32_t>(nic.cq->cqe);
   RETURN_IF_ERROR(ibv::ReqNotifyCq(nic.cq.get(), where));
   KVF_LOG(INFO) << "verbs: " << where << " GID " << nic.port.gid_index << " " << GidText(nic.gid)
@@ -170,8 +179,8 @@ absl::StatusOr<ibv::Mr> VerbsTransport::RegisterOn(size_t i, const Registration&
   absl::StatusOr<ibv::Mr> mr = ibv::RegMr(nics_[i].pd.get(), r.addr, r.length, r.flags, name);
   if (mr.ok()) return mr;
   return absl::FailedPreconditionError(absl::StrCat(
-      "cannot register memory of CUDA device ", r.device, " on ", name, ": by dma-buf: ",
-      by_dmabuf.message(), "; by ibv_reg_mr: ", mr.status().message(),
+      "cannot register memory of CUDA device ", r.device, " on ", name,
+      ": by dma-buf: ", by_dmabuf.message(), "; by ibv_reg_mr: ", mr.status().message(),
       ". Enable one: dma-buf (CUDA driver 11.7+, Linux 5.12+, rdma-core 34+, a GPU and NIC "
       "that support it) or the nvidia-peermem kernel module"));
 }
@@ -203,8 +212,7 @@ std::vector<absl::StatusOr<ibv::Mr>> VerbsTransport::RegisterOnEveryNic(const Re
   return mrs;
 }
 
-absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t length,
-                                                      Access access) {
+absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t length, Access access) {
   if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
   if (length == 0) return absl::InvalidArgumentError("RegisterMemory: zero length");
   if (length > GetLimits().max_region_bytes) {
@@ -227,8 +235,7 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
       dmabuf = driver->ExportDmaBuf(addr, length, device);
     }
   }
-  const Registration what{addr, length, flags, device,
-                          dmabuf.has_value() ? &*dmabuf : nullptr};
+  const Registration what{addr, length, flags, device, dmabuf.has_value() ? &*dmabuf : nullptr};
   std::vector<absl::StatusOr<ibv::Mr>> mrs = RegisterOnEveryNic(what);
   // The MRs hold their own reference to the dma-buf.
   if (dmabuf.has_value() && dmabuf->ok()) ::close((*dmabuf)->fd);
@@ -260,7 +267,6 @@ absl::Status VerbsTransport::UnregisterMemory(RegionId region) {
   regions_.erase(it);  // deregisters
   return absl::OkStatus();
 }
-
 
 }  // namespace verbs_internal
 
