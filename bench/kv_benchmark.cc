@@ -17,7 +17,7 @@
 #include "base/logging.h"
 #include "bench/kv_checksum_cost.h"
 #include "benchmark/benchmark.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "sim/prng.h"
 

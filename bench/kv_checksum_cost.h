@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "benchmark/benchmark.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
 
 namespace kvferry {

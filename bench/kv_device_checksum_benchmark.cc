@@ -23,7 +23,7 @@
 #include "benchmark/benchmark.h"
 #include "cuda/driver.h"
 #include "cuda/testing/fake_driver.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
 
 namespace kvferry {

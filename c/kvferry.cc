@@ -25,7 +25,7 @@
 #include "base/mutex.h"
 #include "base/status_macros.h"
 #include "cuda/driver.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/metrics.h"
 #include "engine/transfer_engine.h"
 #include "transport/verbs/discovery.h"

@@ -8,7 +8,7 @@
 
 #include "cuda/driver.h"
 #include "cuda/testing/fake_driver.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/testing/engine_conformance.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"

@@ -8,7 +8,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
 #include "tests/peer_process.h"

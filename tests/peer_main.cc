@@ -23,7 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "absl/time/clock.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "tests/test_kv_layout.h"
 

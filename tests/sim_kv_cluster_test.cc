@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "gtest/gtest.h"
 #include "sim/fault_injector.h"
 #include "sim/prng.h"

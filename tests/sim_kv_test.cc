@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "gtest/gtest.h"
 #include "sim/fabric.h"
 #include "tests/sim_world.h"

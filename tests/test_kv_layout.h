@@ -3,7 +3,7 @@
 #ifndef KVFERRY_TESTS_TEST_KV_LAYOUT_H_
 #define KVFERRY_TESTS_TEST_KV_LAYOUT_H_
 
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 
 namespace kvferry {
 

@@ -32,7 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "sim/prng.h"
 

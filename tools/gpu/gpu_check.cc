@@ -34,7 +34,7 @@
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
 #include "cuda/driver.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
 #include "tools/gpu/two_process.h"
 

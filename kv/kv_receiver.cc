@@ -1,6 +1,4 @@
 // KvReceiver: the decode side of the KV layer (engine/kv_cache.h).
-#include "engine/kv_cache.h"
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -15,7 +13,8 @@
 #include "base/clock.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
-#include "engine/kv_words.h"
+#include "kv/kv_cache.h"
+#include "kv/kv_words.h"
 #include "net/socket.h"
 
 namespace kvferry {
@@ -28,8 +27,8 @@ using kv_internal::Word;
 
 // ---------------------------------------------------------------- receiver
 
-absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* engine,
-                                                              KvPool pool, Options options) {
+absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* engine, KvPool pool,
+                                                               Options options) {
   if (options.peer_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("KvReceiver: peer_timeout must be positive");
   }
@@ -92,7 +91,8 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     changed_.SignalAll();
   }
   if (start) {
-    absl::StatusOr<std::thread> t = StartThread("a KV receiver's prefill watcher", [this] { Watch(); });
+    absl::StatusOr<std::thread> t =
+        StartThread("a KV receiver's prefill watcher", [this] { Watch(); });
     if (!t.ok()) {
       MutexLock lock(&mu_);
       watcher_started_ = false;
@@ -254,7 +254,7 @@ KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
 }
 
 absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_id,
-                                                   absl::Duration timeout) {
+                                                    absl::Duration timeout) {
   // One waiting thread at a time takes notifications from the engine (in
   // short slices, so a failure found by the watcher is seen promptly); the
   // others wait for it to say something changed.
@@ -318,9 +318,8 @@ absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,
   }
   absl::StatusOr<std::vector<uint32_t>> got = PageCrcs(pool_, runs, /*dst=*/true);
   if (!got.ok()) {
-    return absl::DataLossError(absl::StrCat("KV request ", request_id,
-                                            ": its pages cannot be checked: ",
-                                            got.status().message()));
+    return absl::DataLossError(absl::StrCat(
+        "KV request ", request_id, ": its pages cannot be checked: ", got.status().message()));
   }
   size_t k = 0;
   for (const PageRun& r : runs) {

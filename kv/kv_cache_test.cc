@@ -1,4 +1,4 @@
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 
 #include <cstdio>
 #include <cstring>
@@ -274,8 +274,8 @@ TEST(KvCache, WordsFromAnotherEngineAreIgnoredForAnExpectedRequest) {
   auto stray_engine = Engine();
   auto stray = *KvSender::Create(stray_engine.get(), *KvPool::Allocate(l));
   const std::string peer = p.decode_engine->address();
-  ASSERT_TRUE(p.receiver->Expect("x", p.prefill_engine->address(), p.prefill_engine->engine_id())
-                  .ok());
+  ASSERT_TRUE(
+      p.receiver->Expect("x", p.prefill_engine->address(), p.prefill_engine->engine_id()).ok());
   ASSERT_TRUE(stray->Send("x", peer, {1}, {1}, "from the stray").ok());
   EXPECT_EQ(p.receiver->Poll("x").state, KvReceiver::State::kPending);
   EXPECT_EQ(p.receiver->ignored_words(), 1u);
@@ -311,8 +311,8 @@ TEST(KvCache, AWordFromAForgottenAttemptDoesNotFinishTheIdsReuse) {
   ASSERT_TRUE(first.ok());
   EXPECT_EQ(first->aux, "first");
   p.receiver->Forget("r");
-  ASSERT_TRUE(p.receiver->Expect("r", p.prefill_engine->address(), p.prefill_engine->engine_id())
-                  .ok());
+  ASSERT_TRUE(
+      p.receiver->Expect("r", p.prefill_engine->address(), p.prefill_engine->engine_id()).ok());
   // The first attempt's word again: ignored.
   ASSERT_TRUE(p.prefill_engine->Notify(*seg, word("00000000000000a1", "first")).ok());
   EXPECT_EQ(p.receiver->Wait("r", absl::Milliseconds(200)).status().code(),
@@ -326,9 +326,9 @@ TEST(KvCache, AWordFromAForgottenAttemptDoesNotFinishTheIdsReuse) {
   EXPECT_EQ(second->aux, "second");
   EXPECT_TRUE(PagesMatch(src, dst, {1, 2}, {3, 4}));
   // A sender from before attempt tokens ("kv1" words) is still understood.
-  ASSERT_TRUE(p.prefill_engine
-                  ->Notify(*seg, absl::StrCat("kv1", sep, "fail", sep, "old", sep, "why"))
-                  .ok());
+  ASSERT_TRUE(
+      p.prefill_engine->Notify(*seg, absl::StrCat("kv1", sep, "fail", sep, "old", sep, "why"))
+          .ok());
   auto old = p.receiver->Wait("old", absl::Seconds(5));
   ASSERT_TRUE(old.ok());
   EXPECT_EQ(old->state, KvReceiver::State::kFailed);

@@ -1,6 +1,4 @@
-#include "engine/kv_cache.h"
-
-#include "cuda/driver.h"
+#include "kv/kv_cache.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -16,10 +14,10 @@
 #include "base/clock.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
+#include "cuda/driver.h"
 #include "net/socket.h"
 
 namespace kvferry {
-
 
 // ---------------------------------------------------------------- layout
 
@@ -49,12 +47,18 @@ absl::StatusOr<KvLayout> KvLayout::Decode(absl::string_view text) {
   bool ok = fields.size() == 6 && fields[0] == "kv1";
   for (size_t i = 1; ok && i < fields.size(); ++i) {
     std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(fields[i], '=');
-    if (kv.first == "layers") ok = absl::SimpleAtoi(kv.second, &l.layers);
-    else if (kv.first == "combined") ok = absl::SimpleAtoi(kv.second, &combined);
-    else if (kv.first == "page_tokens") ok = absl::SimpleAtoi(kv.second, &l.page_tokens);
-    else if (kv.first == "bytes_per_token") ok = absl::SimpleAtoi(kv.second, &l.bytes_per_token);
-    else if (kv.first == "pages") ok = absl::SimpleAtoi(kv.second, &l.pages);
-    else ok = false;
+    if (kv.first == "layers")
+      ok = absl::SimpleAtoi(kv.second, &l.layers);
+    else if (kv.first == "combined")
+      ok = absl::SimpleAtoi(kv.second, &combined);
+    else if (kv.first == "page_tokens")
+      ok = absl::SimpleAtoi(kv.second, &l.page_tokens);
+    else if (kv.first == "bytes_per_token")
+      ok = absl::SimpleAtoi(kv.second, &l.bytes_per_token);
+    else if (kv.first == "pages")
+      ok = absl::SimpleAtoi(kv.second, &l.pages);
+    else
+      ok = false;
   }
   if (!ok) return absl::DataLossError(absl::StrCat("malformed KV layout '", text, "'"));
   l.combined_kv = combined != 0;
@@ -69,8 +73,8 @@ absl::StatusOr<KvPool> KvPool::Allocate(const KvLayout& layout) {
   const uint64_t total = layout.buffer_bytes() * layout.buffer_count();
   char* memory = static_cast<char*>(std::calloc(total, 1));
   if (memory == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a KV pool of ", total,
-                                                     " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a KV pool of ", total, " bytes"));
   }
   KvPool pool;
   pool.layout_ = layout;
@@ -84,9 +88,9 @@ absl::StatusOr<KvPool> KvPool::Allocate(const KvLayout& layout) {
 absl::StatusOr<KvPool> KvPool::Wrap(const KvLayout& layout, std::vector<void*> buffers) {
   RETURN_IF_ERROR(layout.Validate());
   if (buffers.size() != layout.buffer_count()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a layout of ", layout.layers, " layers needs ", layout.buffer_count(),
-        " buffers; got ", buffers.size()));
+    return absl::InvalidArgumentError(absl::StrCat("a layout of ", layout.layers, " layers needs ",
+                                                   layout.buffer_count(), " buffers; got ",
+                                                   buffers.size()));
   }
   for (void* b : buffers) {
     if (b == nullptr) return absl::InvalidArgumentError("null KV buffer");
@@ -111,7 +115,8 @@ absl::Status KvPool::Register(TransferEngine& engine, transport::Access access) 
     return engine.RegisterMemory(buffers_[0], layout_.buffer_bytes() * layout_.buffer_count(),
                                  access);
   }
-  for (void* b : buffers_) RETURN_IF_ERROR(engine.RegisterMemory(b, layout_.buffer_bytes(), access));
+  for (void* b : buffers_)
+    RETURN_IF_ERROR(engine.RegisterMemory(b, layout_.buffer_bytes(), access));
   return absl::OkStatus();
 }
 
@@ -120,8 +125,8 @@ absl::Status KvPool::Register(TransferEngine& engine, transport::Access access) 
 absl::StatusOr<std::vector<PageRun>> CoalescePages(absl::Span<const uint32_t> src,
                                                    absl::Span<const uint32_t> dst) {
   if (src.size() != dst.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        src.size(), " source pages but ", dst.size(), " destination pages"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(src.size(), " source pages but ", dst.size(), " destination pages"));
   }
   // Pages on one diagonal (dst - src) with consecutive dst form a run; with
   // unique destinations each page has at most one successor, so grouping by

@@ -1,7 +1,7 @@
 // The KV layer's completion words (notifications between a KvSender and a
 // KvReceiver) and the helpers both sides share. Internal to engine/kv_*.cc.
-#ifndef KVFERRY_ENGINE_KV_WORDS_H_
-#define KVFERRY_ENGINE_KV_WORDS_H_
+#ifndef KVFERRY_KV_KV_WORDS_H_
+#define KVFERRY_KV_KV_WORDS_H_
 
 #include <cstdint>
 #include <optional>
@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "engine/kv_cache.h"
+#include "kv/kv_cache.h"
 
 namespace kvferry {
 namespace kv_internal {
@@ -45,8 +45,8 @@ uint64_t NewToken();
 // their dst pages), in run order; a page's CRC runs across every buffer of
 // `pool`, K and V of every layer. Device buffers are read through the
 // driver (cuda::Driver::ReadDevice), host buffers in place.
-absl::StatusOr<std::vector<uint32_t>> PageCrcs(const KvPool& pool,
-                                               const std::vector<PageRun>& runs, bool dst);
+absl::StatusOr<std::vector<uint32_t>> PageCrcs(const KvPool& pool, const std::vector<PageRun>& runs,
+                                               bool dst);
 
 bool GetU32(absl::string_view* in, uint32_t* v);
 
@@ -60,4 +60,4 @@ absl::Status CheckRequestId(const std::string& id);
 }  // namespace kv_internal
 }  // namespace kvferry
 
-#endif  // KVFERRY_ENGINE_KV_WORDS_H_
+#endif  // KVFERRY_KV_KV_WORDS_H_

@@ -1,6 +1,4 @@
 // KvSender: the prefill side of the KV layer (engine/kv_cache.h).
-#include "engine/kv_cache.h"
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -15,21 +13,22 @@
 #include "base/clock.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
-#include "engine/kv_words.h"
+#include "kv/kv_cache.h"
+#include "kv/kv_words.h"
 #include "net/socket.h"
 
 namespace kvferry {
 
 using kv_internal::CheckRequestId;
 using kv_internal::ChecksummedBody;
+using kv_internal::kMaxAuxBytes;
 using kv_internal::KvMessage;
 using kv_internal::NewToken;
-using kv_internal::kMaxAuxBytes;
 
 // ---------------------------------------------------------------- sender
 
 absl::StatusOr<std::unique_ptr<KvSender>> KvSender::Create(TransferEngine* engine, KvPool pool,
-                                                          Options options) {
+                                                           Options options) {
   RETURN_IF_ERROR(pool.Register(*engine, transport::Access::kNone));
   return std::unique_ptr<KvSender>(new KvSender(engine, std::move(pool), options));
 }
@@ -67,9 +66,9 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
   const KvLayout& mine = pool_.layout();
   ASSIGN_OR_RETURN(std::vector<PageRun> runs, CoalescePages(src_pages, dst_pages));
   if (options_.checksums && dst_pages.size() > kMaxChecksumPages) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV request ", request_id, ": ", dst_pages.size(), " pages; with checksums at most ",
-        kMaxChecksumPages, " per request"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV request ", request_id, ": ", dst_pages.size(),
+                     " pages; with checksums at most ", kMaxChecksumPages, " per request"));
   }
   ASSIGN_OR_RETURN(SegmentId segment, engine_->OpenSegment(peer));
   ASSIGN_OR_RETURN(std::string published, engine_->FetchMetadata(segment, kKvPoolMetadataKey));
@@ -80,9 +79,9 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
   ASSIGN_OR_RETURN(KvLayout theirs, KvLayout::Decode(lines.first));
   if (theirs.layers != mine.layers || theirs.combined_kv != mine.combined_kv ||
       theirs.page_bytes() != mine.page_bytes()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the KV pool at ", peer, " (", theirs.Encode(), ") does not match this one (",
-        mine.Encode(), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the KV pool at ", peer, " (", theirs.Encode(), ") does not match this one (",
+                     mine.Encode(), ")"));
   }
   auto r = std::make_unique<Request>();
   for (absl::string_view a : absl::StrSplit(lines.second, ',', absl::SkipEmpty())) {
@@ -94,7 +93,8 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
     return absl::DataLossError("the peer's KV pool lists the wrong number of buffers");
   }
   for (const PageRun& run : runs) {
-    if (uint64_t{run.src} + run.count > mine.pages || uint64_t{run.dst} + run.count > theirs.pages) {
+    if (uint64_t{run.src} + run.count > mine.pages ||
+        uint64_t{run.dst} + run.count > theirs.pages) {
       return absl::InvalidArgumentError(absl::StrCat(
           "request ", request_id, ": page run ", run.src, "->", run.dst, " x", run.count,
           " falls outside the pools (", mine.pages, " local, ", theirs.pages, " remote pages)"));
@@ -116,8 +116,8 @@ absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Request * r, Find(h));
     if (layer >= pool_.layout().layers) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " of ",
-                                                     pool_.layout().layers));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, " of ", pool_.layout().layers));
     }
     if (r->sent[layer]) return absl::OkStatus();
     r->sent[layer] = true;
@@ -125,10 +125,10 @@ absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
     for (uint32_t kv = 0; kv < l.buffers_per_layer(); ++kv) {
       const uint32_t b = layer * l.buffers_per_layer() + kv;
       for (const PageRun& run : r->runs) {
-        transfers.push_back({transport::Opcode::kWrite, pool_.page(layer, kv, run.src),
-                             reinterpret_cast<uintptr_t>(r->remote_buffers[b]) +
-                                 uint64_t{run.dst} * l.page_bytes(),
-                             uint64_t{run.count} * l.page_bytes()});
+        transfers.push_back(
+            {transport::Opcode::kWrite, pool_.page(layer, kv, run.src),
+             reinterpret_cast<uintptr_t>(r->remote_buffers[b]) + uint64_t{run.dst} * l.page_bytes(),
+             uint64_t{run.count} * l.page_bytes()});
       }
     }
     segment = r->segment;
@@ -209,8 +209,8 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Take(Handle h) {
 
 absl::Status KvSender::Finish(Handle h, const std::string& aux) {
   if (aux.size() > kMaxAuxBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("aux payload of ", aux.size(),
-                                                   " bytes exceeds ", kMaxAuxBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("aux payload of ", aux.size(), " bytes exceeds ", kMaxAuxBytes));
   }
   (void)SendAll(h);  // a failure is recorded in the request
   ASSIGN_OR_RETURN(std::unique_ptr<Request> r, Take(h));

@@ -1,4 +1,4 @@
-#include "engine/kv_words.h"
+#include "kv/kv_words.h"
 
 #include <algorithm>
 #include <atomic>
@@ -54,8 +54,8 @@ uint64_t NewToken() {
   return t == 0 ? 1 : t;
 }
 
-absl::StatusOr<std::vector<uint32_t>> PageCrcs(const KvPool& pool,
-                                               const std::vector<PageRun>& runs, bool dst) {
+absl::StatusOr<std::vector<uint32_t>> PageCrcs(const KvPool& pool, const std::vector<PageRun>& runs,
+                                               bool dst) {
   const KvLayout& l = pool.layout();
   const uint64_t pb = l.page_bytes();
   std::vector<uint32_t> crcs;
@@ -74,17 +74,17 @@ absl::StatusOr<std::vector<uint32_t>> PageCrcs(const KvPool& pool,
       } else {
         const cuda::Driver* driver = cuda::Driver::Get();
         uint64_t pos = 0;  // bytes of the run read so far
-        RETURN_IF_ERROR(driver->ReadDevice(at, length, pool.device(b),
-                                           [&](const char* bytes, size_t n) {
-          while (n > 0) {
-            const uint64_t page = pos / pb;
-            const size_t part = static_cast<size_t>(std::min<uint64_t>(n, pb - pos % pb));
-            crcs[first + page] = Crc32c(bytes, part, crcs[first + page]);
-            bytes += part;
-            n -= part;
-            pos += part;
-          }
-        }));
+        RETURN_IF_ERROR(
+            driver->ReadDevice(at, length, pool.device(b), [&](const char* bytes, size_t n) {
+              while (n > 0) {
+                const uint64_t page = pos / pb;
+                const size_t part = static_cast<size_t>(std::min<uint64_t>(n, pb - pos % pb));
+                crcs[first + page] = Crc32c(bytes, part, crcs[first + page]);
+                bytes += part;
+                n -= part;
+                pos += part;
+              }
+            }));
       }
       first += r.count;
     }

@@ -1,0 +1,309 @@
+// The KV-cache layer: moves the KV pages of LLM requests from a prefill
+// engine to a decode engine, in the terms serving code uses (layers, pages,
+// requests), on top of TransferEngine.
+//
+//   // decode side
+//   KvLayout layout{...};
+//   auto pool = KvPool::Allocate(layout);            // or KvPool::Wrap(buffers)
+//   auto receiver = KvReceiver::Create(engine, pool);  // registers + publishes it
+//   ... receiver->Wait("req-42", absl::Seconds(5)) -> complete, aux payload
+//
+//   // prefill side
+//   auto sender = KvSender::Create(engine, pool);
+//   auto req = sender->Begin("req-42", "decode-host:15000", src_pages, dst_pages);
+//   for (layer...) { compute(layer); sender->SendLayer(*req, layer); }
+//   sender->Finish(*req, aux, absl::Seconds(5));   // data first, then notification
+//
+// Pairs of (src, dst) page indices are coalesced into maximal runs that are
+// contiguous on both sides; each run becomes one transfer per buffer. The
+// decode side learns about a request only from its completion (or
+// cancellation) notification, which is sent after every byte is in place; a
+// failed or cancelled request never shows as complete.
+#ifndef KVFERRY_KV_KV_CACHE_H_
+#define KVFERRY_KV_KV_CACHE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "base/mutex.h"
+#include "base/recent_set.h"
+#include "engine/transfer_engine.h"
+
+namespace kvferry {
+
+// How a KV pool is laid out in memory.
+struct KvLayout {
+  uint32_t layers = 0;
+  // One combined buffer per layer (MLA), or separate K and V buffers (MHA/GQA).
+  bool combined_kv = false;
+  uint32_t page_tokens = 0;
+  // Bytes per token in one buffer (e.g. kv_heads * head_dim * 2 for bf16).
+  uint64_t bytes_per_token = 0;
+  // Pages in each buffer.
+  uint32_t pages = 0;
+
+  uint32_t buffers_per_layer() const { return combined_kv ? 1 : 2; }
+  uint32_t buffer_count() const { return layers * buffers_per_layer(); }
+  uint64_t page_bytes() const { return uint64_t{page_tokens} * bytes_per_token; }
+  uint64_t buffer_bytes() const { return page_bytes() * pages; }
+  // kInvalidArgument for zero or absurd sizes.
+  absl::Status Validate() const;
+  // A compact text form, published by the receiver and checked by senders.
+  std::string Encode() const;
+  static absl::StatusOr<KvLayout> Decode(absl::string_view text);
+};
+
+// Where a pool's buffers are: buffer b = layer * buffers_per_layer + (0 K | 1 V).
+class KvPool {
+ public:
+  // Allocates one contiguous, zeroed pool owned by the returned object.
+  static absl::StatusOr<KvPool> Allocate(const KvLayout& layout);
+  // Describes buffers the caller owns (one per layer and K/V), e.g. a
+  // serving framework's per-layer tensors. They may be CUDA device memory
+  // (asked of the driver, where one loads): the pool then reads them for
+  // checksums only through the driver, never with the CPU.
+  static absl::StatusOr<KvPool> Wrap(const KvLayout& layout, std::vector<void*> buffers);
+
+  const KvLayout& layout() const { return layout_; }
+  char* buffer(uint32_t b) const { return static_cast<char*>(buffers_[b]); }
+  char* page(uint32_t layer, uint32_t kv, uint32_t page) const {
+    return buffer(layer * layout_.buffers_per_layer() + kv) + uint64_t{page} * layout_.page_bytes();
+  }
+  bool contiguous() const { return storage_ != nullptr; }
+  // The CUDA device buffer `b` lives on; -1 for host memory.
+  int device(uint32_t b) const { return devices_.empty() ? -1 : devices_[b]; }
+  // Registers every buffer with `engine` (one region for a contiguous pool).
+  absl::Status Register(TransferEngine& engine, transport::Access access) const;
+
+ private:
+  KvLayout layout_;
+  std::vector<void*> buffers_;
+  std::vector<int> devices_;       // per buffer (empty: all host memory)
+  std::shared_ptr<char> storage_;  // set when Allocate owns the memory
+};
+
+// A run of `count` pages: src, src+1, ... go to dst, dst+1, ...
+struct PageRun {
+  uint32_t src = 0;
+  uint32_t dst = 0;
+  uint32_t count = 0;
+  bool operator==(const PageRun& o) const {
+    return src == o.src && dst == o.dst && count == o.count;
+  }
+};
+
+// Coalesces (src[i], dst[i]) pairs into the fewest runs contiguous on both
+// sides (order of pairs does not matter). kInvalidArgument when the lists
+// differ in length or a destination page repeats.
+absl::StatusOr<std::vector<PageRun>> CoalescePages(absl::Span<const uint32_t> src,
+                                                   absl::Span<const uint32_t> dst);
+
+class KvSender {
+ public:
+  struct Options {
+    absl::Duration timeout = absl::Seconds(30);
+    // End-to-end integrity: Finish sends a CRC-32C per page (over that page
+    // in every buffer, K and V of every layer) with the completion, and the
+    // receiver checks its copy before reporting the request complete; a
+    // mismatch fails it with kDataLoss. At most kMaxChecksumPages pages.
+    // Pages in GPU memory are read through pinned host buffers by the
+    // driver (docs/kv.md gives the cost).
+    bool checksums = false;
+    // How long a completion or failure that cannot reach the decode is
+    // retried (at least the decode's KvReceiver peer_timeout).
+    absl::Duration tell_timeout = absl::Seconds(4);
+  };
+  static constexpr uint32_t kMaxChecksumPages = 32768;
+  // `pool` is registered with `engine` (local access only).
+  static absl::StatusOr<std::unique_ptr<KvSender>> Create(TransferEngine* engine, KvPool pool,
+                                                          Options options);
+  static absl::StatusOr<std::unique_ptr<KvSender>> Create(TransferEngine* engine, KvPool pool) {
+    return Create(engine, std::move(pool), Options());
+  }
+
+  using Handle = uint64_t;
+  // Starts request `request_id` to the decode engine at `peer`: checks the
+  // peer's published layout against ours, the page indices against both
+  // pools, and coalesces them. Nothing is sent yet. If it fails, the decode
+  // is told the request will not come (its KvReceiver reports it failed,
+  // "not started: ...").
+  absl::StatusOr<Handle> Begin(const std::string& request_id, const std::string& peer,
+                               absl::Span<const uint32_t> src_pages,
+                               absl::Span<const uint32_t> dst_pages);
+  // Layer-wise mode: sends layer `layer` now (e.g. as soon as it is computed).
+  absl::Status SendLayer(Handle h, uint32_t layer);
+  // Whole-request mode: sends every layer not sent yet.
+  absl::Status SendAll(Handle h);
+  // Sends what remains, waits for every byte, then delivers the completion
+  // notification with `aux` (at most 512 KiB). On failure the decode side
+  // is told the request failed. The handle is gone afterwards.
+  absl::Status Finish(Handle h, const std::string& aux);
+  // Stops sending, waits for what is in flight, tells the decode side the
+  // request failed ("cancelled: <reason>"). The handle is gone afterwards.
+  absl::Status Cancel(Handle h, const std::string& reason);
+
+  // Begin + SendAll + Finish.
+  absl::Status Send(const std::string& request_id, const std::string& peer,
+                    absl::Span<const uint32_t> src_pages, absl::Span<const uint32_t> dst_pages,
+                    const std::string& aux);
+
+ private:
+  struct Request {
+    std::string id;
+    SegmentId segment = 0;
+    // The decode instance whose pool `remote_buffers` describes; batches and
+    // the final notification go to it or fail.
+    uint64_t peer_engine_id = 0;
+    std::vector<void*> remote_buffers;
+    std::vector<PageRun> runs;
+    std::vector<bool> sent;  // per layer
+    std::vector<BatchId> batches;
+    absl::Status error;
+    uint64_t token = 0;  // this attempt, in every word about it
+  };
+  KvSender(TransferEngine* engine, KvPool pool, Options options)
+      : engine_(engine), pool_(std::move(pool)), options_(options) {}
+  absl::StatusOr<Request*> Find(Handle h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes request `h` from the table and hands it over (kNotFound).
+  absl::StatusOr<std::unique_ptr<Request>> Take(Handle h);
+  // Waits for the request's batches; the first failure, if any.
+  // *uncertain: writes were posted (a late copy of one may still land).
+  absl::Status Drain(Request& r, bool* uncertain);
+  absl::StatusOr<std::unique_ptr<Request>> Prepare(const std::string& request_id,
+                                                   const std::string& peer,
+                                                   absl::Span<const uint32_t> src_pages,
+                                                   absl::Span<const uint32_t> dst_pages);
+  absl::Status Tell(const Request& r, const std::string& message);
+  // Delivers `message` over segment(), retrying passing failures.
+  absl::Status Say(const std::function<absl::StatusOr<SegmentId>()>& segment, uint64_t instance,
+                   const std::string& message);
+
+  TransferEngine* const engine_;
+  const KvPool pool_;
+  const Options options_;
+  Mutex mu_;
+  Handle last_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<Handle, std::unique_ptr<Request>> requests_ ABSL_GUARDED_BY(mu_);
+};
+
+class KvReceiver {
+ public:
+  enum class State { kPending, kComplete, kFailed };
+  struct Status {
+    State state = State::kPending;
+    absl::Status error;  // kFailed: why
+    std::string aux;     // kComplete: the sender's auxiliary payload
+  };
+  struct Options {
+    // A prefill that an expected request comes from (Expect) and that stays
+    // dead, frozen or unreachable this long fails its requests; the report
+    // comes within this bound of its death. It is probed every quarter of
+    // it.
+    absl::Duration peer_timeout = absl::Seconds(4);
+  };
+
+  // Registers `pool` for remote writes and publishes its layout so senders
+  // can find it.
+  static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(TransferEngine* engine, KvPool pool,
+                                                            Options options);
+  static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(TransferEngine* engine, KvPool pool) {
+    return Create(engine, std::move(pool), Options());
+  }
+  ~KvReceiver();
+
+  // Declares that request `request_id` is to come from the prefill engine at
+  // `prefill` ("host:port"), e.g. when the decode has allocated its pages
+  // and told the prefill where to write. If that prefill dies, freezes,
+  // restarts or cannot be reached for peer_timeout before the request
+  // completes (even one it never started), the request fails with
+  // kUnavailable naming the cause, and before that is reported the prefill
+  // is fenced (TransferEngine::FencePeer): no byte of it lands in the pool
+  // afterwards. A word about the request from another engine (a dead
+  // prefill's successor, or an earlier instance) is ignored. A request that
+  // already finished (its word came before this call) is left as it is.
+  // kInvalidArgument for a bad address.
+  //
+  // `prefill_engine_id` names the prefill instance (its engine_id(), e.g.
+  // passed along with its address); 0: Expect asks the prefill (one round
+  // trip, when no request from it is pending). A prefill that cannot be
+  // asked then and restarts later is not told from its successor.
+  absl::Status Expect(const std::string& request_id, const std::string& prefill,
+                      uint64_t prefill_engine_id = 0);
+
+  const KvPool& pool() const { return pool_; }
+  // The request's state now (kPending if nothing has been heard of it).
+  Status Poll(const std::string& request_id);
+  // Waits until the request completes or fails (several threads may wait,
+  // each for its own request). kDeadlineExceeded if it is still pending
+  // after `timeout`.
+  absl::StatusOr<Status> Wait(const std::string& request_id, absl::Duration timeout);
+  // Forgets a finished request (its aux payload too).
+  void Forget(const std::string& request_id);
+  // Notifications that were not KV-layer messages.
+  std::vector<Notification> TakeOtherNotifications();
+  // Requests whose pages did not match the sender's checksums.
+  uint64_t checksum_failures() const;
+  // Words about expected requests that came from another engine (ignored).
+  uint64_t ignored_words() const;
+
+ private:
+  // A prefill that expected requests come from.
+  struct Prefill {
+    uint64_t engine_id = 0;  // as its first probe answered (0: not yet)
+    absl::Time last_answer;  // or when it was first expected
+    absl::Time next_probe;
+    uint32_t expected = 0;  // pending requests expected from it (> 0)
+  };
+  KvReceiver(TransferEngine* engine, KvPool pool, Options options)
+      : engine_(engine), pool_(std::move(pool)), options_(options) {}
+  void Absorb(std::vector<Notification> notes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Probes the prefills that are due; fences and fails those that are dead.
+  void CheckPrefills();
+  void Watch();
+  void FailFrom(const std::string& prefill, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops expecting `e`'s request; its prefill is forgotten with the last.
+  void Unexpect(std::map<std::string, std::string>::iterator e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A completion with checksums: the aux payload, or why the pages differ.
+  absl::StatusOr<std::string> Verify(const std::string& request_id, absl::string_view body)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  TransferEngine* const engine_;
+  const KvPool pool_;
+  const Options options_;
+  mutable Mutex mu_;
+  CondVar changed_;                            // a request finished, or Expect/stop
+  bool pumping_ ABSL_GUARDED_BY(mu_) = false;  // a Wait is in WaitNotification
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool watcher_started_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, Status> requests_ ABSL_GUARDED_BY(mu_);
+  std::vector<Notification> others_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> expected_ ABSL_GUARDED_BY(mu_);  // request -> prefill
+  // The prefills pending expected requests come from, and nothing else.
+  std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
+  uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t ignored_words_ ABSL_GUARDED_BY(mu_) = 0;
+  // The attempt whose word finished each request, and the attempts of
+  // requests forgotten since (their words are ignored; the oldest of more
+  // than kMaxRetired are forgotten in turn).
+  static constexpr size_t kMaxRetired = 65536;
+  std::map<std::string, uint64_t> tokens_ ABSL_GUARDED_BY(mu_);
+  RecentSet<std::pair<std::string, uint64_t>> retired_ ABSL_GUARDED_BY(mu_){kMaxRetired};
+  std::thread watcher_;  // with the real clock; simulations check from Wait
+};
+
+// The metadata key under which a receiver publishes its pool.
+inline constexpr char kKvPoolMetadataKey[] = "kvferry.kv_pool";
+
+}  // namespace kvferry
+
+#endif  // KVFERRY_KV_KV_CACHE_H_
