@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <shared_mutex>
 
@@ -29,6 +32,12 @@ inline void CpuRelax() {
 class ABSL_LOCKABLE Mutex {
  public:
   Mutex() = default;
+  // A lock with a place in a lock order: a thread that holds a lock of
+  // level L takes only locks of a higher level (1 to 31; the default, 0,
+  // is outside any order). Debug builds (no NDEBUG: every test) abort on a
+  // lock taken out of order, so the order a type declares is the order the
+  // code keeps.
+  explicit constexpr Mutex(int level) : level_(level) {}
   Mutex(const Mutex&) = delete;
   Mutex& operator=(const Mutex&) = delete;
 
@@ -36,31 +45,61 @@ class ABSL_LOCKABLE Mutex {
   // are short, and a futex sleep and wake-up (two system calls, costly in a
   // virtual machine) cost far more than waiting for the holder to leave.
   void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() {
+    Enter();
     for (int i = 0; i < kSpins; ++i) {
       if (mu_.try_lock()) return;
       CpuRelax();
     }
     mu_.lock();
   }
-  void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock(); }
-  bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) {
-    return mu_.try_lock();
+  void Unlock() ABSL_UNLOCK_FUNCTION() {
+    mu_.unlock();
+    Leave();
   }
+  bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) {
+    Enter();
+    if (mu_.try_lock()) return true;
+    Leave();
+    return false;
+  }
+  int level() const { return level_; }
   // Documents (for the analysis) that the caller holds the lock.
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
 
  private:
   friend class CondVar;
   static constexpr int kSpins = 200;
+#ifndef NDEBUG
+  // The levels of the ordered locks this thread holds, one bit each.
+  static uint32_t& Held() {
+    thread_local uint32_t held = 0;
+    return held;
+  }
+  void Enter() const {
+    if (level_ == 0) return;
+    const uint32_t bit = uint32_t{1} << level_;
+    if ((Held() & ~(bit - 1)) != 0) {
+      std::fprintf(stderr, "lock order: a lock of level %d taken while holding levels 0x%x\n",
+                   level_, static_cast<unsigned>(Held()));
+      std::abort();
+    }
+    Held() |= bit;
+  }
+  void Leave() const {
+    if (level_ != 0) Held() &= ~(uint32_t{1} << level_);
+  }
+#else
+  void Enter() const {}
+  void Leave() const {}
+#endif
+  const int level_ = 0;
   std::mutex mu_;
 };
 
 // Scoped lock for Mutex.
 class ABSL_SCOPED_LOCKABLE MutexLock {
  public:
-  explicit MutexLock(Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) {
-    mu_->Lock();
-  }
+  explicit MutexLock(Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
   ~MutexLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
   MutexLock(const MutexLock&) = delete;
   MutexLock& operator=(const MutexLock&) = delete;
@@ -87,8 +126,7 @@ class ABSL_LOCKABLE SharedMutex {
 
 class ABSL_SCOPED_LOCKABLE ReaderMutexLock {
  public:
-  explicit ReaderMutexLock(SharedMutex* mu) ABSL_SHARED_LOCK_FUNCTION(mu)
-      : mu_(mu) {
+  explicit ReaderMutexLock(SharedMutex* mu) ABSL_SHARED_LOCK_FUNCTION(mu) : mu_(mu) {
     mu_->ReaderLock();
   }
   ~ReaderMutexLock() ABSL_UNLOCK_FUNCTION() { mu_->ReaderUnlock(); }
@@ -101,8 +139,7 @@ class ABSL_SCOPED_LOCKABLE ReaderMutexLock {
 
 class ABSL_SCOPED_LOCKABLE WriterMutexLock {
  public:
-  explicit WriterMutexLock(SharedMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu)
-      : mu_(mu) {
+  explicit WriterMutexLock(SharedMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) {
     mu_->Lock();
   }
   ~WriterMutexLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
@@ -127,11 +164,10 @@ class CondVar {
     lock.release();
   }
   // Like Wait, but gives up after `timeout`. Returns true on timeout.
-  bool WaitWithTimeout(Mutex* mu, absl::Duration timeout)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  bool WaitWithTimeout(Mutex* mu, absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
-    bool timed_out = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout)) ==
-                     std::cv_status::timeout;
+    bool timed_out =
+        cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout)) == std::cv_status::timeout;
     lock.release();
     return timed_out;
   }

@@ -84,8 +84,7 @@ TEST(CondVar, AwaitWithDeadlineReturnsWhenReadyOrLate) {
   setter.join();
   MutexLock lock(&mu);
   const absl::Time start = absl::Now();
-  EXPECT_FALSE(cv.AwaitWithDeadline(&mu, start + absl::Milliseconds(20),
-                                    []() { return false; }));
+  EXPECT_FALSE(cv.AwaitWithDeadline(&mu, start + absl::Milliseconds(20), []() { return false; }));
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(20));
 }
 
@@ -98,4 +97,34 @@ TEST(Clock, RealClockAdvancesBySleep) {
 }
 
 }  // namespace
+#ifndef NDEBUG
+// Ordered locks: taken in their levels' order they work; a lower level
+// taken while a higher one is held aborts, with the levels named.
+TEST(MutexTest, LocksOfALevelComeInOrder) {
+  Mutex low(1), high(2), unordered;
+  {
+    MutexLock a(&low);
+    MutexLock b(&high);
+    MutexLock c(&unordered);
+  }
+  {
+    MutexLock b(&high);  // alone: fine
+  }
+  ASSERT_TRUE(low.TryLock());
+  low.Unlock();
+  EXPECT_DEATH(
+      {
+        MutexLock b(&high);
+        MutexLock a(&low);
+      },
+      "lock order: a lock of level 1 taken while holding");
+  EXPECT_DEATH(
+      {
+        MutexLock a(&low);
+        MutexLock again(&low);  // the same level twice: also out of order
+      },
+      "lock order");
+}
+#endif
+
 }  // namespace kvferry

@@ -1,381 +1,103 @@
-// BatchPipeline: segments (open, refresh, close, idle expiry) and metrics.
+// BatchPipeline: the composition of its units, and waiting for batches.
 #include "engine/batch_pipeline.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "base/logging.h"
-#include "base/status_macros.h"
-#include "net/socket.h"
 
 namespace kvferry {
 namespace engine_internal {
+
+using transport::Completion;
 
 BatchPipeline::BatchPipeline(PipelineConfig config, uint64_t engine_id,
                              std::vector<transport::Transport*> transports,
                              const LocalRegions* regions, const PeerClient* client, Clock* clock,
                              HostFacts facts)
     : config_(config),
-      engine_id_(engine_id),
-      facts_(std::move(facts)),
+      vias_(MakeVias(transports, config_)),
       regions_(regions),
-      client_(client),
       clock_(clock),
-      pump_(clock) {
-  for (transport::Transport* t : transports) {
-    const transport::EndpointDescription endpoint = t->LocalEndpoint();
-    Via v;
-    v.transport = t;
-    v.kind = endpoint.kind;
-    const transport::Limits limits = t->GetLimits();
-    v.link_capacity = std::max<uint32_t>(1, limits.max_outstanding_per_link);
-    v.slice_bytes = config_.slice_bytes != 0              ? config_.slice_bytes
-                    : limits.preferred_request_bytes != 0 ? limits.preferred_request_bytes
-                                                          : kDefaultSliceBytes;
-    if (limits.max_request_bytes != 0) {
-      v.slice_bytes = std::min(v.slice_bytes, limits.max_request_bytes);
-    }
-    v.links = config_.links_per_peer != 0   ? config_.links_per_peer
-              : limits.preferred_links != 0 ? limits.preferred_links
-                                            : kDefaultLinks;
-    v.nic_offset = nic_counters_.size();
-    for (const transport::NicInfo& nic : endpoint.nics) {
-      nic_counters_.push_back(NicCounters{nic.name, 0, 0});
-    }
-    kinds_.push_back(v.kind);
-    vias_.push_back(std::move(v));
-  }
-  for (size_t i = 0; i < kLanes; ++i) {
-    lanes_.push_back(std::make_unique<Lane>(static_cast<uint8_t>(i)));
-    MutexLock lock(&lanes_.back()->mu);
-    lanes_.back()->nics.resize(nic_counters_.size());
-  }
-  if (vias_.size() > 1) {
-    for (Via& v : vias_) {
-      v.transport->SetCompletionNotifier([this] {
-        MutexLock lock(&event_mu_);
-        ++events_;
-        event_cv_.SignalAll();
-      });
-    }
-  }
+      pump_(clock),
+      lanes_(NicsOf(vias_).size(), &pump_),
+      segments_(config_, engine_id, &vias_, NicsOf(vias_), client, clock, std::move(facts),
+                &lanes_),
+      planner_(&vias_, regions, config_.retries),
+      poster_(&vias_, &segments_, &lanes_, clock),
+      delivery_(&segments_, &lanes_, &poster_, clock),
+      liveness_(config_, engine_id, &vias_, &segments_, &lanes_, client, clock),
+      source_(&vias_) {}
+
+void BatchPipeline::Pump(absl::Duration timeout) {
+  // A per-thread buffer, not one built and destroyed on every call
+  // (docs/performance.md, the control path). Only the pump's driver runs
+  // this, so it never nests.
+  constexpr size_t kDone = kPollBatch;
+  thread_local std::unique_ptr<Completion[]> buffer(new Completion[kDone]);
+  Completion* done = buffer.get();
+  const size_t n = source_.WaitAll(absl::MakeSpan(done, kDone), timeout);
+  const absl::Time now = clock_->Now();  // one reading for every completion
+  if (delivery_.DeliverAll(absl::MakeSpan(done, n), now)) delivery_.RefreshAndRepost();
+  poster_.DrainBacklogs();
+  // Not while completions are still pouring in: they are signs of life.
+  if (n < kDone) liveness_.Check(now);
 }
 
-BatchPipeline::~BatchPipeline() {
-  // The transports outlive the pipeline: no notifier may run after this.
-  if (vias_.size() > 1) {
-    for (Via& v : vias_) v.transport->SetCompletionNotifier(nullptr);
+bool BatchPipeline::PollNow() {
+  thread_local std::unique_ptr<Completion[]> buffer(new Completion[kPollBatch]);
+  Completion* done = buffer.get();
+  const size_t n = source_.PollAll(absl::MakeSpan(done, kPollBatch));
+  if (n == 0) return false;
+  const bool retries = delivery_.DeliverAll(absl::MakeSpan(done, n), clock_->Now());
+  if (pump_.Delivered()) {
+    // The driver may be waiting for one of these: it looks again (and
+    // takes the retries, if any).
+    source_.InterruptWaits();
+  } else if (retries) {
+    pump_.TryDrive([this] { delivery_.RefreshAndRepost(); });
   }
+  poster_.DrainBacklogs();
+  return true;
 }
 
-void BatchPipeline::CloseLinks(size_t via, const std::vector<Link>& links) const {
-  for (const Link& l : links) (void)vias_[via].transport->CloseLink(l.id);
+absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
+  pump_.TryDrive([this] { Pump(absl::ZeroDuration()); });
+  return lanes_.StatusOf(id);
 }
 
-absl::StatusOr<BatchPipeline::Path> BatchPipeline::Connect(const std::string& peer, size_t via,
-                                                           handshake::EngineDescriptor d) const {
-  Path p;
-  p.via = via;
-  ASSIGN_OR_RETURN(p.links, ConnectLinks(vias_[via].transport, *client_, engine_id_, peer, d,
-                                         vias_[via].links, clock_->Now()));
-  p.descriptor = std::move(d);
-  return p;
-}
-
-absl::StatusOr<std::optional<BatchPipeline::Path>> BatchPipeline::OneRoundTrip(
-    const std::string& peer, size_t via) const {
-  absl::StatusOr<DescribedLinks> quick =
-      DescribeWithLinks(vias_[via].transport, *client_, engine_id_, peer, vias_[via].kind,
-                        vias_[via].links, clock_->Now());
-  // No such transport at the peer (kNotFound): the usual choice says so; a
-  // transport that cannot offer links early (kUnimplemented) takes it too.
-  if (!quick.ok() && quick.status().code() != absl::StatusCode::kNotFound &&
-      quick.status().code() != absl::StatusCode::kUnimplemented) {
-    return quick.status();
-  }
-  if (!quick.ok() || quick->links.status().code() == absl::StatusCode::kUnimplemented) {
-    return std::nullopt;
-  }
-  if (!quick->links.ok()) return quick->links.status();
-  return Path{via, std::move(quick->descriptor), std::move(*quick->links), ""};
-}
-
-// Runs the steps ChoosePath (path_choice.h) gives until one succeeds or it
-// says no: describing the peer and connecting links are the only I/O.
-absl::StatusOr<BatchPipeline::Path> BatchPipeline::FindPath(const std::string& peer) const {
-  PeerFacts theirs;
-  theirs.address = peer;
-  absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
-  theirs.host = hp.ok() ? hp->host : peer;
-  std::optional<handshake::EngineDescriptor> primary;
-  // Every step but the last adds a fact; this bounds a choice gone wrong.
-  for (size_t steps = 0; steps < 4 + 2 * kinds_.size(); ++steps) {
-    const PathStep step = ChoosePath(kinds_, theirs, facts_);
-    switch (step.action) {
-      case PathStep::Action::kFail:
-        return step.error;
-      case PathStep::Action::kDescribe: {
-        ASSIGN_OR_RETURN(handshake::EngineDescriptor d, client_->Describe(peer));
-        theirs.primary = d.transport_kind;
-        primary = std::move(d);
-        continue;
-      }
-      case PathStep::Action::kOneRoundTrip: {
-        ASSIGN_OR_RETURN(std::optional<Path> quick, OneRoundTrip(peer, step.via));
-        if (quick.has_value()) {
-          quick->why = step.why;
-          return std::move(*quick);
-        }
-        theirs.one_round_trip_tried = true;
-        continue;
-      }
-      case PathStep::Action::kConnect:
-        break;
+absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus* out) {
+  absl::Status result;
+  bool known = true;
+  Lane& lane = lanes_.Of(id);
+  auto ready = [&] {
+    MutexLock lane_lock(&lane.mu);
+    const Batch* b = lane.batches.Find(id);
+    if (b == nullptr) {
+      known = false;
+      return true;
     }
-    // Before the peer is described, a connect step is the same-host one:
-    // its failure leaves the usual choice.
-    const bool same_host = theirs.primary.empty();
-    absl::StatusOr<handshake::EngineDescriptor> d =
-        primary.has_value() && primary->transport_kind == step.kind
-            ? absl::StatusOr<handshake::EngineDescriptor>(*primary)
-            : client_->Describe(peer, step.kind);
-    // The peer has no such transport (an older peer answers with its
-    // primary whatever is asked).
-    if (!d.ok() || d->transport_kind != step.kind) {
-      if (same_host) theirs.same_host_tried = true;
-      if (!same_host) theirs.lacks.insert(step.kind);
-      continue;
-    }
-    absl::StatusOr<Path> p = Connect(peer, step.via, std::move(*d));
-    if (p.ok()) {
-      p->why = step.why;
-      return p;
-    }
-    if (same_host) theirs.same_host_tried = true;
-    if (!same_host) theirs.failed.emplace_back(step.kind, p.status());
-  }
-  return absl::InternalError(absl::StrCat("no transport chosen for peer ", peer));
-}
-
-absl::StatusOr<SegmentId> BatchPipeline::Open(const std::string& peer) {
-  const absl::Time now = clock_->Now();
-  {
-    MutexLock lock(&mu_);
-    if (SegmentId id = segments_.ByPeer(peer); id != 0) {
-      segments_.Find(id)->last_used = now;
-      return id;
-    }
-    ExpireIdle(now);
-  }
-  ASSIGN_OR_RETURN(Path path, FindPath(peer));
-  MutexLock lock(&mu_);
-  if (SegmentId id = segments_.ByPeer(peer); id != 0) {  // another thread won the race
-    CloseLinks(path.via, path.links);
-    return id;
-  }
-  Segment seg;
-  seg.peer = peer;
-  seg.metrics.peer = peer;
-  seg.metrics.transport = vias_[path.via].kind;
-  seg.metrics.transport_reason = path.why;
-  seg.via = path.via;
-  seg.descriptor = std::move(path.descriptor);
-  seg.links = std::move(path.links);
-  seg.last_used = now;
-  const SegmentId id = segments_.Add(std::move(seg));
-  Segment& s = *segments_.Find(id);
-  s.Publish();
-  KVF_LOG(INFO) << "opened segment " << id << " to " << peer << ": " << s.descriptor.regions.size()
-                << " region(s), " << s.links.size() << " link(s) over "
-                << s.descriptor.transport_kind << " (" << path.why << ")";
-  return id;
-}
-
-absl::Status BatchPipeline::Close(SegmentId id) {
-  std::vector<Link> links;
-  size_t via = 0;
-  {
-    MutexLock lock(&mu_);
-    Segment* seg = segments_.Find(id);
-    if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-    // Unpublished before the lanes are counted: a thread submitting on the
-    // lanes' view has its slices counted by then, and any later one finds
-    // the view gone and asks here.
-    const SegmentState state = seg->state;
-    seg->state = SegmentState::kStale;
-    seg->Publish();
-    seg->state = state;
-    const uint64_t slices = SlicesOf(id);
-    if (slices > 0 || seg->state == SegmentState::kRefreshing || seg->probing) {
-      seg->Publish();
-      return absl::FailedPreconditionError(
-          absl::StrCat("segment ", id, " to ", seg->peer, " is in use (", slices,
-                       " slice(s) in flight); wait for its batches first"));
-    }
-    links = std::move(seg->links);
-    via = seg->via;
-    KVF_LOG(INFO) << "closed segment " << id << " to " << seg->peer;
-    segments_.Remove(id);
-    for (const auto& lane : lanes_) {
-      MutexLock lane_lock(&lane->mu);
-      lane->segments.erase(id);
-    }
-  }
-  CloseLinks(via, links);
-  return absl::OkStatus();
-}
-
-void BatchPipeline::ExpireIdle(absl::Time now) {
-  // The handle stays valid (callers keep segment ids): only the links go,
-  // and the next Submit handshakes again.
-  segments_.ForEach([&](SegmentId id, Segment& seg) {
-    mu_.AssertHeld();  // as the caller
-    if (seg.state != SegmentState::kReady || seg.probing || seg.links.empty()) return;
-    absl::Time last_used = seg.last_used;
-    if (SlicesOf(id, &last_used) > 0 || now - last_used < config_.idle_segment_timeout) return;
-    // Unpublished first, then counted again (see Close).
-    seg.state = SegmentState::kStale;
-    seg.Publish();
-    if (SlicesOf(id, &last_used) > 0 || now - last_used < config_.idle_segment_timeout) {
-      seg.state = SegmentState::kReady;
-      seg.Publish();
-      return;
-    }
-    KVF_LOG(INFO) << "segment " << id << " to " << seg.peer << " idle for "
-                  << absl::FormatDuration(now - last_used) << ": links closed";
-    CloseLinks(seg.via, seg.links);  // no slice in flight: nothing completes
-    seg.links.clear();
-    seg.Publish();
-  });
-}
-
-absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> BatchPipeline::Regions(
-    SegmentId id) const {
-  MutexLock lock(&mu_);
-  const Segment* seg = segments_.Find(id);
-  if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-  std::vector<TransferEngine::RemoteRegion> out;
-  for (const handshake::RegionDescriptor& r : seg->descriptor.regions) {
-    out.push_back(TransferEngine::RemoteRegion{r.addr, r.length, r.access});
-  }
-  return out;
-}
-
-absl::StatusOr<BatchPipeline::PeerView> BatchPipeline::View(SegmentId id) const {
-  MutexLock lock(&mu_);
-  const Segment* seg = segments_.Find(id);
-  if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-  return PeerView{seg->peer, seg->descriptor.engine_id, seg->generation};
-}
-
-// Re-reads the peer's descriptor and rebuilds the links. One refresh per
-// segment at a time; callers that arrive meanwhile wait for it, and there is
-// nothing to do when the links the caller found broken (`seen_generation`,
-// UINT64_MAX: the current ones) were replaced since. Sets *changed when the
-// peer's engine id changed.
-absl::Status BatchPipeline::Refresh(SegmentId id, bool* changed, uint64_t seen_generation) {
-  *changed = false;
-  std::string peer;
-  std::vector<std::pair<transport::LinkId, std::string>> old;
-  {
-    MutexLock lock(&mu_);
-    Segment* seg = segments_.Find(id);
-    if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-    const uint64_t generation = seen_generation == UINT64_MAX ? seg->generation : seen_generation;
-    while (seg != nullptr && seg->state == SegmentState::kRefreshing) {
-      refreshed_.Wait(&mu_);
-      seg = segments_.Find(id);
-    }
-    if (seg == nullptr) return absl::NotFoundError(absl::StrCat("segment ", id, " was closed"));
-    if (seg->generation != generation) return absl::OkStatus();  // someone did it
-    seg->state = SegmentState::kRefreshing;
-    seg->Publish();
-    peer = seg->peer;
-    for (const Link& l : seg->links) {
-      if (!l.peer_closed && !l.peer_params.empty()) old.emplace_back(l.id, l.peer_params);
-    }
-  }
-  // The old links' peer halves close first: nothing posted on them lands
-  // after what goes on the new ones (a restarted peer has none of them).
-  absl::Status closed = old.empty() ? absl::OkStatus() : ClosePeerHalves(id, old);
-  absl::StatusOr<Path> path = closed.ok() ? FindPath(peer) : closed;
-  MutexLock lock(&mu_);
-  Segment& seg = *segments_.Find(id);  // not closed: Close refuses while refreshing
-  refreshed_.SignalAll();
-  if (!path.ok()) {
-    seg.state = SegmentState::kStale;
-    seg.Publish();
-    return path.status();
-  }
-  *changed = path->descriptor.engine_id != seg.descriptor.engine_id;
-  if (*changed) {
-    KVF_LOG(INFO) << "peer " << peer << " restarted (new engine id); descriptor refreshed";
-  }
-  if (path->via != seg.via) {
-    KVF_LOG(INFO) << "peer " << peer << " now over " << vias_[path->via].kind << " (" << path->why
-                  << ")";
-  }
-  CloseLinks(seg.via, seg.links);
-  seg.via = path->via;
-  seg.metrics.transport = vias_[path->via].kind;
-  seg.metrics.transport_reason = path->why;
-  seg.descriptor = std::move(path->descriptor);
-  seg.links = std::move(path->links);
-  seg.state = SegmentState::kReady;
-  seg.dead = absl::OkStatus();
-  ++seg.generation;
-  seg.Publish();
-  ++counters_.reconnects;
-  ++seg.metrics.reconnects;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::pair<SegmentId, uint64_t>> BatchPipeline::Target(BatchId id) {
-  Lane& lane = LaneOf(id);
+    if (b->pending != 0) return false;
+    b->StatusTo(out);
+    return true;
+  };
+  const bool done = pump_.Await(
+      ready, timeout,
+      [&](absl::Time until) {
+        // The driver wakes at least every peer_timeout / 4 to look for
+        // silent peers; completions wake it at once.
+        const absl::Duration check = config_.peer_timeout / 4;
+        Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
+      },
+      [&] { return PollNow(); }, lane.index);
+  if (!known) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+  if (done) return absl::OkStatus();
   MutexLock lane_lock(&lane.mu);
   const Batch* b = lane.batches.Find(id);
-  if (b == nullptr) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
-  return std::make_pair(b->segment, b->peer_engine_id);
-}
-
-std::vector<NicCounters> BatchPipeline::NicCountersNow() const {
-  MutexLock lock(&mu_);
-  std::vector<NicCounters> out = nic_counters_;
-  for (const auto& lane : lanes_) {
-    MutexLock lane_lock(&lane->mu);
-    for (size_t i = 0; i < out.size() && i < lane->nics.size(); ++i) {
-      out[i].slices += lane->nics[i].slices;
-      out[i].bytes += lane->nics[i].bytes;
-    }
-  }
-  return out;
-}
-
-EngineCounters BatchPipeline::Counters() const {
-  MutexLock lock(&mu_);
-  return counters_;
-}
-
-std::vector<PeerMetrics> BatchPipeline::Peers() const {
-  std::vector<PeerMetrics> out;
-  {
-    MutexLock lock(&mu_);
-    const_cast<SegmentTable&>(segments_).ForEach([&](SegmentId id, Segment& seg) {
-      out.push_back(seg.metrics);
-      out.back().links = 0;
-      for (const Link& l : seg.links) out.back().links += l.failed ? 0 : 1;
-      for (const auto& lane : lanes_) {
-        MutexLock lane_lock(&lane->mu);
-        auto it = lane->segments.find(id);
-        if (it != lane->segments.end()) AddCounts(it->second.metrics, &out.back());
-      }
-    });
-  }
-  std::sort(out.begin(), out.end(),
-            [](const PeerMetrics& a, const PeerMetrics& b) { return a.peer < b.peer; });
-  return out;
+  return absl::DeadlineExceededError(
+      absl::StrCat("batch ", id, " still has ", b == nullptr ? 0 : b->pending,
+                   " request(s) pending after ", absl::FormatDuration(timeout)));
 }
 
 }  // namespace engine_internal

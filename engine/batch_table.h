@@ -36,9 +36,9 @@ struct Slice {
   // while the segment's generation + 1 is `checked` (0: not checked).
   uint64_t checked = 0;
   uint32_t region = 0;
-  uint64_t generation = 0;    // of the segment's links it was last posted on
+  uint64_t generation = 0;     // of the segment's links it was last posted on
   transport::LinkId link = 0;  // the link it was last posted on (0: none)
-  size_t nic = 0;  // that link's local NIC, as an index of the engine's NIC counters
+  size_t nic = 0;              // that link's local NIC, as an index of the engine's NIC counters
   absl::Status last_error;
 };
 
@@ -87,10 +87,11 @@ class BatchTable {
     }
   }
 
+  // Reserves a slot for slice `s` and gives its id: a work request can
+  // carry the id before the slice's batch exists. The slice belongs to no
+  // batch until the caller commits it (sets its `batch`, see
+  // BatchPipeline::CreateBatch), or is erased.
   uint64_t AddSlice(const Slice& s);
-  // The id the next AddSlice returns (a work request can carry it before
-  // the slice is added).
-  uint64_t NextSliceId() const { return slices_.PeekNext(); }
   Slice* FindSlice(uint64_t id) { return slices_.Find(id); }
   void EraseSlice(uint64_t id) { slices_.Free(id); }
 
@@ -101,12 +102,6 @@ class BatchTable {
     explicit Slab(uint8_t tag) : tag_(tag) {}
     // A free slot (its value as its last user left it) and its id.
     uint64_t Take(T** out);
-    // The id the next Take returns.
-    uint64_t PeekNext() const {
-      const uint32_t index = free_.empty() ? static_cast<uint32_t>(slots_.size()) : free_.back();
-      const uint32_t generation = index < slots_.size() ? slots_[index].generation : 0;
-      return IdOf(index, NextGeneration(generation));
-    }
     T* Find(uint64_t id) {
       const uint64_t index = (id & 0xffffffffu) - 1;
       if (index >= slots_.size()) return nullptr;

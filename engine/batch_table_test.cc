@@ -68,36 +68,39 @@ TEST(BatchTableTest, SlicesAreFoundUntilErasedAndIdsAreUnique) {
   }
 }
 
-// A lone request's work request carries its slice's id before the slice
-// is added (SubmitOne posts first): NextSliceId must be that id, from a
-// fresh slot, a freed one, and past a generation's wrap.
-TEST(BatchTableTest, NextSliceIdIsTheIdTheNextSliceGets) {
+// A reserved slice (a lone request's work request carries its id before
+// its batch exists) keeps its id until erased: from a fresh slot, a freed
+// one, and past a generation's wrap, no live id is given twice and none is 0.
+TEST(BatchTableTest, ReservedSlicesKeepDistinctIds) {
   BatchTable t(5);
   std::vector<uint64_t> ids;
   for (int i = 0; i < 4; ++i) {
-    const uint64_t next = t.NextSliceId();
-    EXPECT_EQ(t.NextSliceId(), next);  // looking takes nothing
-    ids.push_back(t.AddSlice(Slice{}));
-    EXPECT_EQ(ids.back(), next);
+    Slice s;
+    s.length = i + 1;
+    ids.push_back(t.AddSlice(s));
+    ASSERT_NE(t.FindSlice(ids.back()), nullptr);
+    EXPECT_EQ(t.FindSlice(ids.back())->batch, 0u);  // not committed
   }
   t.EraseSlice(ids[1]);
   t.EraseSlice(ids[3]);
   for (int i = 0; i < 3; ++i) {  // two freed slots, then a fresh one
-    const uint64_t next = t.NextSliceId();
     const uint64_t got = t.AddSlice(Slice{});
-    EXPECT_EQ(got, next);
+    EXPECT_NE(got, ids[1]);
+    EXPECT_NE(got, ids[3]);
     EXPECT_EQ(t.FindSlice(ids[1]), nullptr);
     EXPECT_EQ(t.FindSlice(ids[3]), nullptr);
+    EXPECT_EQ(t.FindSlice(ids[0])->length, 1u);
     EXPECT_EQ(BatchTable::TagOf(got), 5);
   }
   // One slot through more generations than the id holds.
   BatchTable w;
   uint64_t last = 0;
   for (uint64_t i = 0; i <= BatchTable::kGenerationMask + 1; ++i) {
-    const uint64_t next = w.NextSliceId();
-    last = w.AddSlice(Slice{});
-    ASSERT_EQ(last, next) << "after " << i << " reuses";
-    ASSERT_NE(last, 0u);
+    const uint64_t got = w.AddSlice(Slice{});
+    ASSERT_NE(got, 0u) << "after " << i << " reuses";
+    ASSERT_NE(got, last) << "after " << i << " reuses";
+    ASSERT_EQ(w.FindSlice(last), nullptr);
+    last = got;
     w.EraseSlice(last);
   }
 }

@@ -16,10 +16,10 @@
 #include <cstdint>
 
 #include "absl/functional/function_ref.h"
-
 #include "absl/time/time.h"
 #include "base/clock.h"
 #include "base/mutex.h"
+#include "engine/lock_order.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -59,9 +59,7 @@ class CompletionPump {
   void Leave();
   // What a waiter of `lane` compares: its lane's epoch plus the pump's
   // (both only grow, so the sum changes whenever either does).
-  uint64_t Seen(size_t lane) const {
-    return lanes_[lane].epoch.load() + epoch_.load();
-  }
+  uint64_t Seen(size_t lane) const { return lanes_[lane].epoch.load() + epoch_.load(); }
   // A waiter whose batch another thread drives: until Seen(lane) is past
   // `seen` (a completion of its lane delivered, or the driver left) or
   // `deadline`.
@@ -70,7 +68,7 @@ class CompletionPump {
   // sleeps.
   static constexpr absl::Duration kSpin = absl::Microseconds(20);
   Clock* const clock_;
-  Mutex mu_;
+  Mutex mu_{kPumpLock};
   CondVar cv_;
   // Whether a thread drives: changed under mu_ (one driver at a time),
   // read without it by Delivered.

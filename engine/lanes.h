@@ -18,13 +18,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/mutex.h"
 #include "engine/batch_table.h"
 #include "engine/completion_pump.h"
+#include "engine/lock_order.h"
 #include "engine/metrics.h"
 #include "engine/segment_table.h"
 
@@ -71,11 +75,11 @@ struct NicTally {
 struct Lane {
   explicit Lane(uint8_t i) : index(i), batches(i) {}
   const uint8_t index;
-  Mutex mu;
+  Mutex mu{kLaneLock};
   BatchTable batches ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<SegmentId, LaneSegment> segments ABSL_GUARDED_BY(mu);
   std::vector<NicTally> nics ABSL_GUARDED_BY(mu);  // by the engine's NIC index
-  char pad[64];  // the next lane's lock is on a line of its own
+  char pad[64];                                    // the next lane's lock is on a line of its own
 };
 
 constexpr size_t kLanes = CompletionPump::kLanes;
@@ -88,6 +92,47 @@ __attribute__((visibility("hidden"))) inline size_t ThisThreadsLane() {
   thread_local const size_t mine = next.fetch_add(1, std::memory_order_relaxed) % kLanes;
   return mine;
 }
+
+// Every lane, created with the pipeline and never changed; what is done to
+// a lane's batches and slices as a whole. Each method takes the lanes'
+// locks it needs (one at a time) unless it says that its caller holds one.
+class Lanes {
+ public:
+  // `nics`: the engine's NIC count (each lane tallies by NIC); `pump` is
+  // woken for every batch that finishes.
+  Lanes(size_t nics, CompletionPump* pump);
+
+  // The lane holding batch or slice `id`.
+  Lane& Of(uint64_t id) const { return *lanes_[BatchTable::TagOf(id) % kLanes]; }
+  // The calling thread's lane (ThisThreadsLane).
+  Lane& Mine() const { return *lanes_[ThisThreadsLane()]; }
+
+  // Slices of segment `id` not yet finished, in every lane; the latest use
+  // of it (`last_used`, when not null).
+  uint64_t SlicesOf(SegmentId id, absl::Time* last_used = nullptr) const;
+  // Drops every lane's part of a closed segment.
+  void Forget(SegmentId id);
+  // Adds what the lanes counted of segment `id` to `out`.
+  void AddCounts(SegmentId id, PeerMetrics* out) const;
+  // Adds the slices and bytes the lanes posted per NIC to `out`.
+  void AddTallies(std::vector<NicCounters>* out) const;
+
+  // Finishes slice `sid` of `lane` with `status`; `entry`: the lane's part
+  // of the slice's segment when the caller has it (saves a lookup).
+  void Finish(Lane& lane, uint64_t sid, absl::Status status, absl::Time now,
+              LaneSegment* entry = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // The same for a slice of any lane.
+  void Finish(uint64_t sid, absl::Status status, absl::Time now);
+
+  // A batch's segment and peer instance; its status; releasing it.
+  absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id) const;
+  absl::StatusOr<BatchStatus> StatusOf(BatchId id) const;
+  absl::Status Release(BatchId id);
+
+ private:
+  CompletionPump* const pump_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+};
 
 }  // namespace engine_internal
 }  // namespace kvferry

@@ -1,28 +1,39 @@
-// BatchPipeline: finding peers that stopped answering while requests to
-// them are in flight (EngineOptions::peer_timeout).
+// Liveness: probes of silent peers, repairs of failed links.
+#include "engine/liveness.h"
+
+#include <deque>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
-#include "engine/batch_pipeline.h"
 
 namespace kvferry {
 namespace engine_internal {
 
-void BatchPipeline::CheckPeers(absl::Time now) {
-  if (absl::ToUnixNanos(now) < next_peer_check_ns_.load(std::memory_order_relaxed)) return;
+Liveness::Liveness(const PipelineConfig& config, uint64_t engine_id, const std::vector<Via>* vias,
+                   SegmentRegistry* segments, Lanes* lanes, const PeerClient* client, Clock* clock)
+    : config_(config),
+      engine_id_(engine_id),
+      vias_(*vias),
+      segments_(segments),
+      lanes_(lanes),
+      client_(client),
+      clock_(clock) {}
+
+void Liveness::Check(absl::Time now) {
+  if (absl::ToUnixNanos(now) < next_check_ns_.load(std::memory_order_relaxed)) return;
   const absl::Duration half = config_.peer_timeout / 2;
   std::vector<std::pair<SegmentId, std::string>> silent;
   std::vector<Repair> repairs;
   {
-    MutexLock lock(&mu_);
-    if (absl::ToUnixNanos(now) < next_peer_check_ns_.load(std::memory_order_relaxed)) return;
-    next_peer_check_ns_.store(absl::ToUnixNanos(now + config_.peer_timeout / 4),
-                              std::memory_order_relaxed);
-    ExpireIdle(now);
+    MutexLock lock(&segments_->books());
+    if (absl::ToUnixNanos(now) < next_check_ns_.load(std::memory_order_relaxed)) return;
+    next_check_ns_.store(absl::ToUnixNanos(now + config_.peer_timeout / 4),
+                         std::memory_order_relaxed);
+    segments_->ExpireIdle(now);
     FindRepairs(now, &repairs);
-    segments_.ForEach([&](SegmentId id, Segment& seg) {
+    segments_->table().ForEach([&](SegmentId id, Segment& seg) {
       if (seg.probing || seg.state == SegmentState::kRefreshing) return;
       for (const Link& l : seg.links) {
         // Failed links are already closed (or closing): nothing to learn.
@@ -38,9 +49,10 @@ void BatchPipeline::CheckPeers(absl::Time now) {
   for (const Repair& r : repairs) RepairLink(r);
 }
 
-void BatchPipeline::FindRepairs(absl::Time now, std::vector<Repair>* out) {
+void Liveness::FindRepairs(absl::Time now, std::vector<Repair>* out) {
   const absl::Duration interval = config_.peer_timeout / 4;
-  segments_.ForEach([&](SegmentId id, Segment& seg) {
+  segments_->table().ForEach([&](SegmentId id, Segment& seg) {
+    segments_->books().AssertHeld();  // as the caller
     if (seg.state != SegmentState::kReady || seg.probing) return;
     for (Link& l : seg.links) {
       if (!l.failed || l.repairing || l.inflight() > 0 || now - l.failed_at < interval ||
@@ -54,17 +66,18 @@ void BatchPipeline::FindRepairs(absl::Time now, std::vector<Repair>* out) {
   });
 }
 
-void BatchPipeline::RepairLink(const Repair& r) {
+void Liveness::RepairLink(const Repair& r) {
   transport::Transport* t = vias_[r.via].transport;
   const transport::NicInfo local = t->LocalEndpoint().nics.at(r.old.local_nic);
   // The failed link's half at the peer goes too (a QP there otherwise).
   if (!r.old.peer_closed && !r.old.peer_params.empty()) {
     (void)client_->CloseLinks(r.peer, {r.old.peer_params});
   }
-  absl::StatusOr<Link> made = ConnectLink(t, *client_, engine_id_, r.peer, local, r.peer_nic, r.old);
-  MutexLock lock(&mu_);
+  absl::StatusOr<Link> made =
+      ConnectLink(t, *client_, engine_id_, r.peer, local, r.peer_nic, r.old);
+  MutexLock lock(&segments_->books());
   const absl::Time now = clock_->Now();
-  Segment* seg = segments_.Find(r.segment);
+  Segment* seg = segments_->table().Find(r.segment);
   Link* old = nullptr;
   if (seg != nullptr && seg->generation == r.generation && seg->via == r.via) {
     for (Link& l : seg->links) {
@@ -83,20 +96,20 @@ void BatchPipeline::RepairLink(const Repair& r) {
   KVF_LOG(INFO) << "peer " << r.peer << ": local NIC " << r.old.local_nic << " to peer NIC "
                 << r.old.remote_nic << " rebuilt and back in use";
   (void)t->CloseLink(old->id);  // nothing in flight on it
-  *old = *made;  // with a load of its own (ConnectLink)
+  *old = *made;                 // with a load of its own (ConnectLink)
   old->set_progress(now);
   seg->Publish();
-  ++counters_.links_repaired;
+  ++segments_->counters().links_repaired;
 }
 
-void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
-                                const absl::StatusOr<uint64_t>& answer) {
+void Liveness::ProbeResult(SegmentId id, const std::string& peer,
+                           const absl::StatusOr<uint64_t>& answer) {
   std::vector<transport::LinkId> close;
   size_t via = 0;
   {
-    MutexLock lock(&mu_);
-    ++counters_.probes;
-    Segment* found = segments_.Find(id);
+    MutexLock lock(&segments_->books());
+    ++segments_->counters().probes;
+    Segment* found = segments_->table().Find(id);
     if (found == nullptr) return;
     Segment& seg = *found;
     seg.probing = false;
@@ -108,11 +121,11 @@ void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
     if (answer.ok()) {
       KVF_LOG(INFO) << "peer " << peer << " restarted (probe answered by a new engine id)";
     } else {
-      ++counters_.probes_failed;
-      seg.dead = absl::UnavailableError(absl::StrCat(
-          "peer ", peer, " stopped answering: no completion for ",
-          absl::FormatDuration(config_.peer_timeout / 2), " and no answer to a probe (",
-          answer.status().message(), ")"));
+      ++segments_->counters().probes_failed;
+      seg.dead = absl::UnavailableError(
+          absl::StrCat("peer ", peer, " stopped answering: no completion for ",
+                       absl::FormatDuration(config_.peer_timeout / 2),
+                       " and no answer to a probe (", answer.status().message(), ")"));
       KVF_LOG(WARNING) << seg.dead.message();
     }
     // Either way the links are useless now: closing them completes their
@@ -129,7 +142,7 @@ void BatchPipeline::ProbeResult(SegmentId id, const std::string& peer,
       const absl::Time now = clock_->Now();
       std::deque<uint64_t> backlog;
       backlog.swap(seg.backlog);
-      for (uint64_t sid : backlog) FinishSlice(sid, seg.dead, now);
+      for (uint64_t sid : backlog) lanes_->Finish(sid, seg.dead, now);
     }
   }
   for (transport::LinkId l : close) (void)vias_[via].transport->CloseLink(l);

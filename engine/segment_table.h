@@ -37,7 +37,7 @@ struct SegmentCore {
   std::string peer;
   handshake::EngineDescriptor descriptor;  // regions sorted by address
   std::vector<Link> links;
-  size_t via = 0;           // the engine's transport it goes over (BatchPipeline::Via)
+  size_t via = 0;           // the engine's transport it goes over (vias.h)
   uint64_t generation = 0;  // bumped by every refresh
 
   // The peer region containing `addr`, if any.

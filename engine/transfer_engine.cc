@@ -205,11 +205,11 @@ class TransferEngine::Impl {
   }
   absl::StatusOr<SegmentId> OpenSegment(const std::string& peer_text) {
     ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer_text));
-    return pipeline_.Open(hp.ToString());
+    return pipeline_.segments().Open(hp.ToString());
   }
   // Notify, refused by the peer unless it is the instance `target` (0: any).
   absl::Status NotifyInstance(SegmentId id, const std::string& message, uint64_t target) {
-    ASSIGN_OR_RETURN(engine_internal::BatchPipeline::PeerView v, pipeline_.View(id));
+    ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, pipeline_.segments().View(id));
     return client_.Notify(v.peer, message, target);
   }
   absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
@@ -239,8 +239,8 @@ class TransferEngine::Impl {
   absl::StatusOr<std::string> FetchMetadata(SegmentId id, const std::string& key);
   EngineMetrics GetMetrics() const {
     EngineMetrics m;
-    m.peers = pipeline_.Peers();
-    m.nics = pipeline_.NicCountersNow();
+    m.peers = pipeline_.segments().Peers();
+    m.nics = pipeline_.segments().NicCountersNow();
     const EngineCounters c = GetCounters();
     m.handshakes_refused = c.handshakes_refused;
     m.link_failovers = c.link_failovers;
@@ -253,7 +253,7 @@ class TransferEngine::Impl {
     return m;
   }
   EngineCounters GetCounters() const {
-    EngineCounters c = pipeline_.Counters();
+    EngineCounters c = pipeline_.segments().Counters();
     c.handshakes_refused = auth_ == nullptr ? 0 : auth_->rejected();
     return c;
   }
@@ -313,7 +313,7 @@ absl::Status TransferEngine::Impl::NotifyAfter(BatchId id, const std::string& me
 absl::StatusOr<std::string> TransferEngine::Impl::FetchMetadata(SegmentId id,
                                                                 const std::string& key) {
   for (int attempt = 0;; ++attempt) {
-    ASSIGN_OR_RETURN(engine_internal::BatchPipeline::PeerView v, pipeline_.View(id));
+    ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, pipeline_.segments().View(id));
     ASSIGN_OR_RETURN(handshake::Metadata m, client_.GetMetadata(v.peer, key));
     if (m.engine_id == v.engine_id) return std::move(m.value);
     // The peer restarted since the last handshake: values and segment must
@@ -322,7 +322,7 @@ absl::StatusOr<std::string> TransferEngine::Impl::FetchMetadata(SegmentId id,
       return absl::UnavailableError(absl::StrCat("peer ", v.peer, " keeps restarting"));
     }
     bool changed;
-    RETURN_IF_ERROR(pipeline_.Refresh(id, &changed, v.generation));
+    RETURN_IF_ERROR(pipeline_.segments().Refresh(id, &changed, v.generation));
   }
 }
 
@@ -390,7 +390,7 @@ absl::Status TransferEngine::UnregisterMemory(void* addr) {
   return impl_->regions_.Unregister(addr);
 }
 std::vector<NicCounters> TransferEngine::GetNicCounters() const {
-  return impl_->pipeline_.NicCountersNow();
+  return impl_->pipeline_.segments().NicCountersNow();
 }
 EngineCounters TransferEngine::GetCounters() const { return impl_->GetCounters(); }
 EngineMetrics TransferEngine::GetMetrics() const { return impl_->GetMetrics(); }
@@ -399,11 +399,11 @@ absl::StatusOr<SegmentId> TransferEngine::OpenSegment(const std::string& peer) {
   return impl_->OpenSegment(peer);
 }
 absl::Status TransferEngine::CloseSegment(SegmentId segment) {
-  return impl_->pipeline_.Close(segment);
+  return impl_->pipeline_.segments().Close(segment);
 }
 absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> TransferEngine::SegmentRegions(
     SegmentId segment) {
-  return impl_->pipeline_.Regions(segment);
+  return impl_->pipeline_.segments().Regions(segment);
 }
 absl::StatusOr<BatchId> TransferEngine::Submit(SegmentId segment,
                                                absl::Span<const TransferRequest> requests,
@@ -437,7 +437,7 @@ absl::Status TransferEngine::Notify(SegmentId segment, const std::string& messag
   return impl_->NotifyInstance(segment, message, peer_engine_id);
 }
 absl::StatusOr<uint64_t> TransferEngine::PeerEngineId(SegmentId segment) {
-  ASSIGN_OR_RETURN(engine_internal::BatchPipeline::PeerView v, impl_->pipeline_.View(segment));
+  ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, impl_->pipeline_.segments().View(segment));
   return v.engine_id;
 }
 absl::StatusOr<uint64_t> TransferEngine::BatchPeerEngineId(BatchId batch) {
