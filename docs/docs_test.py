@@ -48,7 +48,7 @@ class ConfigurationTest(unittest.TestCase):
 
     def test_every_environment_variable_is_read_somewhere(self):
         sources = "".join(read(p) for p in [
-            "base/logging.cc", "cuda/driver.cc", "engine/secret.h", "handshake/auth.h",
+            "base/logging.cc", "cuda/driver.cc", "engine/peer/secret.h", "handshake/auth.h",
             "c/kvferry.cc", "python/kvferry/_lib.py", "python/kvferry/_mooncake.py",
             "sim/seed.cc", "transport/verbs/ibv.cc",
             "tests/soak_test.cc",

@@ -13,7 +13,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "engine/engine_options.h"
-#include "engine/secret.h"
+#include "engine/peer/secret.h"
 #include "engine/transfer_engine.h"
 #include "handshake/tcp_network.h"
 #include "net/interfaces.h"

@@ -39,7 +39,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/clock.h"
-#include "engine/metrics.h"
+#include "engine/metrics/metrics.h"
+#include "engine/types.h"
 #include "handshake/network.h"
 #include "transport/transport.h"
 
@@ -116,26 +117,6 @@ struct Detection {
   std::string devices;
 };
 
-// One transfer: WRITE copies local -> peer, READ copies peer -> local.
-struct TransferRequest {
-  transport::Opcode opcode = transport::Opcode::kWrite;
-  void* local = nullptr;  // inside memory registered on this engine
-  uint64_t remote = 0;    // address in the peer's registered memory
-  uint64_t length = 0;
-};
-
-using SegmentId = uint64_t;
-using BatchId = uint64_t;
-
-struct BatchStatus {
-  size_t pending = 0;
-  size_t succeeded = 0;
-  size_t failed = 0;
-  std::vector<absl::Status> requests;  // OK, the error, or kUnavailable("pending")
-  bool done() const { return pending == 0; }
-  bool ok() const { return pending == 0 && failed == 0; }
-};
-
 // How a stream-ordered batch (TransferEngine::SubmitOnStream) runs.
 struct StreamOptions {
   // The stream's later work waits until the batch finished, failed or
@@ -150,11 +131,6 @@ struct StreamOptions {
   // The CUDA device whose context the stream belongs to; -1: the device of
   // the first request's local memory (device 0 for host memory).
   int device = -1;
-};
-
-struct Notification {
-  uint64_t engine_id = 0;  // the sender
-  std::string message;
 };
 
 // Parts an engine is assembled from; Create builds the real ones.
@@ -183,19 +159,6 @@ struct EngineParts {
   std::function<absl::StatusOr<std::vector<transport::NicIndex>>(const std::string& location)>
       near_nics;
 };
-
-// Events of the engine's life, for monitoring and tests.
-struct EngineCounters {
-  uint64_t handshakes_refused = 0;  // requests without the secret (auth.h)
-  uint64_t reconnects = 0;          // segments whose links were rebuilt
-  uint64_t link_failovers = 0;      // slices moved off a failed link
-  uint64_t links_repaired = 0;      // failed links rebuilt on their NIC pair later
-  uint64_t probes = 0;              // peers probed for silence
-  uint64_t probes_failed = 0;       // ... that did not answer
-};
-
-// What the engine posted on each of its NICs (see metrics.h).
-using NicCounters = NicMetrics;
 
 class TransferEngine {
  public:
@@ -248,11 +211,7 @@ class TransferEngine {
 
   // The regions the peer advertises (as of the last handshake), sorted by
   // address: where a request may write or read.
-  struct RemoteRegion {
-    uint64_t addr = 0;
-    uint64_t length = 0;
-    transport::Access access = transport::Access::kNone;
-  };
+  using RemoteRegion = ::kvferry::RemoteRegion;
   absl::StatusOr<std::vector<RemoteRegion>> SegmentRegions(SegmentId segment);
   // The peer instance (its engine id, new on every start) as of the last
   // handshake, which FetchMetadata values also come from.

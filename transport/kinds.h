@@ -1,6 +1,6 @@
 // The transport kinds: what EndpointDescription::kind says, descriptors
 // carry, link parameters begin with, and the engine's path choice
-// (engine/path_choice.h) compares. Peers' links must be of one kind.
+// (engine/pipeline/path_choice.h) compares. Peers' links must be of one kind.
 #ifndef KVFERRY_TRANSPORT_KINDS_H_
 #define KVFERRY_TRANSPORT_KINDS_H_
 

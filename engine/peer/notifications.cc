@@ -1,0 +1,76 @@
+#include "engine/peer/notifications.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "handshake/messages.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+absl::Status Inbox::Push(Notification n) {
+  MutexLock lock(&mu_);
+  if (queue_.size() >= max_count_ || bytes_ + n.message.size() > max_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the peer's inbox is full (", queue_.size(), " notifications, ", bytes_,
+        " bytes not yet taken by its application)"));
+  }
+  bytes_ += n.message.size();
+  queue_.push_back(std::move(n));
+  cv_.SignalAll();
+  return absl::OkStatus();
+}
+
+std::vector<Notification> Inbox::TakeAll() {
+  MutexLock lock(&mu_);
+  std::vector<Notification> out(std::make_move_iterator(queue_.begin()),
+                                std::make_move_iterator(queue_.end()));
+  queue_.clear();
+  bytes_ = 0;
+  return out;
+}
+
+absl::StatusOr<Notification> Inbox::Next(absl::Duration timeout) {
+  if (wait_) {
+    wait_([this] {
+      MutexLock lock(&mu_);
+      return !queue_.empty();
+    }, timeout);
+  }
+  MutexLock lock(&mu_);
+  if (!wait_) {
+    cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout,
+                          [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !queue_.empty(); });
+  }
+  if (queue_.empty()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("no notification within ", absl::FormatDuration(timeout)));
+  }
+  Notification n = std::move(queue_.front());
+  queue_.pop_front();
+  bytes_ -= n.message.size();
+  return n;
+}
+
+absl::Status MetadataStore::Publish(const std::string& key, std::string value) {
+  if (key.empty() || key.size() > handshake::kMaxStringBytes ||
+      value.size() > handshake::kMaxNotifyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metadata key must be 1 to ", handshake::kMaxStringBytes, " bytes and the value at most ",
+        handshake::kMaxNotifyBytes));
+  }
+  MutexLock lock(&mu_);
+  values_[key] = std::move(value);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> MetadataStore::Get(const std::string& key) const {
+  MutexLock lock(&mu_);
+  auto it = values_.find(key);
+  if (it == values_.end()) {
+    return absl::NotFoundError(absl::StrCat("the peer has published no '", key, "'"));
+  }
+  return it->second;
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry

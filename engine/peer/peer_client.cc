@@ -1,0 +1,176 @@
+#include "engine/peer/peer_client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+using handshake::Frame;
+using handshake::MessageType;
+
+absl::StatusOr<Frame> PeerClient::Expect(const std::string& peer, MessageType sent,
+                                         absl::StatusOr<Frame> reply, MessageType expected) {
+  if (reply.ok() && reply->type != expected) {
+    return absl::DataLossError(absl::StrCat("peer ", peer, " answered ",
+                                            handshake::MessageTypeName(sent), " with ",
+                                            handshake::MessageTypeName(reply->type)));
+  }
+  return reply;
+}
+
+absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request, MessageType expected,
+                                       absl::Duration timeout) const {
+  const MessageType sent = request.type;
+  return Expect(peer, sent, network_->Call(peer, request, timeout), expected);
+}
+
+absl::StatusOr<handshake::EngineDescriptor> PeerClient::DecodeDescriptor(const Frame& reply) {
+  ASSIGN_OR_RETURN(handshake::EngineDescriptor d, handshake::DecodeDescriptor(reply.payload));
+  std::sort(d.regions.begin(), d.regions.end(),
+            [](const handshake::RegionDescriptor& a, const handshake::RegionDescriptor& b) {
+              return a.addr < b.addr;
+            });
+  return d;
+}
+
+absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::string& peer,
+                                                                 const std::string& kind) const {
+  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kDescribe, kind},
+                                     MessageType::kDescriptor, timeout_));
+  return DecodeDescriptor(reply);
+}
+
+absl::StatusOr<PeerClient::LinkAnswers> PeerClient::DecodeLinks(const std::string& peer,
+                                                                const Frame& reply, size_t count) {
+  ASSIGN_OR_RETURN(handshake::ConnectLinksReply answer,
+                   handshake::DecodeConnectLinksReply(reply.payload));
+  if (answer.links.size() != count) {
+    return absl::DataLossError(
+        absl::StrCat("peer ", peer, " answered ", answer.links.size(), " of ", count, " links"));
+  }
+  return std::move(answer.links);
+}
+
+absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
+    const std::string& peer, const std::string& kind,
+    std::vector<handshake::ConnectRequest> requests,
+    absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor,
+    const Ride& ride) const {
+  const size_t count = requests.size();
+  const bool here = ride != nullptr && count > 0 && CanRide();
+  const MessageType sent = here ? MessageType::kConnectLinksHere : MessageType::kConnectLinks;
+  std::vector<Frame> frames = {
+      Frame{MessageType::kDescribe, kind},
+      Frame{sent, handshake::Encode(handshake::ConnectLinksRequest{std::move(requests)})}};
+  absl::StatusOr<Described> out = absl::UnknownError("no reply");
+  // After every reply: the connection is the first link's once the peer
+  // accepted it there (never back to the pool, whatever `ride` says).
+  auto take = [&](net::Fd& connection) {
+    if (!out.ok() || !out->links.ok() || !(*out->links)[0].ok()) return false;
+    absl::Status rode = ride(std::move(connection));
+    if (!rode.ok()) (*out->links)[0] = rode;
+    return true;
+  };
+  auto on_reply = [&](size_t i, absl::StatusOr<Frame> reply) {
+    if (i == 0) {
+      reply = Expect(peer, MessageType::kDescribe, std::move(reply), MessageType::kDescriptor);
+      absl::StatusOr<handshake::EngineDescriptor> d =
+          reply.ok() ? DecodeDescriptor(*reply) : reply.status();
+      if (!d.ok()) {
+        out = d.status();
+        return false;
+      }
+      out = Described{std::move(*d)};
+      return on_descriptor(out->descriptor);
+    }
+    reply = Expect(peer, sent, std::move(reply), MessageType::kConnectLinksReply);
+    out->links = reply.ok() ? DecodeLinks(peer, *reply, count) : reply.status();
+    return true;
+  };
+  if (here) {
+    hand_over_->CallThenTake(peer, frames, timeout_, on_reply, take);
+  } else {
+    network_->CallPipelined(peer, frames, timeout_, on_reply);
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> PeerClient::Connect(const std::string& peer,
+                                                const handshake::ConnectRequest& request) const {
+  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kConnect, handshake::Encode(request)},
+                                     MessageType::kConnectReply, timeout_));
+  ASSIGN_OR_RETURN(handshake::ConnectReply answer, handshake::DecodeConnectReply(reply.payload));
+  return std::move(answer.params);
+}
+
+absl::StatusOr<PeerClient::LinkAnswers> PeerClient::ConnectLinks(
+    const std::string& peer, std::vector<handshake::ConnectRequest> requests) const {
+  const size_t count = requests.size();
+  handshake::ConnectLinksRequest batch{std::move(requests)};
+  absl::StatusOr<Frame> reply =
+      Call(peer, Frame{MessageType::kConnectLinks, handshake::Encode(batch)},
+           MessageType::kConnectLinksReply, timeout_);
+  if (reply.ok()) return DecodeLinks(peer, *reply, count);
+  // An engine from before kConnectLinks refuses the type as malformed or
+  // unexpected (kDataLoss, kInvalidArgument); anything else is the answer.
+  if (reply.status().code() != absl::StatusCode::kDataLoss &&
+      reply.status().code() != absl::StatusCode::kInvalidArgument) {
+    return reply.status();
+  }
+  std::vector<absl::StatusOr<std::string>> one_by_one;
+  for (const handshake::ConnectRequest& r : batch.links) one_by_one.push_back(Connect(peer, r));
+  return one_by_one;
+}
+
+absl::Status PeerClient::CloseLinks(const std::string& peer, std::vector<std::string> links) const {
+  absl::StatusOr<Frame> reply =
+      Call(peer,
+           Frame{MessageType::kCloseLinks,
+                 handshake::Encode(handshake::CloseLinksRequest{engine_id_, std::move(links)})},
+           MessageType::kCloseLinksReply, timeout_);
+  // A peer from before kCloseLinks refuses the type as unexpected
+  // (kInvalidArgument; this engine never sends it anything malformed).
+  if (!reply.ok() && reply.status().code() == absl::StatusCode::kInvalidArgument) {
+    return absl::OkStatus();
+  }
+  return reply.status();
+}
+
+absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer, absl::Duration timeout) const {
+  ASSIGN_OR_RETURN(
+      Frame reply,
+      Call(peer, Frame{MessageType::kProbe, handshake::Encode(handshake::Probe{engine_id_, 0})},
+           MessageType::kProbeReply, timeout));
+  ASSIGN_OR_RETURN(handshake::Probe answer, handshake::DecodeProbe(reply.payload));
+  return answer.engine_id;
+}
+
+absl::Status PeerClient::Notify(const std::string& peer, const std::string& message,
+                                uint64_t target) const {
+  if (message.size() > handshake::kMaxNotifyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("notification of ", message.size(),
+                                                   " bytes exceeds the limit of ",
+                                                   handshake::kMaxNotifyBytes));
+  }
+  return Call(peer,
+              Frame{MessageType::kNotify,
+                    handshake::Encode(handshake::Notify{engine_id_, message, target})},
+              MessageType::kNotifyAck, timeout_)
+      .status();
+}
+
+absl::StatusOr<handshake::Metadata> PeerClient::GetMetadata(const std::string& peer,
+                                                            const std::string& key) const {
+  absl::StatusOr<Frame> reply = Call(
+      peer, Frame{MessageType::kGetMetadata, handshake::Encode(handshake::MetadataRequest{key})},
+      MessageType::kMetadata, timeout_);
+  if (!reply.ok()) return Annotate(reply.status(), absl::StrCat("metadata '", key, "' of ", peer));
+  return handshake::DecodeMetadata(reply->payload);
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry

@@ -1,0 +1,105 @@
+// The engine's side of the peer protocol as typed calls: each sends one
+// request over the handshake network and checks the reply's type and
+// payload once, so callers see either a decoded answer or a Status that
+// names the peer.
+#ifndef KVFERRY_ENGINE_PEER_PEER_CLIENT_H_
+#define KVFERRY_ENGINE_PEER_PEER_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "handshake/hand_over.h"
+#include "handshake/messages.h"
+#include "handshake/network.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+class PeerClient {
+ public:
+  // `network` outlives the client; `timeout` bounds each call but Probe.
+  PeerClient(handshake::Network* network, uint64_t engine_id, absl::Duration timeout)
+      : network_(network),
+        hand_over_(handshake::ExtensionOf<handshake::HandOver>(network)),
+        engine_id_(engine_id),
+        timeout_(timeout) {}
+
+  // The peer's descriptor for its transport of `kind` (empty: its primary),
+  // regions sorted by address.
+  absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer,
+                                                       const std::string& kind = "") const;
+  // Asks the peer to accept a link; returns its link parameters.
+  absl::StatusOr<std::string> Connect(const std::string& peer,
+                                      const handshake::ConnectRequest& request) const;
+  // Several links in one round trip: one answer per request, in order. A
+  // peer that predates kConnectLinks is asked one link at a time.
+  using LinkAnswers = std::vector<absl::StatusOr<std::string>>;
+  absl::StatusOr<LinkAnswers> ConnectLinks(const std::string& peer,
+                                           std::vector<handshake::ConnectRequest> requests) const;
+  // Describe(peer, kind) and kConnectLinks for links offered before the
+  // description, pipelined: one round trip where the network can. Once the
+  // descriptor is in, `on_descriptor` runs before the links' answers are
+  // read (the requester connects the links there); returning false leaves
+  // them unread. `links` is kAborted then, and the peer's own error when it
+  // refuses kConnectLinks as a whole.
+  //
+  // With `ride`, where the network can hand its connections over
+  // (handshake::HandOver), the
+  // first link rides the call's own connection (kConnectLinksHere): once
+  // the reply accepts that link, `ride` takes the connection (the peer's
+  // end is that link's by then), and what it returns becomes the first
+  // link's answer. The requester then connects only the other links.
+  struct Described {
+    handshake::EngineDescriptor descriptor;
+    absl::StatusOr<LinkAnswers> links = absl::AbortedError("not asked");
+  };
+  using Ride = std::function<absl::Status(net::Fd connection)>;
+  absl::StatusOr<Described> DescribeAndConnect(
+      const std::string& peer, const std::string& kind,
+      std::vector<handshake::ConnectRequest> requests,
+      absl::FunctionRef<bool(const handshake::EngineDescriptor&)> on_descriptor,
+      const Ride& ride = nullptr) const;
+  // Whether DescribeAndConnect's first link can ride the call's connection.
+  bool CanRide() const { return hand_over_ != nullptr; }
+  // Asks the peer to close its halves of links this engine opened, named by
+  // the parameters it answered for them (at most kMaxLinksPerConnect). OK
+  // once they are closed; OK too from a peer that predates kCloseLinks
+  // (it cannot be asked).
+  absl::Status CloseLinks(const std::string& peer, std::vector<std::string> links) const;
+  // The engine id that answers at `peer` within `timeout`.
+  absl::StatusOr<uint64_t> Probe(const std::string& peer, absl::Duration timeout) const;
+  // Delivers a notification, refused by any instance but `target` (0: any).
+  absl::Status Notify(const std::string& peer, const std::string& message, uint64_t target) const;
+  // A value the peer published, and the instance that answered.
+  absl::StatusOr<handshake::Metadata> GetMetadata(const std::string& peer,
+                                                  const std::string& key) const;
+
+ private:
+  // Sends `request` and checks the reply is of type `expected`.
+  absl::StatusOr<handshake::Frame> Call(const std::string& peer, handshake::Frame request,
+                                        handshake::MessageType expected,
+                                        absl::Duration timeout) const;
+  // A reply's type checked against what `sent` expects (kDataLoss if not).
+  static absl::StatusOr<handshake::Frame> Expect(const std::string& peer,
+                                                 handshake::MessageType sent,
+                                                 absl::StatusOr<handshake::Frame> reply,
+                                                 handshake::MessageType expected);
+  static absl::StatusOr<handshake::EngineDescriptor> DecodeDescriptor(
+      const handshake::Frame& reply);
+  static absl::StatusOr<LinkAnswers> DecodeLinks(const std::string& peer,
+                                                 const handshake::Frame& reply, size_t count);
+  handshake::Network* const network_;
+  handshake::HandOver* const hand_over_;  // null: the network cannot hand over
+  const uint64_t engine_id_;
+  const absl::Duration timeout_;
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_PEER_PEER_CLIENT_H_

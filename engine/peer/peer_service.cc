@@ -1,0 +1,264 @@
+#include "engine/peer/peer_service.h"
+
+#include <algorithm>
+#include <iterator>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "transport/link_params.h"
+#include "transport/stream_links.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+using handshake::ErrorFrame;
+using handshake::Frame;
+using handshake::MessageType;
+
+absl::StatusOr<handshake::EngineDescriptor> PeerService::Describe(absl::string_view kind) const {
+  for (size_t i = 0; i < transports_.size(); ++i) {
+    transport::EndpointDescription endpoint = transports_[i]->LocalEndpoint();
+    if (!kind.empty() && endpoint.kind != kind) continue;
+    handshake::EngineDescriptor d;
+    d.engine_id = engine_id_;
+    d.transport_kind = endpoint.kind;
+    d.nics = std::move(endpoint.nics);
+    d.regions = regions_->Advertised(i);
+    return d;
+  }
+  return absl::NotFoundError(absl::StrCat("this engine has no ", kind, " transport"));
+}
+
+absl::Status PeerService::RefuseFenced(uint64_t engine_id) const {
+  if (!Fenced(engine_id)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "engine %#x was declared failed by engine %#x, which no longer accepts its links or "
+      "notifications (a restarted process gets a new engine id)",
+      engine_id, engine_id_));
+}
+
+bool PeerService::Fenced(uint64_t engine_id) const {
+  MutexLock lock(&mu_);
+  return fenced_.Contains(engine_id);
+}
+
+absl::Status PeerService::Track(uint64_t engine_id, Tracked link) {
+  {
+    MutexLock lock(&mu_);
+    if (!fenced_.Contains(engine_id)) {
+      links_by_engine_[engine_id].push_back(std::move(link));
+      if (++tracked_ > prune_at_) PruneClosedLinks();
+      return absl::OkStatus();
+    }
+  }
+  // Fenced while its link was being accepted.
+  (void)link.transport->CloseLink(link.link);
+  return RefuseFenced(engine_id);
+}
+
+// Forgets links that are gone (their peers closed them): what stays is
+// bounded by the transports' link caps.
+void PeerService::PruneClosedLinks() {
+  tracked_ = 0;
+  for (auto it = links_by_engine_.begin(); it != links_by_engine_.end();) {
+    auto& v = it->second;
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
+            v.end());
+    tracked_ += v.size();
+    it = v.empty() ? links_by_engine_.erase(it) : std::next(it);
+  }
+  prune_at_ = std::max(kPruneAbove, 2 * tracked_);
+}
+
+void PeerService::Fence(uint64_t engine_id) {
+  {
+    MutexLock lock(&mu_);
+    fenced_.Insert(engine_id);
+  }
+  CloseLinksOf(engine_id);
+}
+
+void PeerService::CloseLinksOf(uint64_t engine_id) {
+  std::vector<Tracked> links;
+  {
+    MutexLock lock(&mu_);
+    auto it = links_by_engine_.find(engine_id);
+    if (it != links_by_engine_.end()) {
+      links = std::move(it->second);
+      tracked_ -= links.size();
+      links_by_engine_.erase(it);
+    }
+  }
+  // Outside the lock: closing a TCP link waits for its reader thread.
+  for (const Tracked& l : links) (void)l.transport->CloseLink(l.link);
+}
+
+Frame PeerService::CloseLinks(const Frame& request) {
+  absl::StatusOr<handshake::CloseLinksRequest> c =
+      handshake::DecodeCloseLinksRequest(request.payload);
+  if (!c.ok()) return ErrorFrame(c.status());
+  const absl::flat_hash_set<std::string> names(c->links.begin(), c->links.end());
+  std::vector<Tracked> close;
+  {
+    MutexLock lock(&mu_);
+    auto it = links_by_engine_.find(c->engine_id);
+    if (it != links_by_engine_.end()) {
+      auto& v = it->second;
+      auto named = std::stable_partition(
+          v.begin(), v.end(), [&](const Tracked& l) { return !names.contains(l.params); });
+      close.assign(std::make_move_iterator(named), std::make_move_iterator(v.end()));
+      v.erase(named, v.end());
+      tracked_ -= close.size();
+      if (v.empty()) links_by_engine_.erase(it);
+    }
+  }
+  // Once this returns, nothing the requester posted on them can land here.
+  for (const Tracked& l : close) (void)l.transport->CloseLink(l.link);
+  return Frame{MessageType::kCloseLinksReply, ""};
+}
+
+absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest& c) {
+  ASSIGN_OR_RETURN(Tracked link, AcceptLink(c));
+  return std::move(link.params);
+}
+
+absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::ConnectRequest& c) {
+  RETURN_IF_ERROR(RefuseFenced(c.engine_id));
+  // With several transports, the link parameters say which one made them
+  // (transport/link_params.h); with one, it is that one whatever its format.
+  absl::StatusOr<std::string> kind = transport::LinkParams::KindOf(c.params);
+  if (transports_.size() > 1 && !kind.ok()) return kind.status();
+  for (transport::Transport* t : transports_) {
+    if (transports_.size() > 1 && t->LocalEndpoint().kind != *kind) continue;
+    absl::StatusOr<transport::LinkOffer> offer =
+        t->AcceptLink(c.target_nic, c.requester_nic_info, c.params);
+    if (!offer.ok()) return offer.status();
+    Tracked link{t, offer->link, std::move(offer->params)};
+    RETURN_IF_ERROR(Track(c.engine_id, link));
+    return link;
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("this engine has no ", *kind, " transport to accept the link"));
+}
+
+Frame PeerService::Connect(const Frame& request) {
+  absl::StatusOr<handshake::ConnectRequest> c = handshake::DecodeConnectRequest(request.payload);
+  if (!c.ok()) return ErrorFrame(c.status());
+  absl::StatusOr<std::string> params = Accept(*c);
+  if (!params.ok()) return ErrorFrame(params.status());
+  return Frame{MessageType::kConnectReply,
+               handshake::Encode(handshake::ConnectReply{std::move(*params)})};
+}
+
+handshake::Answer PeerService::ConnectLinks(const Frame& request) {
+  absl::StatusOr<handshake::ConnectLinksRequest> c =
+      handshake::DecodeConnectLinksRequest(request.payload);
+  if (!c.ok()) return ErrorFrame(c.status());
+  handshake::ConnectLinksReply reply;
+  transport::StreamLinks* first_streams = nullptr;  // the first link's, when it can adopt
+  transport::LinkId first = 0;
+  for (const handshake::ConnectRequest& link : c->links) {
+    // A link whose data connection never arrived waited out the transport's
+    // connect timeout (kUnavailable), and the requester gives up the whole
+    // set on that code or kDeadlineExceeded: the rest of the batch is not
+    // tried (a request full of bogus tokens holds this thread for one
+    // timeout, not 64).
+    if (!reply.links.empty() && !reply.links.back().ok()) {
+      const absl::StatusCode code = reply.links.back().status().code();
+      if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
+        reply.links.emplace_back(
+            absl::Status(code, "not tried: an earlier link of this request could not be reached"));
+        continue;
+      }
+    }
+    absl::StatusOr<Tracked> accepted = AcceptLink(link);
+    if (accepted.ok() && reply.links.empty()) {
+      first_streams = transport::ExtensionOf<transport::StreamLinks>(accepted->transport);
+      first = accepted->link;
+    }
+    reply.links.push_back(accepted.ok() ? absl::StatusOr<std::string>(std::move(accepted->params))
+                                        : accepted.status());
+  }
+  Frame answer{MessageType::kConnectLinksReply, handshake::Encode(reply)};
+  // kConnectLinksHere: the first link, accepted, takes the connection once
+  // the reply is out.
+  if (request.type != MessageType::kConnectLinksHere || first_streams == nullptr) return answer;
+  return handshake::Answer(std::move(answer), [first_streams, first](net::Fd connection) {
+    // Refused (the link closed meanwhile): the connection closes, and the
+    // requester's link with it.
+    absl::Status adopted = first_streams->AdoptConnection(first, std::move(connection));
+    if (!adopted.ok()) KVF_LOG(WARNING) << "a link could not take its connection: " << adopted;
+  });
+}
+
+Frame PeerService::Notify(const Frame& request) {
+  absl::StatusOr<handshake::Notify> n = handshake::DecodeNotify(request.payload);
+  if (!n.ok()) return ErrorFrame(n.status());
+  if (absl::Status fenced = RefuseFenced(n->engine_id); !fenced.ok()) return ErrorFrame(fenced);
+  if (n->target_engine_id != 0 && n->target_engine_id != engine_id_) {
+    return ErrorFrame(absl::FailedPreconditionError(absl::StrFormat(
+        "notification meant for engine %#x, but this is engine %#x (the peer restarted; "
+        "what the notification is about went to its predecessor)",
+        n->target_engine_id, engine_id_)));
+  }
+  if (absl::Status pushed = inbox_->Push(Notification{n->engine_id, std::move(n->payload)});
+      !pushed.ok()) {
+    return ErrorFrame(pushed);
+  }
+  return Frame{MessageType::kNotifyAck, ""};
+}
+
+handshake::Answer PeerService::Handle(const Frame& request) {
+  switch (request.type) {
+    case MessageType::kDescribe: {
+      // The payload names the transport asked for (empty: the primary).
+      if (request.payload.size() > 16) {
+        return ErrorFrame(absl::InvalidArgumentError("describe: transport name too long"));
+      }
+      absl::StatusOr<handshake::EngineDescriptor> d = Describe(request.payload);
+      if (!d.ok()) return ErrorFrame(d.status());
+      return Frame{MessageType::kDescriptor, handshake::Encode(*d)};
+    }
+    case MessageType::kConnect:
+      return Connect(request);
+    case MessageType::kConnectLinks:
+    case MessageType::kConnectLinksHere:
+      return ConnectLinks(request);
+    case MessageType::kNotify:
+      return Notify(request);
+    case MessageType::kCloseLinks:
+      return CloseLinks(request);
+    case MessageType::kProbe: {
+      absl::StatusOr<handshake::Probe> p = handshake::DecodeProbe(request.payload);
+      if (!p.ok()) return ErrorFrame(p.status());
+      return Frame{MessageType::kProbeReply,
+                   handshake::Encode(handshake::Probe{engine_id_, p->nonce})};
+    }
+    case MessageType::kGetMetadata: {
+      absl::StatusOr<handshake::MetadataRequest> m =
+          handshake::DecodeMetadataRequest(request.payload);
+      if (!m.ok()) return ErrorFrame(m.status());
+      absl::StatusOr<std::string> value = metadata_->Get(m->key);
+      if (!value.ok()) return ErrorFrame(value.status());
+      return Frame{MessageType::kMetadata,
+                   handshake::Encode(handshake::Metadata{m->key, std::move(*value), engine_id_})};
+    }
+    case MessageType::kChallenge:
+    case MessageType::kAuthenticated:
+      // Never downgrade: a peer with a secret must not talk to us without.
+      return ErrorFrame(absl::FailedPreconditionError(
+          "this engine has no handshake secret, and its peers must not use one"));
+    default:
+      return ErrorFrame(absl::InvalidArgumentError(
+          absl::StrCat("unexpected ", handshake::MessageTypeName(request.type), " request")));
+  }
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry

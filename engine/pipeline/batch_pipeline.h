@@ -1,0 +1,138 @@
+// The data path: batches cut into slices, posted on the links of a peer's
+// segment, their completions delivered, retried after link or peer
+// failures, and waited for. The pipeline is the composition of its units,
+// each owning its state and, where it has one, its lock:
+//
+//   SegmentRegistry  segments, links, counters      the books (kBooksLock)
+//   Lanes            batches and slices, per thread  a lane's (kLaneLock)
+//   Planner          requests into checked slices    none: reads its input
+//   Poster           slices onto links, backlogs     the books'
+//   Delivery         completions, the retry queue    the queue's (kRetryLock)
+//   Liveness         probes of silent peers, repairs the books'
+//   CompletionPump   who waits in the transports     the pump's (kPumpLock)
+//   CompletionSource the transports' completions     events' (kEventsLock)
+//
+// Locks are taken in that order (lanes.h), none across a handshake or a
+// transport wait. Registered memory (LocalRegions) has its own lock, taken
+// alone or under a lane's. Submitting a batch to a ready segment, a
+// successful completion and waiting take the caller's lane's lock alone.
+#ifndef KVFERRY_ENGINE_PIPELINE_BATCH_PIPELINE_H_
+#define KVFERRY_ENGINE_PIPELINE_BATCH_PIPELINE_H_
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "base/clock.h"
+#include "engine/pipeline/completion_pump.h"
+#include "engine/pipeline/completion_source.h"
+#include "engine/pipeline/delivery.h"
+#include "engine/pipeline/lanes.h"
+#include "engine/pipeline/liveness.h"
+#include "engine/memory/local_regions.h"
+#include "engine/pipeline/path_choice.h"
+#include "engine/peer/peer_client.h"
+#include "engine/pipeline/planner.h"
+#include "engine/pipeline/poster.h"
+#include "engine/pipeline/segment_registry.h"
+#include "engine/types.h"
+#include "engine/pipeline/vias.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+class BatchPipeline {
+ public:
+  // Every pointer outlives the pipeline. `transports`: the primary first,
+  // then the fallback, if any (LocalRegions' order); each peer goes over
+  // the one path_choice.h picks.
+  BatchPipeline(PipelineConfig config, uint64_t engine_id,
+                std::vector<transport::Transport*> transports, const LocalRegions* regions,
+                const PeerClient* client, Clock* clock, HostFacts facts);
+
+  // Opening, refreshing and closing segments; the peers' metrics.
+  SegmentRegistry& segments() { return segments_; }
+  const SegmentRegistry& segments() const { return segments_; }
+
+  // Thread-safe, any thread; none blocks while holding a lock. Submit may
+  // handshake (a segment not ready); Wait blocks up to `timeout`.
+  absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests,
+                                 uint64_t peer_engine_id);
+  absl::StatusOr<BatchStatus> Poll(BatchId id);
+  absl::Status Wait(BatchId id, absl::Duration timeout, BatchStatus* out);
+  absl::Status Release(BatchId id) { return lanes_.Release(id); }
+  // The segment and peer instance a batch goes to.
+  absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id) const {
+    return lanes_.Target(id);
+  }
+
+ private:
+  // What submitting a batch on a lane gives Poster::Post.
+  struct Submission {
+    std::vector<uint64_t>* slice_ids;
+    std::vector<transport::WorkRequest>* wrs;  // when `assigned`: one per slice
+    bool assigned = false;
+    absl::Time now;
+    size_t via = 0;
+  };
+  // Creates the batch on `lane`: on the lane's view of the segment, read
+  // again (and the segment refreshed) when it is out of date.
+  absl::StatusOr<BatchId> CreateOnLane(Lane& lane, SegmentId id,
+                                       absl::Span<const TransferRequest> requests,
+                                       absl::Span<const LocalUse> local, uint64_t peer_engine_id,
+                                       Submission* out);
+  // The same while `ls` holds the segment's current view `seg`: plans,
+  // creates the batch, and assigns links when the segment has room and no
+  // backlog. kOutsideRegions in `why` when a request lies outside the
+  // view's regions.
+  absl::StatusOr<BatchId> SubmitOnLane(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
+                                       SegmentId id, absl::Span<const TransferRequest> requests,
+                                       absl::Span<const LocalUse> local, uint64_t peer_engine_id,
+                                       SliceCheck* why, Submission* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // Commits the slices `reserved` (in `lane`'s table, see
+  // BatchTable::AddSlice) to a new batch of `requests`.
+  BatchId CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
+                      absl::Span<const TransferRequest> requests, uint64_t peer_engine_id,
+                      absl::Span<const uint64_t> reserved, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // Submit's path for a lone request that fits one slice, on a segment
+  // whose current view this thread's lane holds, with no backlog and a
+  // link with room: planned (Planner::PlanLone), its slice reserved,
+  // posted, and its batch committed after the post (a latency-bound
+  // caller's batch). nullopt, nothing changed, when anything is unusual
+  // (the general path then decides).
+  std::optional<absl::StatusOr<BatchId>> SubmitOne(SegmentId id, const TransferRequest& r,
+                                                   const LocalUse& local, uint64_t peer_engine_id);
+  // Waits in the transports up to `timeout` and delivers what completed
+  // (the pump's driver).
+  void Pump(absl::Duration timeout);
+  // Delivers what the transports have now, without waiting; false when
+  // they had nothing. Any number of threads at once (see CompletionPump).
+  bool PollNow();
+  // Completions taken from the transports per call.
+  static constexpr size_t kPollBatch = 64;
+
+  const PipelineConfig config_;
+  const std::vector<Via> vias_;
+  const LocalRegions* const regions_;
+  Clock* const clock_;
+  CompletionPump pump_;
+  Lanes lanes_;
+  SegmentRegistry segments_;
+  Planner planner_;
+  Poster poster_;
+  Delivery delivery_;
+  Liveness liveness_;
+  CompletionSource source_;
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_PIPELINE_BATCH_PIPELINE_H_

@@ -1,0 +1,64 @@
+#include "engine/pipeline/batch_table.h"
+
+#include <utility>
+
+namespace kvferry {
+namespace engine_internal {
+
+void Batch::Reset() {
+  segment = 0;
+  peer_engine_id = 0;
+  bound = false;
+  landed = 0;
+  submitted = absl::Time();
+  op.clear();
+  length.clear();
+  slices_left.clear();
+  status.clear();
+  pending = 0;
+}
+
+void Batch::StatusTo(BatchStatus* out) const {
+  out->pending = pending;
+  out->succeeded = 0;
+  out->failed = 0;
+  out->requests.clear();
+  out->requests.reserve(status.size());
+  for (size_t i = 0; i < status.size(); ++i) {
+    if (slices_left[i] > 0) {
+      out->requests.push_back(absl::UnavailableError("pending"));
+    } else {
+      out->requests.push_back(status[i]);
+      ++(status[i].ok() ? out->succeeded : out->failed);
+    }
+  }
+}
+
+template <typename T>
+uint64_t BatchTable::Slab<T>::Take(T** out) {
+  uint32_t index;
+  if (!free_.empty()) {
+    index = free_.back();
+    free_.pop_back();
+  } else {
+    index = static_cast<uint32_t>(slots_.size());
+    slots_.emplace_back();
+  }
+  Slot& s = slots_[index];
+  s.live = true;
+  s.generation = NextGeneration(s.generation);
+  *out = &s.value;
+  return IdOf(index, s.generation);
+}
+
+BatchId BatchTable::Create(Batch** out) { return batches_.Take(out); }
+
+uint64_t BatchTable::AddSlice(const Slice& s) {
+  Slice* slot;
+  const uint64_t id = slices_.Take(&slot);
+  *slot = s;
+  return id;
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry

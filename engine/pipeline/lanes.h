@@ -1,0 +1,140 @@
+// The batch pipeline's lanes: per-thread shards of its batch state, so that
+// threads that each submit, complete and wait for their own batches write
+// nothing in common (no engine-wide lock on that path).
+//
+// A thread submits into its own lane (ThisThreadsLane): the lane holds the
+// batch and its slices (their ids carry the lane, BatchTable's tag), what
+// they add to the peer's and the NICs' counters, and the thread's copy of
+// each segment's published view (SegmentShared), read without the
+// pipeline's lock while its version holds. Links are chosen from that view;
+// their loads are atomic (LinkLoad). A completion goes to the lane its
+// slice id names, under that lane's lock alone when it succeeded on a link
+// of the view the lane holds; anything else (a failure, a retry, a backlog)
+// takes the pipeline's lock first, then the lane's.
+#ifndef KVFERRY_ENGINE_PIPELINE_LANES_H_
+#define KVFERRY_ENGINE_PIPELINE_LANES_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/mutex.h"
+#include "engine/pipeline/batch_table.h"
+#include "engine/pipeline/completion_pump.h"
+#include "engine/pipeline/lock_order.h"
+#include "engine/metrics/metrics.h"
+#include "engine/pipeline/segment_table.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+// A lane's part of one segment.
+struct LaneSegment {
+  uint64_t slices = 0;   // the lane's slices of it not yet finished
+  absl::Time last_used;  // the lane's last batch to it
+  // What the lane's batches added: requests, slices, results, latency (the
+  // segment's own PeerMetrics holds the rest).
+  PeerMetrics metrics;
+  // The segment's view as the lane last read it.
+  std::shared_ptr<SegmentShared> shared;
+  std::shared_ptr<const SegmentCore> view;
+  uint64_t version = 0;
+  // Where the lane's link choice starts (ChooseLink's `start`): lanes that
+  // use the segment start at different links.
+  uint32_t home = 0;
+
+  // The view, while it is the segment's current one; else null.
+  const SegmentCore* Current() const {
+    if (view == nullptr || shared->version.load(std::memory_order_acquire) != version) {
+      return nullptr;
+    }
+    return view.get();
+  }
+  // Reads the segment's view (under the pipeline's lock).
+  void Read(const Segment& seg) {
+    if (shared != seg.shared) home = seg.shared->lanes.fetch_add(1, std::memory_order_relaxed);
+    shared = seg.shared;
+    view = seg.shared->view;
+    version = seg.shared->version.load(std::memory_order_relaxed);
+  }
+};
+
+// Slices and bytes posted on one NIC.
+struct NicTally {
+  uint64_t slices = 0;
+  uint64_t bytes = 0;
+};
+
+struct Lane {
+  explicit Lane(uint8_t i) : index(i), batches(i) {}
+  const uint8_t index;
+  Mutex mu{kLaneLock};
+  BatchTable batches ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<SegmentId, LaneSegment> segments ABSL_GUARDED_BY(mu);
+  std::vector<NicTally> nics ABSL_GUARDED_BY(mu);  // by the engine's NIC index
+  char pad[64];                                    // the next lane's lock is on a line of its own
+};
+
+constexpr size_t kLanes = CompletionPump::kLanes;
+
+// The calling thread's lane: threads take lanes in turn, so the first
+// kLanes threads that submit each have their own. Hidden, as Scratch's
+// pools (base/scratch.h).
+__attribute__((visibility("hidden"))) inline size_t ThisThreadsLane() {
+  static std::atomic<size_t> next{0};
+  thread_local const size_t mine = next.fetch_add(1, std::memory_order_relaxed) % kLanes;
+  return mine;
+}
+
+// Every lane, created with the pipeline and never changed; what is done to
+// a lane's batches and slices as a whole. Each method takes the lanes'
+// locks it needs (one at a time) unless it says that its caller holds one.
+class Lanes {
+ public:
+  // `nics`: the engine's NIC count (each lane tallies by NIC); `pump` is
+  // woken for every batch that finishes.
+  Lanes(size_t nics, CompletionPump* pump);
+
+  // The lane holding batch or slice `id`.
+  Lane& Of(uint64_t id) const { return *lanes_[BatchTable::TagOf(id) % kLanes]; }
+  // The calling thread's lane (ThisThreadsLane).
+  Lane& Mine() const { return *lanes_[ThisThreadsLane()]; }
+
+  // Slices of segment `id` not yet finished, in every lane; the latest use
+  // of it (`last_used`, when not null).
+  uint64_t SlicesOf(SegmentId id, absl::Time* last_used = nullptr) const;
+  // Drops every lane's part of a closed segment.
+  void Forget(SegmentId id);
+  // Adds what the lanes counted of segment `id` to `out`.
+  void AddCounts(SegmentId id, PeerMetrics* out) const;
+  // Adds the slices and bytes the lanes posted per NIC to `out`.
+  void AddTallies(std::vector<NicCounters>* out) const;
+
+  // Finishes slice `sid` of `lane` with `status`; `entry`: the lane's part
+  // of the slice's segment when the caller has it (saves a lookup).
+  void Finish(Lane& lane, uint64_t sid, absl::Status status, absl::Time now,
+              LaneSegment* entry = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // The same for a slice of any lane.
+  void Finish(uint64_t sid, absl::Status status, absl::Time now);
+
+  // A batch's segment and peer instance; its status; releasing it.
+  absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id) const;
+  absl::StatusOr<BatchStatus> StatusOf(BatchId id) const;
+  absl::Status Release(BatchId id);
+
+ private:
+  CompletionPump* const pump_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+};
+
+}  // namespace engine_internal
+}  // namespace kvferry
+
+#endif  // KVFERRY_ENGINE_PIPELINE_LANES_H_

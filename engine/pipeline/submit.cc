@@ -1,0 +1,193 @@
+// BatchPipeline: submitting a batch (planned by the Planner, posted by the
+// Poster), and the short way for a lone request.
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/scratch.h"
+#include "base/status_macros.h"
+#include "engine/pipeline/batch_pipeline.h"
+
+namespace kvferry {
+namespace engine_internal {
+
+using transport::WorkRequest;
+
+namespace {
+// Rounds of Submit that find the segment's view changed before it gives up.
+constexpr int kMaxSubmitRounds = 64;
+}  // namespace
+
+BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
+                                   absl::Span<const TransferRequest> requests,
+                                   uint64_t peer_engine_id, absl::Span<const uint64_t> reserved,
+                                   absl::Time now) {
+  Batch* b;
+  const BatchId batch_id = lane.batches.Create(&b);
+  b->segment = id;
+  b->peer_engine_id = ls.view->descriptor.engine_id;
+  b->bound = peer_engine_id != 0;
+  b->slices_left.assign(requests.size(), 0);
+  b->submitted = now;
+  for (const TransferRequest& r : requests) {
+    b->op.push_back(r.opcode);
+    b->length.push_back(r.length);
+  }
+  b->status.assign(requests.size(), absl::OkStatus());
+  b->pending = requests.size();
+  ls.metrics.requests += requests.size();
+  ls.slices += reserved.size();
+  ls.last_used = now;
+  for (uint64_t sid : reserved) {
+    Slice& s = *lane.batches.FindSlice(sid);
+    s.batch = batch_id;
+    for (size_t k = s.request; k < s.request + s.requests; ++k) ++b->slices_left[k];
+  }
+  return batch_id;
+}
+
+absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
+                                                    const SegmentCore& seg, SegmentId id,
+                                                    absl::Span<const TransferRequest> requests,
+                                                    absl::Span<const LocalUse> local,
+                                                    uint64_t peer_engine_id, SliceCheck* why,
+                                                    Submission* out) {
+  Scratch<Slice> planned_scratch;
+  std::vector<Slice>& planned = *planned_scratch;
+  RETURN_IF_ERROR(planner_.Plan(seg, id, requests, local, &planned, why));
+  if (peer_engine_id != 0 && peer_engine_id != seg.descriptor.engine_id) {
+    return absl::UnavailableError(absl::StrCat(
+        "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
+  }
+  out->now = clock_->Now();
+  out->via = seg.via;
+  out->slice_ids->clear();
+  for (const Slice& s : planned) out->slice_ids->push_back(lane.batches.AddSlice(s));
+  const BatchId batch =
+      CreateBatch(lane, ls, id, requests, peer_engine_id, *out->slice_ids, out->now);
+  // Slices waiting in a backlog go first (PostSlices).
+  out->assigned = !poster_.MaybeBacklog() &&
+                  poster_.AssignNow(lane, ls, seg, *out->slice_ids, out->now, out->wrs);
+  return batch;
+}
+
+absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
+                                                    absl::Span<const TransferRequest> requests,
+                                                    absl::Span<const LocalUse> local,
+                                                    uint64_t peer_engine_id, Submission* out) {
+  bool looked_again = false;  // refreshed once for a request outside the regions
+  // Each round either submits on the lane's view of the segment, or finds
+  // that view out of date and reads it again (refreshing the segment first
+  // when it is not ready).
+  for (int round = 0;; ++round) {
+    SliceCheck why = SliceCheck::kOk;
+    {
+      MutexLock lane_lock(&lane.mu);
+      auto it = lane.segments.find(id);
+      if (const SegmentCore* seg = it == lane.segments.end() ? nullptr : it->second.Current()) {
+        absl::StatusOr<BatchId> batch =
+            SubmitOnLane(lane, it->second, *seg, id, requests, local, peer_engine_id, &why, out);
+        // A request outside the cached descriptor: the peer may have
+        // registered more memory since; look once more before refusing.
+        if (batch.ok() || why != SliceCheck::kOutsideRegions || looked_again) return batch;
+        looked_again = true;
+      }
+    }
+    bool changed;
+    if (why == SliceCheck::kOutsideRegions) RETURN_IF_ERROR(segments_.Refresh(id, &changed));
+    if (round >= kMaxSubmitRounds) {
+      return absl::UnavailableError(absl::StrCat("segment ", id, " changed ", round,
+                                                 " times while a batch was submitted to it"));
+    }
+    absl::Status read = segments_.ReadView(lane, id);
+    if (read.code() == absl::StatusCode::kFailedPrecondition) {  // not ready
+      RETURN_IF_ERROR(segments_.Refresh(id, &changed));
+    } else if (!read.ok()) {
+      return read;
+    }
+  }
+}
+
+absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
+                                              absl::Span<const TransferRequest> requests,
+                                              uint64_t peer_engine_id) {
+  // Local buffers first (under the regions' own lock, or a thread's last piece).
+  LocalUse one;
+  std::optional<Scratch<LocalUse>> local_scratch;  // for more than one
+  absl::Span<const LocalUse> local;
+  if (requests.size() == 1) {
+    RETURN_IF_ERROR(regions_->FindOne(requests[0], &one));
+    if (auto done = SubmitOne(id, requests[0], one, peer_engine_id)) return *std::move(done);
+    local = {&one, 1};
+  } else {
+    std::vector<LocalUse>& all = *local_scratch.emplace();
+    RETURN_IF_ERROR(regions_->FindAll(requests, &all));
+    local = all;
+  }
+  Scratch<uint64_t> ids_scratch;
+  Scratch<WorkRequest> wrs_scratch;
+  Submission sub{&*ids_scratch, &*wrs_scratch};
+  Lane& lane = lanes_.Mine();
+  ASSIGN_OR_RETURN(const BatchId batch,
+                   CreateOnLane(lane, id, requests, local, peer_engine_id, &sub));
+  absl::Status posted =
+      poster_.Post(id, *sub.slice_ids, sub.now, sub.assigned ? sub.wrs : nullptr, sub.via);
+  if (!posted.ok()) {
+    MutexLock lane_lock(&lane.mu);
+    lane.batches.Recycle(batch);  // nothing of it runs; the caller gets no id
+    return posted;
+  }
+  return batch;
+}
+
+std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
+                                                                const TransferRequest& r,
+                                                                const LocalUse& local,
+                                                                uint64_t peer_engine_id) {
+  Lane& lane = lanes_.Mine();
+  WorkRequest wr;
+  size_t via;
+  absl::Time now;
+  BatchId batch;
+  absl::Status posted;
+  {
+    MutexLock lane_lock(&lane.mu);
+    auto it = lane.segments.find(id);
+    if (it == lane.segments.end()) return std::nullopt;
+    LaneSegment& ls = it->second;
+    const SegmentCore* seg = ls.Current();
+    Slice slice;
+    if (seg == nullptr || poster_.MaybeBacklog() ||
+        (peer_engine_id != 0 && peer_engine_id != seg->descriptor.engine_id) ||
+        !planner_.PlanLone(*seg, id, r, local, &slice)) {
+      return std::nullopt;
+    }
+    now = clock_->Now();
+    via = seg->via;
+    // No room: the general path queues it. Reserved once it has a link:
+    // the work request carries the slice's id, its batch is committed
+    // after the doorbell.
+    if (!poster_.AssignLink(*seg, lane, ls, slice, &wr, now)) return std::nullopt;
+    wr.cookie = lane.batches.AddSlice(slice);
+    // The doorbell first, the batch's books after: a completion cannot be
+    // delivered before they are kept, as delivery takes the lane's lock.
+    // (A transport's Post takes its own lock and never the pipeline's.)
+    posted = vias_[via].transport->Post({&wr, 1});
+    batch = CreateBatch(lane, ls, id, {&r, 1}, peer_engine_id, {&wr.cookie, 1}, now);
+  }
+  if (!posted.ok()) {
+    // As the general path handles a refused post (the place given back,
+    // the links rebuilt and the post tried again, or the slice failed).
+    std::vector<WorkRequest> assigned{wr};
+    posted = poster_.Post(id, {&wr.cookie, 1}, now, &assigned, via);
+  }
+  if (!posted.ok()) {
+    MutexLock lane_lock(&lane.mu);
+    lane.batches.Recycle(batch);  // nothing of it runs; the caller gets no id
+    return posted;
+  }
+  return batch;
+}
+
+}  // namespace engine_internal
+}  // namespace kvferry
