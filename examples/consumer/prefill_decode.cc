@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/kv_cache.h"
+#include "engine/metrics.h"
 #include "engine/transfer_engine.h"
 
 int main() {
@@ -50,6 +51,12 @@ int main() {
         }
       }
     }
+  }
+  // The metrics target: the decode's peer table names the prefill.
+  const kvferry::EngineMetrics metrics = (*prefill)->GetMetrics();
+  if (metrics.peers.empty() || metrics.peers[0].peer != (*decode)->address()) {
+    std::fprintf(stderr, "metrics: the prefill's peers do not name the decode\n");
+    return 1;
   }
   std::printf("consumer: %zu pages x %u layers moved from %s to %s over %s, verified; aux \"%s\"\n",
               src_pages.size(), layout.layers, (*prefill)->address().c_str(),
