@@ -1,6 +1,7 @@
 #include "handshake/messages.h"
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "handshake/wire.h"
 
 namespace kvferry {
@@ -82,6 +83,10 @@ const char* MessageTypeName(MessageType type) {
       return "close-links";
     case MessageType::kCloseLinksReply:
       return "close-links-reply";
+    case MessageType::kDescribeV2:
+      return "describe-v2";
+    case MessageType::kDescriptorV2:
+      return "descriptor-v2";
   }
   return "unknown";
 }
@@ -190,6 +195,30 @@ absl::StatusOr<EngineDescriptor> DecodeDescriptor(absl::string_view payload) {
     }
   }
   if (!r.AtEnd()) return Malformed("descriptor");
+  return d;
+}
+
+std::string EncodeDescriptorV2(const EngineDescriptor& d) {
+  std::string out;
+  Writer w(&out);
+  w.U16(d.protocol_version);
+  w.U64(d.capabilities.value_or(0));
+  out += Encode(d);
+  return out;
+}
+
+absl::StatusOr<EngineDescriptor> DecodeDescriptorV2(absl::string_view payload) {
+  Reader r(payload);
+  uint16_t version;
+  uint64_t capabilities;
+  if (!r.U16(&version) || !r.U64(&capabilities)) return Malformed("descriptor");
+  if (version < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("descriptor-v2 states protocol version ", version, "; 2 or later expected"));
+  }
+  ASSIGN_OR_RETURN(EngineDescriptor d, DecodeDescriptor(payload.substr(10)));
+  d.protocol_version = version;
+  d.capabilities = capabilities;
   return d;
 }
 

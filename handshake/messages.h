@@ -15,6 +15,7 @@
 #define KVFERRY_HANDSHAKE_MESSAGES_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,7 +28,23 @@ namespace kvferry {
 namespace handshake {
 
 inline constexpr uint16_t kMagic = 0x464b;
+// The framing's version, in every frame header: unchanged since the first
+// release (a peer refuses frames of another).
 inline constexpr uint8_t kVersion = 1;
+// The protocol's version, exchanged in describe (kDescribeV2 and
+// kDescriptorV2, which version 1 peers do not know). Version 2 added them
+// and the capabilities they carry.
+inline constexpr uint16_t kProtocolVersion = 2;
+// What a peer speaks beyond version 1's first messages (1 to 15), so that a
+// client knows before it asks. A version 1 peer states none: whether it
+// knows messages 16 to 20 shows only in how it answers them.
+enum Capability : uint64_t {
+  kCapConnectLinks = uint64_t{1} << 0,      // kConnectLinks, kConnectLinksReply
+  kCapCloseLinks = uint64_t{1} << 1,        // kCloseLinks, kCloseLinksReply
+  kCapConnectLinksHere = uint64_t{1} << 2,  // kConnectLinksHere
+};
+// What this build speaks.
+inline constexpr uint64_t kCapabilities = kCapConnectLinks | kCapCloseLinks | kCapConnectLinksHere;
 inline constexpr size_t kFrameHeaderBytes = 8;
 inline constexpr uint32_t kDefaultMaxFrameBytes = 16 << 20;
 inline constexpr uint32_t kMaxNics = 64;
@@ -69,8 +86,13 @@ enum class MessageType : uint8_t {
   // on connections of their own (Network::CanHandOver); the requester sends
   // nothing after it until the reply.
   kConnectLinksHere = 20,
+  // Protocol version 2: describe whose reply states the peer's version and
+  // capabilities (EncodeDescriptorV2). A version 1 peer refuses the type as
+  // unknown, and is described with kDescribe instead.
+  kDescribeV2 = 21,
+  kDescriptorV2 = 22,
 };
-inline constexpr uint8_t kLastMessageType = 20;
+inline constexpr uint8_t kLastMessageType = 22;
 // The most links one kConnectLinks asks for (the engine's links_per_peer
 // and NIC count are capped at 64 too).
 inline constexpr uint32_t kMaxLinksPerConnect = 64;
@@ -103,6 +125,17 @@ struct EngineDescriptor {
   std::string transport_kind;
   std::vector<transport::NicInfo> nics;
   std::vector<RegionDescriptor> regions;
+  // As the peer stated them in kDescriptorV2; nullopt for a version 1
+  // peer (described with kDescribe), which states nothing.
+  uint16_t protocol_version = 1;
+  std::optional<uint64_t> capabilities;
+
+  // Whether the peer says it speaks `cap`: nullopt when it says nothing
+  // (version 1).
+  std::optional<bool> Speaks(Capability cap) const {
+    if (!capabilities.has_value()) return std::nullopt;
+    return (*capabilities & cap) != 0;
+  }
 };
 
 struct ConnectRequest {
@@ -174,6 +207,10 @@ std::string Encode(const Metadata& m);
 std::string EncodeError(const absl::Status& status);
 
 absl::StatusOr<EngineDescriptor> DecodeDescriptor(absl::string_view payload);
+// kDescriptorV2's payload: the protocol version (u16) and capabilities
+// (u64), then the descriptor as Encode writes it.
+std::string EncodeDescriptorV2(const EngineDescriptor& d);
+absl::StatusOr<EngineDescriptor> DecodeDescriptorV2(absl::string_view payload);
 absl::StatusOr<ConnectRequest> DecodeConnectRequest(absl::string_view payload);
 absl::StatusOr<ConnectReply> DecodeConnectReply(absl::string_view payload);
 absl::StatusOr<ConnectLinksRequest> DecodeConnectLinksRequest(absl::string_view payload);

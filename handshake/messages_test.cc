@@ -68,6 +68,35 @@ TEST(Descriptor, RoundTrip) {
   EXPECT_EQ(back->regions[1].keys, d.regions[1].keys);
 }
 
+// kDescriptorV2: the version and capabilities ahead of the descriptor.
+// A version 1 reader of kDescriptor never sees them (the v1 encoding is
+// unchanged and refuses trailing bytes); a V2 payload stating version 1,
+// or cut anywhere, is refused.
+TEST(Descriptor, VersionTwoCarriesVersionAndCapabilities) {
+  EngineDescriptor d = SampleDescriptor();
+  d.protocol_version = 2;
+  d.capabilities = kCapabilities | (uint64_t{1} << 40);  // a bit from a later version, kept
+  auto back = DecodeDescriptorV2(EncodeDescriptorV2(d));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->protocol_version, 2);
+  EXPECT_EQ(back->capabilities, d.capabilities);
+  EXPECT_EQ(back->Speaks(kCapConnectLinksHere), std::optional<bool>(true));
+  EXPECT_EQ(back->regions[1].keys, d.regions[1].keys);
+  EXPECT_EQ(Encode(d), Encode(SampleDescriptor()));  // v1 bytes: no version, no capabilities
+  auto v1 = DecodeDescriptor(Encode(d));
+  ASSERT_TRUE(v1.ok());
+  EXPECT_FALSE(v1->capabilities.has_value());
+  EXPECT_EQ(DecodeDescriptor(EncodeDescriptorV2(d)).status().code(), absl::StatusCode::kDataLoss);
+  d.protocol_version = 1;
+  EXPECT_EQ(DecodeDescriptorV2(EncodeDescriptorV2(d)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  d.protocol_version = 2;
+  const std::string v2 = EncodeDescriptorV2(d);
+  for (size_t len = 0; len < v2.size(); ++len) {
+    EXPECT_FALSE(DecodeDescriptorV2(absl::string_view(v2.data(), len)).ok()) << len;
+  }
+}
+
 TEST(Descriptor, RejectsInconsistentOrExcessiveContent) {
   EngineDescriptor d = SampleDescriptor();
   d.regions[0].keys.pop_back();  // keys must match NICs
@@ -267,6 +296,7 @@ TEST(Messages, MutationCorpusNeverCrashes) {
     absl::Status s;
     switch (header->type) {
       case MessageType::kDescriptor: s = DecodeDescriptor(payload).status(); break;
+      case MessageType::kDescriptorV2: s = DecodeDescriptorV2(payload).status(); break;
       case MessageType::kConnect: s = DecodeConnectRequest(payload).status(); break;
       case MessageType::kConnectReply: s = DecodeConnectReply(payload).status(); break;
       case MessageType::kConnectLinks: s = DecodeConnectLinksRequest(payload).status(); break;

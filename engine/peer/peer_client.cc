@@ -29,19 +29,35 @@ absl::StatusOr<Frame> PeerClient::Call(const std::string& peer, Frame request, M
 }
 
 absl::StatusOr<handshake::EngineDescriptor> PeerClient::DecodeDescriptor(const Frame& reply) {
-  ASSIGN_OR_RETURN(handshake::EngineDescriptor d, handshake::DecodeDescriptor(reply.payload));
-  std::sort(d.regions.begin(), d.regions.end(),
+  absl::StatusOr<handshake::EngineDescriptor> d = reply.type == MessageType::kDescriptorV2
+                                                      ? handshake::DecodeDescriptorV2(reply.payload)
+                                                      : handshake::DecodeDescriptor(reply.payload);
+  if (!d.ok()) return d.status();
+  std::sort(d->regions.begin(), d->regions.end(),
             [](const handshake::RegionDescriptor& a, const handshake::RegionDescriptor& b) {
               return a.addr < b.addr;
             });
   return d;
 }
 
+bool PeerClient::RefusedAsUnknown(const absl::Status& status) {
+  // How a version 1 peer answers a message type it does not know: the
+  // frame as malformed (kDataLoss) or, inside an authenticated frame, the
+  // request as unexpected (kInvalidArgument). Read only where the peer's
+  // version is not known yet.
+  return status.code() == absl::StatusCode::kDataLoss ||
+         status.code() == absl::StatusCode::kInvalidArgument;
+}
+
 absl::StatusOr<handshake::EngineDescriptor> PeerClient::Describe(const std::string& peer,
                                                                  const std::string& kind) const {
-  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kDescribe, kind},
-                                     MessageType::kDescriptor, timeout_));
-  return DecodeDescriptor(reply);
+  absl::StatusOr<Frame> reply =
+      Call(peer, Frame{MessageType::kDescribeV2, kind}, MessageType::kDescriptorV2, timeout_);
+  if (reply.ok()) return DecodeDescriptor(*reply);
+  if (!RefusedAsUnknown(reply.status())) return reply.status();
+  ASSIGN_OR_RETURN(Frame old, Call(peer, Frame{MessageType::kDescribe, kind},
+                                   MessageType::kDescriptor, timeout_));
+  return DecodeDescriptor(old);  // version 1: capabilities unknown
 }
 
 absl::StatusOr<PeerClient::LinkAnswers> PeerClient::DecodeLinks(const std::string& peer,
@@ -64,7 +80,7 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
   const bool here = ride != nullptr && count > 0 && CanRide();
   const MessageType sent = here ? MessageType::kConnectLinksHere : MessageType::kConnectLinks;
   std::vector<Frame> frames = {
-      Frame{MessageType::kDescribe, kind},
+      Frame{MessageType::kDescribeV2, kind},
       Frame{sent, handshake::Encode(handshake::ConnectLinksRequest{std::move(requests)})}};
   absl::StatusOr<Described> out = absl::UnknownError("no reply");
   // After every reply: the connection is the first link's once the peer
@@ -77,11 +93,15 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
   };
   auto on_reply = [&](size_t i, absl::StatusOr<Frame> reply) {
     if (i == 0) {
-      reply = Expect(peer, MessageType::kDescribe, std::move(reply), MessageType::kDescriptor);
+      reply = Expect(peer, MessageType::kDescribeV2, std::move(reply), MessageType::kDescriptorV2);
       absl::StatusOr<handshake::EngineDescriptor> d =
           reply.ok() ? DecodeDescriptor(*reply) : reply.status();
       if (!d.ok()) {
-        out = d.status();
+        out = !reply.ok() && RefusedAsUnknown(reply.status())
+                  ? absl::UnimplementedError(absl::StrCat(
+                        "peer ", peer, " speaks protocol version 1 (", reply.status().message(),
+                        ")"))
+                  : d.status();
         return false;
       }
       out = Described{std::move(*d)};
@@ -108,33 +128,36 @@ absl::StatusOr<std::string> PeerClient::Connect(const std::string& peer,
 }
 
 absl::StatusOr<PeerClient::LinkAnswers> PeerClient::ConnectLinks(
-    const std::string& peer, std::vector<handshake::ConnectRequest> requests) const {
+    const std::string& peer, std::vector<handshake::ConnectRequest> requests,
+    std::optional<uint64_t> capabilities) const {
   const size_t count = requests.size();
   handshake::ConnectLinksRequest batch{std::move(requests)};
-  absl::StatusOr<Frame> reply =
-      Call(peer, Frame{MessageType::kConnectLinks, handshake::Encode(batch)},
-           MessageType::kConnectLinksReply, timeout_);
-  if (reply.ok()) return DecodeLinks(peer, *reply, count);
-  // An engine from before kConnectLinks refuses the type as malformed or
-  // unexpected (kDataLoss, kInvalidArgument); anything else is the answer.
-  if (reply.status().code() != absl::StatusCode::kDataLoss &&
-      reply.status().code() != absl::StatusCode::kInvalidArgument) {
-    return reply.status();
+  const bool one_trip = !capabilities.has_value() || (*capabilities & handshake::kCapConnectLinks);
+  if (one_trip) {
+    absl::StatusOr<Frame> reply =
+        Call(peer, Frame{MessageType::kConnectLinks, handshake::Encode(batch)},
+             MessageType::kConnectLinksReply, timeout_);
+    if (reply.ok()) return DecodeLinks(peer, *reply, count);
+    // Only a peer that states nothing may be one that does not know it.
+    if (capabilities.has_value() || !RefusedAsUnknown(reply.status())) return reply.status();
   }
   std::vector<absl::StatusOr<std::string>> one_by_one;
   for (const handshake::ConnectRequest& r : batch.links) one_by_one.push_back(Connect(peer, r));
   return one_by_one;
 }
 
-absl::Status PeerClient::CloseLinks(const std::string& peer, std::vector<std::string> links) const {
+absl::Status PeerClient::CloseLinks(const std::string& peer, std::vector<std::string> links,
+                                    std::optional<uint64_t> capabilities) const {
+  if (capabilities.has_value() && !(*capabilities & handshake::kCapCloseLinks)) {
+    return absl::OkStatus();
+  }
   absl::StatusOr<Frame> reply =
       Call(peer,
            Frame{MessageType::kCloseLinks,
                  handshake::Encode(handshake::CloseLinksRequest{engine_id_, std::move(links)})},
            MessageType::kCloseLinksReply, timeout_);
-  // A peer from before kCloseLinks refuses the type as unexpected
-  // (kInvalidArgument; this engine never sends it anything malformed).
-  if (!reply.ok() && reply.status().code() == absl::StatusCode::kInvalidArgument) {
+  // A version 1 peer from before kCloseLinks refuses the type.
+  if (!reply.ok() && !capabilities.has_value() && RefusedAsUnknown(reply.status())) {
     return absl::OkStatus();
   }
   return reply.status();

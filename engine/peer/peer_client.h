@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,23 +31,29 @@ class PeerClient {
         timeout_(timeout) {}
 
   // The peer's descriptor for its transport of `kind` (empty: its primary),
-  // regions sorted by address.
+  // regions sorted by address, with the peer's protocol version and
+  // capabilities. A version 1 peer, which refuses kDescribeV2 as an unknown
+  // type, is described with kDescribe: its capabilities are unknown.
   absl::StatusOr<handshake::EngineDescriptor> Describe(const std::string& peer,
                                                        const std::string& kind = "") const;
   // Asks the peer to accept a link; returns its link parameters.
   absl::StatusOr<std::string> Connect(const std::string& peer,
                                       const handshake::ConnectRequest& request) const;
-  // Several links in one round trip: one answer per request, in order. A
-  // peer that predates kConnectLinks is asked one link at a time.
+  // Several links in one round trip: one answer per request, in order.
+  // `capabilities`: the peer's (its descriptor's). A peer without
+  // kCapConnectLinks is asked one link at a time; one that states nothing
+  // (version 1) is asked in one round trip first, and one link at a time
+  // when it refuses the type (its refusal is the only sign).
   using LinkAnswers = std::vector<absl::StatusOr<std::string>>;
   absl::StatusOr<LinkAnswers> ConnectLinks(const std::string& peer,
-                                           std::vector<handshake::ConnectRequest> requests) const;
+                                           std::vector<handshake::ConnectRequest> requests,
+                                           std::optional<uint64_t> capabilities) const;
   // Describe(peer, kind) and kConnectLinks for links offered before the
   // description, pipelined: one round trip where the network can. Once the
   // descriptor is in, `on_descriptor` runs before the links' answers are
   // read (the requester connects the links there); returning false leaves
-  // them unread. `links` is kAborted then, and the peer's own error when it
-  // refuses kConnectLinks as a whole.
+  // them unread (`links` is kAborted then). kUnimplemented from a version 1
+  // peer (it refuses kDescribeV2): the caller asks the usual way.
   //
   // With `ride`, where the network can hand its connections over
   // (handshake::HandOver), the
@@ -68,9 +75,11 @@ class PeerClient {
   bool CanRide() const { return hand_over_ != nullptr; }
   // Asks the peer to close its halves of links this engine opened, named by
   // the parameters it answered for them (at most kMaxLinksPerConnect). OK
-  // once they are closed; OK too from a peer that predates kCloseLinks
-  // (it cannot be asked).
-  absl::Status CloseLinks(const std::string& peer, std::vector<std::string> links) const;
+  // once they are closed; OK too, without asking, from a peer without
+  // kCapCloseLinks (it cannot be asked), and from a version 1 peer
+  // (`capabilities` nullopt) that refuses the type.
+  absl::Status CloseLinks(const std::string& peer, std::vector<std::string> links,
+                          std::optional<uint64_t> capabilities) const;
   // The engine id that answers at `peer` within `timeout`.
   absl::StatusOr<uint64_t> Probe(const std::string& peer, absl::Duration timeout) const;
   // Delivers a notification, refused by any instance but `target` (0: any).
@@ -89,6 +98,10 @@ class PeerClient {
                                                  handshake::MessageType sent,
                                                  absl::StatusOr<handshake::Frame> reply,
                                                  handshake::MessageType expected);
+  // Whether `status`, a peer's answer to a message type, may be a version
+  // 1 peer's refusal of a type it does not know.
+  static bool RefusedAsUnknown(const absl::Status& status);
+  // A kDescriptor's or kDescriptorV2's payload, regions sorted.
   static absl::StatusOr<handshake::EngineDescriptor> DecodeDescriptor(
       const handshake::Frame& reply);
   static absl::StatusOr<LinkAnswers> DecodeLinks(const std::string& peer,

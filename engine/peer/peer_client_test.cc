@@ -87,7 +87,7 @@ std::vector<handshake::ConnectRequest> Requests(std::vector<std::string> params)
 TEST(PeerClient, ConnectLinksAsksForEveryLinkInOneCall) {
   ScriptedNetwork net(ScriptedNetwork::Mode::kBatch);
   PeerClient client(&net, 1, absl::Seconds(1));
-  auto answers = client.ConnectLinks("peer:1", Requests({"a", "refuse", "c"}));
+  auto answers = client.ConnectLinks("peer:1", Requests({"a", "refuse", "c"}), handshake::kCapabilities);
   ASSERT_TRUE(answers.ok()) << answers.status();
   ASSERT_EQ(answers->size(), 3u);
   EXPECT_EQ(*(*answers)[0], "a!");
@@ -96,10 +96,12 @@ TEST(PeerClient, ConnectLinksAsksForEveryLinkInOneCall) {
   EXPECT_EQ(net.calls, std::vector<MessageType>{MessageType::kConnectLinks});
 }
 
+// A version 1 peer states no capabilities: it is asked in one round trip,
+// and one link at a time once it refuses the type.
 TEST(PeerClient, ConnectLinksFallsBackToOneLinkAtATimeForAnOlderPeer) {
   ScriptedNetwork net(ScriptedNetwork::Mode::kOldPeer);
   PeerClient client(&net, 1, absl::Seconds(1));
-  auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}));
+  auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}), std::nullopt);
   ASSERT_TRUE(answers.ok()) << answers.status();
   ASSERT_EQ(answers->size(), 2u);
   EXPECT_EQ(*(*answers)[0], "a!");
@@ -108,10 +110,29 @@ TEST(PeerClient, ConnectLinksFallsBackToOneLinkAtATimeForAnOlderPeer) {
                                                  MessageType::kConnect}));
 }
 
+// A peer that states its capabilities is taken at its word: without
+// kCapConnectLinks it is asked one link at a time from the start; with it,
+// an error is the answer (never read as "an older peer").
+TEST(PeerClient, ConnectLinksFollowsThePeersCapabilities) {
+  {
+    ScriptedNetwork net(ScriptedNetwork::Mode::kBatch);
+    PeerClient client(&net, 1, absl::Seconds(1));
+    auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}), uint64_t{0});
+    ASSERT_TRUE(answers.ok()) << answers.status();
+    EXPECT_EQ(*(*answers)[1], "b!");
+    EXPECT_EQ(net.calls, (std::vector<MessageType>{MessageType::kConnect, MessageType::kConnect}));
+  }
+  ScriptedNetwork net(ScriptedNetwork::Mode::kOldPeer);  // answers kDataLoss
+  PeerClient client(&net, 1, absl::Seconds(1));
+  auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}), handshake::kCapabilities);
+  EXPECT_EQ(answers.status().code(), absl::StatusCode::kDataLoss) << answers.status();
+  EXPECT_EQ(net.calls, std::vector<MessageType>{MessageType::kConnectLinks});
+}
+
 TEST(PeerClient, ConnectLinksRefusesAReplyForAnotherNumberOfLinks) {
   ScriptedNetwork net(ScriptedNetwork::Mode::kWrongCount);
   PeerClient client(&net, 1, absl::Seconds(1));
-  auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}));
+  auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}), handshake::kCapabilities);
   EXPECT_EQ(answers.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(answers.status().message().find("1 of 2"), std::string::npos) << answers.status();
 }
@@ -119,7 +140,7 @@ TEST(PeerClient, ConnectLinksRefusesAReplyForAnotherNumberOfLinks) {
 TEST(PeerClient, ConnectLinksToAnUnreachablePeerFailsOnceWithoutRetrying) {
   ScriptedNetwork net(ScriptedNetwork::Mode::kDown);
   PeerClient client(&net, 1, absl::Seconds(1));
-  auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}));
+  auto answers = client.ConnectLinks("peer:1", Requests({"a", "b"}), handshake::kCapabilities);
   EXPECT_EQ(answers.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(net.calls.size(), 1u);
 }
@@ -130,12 +151,14 @@ class HandingNetwork final : public ClientOnlyNetwork, public handshake::HandOve
  public:
   absl::StatusOr<Frame> Call(const std::string&, const Frame& request, absl::Duration) override {
     calls.push_back(request.type);
-    if (request.type == MessageType::kDescribe) {
+    if (request.type == MessageType::kDescribeV2) {
       handshake::EngineDescriptor d;
       d.engine_id = 7;
       d.transport_kind = "tcp";
       d.nics.push_back(transport::NicInfo{"lo", "127.0.0.1:9", 0, 0, 0});
-      return Frame{MessageType::kDescriptor, handshake::Encode(d)};
+      d.protocol_version = 2;
+      d.capabilities = handshake::kCapabilities;
+      return Frame{MessageType::kDescriptorV2, handshake::EncodeDescriptorV2(d)};
     }
     absl::StatusOr<handshake::ConnectLinksReply> reply = AnswerLinks(request);
     if (!reply.ok()) return reply.status();
@@ -191,7 +214,7 @@ TEST(PeerClient, TheFirstLinkRidesTheCallsConnectionOnceThePeerAcceptsIt) {
     ASSERT_TRUE(described.ok()) << described.status();
     ASSERT_TRUE(described->links.ok()) << described->links.status();
     EXPECT_EQ(net.calls,
-              (std::vector<MessageType>{MessageType::kDescribe, MessageType::kConnectLinksHere}));
+              (std::vector<MessageType>{MessageType::kDescribeV2, MessageType::kConnectLinksHere}));
     EXPECT_EQ(rode, c.rides ? 1 : 0);
     EXPECT_EQ(net.taken, c.rides);
     const absl::StatusOr<std::string>& first = (*described->links)[0];
@@ -211,8 +234,81 @@ TEST(PeerClient, TheFirstLinkRidesTheCallsConnectionOnceThePeerAcceptsIt) {
       "peer:1", "tcp", Requests({"a"}), [](const handshake::EngineDescriptor&) { return true; });
   ASSERT_TRUE(described.ok()) << described.status();
   EXPECT_EQ(net.calls,
-            (std::vector<MessageType>{MessageType::kDescribe, MessageType::kConnectLinks}));
+            (std::vector<MessageType>{MessageType::kDescribeV2, MessageType::kConnectLinks}));
   EXPECT_FALSE(net.taken);
+}
+
+// Describing a peer: a current one states its protocol version and
+// capabilities; a version 1 one refuses kDescribeV2 (an unknown type to
+// it), is described with kDescribe, and states nothing. Asked in one round
+// trip with links, a version 1 peer gives kUnimplemented (ask the usual
+// way).
+class VersionedNetwork final : public ClientOnlyNetwork {
+ public:
+  explicit VersionedNetwork(int version) : version_(version) {}
+  absl::StatusOr<Frame> Call(const std::string&, const Frame& request, absl::Duration) override {
+    calls.push_back(request.type);
+    handshake::EngineDescriptor d;
+    d.engine_id = 9;
+    d.transport_kind = "tcp";
+    d.nics.push_back(transport::NicInfo{"lo", "127.0.0.1:9", 0, 0, 0});
+    if (request.type == MessageType::kDescribe) {
+      return Frame{MessageType::kDescriptor, handshake::Encode(d)};
+    }
+    if (request.type == MessageType::kDescribeV2 && version_ >= 2) {
+      d.protocol_version = 2;
+      d.capabilities = handshake::kCapCloseLinks;
+      return Frame{MessageType::kDescriptorV2, handshake::EncodeDescriptorV2(d)};
+    }
+    if (request.type == MessageType::kCloseLinks) {
+      return absl::InvalidArgumentError("unexpected close-links request");
+    }
+    return absl::DataLossError(absl::StrCat("unknown message type ", int(request.type)));
+  }
+  std::vector<MessageType> calls;
+
+ private:
+  const int version_;
+};
+
+TEST(PeerClient, DescribeLearnsTheProtocolVersionAndCapabilities) {
+  VersionedNetwork current(2);
+  PeerClient a(&current, 1, absl::Seconds(1));
+  auto d = a.Describe("peer:1");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->protocol_version, 2);
+  EXPECT_EQ(d->capabilities, std::optional<uint64_t>(handshake::kCapCloseLinks));
+  EXPECT_EQ(d->Speaks(handshake::kCapConnectLinks), std::optional<bool>(false));
+  EXPECT_EQ(current.calls, std::vector<MessageType>{MessageType::kDescribeV2});
+
+  VersionedNetwork old(1);
+  PeerClient b(&old, 1, absl::Seconds(1));
+  d = b.Describe("peer:1");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->engine_id, 9u);
+  EXPECT_EQ(d->protocol_version, 1);
+  EXPECT_FALSE(d->capabilities.has_value());
+  EXPECT_EQ(old.calls, (std::vector<MessageType>{MessageType::kDescribeV2, MessageType::kDescribe}));
+
+  VersionedNetwork old2(1);
+  PeerClient c(&old2, 1, absl::Seconds(1));
+  auto described = c.DescribeAndConnect("peer:1", "tcp", Requests({"a"}),
+                                        [](const handshake::EngineDescriptor&) { return true; });
+  EXPECT_EQ(described.status().code(), absl::StatusCode::kUnimplemented) << described.status();
+}
+
+// Closing links: a peer without kCapCloseLinks is not asked; one that
+// states it is, and its error is the answer; a version 1 peer's refusal of
+// the type means it cannot be asked (OK).
+TEST(PeerClient, CloseLinksFollowsThePeersCapabilities) {
+  VersionedNetwork net(2);
+  PeerClient client(&net, 1, absl::Seconds(1));
+  EXPECT_TRUE(client.CloseLinks("peer:1", {"x"}, uint64_t{0}).ok());
+  EXPECT_TRUE(net.calls.empty());
+  EXPECT_EQ(client.CloseLinks("peer:1", {"x"}, handshake::kCapCloseLinks).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(client.CloseLinks("peer:1", {"x"}, std::nullopt).ok());
+  EXPECT_EQ(net.calls.size(), 2u);
 }
 
 }  // namespace

@@ -216,14 +216,20 @@ Frame PeerService::Notify(const Frame& request) {
 
 handshake::Answer PeerService::Handle(const Frame& request) {
   switch (request.type) {
-    case MessageType::kDescribe: {
+    case MessageType::kDescribe:
+    case MessageType::kDescribeV2: {
       // The payload names the transport asked for (empty: the primary).
       if (request.payload.size() > 16) {
         return ErrorFrame(absl::InvalidArgumentError("describe: transport name too long"));
       }
       absl::StatusOr<handshake::EngineDescriptor> d = Describe(request.payload);
       if (!d.ok()) return ErrorFrame(d.status());
-      return Frame{MessageType::kDescriptor, handshake::Encode(*d)};
+      if (request.type == MessageType::kDescribe) {  // a version 1 peer
+        return Frame{MessageType::kDescriptor, handshake::Encode(*d)};
+      }
+      d->protocol_version = handshake::kProtocolVersion;
+      d->capabilities = handshake::kCapabilities;
+      return Frame{MessageType::kDescriptorV2, handshake::EncodeDescriptorV2(*d)};
     }
     case MessageType::kConnect:
       return Connect(request);

@@ -138,7 +138,7 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
   }
   if (!requests.empty()) {
     absl::StatusOr<std::vector<absl::StatusOr<std::string>>> answers =
-        client.ConnectLinks(peer, std::move(requests));
+        client.ConnectLinks(peer, std::move(requests), d.capabilities);
     for (size_t i = 0; i < asked.size(); ++i) {
       const uint32_t k = asked[i];
       outcome[k] = answers.ok() ? (*answers)[i].status() : answers.status();
@@ -208,12 +208,6 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
            : nullptr);
   absl::StatusOr<PeerClient::LinkAnswers> answers =
       described.ok() ? std::move(described->links) : described.status();
-  // A peer that refuses kConnectLinks as a whole (malformed or unknown to
-  // it): the caller asks again the usual way.
-  const bool refused =
-      !answers.ok() && (answers.status().code() == absl::StatusCode::kDataLoss ||
-                        answers.status().code() == absl::StatusCode::kInvalidArgument);
-  if (refused) links.clear();
   for (size_t k = 0; k < links.size(); ++k) {
     if (outcome[k].ok()) outcome[k] = answers.ok() ? (*answers)[k].status() : answers.status();
     if (outcome[k].ok()) outcome[k] = transport->CompleteLink(links[k].id, *(*answers)[k]);

@@ -61,7 +61,8 @@ void Liveness::FindRepairs(absl::Time now, std::vector<Repair>* out) {
       }
       l.repairing = true;
       out->push_back(
-          Repair{id, seg.generation, seg.via, seg.peer, l, seg.descriptor.nics[l.remote_nic]});
+          Repair{id, seg.generation, seg.via, seg.peer, l, seg.descriptor.nics[l.remote_nic],
+                                seg.descriptor.capabilities});
     }
   });
 }
@@ -71,7 +72,7 @@ void Liveness::RepairLink(const Repair& r) {
   const transport::NicInfo local = t->LocalEndpoint().nics.at(r.old.local_nic);
   // The failed link's half at the peer goes too (a QP there otherwise).
   if (!r.old.peer_closed && !r.old.peer_params.empty()) {
-    (void)client_->CloseLinks(r.peer, {r.old.peer_params});
+    (void)client_->CloseLinks(r.peer, {r.old.peer_params}, r.capabilities);
   }
   absl::StatusOr<Link> made =
       ConnectLink(t, *client_, engine_id_, r.peer, local, r.peer_nic, r.old);

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,7 @@ class Liveness {
     std::string peer;
     Link old;
     transport::NicInfo peer_nic;
+    std::optional<uint64_t> capabilities;  // the peer's (its descriptor's)
   };
   void FindRepairs(absl::Time now, std::vector<Repair>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(segments_->books());

@@ -290,18 +290,21 @@ absl::Status SegmentRegistry::Refresh(SegmentId id, bool* changed, uint64_t seen
 absl::Status SegmentRegistry::ClosePeerHalves(
     SegmentId segment, const std::vector<std::pair<transport::LinkId, std::string>>& links) {
   std::string peer;
+  std::optional<uint64_t> capabilities;
   {
     MutexLock lock(&mu_);
     const Segment* seg = table_.Find(segment);
     if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", segment));
     peer = seg->peer;
+    capabilities = seg->descriptor.capabilities;
   }
   std::vector<std::string> names;
   for (const auto& l : links) names.push_back(l.second);
   for (size_t i = 0; i < names.size(); i += handshake::kMaxLinksPerConnect) {
     const size_t end = std::min(names.size(), i + handshake::kMaxLinksPerConnect);
     absl::Status closed =
-        client_->CloseLinks(peer, std::vector<std::string>(names.begin() + i, names.begin() + end));
+        client_->CloseLinks(peer, std::vector<std::string>(names.begin() + i, names.begin() + end),
+                            capabilities);
     if (!closed.ok()) {
       return Annotate(
           closed, absl::StrCat("closing the peer's half of ", links.size(), " failed link(s) to ",
