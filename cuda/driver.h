@@ -249,6 +249,11 @@ class Driver {
   } fn_{};
   absl::Status NoVmm() const;
   // Looks up the VMM entry points: all, or none (HasVmm() false).
+  // Binds the entry points every supported driver has; the names of those
+  // it lacks ("" when none).
+  static std::string BindRequired(void* handle, Entry* f);
+  // Binds those a driver may lack (IPC, events, VMM): null where absent.
+  static void BindOptional(void* handle, Entry* f);
   static void BindVmm(void* handle, Entry* f);
   mutable Mutex mu_;
   // Primary contexts retained so far, by ordinal (kept for the process).

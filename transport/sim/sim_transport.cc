@@ -1,5 +1,7 @@
 #include "transport/sim/sim_transport.h"
 
+#include "transport/sim/sim_transport_internal.h"
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -23,8 +25,6 @@ using sim::SimTime;
 namespace {
 
 constexpr absl::string_view kAddressPrefix = "sim-nic:";
-constexpr uint8_t kRequest = 1;
-constexpr uint8_t kResponse = 2;
 
 // As transport/link_params.h encodes them.
 enum : uint8_t { kQpnField = 1, kNicField = 2 };
@@ -45,68 +45,6 @@ bool DecodeParams(absl::string_view in, uint64_t* qpn, sim::NicId* nic) {
 }
 
 }  // namespace
-
-// Fixed-size header of every message between sim transports (in-process,
-// so host byte order). A request segment names the whole request's remote
-// range so the target can check all of it on every segment.
-struct SimTransport::WireHeader {
-  uint8_t type = 0;
-  uint8_t opcode = 0;
-  uint8_t status_code = 0;  // absl::StatusCode of a response
-  uint8_t pad[5] = {};
-  uint64_t dst_qpn = 0;
-  uint64_t src_qpn = 0;
-  uint64_t psn = 0;
-  uint64_t remote_addr = 0;  // of the whole request
-  uint64_t rkey = 0;
-  uint64_t length = 0;          // of the whole request
-  uint64_t segment_offset = 0;  // within the request
-  uint64_t segment_length = 0;
-};
-
-struct SimTransport::RegionState {
-  Region region;
-  uint64_t local_uses = 0;  // outstanding requests using it locally
-};
-
-// A posted request and how many of its segments are still unacknowledged.
-struct SimTransport::Request {
-  WorkRequest wr;
-  uint64_t segments_left = 0;
-};
-
-// One segment in flight: which request, which part, when it last left.
-struct SimTransport::Segment {
-  uint64_t request = 0;  // key in Link::requests
-  uint64_t offset = 0;
-  uint64_t length = 0;
-  SimTime deadline = 0;  // retransmit if unacknowledged by then
-};
-
-struct SimTransport::Link {
-  using State = LinkState;  // transport/checks.h
-  LinkId id = 0;
-  NicIndex local_nic = 0;
-  sim::NicId remote_nic = 0;
-  uint64_t qpn = 0;
-  uint64_t remote_qpn = 0;
-  uint64_t segment_bytes = 0;  // path MTU
-  State state = State::kPending;
-  // Requester side. Ordered maps: iteration order feeds the trace.
-  uint64_t next_request = 0;
-  uint64_t next_psn = 0;
-  std::map<uint64_t, Request> requests;
-  std::map<uint64_t, Segment> segments;  // by PSN, unacknowledged only
-  uint32_t retries_left = 0;
-  bool progressed = false;  // an answer arrived since the last timer round
-  uint64_t timer_generation = 0;
-  SimTime timer_at = -1;  // -1: no timer armed
-  // Responder side: every PSN below `executed_below` ran, and so did those
-  // in `executed_above`; `errors` keeps refused PSNs' answers.
-  uint64_t executed_below = 0;
-  std::set<uint64_t> executed_above;
-  std::map<uint64_t, absl::Status> errors;
-};
 
 absl::StatusOr<std::unique_ptr<SimTransport>> SimTransport::Create(sim::Fabric* fabric,
                                                                    SimTransportOptions options,
@@ -353,7 +291,7 @@ absl::Status SimTransport::Post(absl::Span<const WorkRequest> batch) {
 void SimTransport::Transmit(Link& link, uint64_t psn, Segment& seg) {
   const WorkRequest& wr = link.requests.at(seg.request).wr;
   WireHeader h;
-  h.type = kRequest;
+  h.type = kSimRequest;
   h.opcode = static_cast<uint8_t>(wr.opcode);
   h.dst_qpn = link.remote_qpn;
   h.src_qpn = link.qpn;
@@ -443,132 +381,6 @@ void SimTransport::FailLink(Link& link, uint64_t first_request, absl::Status fir
 void SimTransport::Complete(const WorkRequest& wr, absl::Status status) {
   sched_->Trace(wr.cookie ^ (static_cast<uint64_t>(status.code()) << 56));
   cq_.Push(wr, std::move(status));
-}
-
-void SimTransport::OnMessage(NicIndex nic, sim::Message&& msg) {
-  WireHeader h;
-  if (msg.bytes.size() < sizeof h) return;  // not ours: drop
-  std::memcpy(&h, msg.bytes.data(), sizeof h);
-  auto it = links_by_qpn_.find(h.dst_qpn);
-  if (it == links_by_qpn_.end()) return;  // stale QP (e.g. before a restart)
-  Link& link = *it->second;
-  if (link.state != Link::State::kReady || link.local_nic != nic || link.remote_qpn != h.src_qpn ||
-      link.remote_nic != msg.from) {
-    return;
-  }
-  absl::string_view payload(msg.bytes);
-  payload.remove_prefix(sizeof h);
-  if (h.type == kRequest) {
-    OnRequest(nic, link, h, payload);
-  } else if (h.type == kResponse) {
-    OnResponse(link, h, payload);
-  }
-}
-
-absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h, absl::string_view data,
-                                   std::string* read_out) {
-  if (h.length == 0) return absl::OkStatus();
-  auto key = keys_by_nic_[nic].find(h.rkey);
-  if (key == keys_by_nic_[nic].end()) return UnknownKeyError(h.rkey);
-  const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
-  // The whole request's range, checked on every segment.
-  RETURN_IF_ERROR(CheckRemoteAccess(regions_.at(key->second)->region,
-                                    write ? Opcode::kWrite : Opcode::kRead, h.remote_addr,
-                                    h.length));
-  char* target = reinterpret_cast<char*>(h.remote_addr + h.segment_offset);
-  if (write) {
-    std::memcpy(target, data.data(), h.segment_length);
-    if (h.segment_length > 0 && prng_.Chance(fabric_->faults().corrupt_write)) {
-      target[prng_.Uniform(h.segment_length)] ^= static_cast<char>(1u << prng_.Uniform(8));
-    }
-  } else {
-    read_out->assign(target, h.segment_length);
-  }
-  return absl::OkStatus();
-}
-
-void SimTransport::Respond(Link& link, const WireHeader& request, absl::StatusCode code,
-                           absl::string_view payload) {
-  WireHeader h = request;
-  h.type = kResponse;
-  h.status_code = static_cast<uint8_t>(code);
-  h.dst_qpn = link.remote_qpn;
-  h.src_qpn = link.qpn;
-  std::string bytes(sizeof h + payload.size(), '\0');
-  std::memcpy(&bytes[0], &h, sizeof h);
-  if (!payload.empty()) std::memcpy(&bytes[sizeof h], payload.data(), payload.size());
-  const uint64_t wire =
-      options_.header_bytes + (code == absl::StatusCode::kOk ? payload.size() : 0);
-  fabric_->Send(options_.nics[link.local_nic], link.remote_nic, wire, std::move(bytes));
-}
-
-void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
-                             absl::string_view payload) {
-  const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
-  if (h.segment_offset > h.length || h.segment_length > h.length - h.segment_offset ||
-      (write && payload.size() != h.segment_length)) {
-    return;  // malformed: drop
-  }
-  const bool duplicate = h.psn < link.executed_below || link.executed_above.count(h.psn) != 0;
-  if (duplicate) {
-    auto error = link.errors.find(h.psn);
-    if (error != link.errors.end()) {
-      Respond(link, h, error->second.code(), error->second.message());
-      return;
-    }
-    if (write) {  // never execute a WRITE twice
-      Respond(link, h, absl::StatusCode::kOk, "");
-      return;
-    }
-    // A READ is idempotent: read again below.
-  }
-  std::string read_data;
-  absl::Status status = Execute(nic, h, payload, &read_data);
-  if (!duplicate) {
-    link.executed_above.insert(h.psn);
-    while (!link.executed_above.empty() && *link.executed_above.begin() == link.executed_below) {
-      link.executed_above.erase(link.executed_above.begin());
-      ++link.executed_below;
-    }
-    if (!status.ok()) link.errors.emplace(h.psn, status);
-  }
-  sched_->Trace(h.psn ^ (uint64_t{status.ok()} << 63));
-  Respond(link, h, status.code(), status.ok() ? read_data : status.message());
-}
-
-void SimTransport::OnResponse(Link& link, const WireHeader& h, absl::string_view payload) {
-  auto seg_it = link.segments.find(h.psn);
-  if (seg_it == link.segments.end()) return;  // duplicate answer
-  const Segment seg = seg_it->second;
-  Request& request = link.requests.at(seg.request);
-  const auto code = static_cast<absl::StatusCode>(h.status_code);
-  if (code != absl::StatusCode::kOk) {
-    FailLink(link, seg.request, absl::Status(code, payload));
-    return;
-  }
-  if (request.wr.opcode == Opcode::kRead) {
-    if (payload.size() != seg.length) return;  // malformed: wait for retry
-    if (seg.length > 0) {
-      std::memcpy(static_cast<char*>(request.wr.local_addr) + seg.offset, payload.data(),
-                  seg.length);
-    }
-  }
-  link.segments.erase(seg_it);
-  link.progressed = true;
-  link.retries_left = options_.retry_count;
-  if (--request.segments_left > 0) return;
-  if (prng_.Chance(fabric_->faults().error_completion)) {
-    FailLink(link, seg.request,
-             absl::UnavailableError("injected error completion (simulated fault)"));
-    return;
-  }
-  Complete(request.wr, absl::OkStatus());
-  link.requests.erase(seg.request);
-  if (link.segments.empty()) {
-    ++link.timer_generation;  // disarm
-    link.timer_at = -1;
-    link.progressed = false;
-  }
 }
 
 size_t SimTransport::PollCompletions(absl::Span<Completion> out) {

@@ -4,14 +4,15 @@
 #include <netinet/in.h>
 #include <poll.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/errno_status.h"
+#include "base/status_macros.h"
 #include "transport/verbs/ibv.h"
 
 namespace kvferry {
@@ -52,20 +53,38 @@ absl::Status Await(rdma_event_channel* channel, rdma_cm_event_type want, const s
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<Route> ResolveRoute(const std::string& peer_ip, absl::Duration timeout) {
+// `ip` as a socket address.
+absl::StatusOr<sockaddr_storage> AddressOf(const std::string& ip) {
   sockaddr_storage dst{};
   auto* v4 = reinterpret_cast<sockaddr_in*>(&dst);
   auto* v6 = reinterpret_cast<sockaddr_in6*>(&dst);
-  if (inet_pton(AF_INET, peer_ip.c_str(), &v4->sin_addr) == 1) {
+  if (inet_pton(AF_INET, ip.c_str(), &v4->sin_addr) == 1) {
     v4->sin_family = AF_INET;
-  } else if (inet_pton(AF_INET6, peer_ip.c_str(), &v6->sin6_addr) == 1) {
+  } else if (inet_pton(AF_INET6, ip.c_str(), &v6->sin6_addr) == 1) {
     v6->sin6_family = AF_INET6;
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("route: \"", peer_ip, "\" is not an IPv4 or IPv6 address"));
+        absl::StrCat("route: \"", ip, "\" is not an IPv4 or IPv6 address"));
   }
+  return dst;
+}
+
+// The text form of `addr`'s IP ("" for another family).
+std::string TextOf(const sockaddr* addr) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (addr->sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(addr)->sin_addr, text, sizeof(text));
+  } else if (addr->sa_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr, text,
+              sizeof(text));
+  }
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<Route> ResolveRoute(const std::string& peer_ip, absl::Duration timeout) {
+  ASSIGN_OR_RETURN(sockaddr_storage dst, AddressOf(peer_ip));
   const absl::Time deadline = absl::Now() + timeout;
   const int ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout)));
   if (absl::Status loaded = ibv::LoadRdmacm(); !loaded.ok()) {
@@ -105,15 +124,7 @@ absl::StatusOr<Route> ResolveRoute(const std::string& peer_ip, absl::Duration ti
   Route route;
   route.device = ibv::DeviceName(s.id->verbs->device);
   route.port = s.id->port_num;
-  char text[INET6_ADDRSTRLEN] = {};
-  const sockaddr* src = rdma_get_local_addr(s.id);  // inline in rdma_cma.h
-  if (src->sa_family == AF_INET) {
-    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(src)->sin_addr, text, sizeof(text));
-  } else if (src->sa_family == AF_INET6) {
-    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(src)->sin6_addr, text,
-              sizeof(text));
-  }
-  route.source_ip = text;
+  route.source_ip = TextOf(rdma_get_local_addr(s.id));  // inline in rdma_cma.h
   return route;
 }
 
