@@ -466,6 +466,13 @@ bool TransferEngine::PeerFenced(uint64_t engine_id) const {
 }
 void TransferEngine::DropLinksFrom(uint64_t engine_id) { impl_->service_.CloseLinksOf(engine_id); }
 std::vector<Notification> TransferEngine::TakeNotifications() { return impl_->inbox_.TakeAll(); }
+std::vector<Notification> TransferEngine::TakeNotifications(const NotificationFilter& which) {
+  return impl_->inbox_.TakeAll(which);
+}
+absl::StatusOr<Notification> TransferEngine::WaitNotification(absl::Duration timeout,
+                                                              const NotificationFilter& which) {
+  return impl_->inbox_.Next(timeout, which);
+}
 absl::StatusOr<Notification> TransferEngine::WaitNotification(absl::Duration timeout) {
   return impl_->inbox_.Next(timeout);
 }

@@ -21,10 +21,28 @@
 // fails because a link or the peer went away is retried after a refresh
 // (`retries` times); the batch reports each request's own status.
 //
-// Thread-safe: any method from any thread. Waiting threads drive the
-// transport's completions themselves, one at a time; the engine has no
-// polling thread. A thread whose batch another thread completed is woken
-// at once.
+// LIFESPAN AND OWNERSHIP. Create returns the only owner. Destroy the engine
+// only when no thread is inside any of its methods (a thread in Wait,
+// WaitNotification or WaitOnStream included) and after every KvSender and
+// KvReceiver made on it. Batches still in flight then are abandoned: the
+// transports close their links as the engine goes, so their bytes may or
+// may not have landed at the peer, and their ids mean nothing afterwards.
+// Memory registered on it must stay mapped until UnregisterMemory or the
+// engine's destruction. Ids (SegmentId, BatchId) belong to the engine that
+// gave them.
+//
+// THREADS. Every method may be called from any thread, concurrently.
+// Waiting threads drive the transports' completions themselves, one at a
+// time; the data path has no polling thread, and a thread whose batch
+// another thread completed is woken at once. The engine owns: the
+// handshake server's event loop and handler threads (ServeOptions), each
+// TCP link's reader and writer threads, the verbs completion poller (RDMA
+// only), the metrics endpoint's event loop (metrics_port >= 0), and the
+// stream-order thread (started by the first SubmitOnStream). No callback
+// runs on a caller's thread but that caller's own call. Blocking: Wait*,
+// OpenSegment and Submit (which may handshake, up to handshake_timeout),
+// Notify*, FetchMetadata and ProbePeer; the others return without waiting
+// on a peer.
 #ifndef KVFERRY_ENGINE_TRANSFER_ENGINE_H_
 #define KVFERRY_ENGINE_TRANSFER_ENGINE_H_
 
@@ -36,6 +54,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/clock.h"
@@ -134,6 +153,9 @@ struct StreamOptions {
 };
 
 // Parts an engine is assembled from; Create builds the real ones.
+// CreateWith takes ownership of every part; `clock` (not owned) must
+// outlive the engine, and `wait` and `near_nics` are called from the
+// engine's callers' threads (any of them, concurrently).
 struct EngineParts {
   std::unique_ptr<transport::Transport> transport;
   // A second transport for peers the first cannot reach (Create makes a
@@ -312,6 +334,14 @@ class TransferEngine {
   // The oldest notification received (removed from the inbox), waiting up
   // to `timeout` for one; kDeadlineExceeded when none came.
   absl::StatusOr<Notification> WaitNotification(absl::Duration timeout);
+  // The same for the notifications `which` wants (it is called with the
+  // inbox's lock held: it must be quick and call nothing of the engine);
+  // the others stay in the inbox, in order, for their own taker (the KV
+  // layer takes its words this way, and leaves the rest to the caller).
+  using NotificationFilter = std::function<bool(absl::string_view message)>;
+  std::vector<Notification> TakeNotifications(const NotificationFilter& which);
+  absl::StatusOr<Notification> WaitNotification(absl::Duration timeout,
+                                                const NotificationFilter& which);
 
  private:
   class Impl;

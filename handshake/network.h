@@ -2,6 +2,20 @@
 // calls to other engines' services. Implemented over TCP (tcp_network.h) and
 // over the simulated fabric (sim_network.h), so the same engine code
 // handshakes in production and inside the deterministic simulator.
+//
+// LIFESPAN AND OWNERSHIP. A Network outlives every Server it started and
+// every call in progress on it; the owner destroys the servers first. A
+// Server stops serving when destroyed: once its destructor returns, its
+// handler is not running and will not run again (so the handler may point
+// at state destroyed right after the server). Pointers from
+// QueryExtension live as long as the network.
+//
+// THREADS. Call, CallPipelined and Serve may be called from any number of
+// threads at once; each Call blocks its caller up to its timeout, never
+// longer. Over TCP a server owns an event loop thread and
+// handler_threads handler threads (handlers run on either, see
+// ServeOptions::may_block); in simulation handlers run in simulator
+// events. A handler must not call Serve or destroy its own server.
 #ifndef KVFERRY_HANDSHAKE_NETWORK_H_
 #define KVFERRY_HANDSHAKE_NETWORK_H_
 

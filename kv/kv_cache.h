@@ -123,7 +123,13 @@ class KvSender {
     absl::Duration tell_timeout = absl::Seconds(4);
   };
   static constexpr uint32_t kMaxChecksumPages = 32768;
-  // `pool` is registered with `engine` (local access only).
+  // `pool` is registered with `engine` (local access only) and stays
+  // registered. `engine` must outlive the sender. Destroy it only when no thread is inside one of
+  // its methods. Its methods may be called from any thread; requests are
+  // independent, but one handle is used by one thread at a time. Begin and
+  // SendLayer return once the bytes are posted; Finish, Cancel and Send
+  // block until the decode has been told (up to timeout + tell_timeout).
+  // It owns no thread.
   static absl::StatusOr<std::unique_ptr<KvSender>> Create(TransferEngine* engine, KvPool pool,
                                                           Options options);
   static absl::StatusOr<std::unique_ptr<KvSender>> Create(TransferEngine* engine, KvPool pool) {
@@ -212,7 +218,14 @@ class KvReceiver {
   };
 
   // Registers `pool` for remote writes and publishes its layout so senders
-  // can find it.
+  // can find it. `engine` must outlive the receiver. It takes only the KV
+  // layer's words from the engine's notifications; the rest stay in the
+  // engine's inbox for the application (TransferEngine::TakeNotifications,
+  // or TakeOtherNotifications here). Destroy it only
+  // when no thread is inside one of its methods; the destructor stops and
+  // joins its thread. Its methods may be called from any thread. It owns
+  // one thread, started by the first Expect, that probes the prefills
+  // expected requests come from.
   static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(TransferEngine* engine, KvPool pool,
                                                             Options options);
   static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(TransferEngine* engine, KvPool pool) {
@@ -248,7 +261,8 @@ class KvReceiver {
   absl::StatusOr<Status> Wait(const std::string& request_id, absl::Duration timeout);
   // Forgets a finished request (its aux payload too).
   void Forget(const std::string& request_id);
-  // Notifications that were not KV-layer messages.
+  // The engine's notifications that are not KV-layer words (taken from its
+  // inbox).
   std::vector<Notification> TakeOtherNotifications();
   // Requests whose pages did not match the sender's checksums.
   uint64_t checksum_failures() const;
@@ -286,7 +300,6 @@ class KvReceiver {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool watcher_started_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, Status> requests_ ABSL_GUARDED_BY(mu_);
-  std::vector<Notification> others_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> expected_ ABSL_GUARDED_BY(mu_);  // request -> prefill
   // The prefills pending expected requests come from, and nothing else.
   std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);

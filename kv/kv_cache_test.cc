@@ -335,6 +335,34 @@ TEST(KvCache, AWordFromAForgottenAttemptDoesNotFinishTheIdsReuse) {
   EXPECT_NE(old->error.message().find("why"), std::string::npos);
 }
 
+// The receiver takes only the KV layer's words from the engine's inbox: an
+// application's own notifications, sent around a KV request while a
+// decode thread waits on the receiver, stay in the engine for the
+// application, in order, and no KV word reaches it.
+TEST(KvCache, TheReceiverLeavesTheApplicationsNotificationsInTheEngine) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 5);
+  Pair p(src, dst);
+  const std::string peer = p.decode_engine->address();
+  auto seg = p.prefill_engine->OpenSegment(peer);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  ASSERT_TRUE(p.prefill_engine->Notify(*seg, "app: before").ok());
+  std::thread waiter([&] {
+    auto st = p.receiver->Wait("r", absl::Seconds(10));
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->state, KvReceiver::State::kComplete);
+  });
+  ASSERT_TRUE(p.sender->Send("r", peer, {1}, {2}, "aux").ok());
+  ASSERT_TRUE(p.prefill_engine->Notify(*seg, "app: after").ok());
+  waiter.join();
+  std::vector<std::string> seen;
+  for (const Notification& n : p.decode_engine->TakeNotifications()) seen.push_back(n.message);
+  EXPECT_EQ(seen, (std::vector<std::string>{"app: before", "app: after"}));
+  EXPECT_EQ(p.receiver->Poll("r").state, KvReceiver::State::kComplete);
+  EXPECT_TRUE(p.receiver->TakeOtherNotifications().empty());
+}
+
 TEST(KvCache, BadRequestsAreRefusedBeforeSending) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);

@@ -25,6 +25,11 @@ using kv_internal::PageCrcs;
 using kv_internal::ParseWord;
 using kv_internal::Word;
 
+namespace {
+// The notifications this receiver takes from the engine: KV words only.
+bool IsWord(absl::string_view message) { return ParseWord(message).has_value(); }
+}  // namespace
+
 // ---------------------------------------------------------------- receiver
 
 absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* engine, KvPool pool,
@@ -174,7 +179,7 @@ void KvReceiver::CheckPrefills() {
 void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
   // What arrived before the fence counts: a request whose completion is
   // already here is complete.
-  Absorb(engine_->TakeNotifications());
+  Absorb(engine_->TakeNotifications(IsWord));
   for (auto it = expected_.begin(); it != expected_.end();) {
     if (it->second != prefill) {
       ++it;
@@ -199,10 +204,7 @@ void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
 void KvReceiver::Absorb(std::vector<Notification> notes) {
   for (Notification& n : notes) {
     const std::optional<Word> w = ParseWord(n.message);
-    if (!w.has_value()) {
-      others_.push_back(std::move(n));
-      continue;
-    }
+    if (!w.has_value()) continue;  // taken only when IsWord said so
     const std::string id(w->id);
     // A word about an attempt whose request was finished and forgotten (said
     // again after a lost reply, or late): not about what is expected now.
@@ -246,7 +248,7 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
 }
 
 KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
-  std::vector<Notification> notes = engine_->TakeNotifications();
+  std::vector<Notification> notes = engine_->TakeNotifications(IsWord);
   MutexLock lock(&mu_);
   Absorb(std::move(notes));
   auto it = requests_.find(request_id);
@@ -264,7 +266,7 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
   const absl::Time deadline = clock->Now() + timeout;
   mu_.Lock();
   for (;;) {
-    Absorb(engine_->TakeNotifications());
+    Absorb(engine_->TakeNotifications(IsWord));
     auto it = requests_.find(request_id);
     if (it != requests_.end() && it->second.state != State::kPending) {
       Status s = it->second;
@@ -284,7 +286,7 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
     pumping_ = true;
     mu_.Unlock();
     if (simulated) CheckPrefills();  // no watcher thread on simulated time
-    absl::StatusOr<Notification> n = engine_->WaitNotification(std::min(left, kSlice));
+    absl::StatusOr<Notification> n = engine_->WaitNotification(std::min(left, kSlice), IsWord);
     mu_.Lock();
     pumping_ = false;
     if (n.ok()) Absorb({std::move(*n)});
@@ -358,10 +360,7 @@ void KvReceiver::Forget(const std::string& request_id) {
 }
 
 std::vector<Notification> KvReceiver::TakeOtherNotifications() {
-  std::vector<Notification> notes = engine_->TakeNotifications();
-  MutexLock lock(&mu_);
-  Absorb(std::move(notes));
-  return std::exchange(others_, {});
+  return engine_->TakeNotifications([](absl::string_view m) { return !IsWord(m); });
 }
 
 }  // namespace kvferry

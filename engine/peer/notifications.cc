@@ -1,5 +1,8 @@
 #include "engine/peer/notifications.h"
 
+#include <algorithm>
+#include <iterator>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "handshake/messages.h"
@@ -10,9 +13,9 @@ namespace engine_internal {
 absl::Status Inbox::Push(Notification n) {
   MutexLock lock(&mu_);
   if (queue_.size() >= max_count_ || bytes_ + n.message.size() > max_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the peer's inbox is full (", queue_.size(), " notifications, ", bytes_,
-        " bytes not yet taken by its application)"));
+    return absl::ResourceExhaustedError(absl::StrCat("the peer's inbox is full (", queue_.size(),
+                                                     " notifications, ", bytes_,
+                                                     " bytes not yet taken by its application)"));
   }
   bytes_ += n.message.size();
   queue_.push_back(std::move(n));
@@ -20,33 +23,50 @@ absl::Status Inbox::Push(Notification n) {
   return absl::OkStatus();
 }
 
-std::vector<Notification> Inbox::TakeAll() {
+std::deque<Notification>::iterator Inbox::Find(const Filter& which) {
+  if (!which) return queue_.begin();
+  return std::find_if(queue_.begin(), queue_.end(),
+                      [&](const Notification& n) { return which(n.message); });
+}
+
+std::vector<Notification> Inbox::TakeAll(const Filter& which) {
   MutexLock lock(&mu_);
-  std::vector<Notification> out(std::make_move_iterator(queue_.begin()),
-                                std::make_move_iterator(queue_.end()));
-  queue_.clear();
-  bytes_ = 0;
+  std::vector<Notification> out;
+  std::deque<Notification> kept;
+  for (Notification& n : queue_) {
+    if (which && !which(n.message)) {
+      kept.push_back(std::move(n));
+      continue;
+    }
+    bytes_ -= n.message.size();
+    out.push_back(std::move(n));
+  }
+  queue_.swap(kept);
   return out;
 }
 
-absl::StatusOr<Notification> Inbox::Next(absl::Duration timeout) {
+absl::StatusOr<Notification> Inbox::Next(absl::Duration timeout, const Filter& which) {
   if (wait_) {
-    wait_([this] {
-      MutexLock lock(&mu_);
-      return !queue_.empty();
-    }, timeout);
+    wait_(
+        [&] {
+          MutexLock lock(&mu_);
+          return Find(which) != queue_.end();
+        },
+        timeout);
   }
   MutexLock lock(&mu_);
   if (!wait_) {
-    cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout,
-                          [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !queue_.empty(); });
+    cv_.AwaitWithDeadline(&mu_, absl::Now() + timeout, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return Find(which) != queue_.end();
+    });
   }
-  if (queue_.empty()) {
+  auto it = Find(which);
+  if (it == queue_.end()) {
     return absl::DeadlineExceededError(
         absl::StrCat("no notification within ", absl::FormatDuration(timeout)));
   }
-  Notification n = std::move(queue_.front());
-  queue_.pop_front();
+  Notification n = std::move(*it);
+  queue_.erase(it);
   bytes_ -= n.message.size();
   return n;
 }
@@ -54,9 +74,9 @@ absl::StatusOr<Notification> Inbox::Next(absl::Duration timeout) {
 absl::Status MetadataStore::Publish(const std::string& key, std::string value) {
   if (key.empty() || key.size() > handshake::kMaxStringBytes ||
       value.size() > handshake::kMaxNotifyBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "metadata key must be 1 to ", handshake::kMaxStringBytes, " bytes and the value at most ",
-        handshake::kMaxNotifyBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata key must be 1 to ", handshake::kMaxStringBytes,
+                     " bytes and the value at most ", handshake::kMaxNotifyBytes));
   }
   MutexLock lock(&mu_);
   values_[key] = std::move(value);

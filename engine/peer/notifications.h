@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "base/mutex.h"
 #include "engine/types.h"
@@ -36,12 +37,18 @@ class Inbox {
   // kResourceExhausted when the inbox holds max_count notifications or this
   // one would take it past max_bytes (the sender is told).
   absl::Status Push(Notification n);
-  // Every notification so far, oldest first; empties the inbox.
-  std::vector<Notification> TakeAll();
-  // The oldest notification, waiting up to `timeout` for one.
-  absl::StatusOr<Notification> Next(absl::Duration timeout);
+  // Which notifications a taker wants (null: every one).
+  using Filter = std::function<bool(absl::string_view message)>;
+  // Every notification so far that `which` wants, oldest first; removed
+  // from the inbox (the others stay, in order).
+  std::vector<Notification> TakeAll(const Filter& which = nullptr);
+  // The oldest notification `which` wants, waiting up to `timeout` for one.
+  absl::StatusOr<Notification> Next(absl::Duration timeout, const Filter& which = nullptr);
 
  private:
+  // The first notification `which` wants, or queue_.end().
+  std::deque<Notification>::iterator Find(const Filter& which) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const WaitFunction wait_;
   const size_t max_count_, max_bytes_;
   Mutex mu_;
