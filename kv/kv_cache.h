@@ -144,23 +144,23 @@ class KvSender {
   // "not started: ...").
   absl::StatusOr<Handle> Begin(const std::string& request_id, const std::string& peer,
                                absl::Span<const uint32_t> src_pages,
-                               absl::Span<const uint32_t> dst_pages);
+                               absl::Span<const uint32_t> dst_pages) ABSL_LOCKS_EXCLUDED(mu_);
   // Layer-wise mode: sends layer `layer` now (e.g. as soon as it is computed).
-  absl::Status SendLayer(Handle h, uint32_t layer);
+  absl::Status SendLayer(Handle h, uint32_t layer) ABSL_LOCKS_EXCLUDED(mu_);
   // Whole-request mode: sends every layer not sent yet.
-  absl::Status SendAll(Handle h);
+  absl::Status SendAll(Handle h) ABSL_LOCKS_EXCLUDED(mu_);
   // Sends what remains, waits for every byte, then delivers the completion
   // notification with `aux` (at most 512 KiB). On failure the decode side
   // is told the request failed. The handle is gone afterwards.
-  absl::Status Finish(Handle h, const std::string& aux);
+  absl::Status Finish(Handle h, const std::string& aux) ABSL_LOCKS_EXCLUDED(mu_);
   // Stops sending, waits for what is in flight, tells the decode side the
   // request failed ("cancelled: <reason>"). The handle is gone afterwards.
-  absl::Status Cancel(Handle h, const std::string& reason);
+  absl::Status Cancel(Handle h, const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Begin + SendAll + Finish.
   absl::Status Send(const std::string& request_id, const std::string& peer,
                     absl::Span<const uint32_t> src_pages, absl::Span<const uint32_t> dst_pages,
-                    const std::string& aux);
+                    const std::string& aux) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Request {
@@ -250,24 +250,25 @@ class KvReceiver {
   // trip, when no request from it is pending). A prefill that cannot be
   // asked then and restarts later is not told from its successor.
   absl::Status Expect(const std::string& request_id, const std::string& prefill,
-                      uint64_t prefill_engine_id = 0);
+                      uint64_t prefill_engine_id = 0) ABSL_LOCKS_EXCLUDED(mu_);
 
   const KvPool& pool() const { return pool_; }
   // The request's state now (kPending if nothing has been heard of it).
-  Status Poll(const std::string& request_id);
+  Status Poll(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the request completes or fails (several threads may wait,
   // each for its own request). kDeadlineExceeded if it is still pending
   // after `timeout`.
-  absl::StatusOr<Status> Wait(const std::string& request_id, absl::Duration timeout);
+  absl::StatusOr<Status> Wait(const std::string& request_id, absl::Duration timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets a finished request (its aux payload too).
-  void Forget(const std::string& request_id);
+  void Forget(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
   // The engine's notifications that are not KV-layer words (taken from its
   // inbox).
   std::vector<Notification> TakeOtherNotifications();
   // Requests whose pages did not match the sender's checksums.
-  uint64_t checksum_failures() const;
+  uint64_t checksum_failures() const ABSL_LOCKS_EXCLUDED(mu_);
   // Words about expected requests that came from another engine (ignored).
-  uint64_t ignored_words() const;
+  uint64_t ignored_words() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // A prefill that expected requests come from.

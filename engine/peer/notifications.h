@@ -36,14 +36,15 @@ class Inbox {
       : wait_(std::move(wait)), max_count_(max_count), max_bytes_(max_bytes) {}
   // kResourceExhausted when the inbox holds max_count notifications or this
   // one would take it past max_bytes (the sender is told).
-  absl::Status Push(Notification n);
+  absl::Status Push(Notification n) ABSL_LOCKS_EXCLUDED(mu_);
   // Which notifications a taker wants (null: every one).
   using Filter = std::function<bool(absl::string_view message)>;
   // Every notification so far that `which` wants, oldest first; removed
   // from the inbox (the others stay, in order).
-  std::vector<Notification> TakeAll(const Filter& which = nullptr);
+  std::vector<Notification> TakeAll(const Filter& which = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // The oldest notification `which` wants, waiting up to `timeout` for one.
-  absl::StatusOr<Notification> Next(absl::Duration timeout, const Filter& which = nullptr);
+  absl::StatusOr<Notification> Next(absl::Duration timeout, const Filter& which = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // The first notification `which` wants, or queue_.end().
@@ -60,9 +61,9 @@ class Inbox {
 class MetadataStore {
  public:
   // kInvalidArgument for an empty or oversized key or value.
-  absl::Status Publish(const std::string& key, std::string value);
+  absl::Status Publish(const std::string& key, std::string value) ABSL_LOCKS_EXCLUDED(mu_);
   // kNotFound when nothing was published under `key`.
-  absl::StatusOr<std::string> Get(const std::string& key) const;
+  absl::StatusOr<std::string> Get(const std::string& key) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   mutable Mutex mu_;
