@@ -20,7 +20,6 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "cuda/driver.h"
-#include "engine/pipeline/batch_pipeline.h"
 #include "engine/engine_options.h"
 #include "engine/memory/local_regions.h"
 #include "engine/metrics/metrics_server.h"
@@ -28,9 +27,11 @@
 #include "engine/peer/peer_client.h"
 #include "engine/peer/peer_service.h"
 #include "engine/peer/secret.h"
+#include "engine/pipeline/batch_pipeline.h"
 #include "engine/stream_order.h"
 #include "handshake/auth.h"
 #include "net/socket.h"
+#include "topology/location.h"
 
 namespace kvferry {
 
@@ -53,11 +54,11 @@ engine_internal::PipelineConfig ConfigOf(const EngineOptions& o) {
 // For "cpu:N": the NICs on NUMA node N (EngineParts::near_nics's default).
 std::vector<NicIndex> SameNumaNode(const transport::Transport& t, const std::string& location) {
   std::vector<NicIndex> out;
-  int node;
-  if (absl::StartsWith(location, "cpu:") && absl::SimpleAtoi(location.substr(4), &node)) {
+  absl::StatusOr<topology::Location> l = topology::ParseLocation(location);
+  if (l.ok() && l->kind == topology::Location::Kind::kCpu) {
     const std::vector<transport::NicInfo> nics = t.LocalEndpoint().nics;
     for (NicIndex i = 0; i < nics.size(); ++i) {
-      if (nics[i].numa_node == node) out.push_back(i);
+      if (nics[i].numa_node == l->index) out.push_back(i);
     }
   }
   return out;
@@ -86,7 +87,8 @@ absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length, const st
   }
   absl::StatusOr<cuda::MemoryInfo> info = driver->Classify(addr, length);
   if (!info.ok()) return Annotate(info.status(), "RegisterMemory");
-  const bool says_cuda = absl::StartsWith(location, "cuda:");
+  absl::StatusOr<topology::Location> said = topology::ParseLocation(location);
+  const bool says_cuda = said.ok() && said->kind == topology::Location::Kind::kCuda;
   if (!info->device) {
     if (says_cuda) {
       return absl::InvalidArgumentError(
@@ -94,7 +96,7 @@ absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length, const st
     }
     return location;
   }
-  const std::string mine = absl::StrCat("cuda:", info->ordinal);
+  const std::string mine = topology::Location::Cuda(info->ordinal).ToString();
   if (!location.empty() && location != mine) {
     return absl::InvalidArgumentError(absl::StrCat("RegisterMemory: location '", location,
                                                    "' but the buffer is memory of ", mine));
@@ -103,15 +105,15 @@ absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length, const st
   *device = true;
   absl::StatusOr<std::string> bus = driver->PciBusId(info->ordinal);
   if (!bus.ok()) return mine;
-  return absl::StrCat("pci:", *bus);
+  return topology::Location::Pci(*bus).ToString();
 }
 
+// What a caller may name: "cpu:N" or "cuda:N" (pci: is what the engine
+// derives from device memory).
 absl::Status CheckLocation(const std::string& location) {
-  int n;
-  const size_t colon = location.find(':');
-  const std::string kind = location.substr(0, colon);
-  if (colon == std::string::npos || (kind != "cpu" && kind != "cuda") ||
-      !absl::SimpleAtoi(location.substr(colon + 1), &n) || n < 0) {
+  absl::StatusOr<topology::Location> l = topology::ParseLocation(location);
+  if (!l.ok() ||
+      (l->kind != topology::Location::Kind::kCpu && l->kind != topology::Location::Kind::kCuda)) {
     return absl::InvalidArgumentError(
         absl::StrCat("RegisterMemory: bad location '", location, "' (expected cpu:N or cuda:N)"));
   }
@@ -437,7 +439,8 @@ absl::Status TransferEngine::Notify(SegmentId segment, const std::string& messag
   return impl_->NotifyInstance(segment, message, peer_engine_id);
 }
 absl::StatusOr<uint64_t> TransferEngine::PeerEngineId(SegmentId segment) {
-  ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, impl_->pipeline_.segments().View(segment));
+  ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v,
+                   impl_->pipeline_.segments().View(segment));
   return v.engine_id;
 }
 absl::StatusOr<uint64_t> TransferEngine::BatchPeerEngineId(BatchId batch) {

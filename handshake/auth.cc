@@ -318,5 +318,13 @@ absl::StatusOr<Frame> AuthenticatedNetwork::Call(const std::string& peer, const 
   return Frame{static_cast<MessageType>(got->type), std::move(*plain)};
 }
 
+std::optional<Frame> RefuseWithoutSecret(const Frame& request) {
+  if (request.type != MessageType::kChallenge && request.type != MessageType::kAuthenticated) {
+    return std::nullopt;
+  }
+  return ErrorFrame(absl::FailedPreconditionError(
+      "this engine has no handshake secret, and its peers must not use one"));
+}
+
 }  // namespace handshake
 }  // namespace kvferry

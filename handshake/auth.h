@@ -28,6 +28,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/time/time.h"
@@ -48,6 +49,12 @@ struct AuthOptions {
 
 // The environment variable engines read the secret from.
 inline constexpr char kSecretEnv[] = "KVFERRY_SECRET";
+
+// How a service without a secret answers an authentication request
+// (kChallenge, kAuthenticated): refused, never downgraded, so that a peer
+// with a secret does not talk to it without one. nullopt for any other
+// request.
+std::optional<Frame> RefuseWithoutSecret(const Frame& request);
 
 class AuthenticatedNetwork : public Network {
  public:

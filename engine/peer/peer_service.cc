@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -10,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "handshake/auth.h"
 #include "transport/link_params.h"
 #include "transport/stream_links.h"
 
@@ -255,12 +257,10 @@ handshake::Answer PeerService::Handle(const Frame& request) {
       return Frame{MessageType::kMetadata,
                    handshake::Encode(handshake::Metadata{m->key, std::move(*value), engine_id_})};
     }
-    case MessageType::kChallenge:
-    case MessageType::kAuthenticated:
-      // Never downgrade: a peer with a secret must not talk to us without.
-      return ErrorFrame(absl::FailedPreconditionError(
-          "this engine has no handshake secret, and its peers must not use one"));
     default:
+      // An authentication request reaches the service only without a
+      // secret (with one, the network's authentication takes it).
+      if (std::optional<Frame> refused = handshake::RefuseWithoutSecret(request)) return *refused;
       return ErrorFrame(absl::InvalidArgumentError(
           absl::StrCat("unexpected ", handshake::MessageTypeName(request.type), " request")));
   }

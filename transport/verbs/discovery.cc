@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "base/status_macros.h"
+#include "topology/location.h"
 
 namespace kvferry {
 namespace transport {
@@ -72,8 +73,8 @@ PortInfo ReadPort(const fs::path& dir, uint32_t port) {
   // "4: ACTIVE"
   std::string state = ReadTrimmed(dir / "state");
   const size_t colon = state.find(':');
-  p.state = std::string(absl::StripAsciiWhitespace(
-      colon == std::string::npos ? state : state.substr(colon + 1)));
+  p.state = std::string(
+      absl::StripAsciiWhitespace(colon == std::string::npos ? state : state.substr(colon + 1)));
   p.link_layer = ReadTrimmed(dir / "link_layer");
   for (const std::string& name : List(dir / "gids")) {
     uint32_t index;
@@ -101,8 +102,7 @@ PortInfo ReadPort(const fs::path& dir, uint32_t port) {
   return p;
 }
 
-DeviceInfo ReadDevice(const fs::path& root, const std::string& name,
-                      const std::string& dev_root) {
+DeviceInfo ReadDevice(const fs::path& root, const std::string& name, const std::string& dev_root) {
   const fs::path dir = root / "class" / "infiniband" / name;
   DeviceInfo d;
   d.name = name;
@@ -172,8 +172,8 @@ absl::StatusOr<Filter> ParseFilter(const std::vector<std::string>& list) {
     e.device = parts[0];
     if (e.device.empty() || parts.size() > 2 ||
         (parts.size() == 2 && (!absl::SimpleAtoi(parts[1], &e.port) || e.port == 0))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "bad device entry '", entry, "' (expected mlx5_0, mlx5_0:1, ^mlx5_1)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad device entry '", entry, "' (expected mlx5_0, mlx5_0:1, ^mlx5_1)"));
     }
     (exclude ? f.exclude : f.allow).push_back(e);
   }
@@ -251,13 +251,7 @@ int RankGid(const std::string& link_layer, GidInfo* g) {
   return g->rank;
 }
 
-int PciDistance(const std::string& a, const std::string& b) {
-  std::vector<std::string> pa = absl::StrSplit(a, '/', absl::SkipEmpty());
-  std::vector<std::string> pb = absl::StrSplit(b, '/', absl::SkipEmpty());
-  size_t common = 0;
-  while (common < pa.size() && common < pb.size() && pa[common] == pb[common]) ++common;
-  return static_cast<int>((pa.size() - common) + (pb.size() - common));
-}
+int PciDistance(const std::string& a, const std::string& b) { return topology::PciDistance(a, b); }
 
 void ApplyEnvironment(DiscoveryOptions* options) {
   if (options->gid_index >= 0) return;
@@ -281,16 +275,15 @@ absl::Status CheckNamed(const Filter& filter, const std::vector<DeviceInfo>& dev
                             [&](const DeviceInfo& x) { return x.name == e.device; });
     if (dev == devices.end()) {
       return absl::NotFoundError(absl::StrCat("RDMA device '", e.device,
-                                              "' does not exist; available: ",
-                                              Available(devices)));
+                                              "' does not exist; available: ", Available(devices)));
     }
     const bool active = std::any_of(dev->ports.begin(), dev->ports.end(), [&](const PortInfo& p) {
       return (e.port == 0 || p.port == e.port) && Unusable(*dev, p).empty();
     });
     if (!active) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "RDMA device '", e.device, e.port ? absl::StrCat(":", e.port) : "",
-          "' has no usable ACTIVE port; available: ", Available(devices)));
+      return absl::FailedPreconditionError(
+          absl::StrCat("RDMA device '", e.device, e.port ? absl::StrCat(":", e.port) : "",
+                       "' has no usable ACTIVE port; available: ", Available(devices)));
     }
   }
   return absl::OkStatus();
@@ -309,9 +302,9 @@ absl::StatusOr<const GidInfo*> ChooseGid(const PortInfo& p, const DiscoveryOptio
     if (gid == nullptr) {
       std::vector<std::string> have;
       for (const GidInfo& g : p.gids) have.push_back(absl::StrCat(g.index));
-      return absl::InvalidArgumentError(absl::StrCat(
-          "GID index ", options.gid_index, " (from ", options.gid_index_source,
-          ") does not exist on ", where, "; it has ", absl::StrJoin(have, ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GID index ", options.gid_index, " (from ", options.gid_index_source,
+                       ") does not exist on ", where, "; it has ", absl::StrJoin(have, ", ")));
     }
     *why = absl::StrCat("GID ", gid->index, " set by ", options.gid_index_source);
     return gid;
@@ -376,41 +369,41 @@ absl::StatusOr<Discovery> Discover(const DiscoveryOptions& options) {
 absl::StatusOr<std::vector<SelectedPort>> NearestPorts(const Discovery& d,
                                                        const std::string& location,
                                                        std::vector<int>* distances) {
+  ASSIGN_OR_RETURN(const topology::Location where, topology::ParseLocation(location));
   std::vector<std::pair<int, SelectedPort>> scored;
-  if (location.empty()) {
-    for (const SelectedPort& p : d.selected) scored.emplace_back(0, p);
-  } else if (absl::StartsWith(location, "cuda:")) {
-    auto gpu = std::find_if(d.gpus.begin(), d.gpus.end(),
-                            [&](const GpuInfo& g) { return g.name == location; });
-    if (gpu == d.gpus.end()) {
-      return absl::NotFoundError(absl::StrCat("no GPU ", location, " (found ", d.gpus.size(),
-                                              ")"));
-    }
+  const GpuInfo* gpu = nullptr;
+  switch (where.kind) {
+    case topology::Location::Kind::kAny:
+      for (const SelectedPort& p : d.selected) scored.emplace_back(0, p);
+      break;
+    case topology::Location::Kind::kCpu:
+      for (const SelectedPort& p : d.selected) {
+        scored.emplace_back(p.numa_node == where.index ? 0 : 1, p);
+      }
+      break;
+    case topology::Location::Kind::kCuda:
+      for (const GpuInfo& g : d.gpus) gpu = g.name == where.ToString() ? &g : gpu;
+      if (gpu == nullptr) {
+        return absl::NotFoundError(
+            absl::StrCat("no GPU ", location, " (found ", d.gpus.size(), ")"));
+      }
+      break;
+    case topology::Location::Kind::kPci:
+      // A GPU by its PCI address (what the CUDA driver reports for a device
+      // ordinal: right under CUDA_VISIBLE_DEVICES and in containers).
+      for (const GpuInfo& g : d.gpus) {
+        gpu = absl::AsciiStrToLower(g.pci_address) == where.pci_address ? &g : gpu;
+      }
+      if (gpu == nullptr) {
+        return absl::NotFoundError(
+            absl::StrCat("no GPU at PCI address ", where.pci_address, " in sysfs"));
+      }
+      break;
+  }
+  if (gpu != nullptr) {
     for (const SelectedPort& p : d.selected) {
-      scored.emplace_back(PciDistance(gpu->pci_path, p.pci_path), p);
+      scored.emplace_back(topology::PciDistance(gpu->pci_path, p.pci_path), p);
     }
-  } else if (absl::StartsWith(location, "pci:")) {
-    // A GPU by its PCI address (what the CUDA driver reports for a device
-    // ordinal: right under CUDA_VISIBLE_DEVICES and in containers).
-    const std::string want = absl::AsciiStrToLower(location.substr(4));
-    auto gpu = std::find_if(d.gpus.begin(), d.gpus.end(), [&](const GpuInfo& g) {
-      return absl::AsciiStrToLower(g.pci_address) == want;
-    });
-    if (gpu == d.gpus.end()) {
-      return absl::NotFoundError(absl::StrCat("no GPU at PCI address ", want, " in sysfs"));
-    }
-    for (const SelectedPort& p : d.selected) {
-      scored.emplace_back(PciDistance(gpu->pci_path, p.pci_path), p);
-    }
-  } else if (absl::StartsWith(location, "cpu:")) {
-    int node;
-    if (!absl::SimpleAtoi(location.substr(4), &node)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad location '", location, "'"));
-    }
-    for (const SelectedPort& p : d.selected) scored.emplace_back(p.numa_node == node ? 0 : 1, p);
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bad location '", location, "' (expected cuda:N or cpu:N)"));
   }
   std::stable_sort(scored.begin(), scored.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -437,8 +430,7 @@ std::string TopologyJson(const Discovery& d) {
   std::vector<std::string> entries;
   for (const std::string& loc : locations) {
     std::vector<int> distance;
-    absl::StatusOr<std::vector<SelectedPort>> ports =
-        NearestPorts(d, loc, &distance);
+    absl::StatusOr<std::vector<SelectedPort>> ports = NearestPorts(d, loc, &distance);
     if (!ports.ok() || ports->empty()) continue;
     std::vector<std::string> near, far;
     for (size_t i = 0; i < ports->size(); ++i) {
@@ -452,7 +444,6 @@ std::string TopologyJson(const Discovery& d) {
   }
   return absl::StrCat("{", absl::StrJoin(entries, ", "), "}");
 }
-
 
 }  // namespace verbs
 }  // namespace transport
