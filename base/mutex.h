@@ -52,9 +52,11 @@ class ABSL_LOCKABLE Mutex {
     }
     mu_.lock();
   }
+  // Leave() reads level_ while the lock is still held: once unlocked, the
+  // mutex may already be gone (a waiter that owns it returns and frees it).
   void Unlock() ABSL_UNLOCK_FUNCTION() {
-    mu_.unlock();
     Leave();
+    mu_.unlock();
   }
   bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) {
     Enter();
