@@ -12,7 +12,7 @@
 //   CompletionPump   who waits in the transports     the pump's (kPumpLock)
 //   CompletionSource the transports' completions     events' (kEventsLock)
 //
-// Locks are taken in that order (lanes.h), none across a handshake or a
+// Locks are taken in that order (lock_order.h), none across a handshake or a
 // transport wait. Registered memory (LocalRegions) has its own lock, taken
 // alone or under a lane's. Submitting a batch to a ready segment, a
 // successful completion and waiting take the caller's lane's lock alone.

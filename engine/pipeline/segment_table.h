@@ -1,7 +1,7 @@
 // Peers this engine talks to: one segment per peer "host:port", holding the
 // peer instance's descriptor (regions, NICs), the links to it and the slices
-// waiting for room on them. A plain container: the batch pipeline's lock
-// guards it (see batch_pipeline.h). What submitting threads need of a ready
+// waiting for room on them. A plain container: the books lock guards it
+// (segment_registry.h). What submitting threads need of a ready
 // segment they read from a published view, without that lock (lanes.h).
 #ifndef KVFERRY_ENGINE_PIPELINE_SEGMENT_TABLE_H_
 #define KVFERRY_ENGINE_PIPELINE_SEGMENT_TABLE_H_
