@@ -17,8 +17,8 @@
 #include "base/logging.h"
 #include "bench/kv_checksum_cost.h"
 #include "benchmark/benchmark.h"
-#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
+#include "kv/kv_cache.h"
 #include "sim/prng.h"
 
 namespace kvferry {
@@ -146,8 +146,8 @@ void BM_KvChecksumCost(benchmark::State& state) {
     p = bench::MakeKvPair(Engine(), Engine(), std::move(src), std::move(dst), checksums);
   }
   bench::RunChecksummedRequests(state, *p, l);
-  state.SetLabel(absl::StrCat(page_bytes >> 10, " KiB pages, checksums ",
-                              checksums ? "on" : "off"));
+  state.SetLabel(
+      absl::StrCat(page_bytes >> 10, " KiB pages, checksums ", checksums ? "on" : "off"));
 }
 
 // Per shape: the raw reference, then contiguous and scattered page lists.

@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "benchmark/benchmark.h"
-#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
+#include "kv/kv_cache.h"
 
 namespace kvferry {
 namespace bench {
@@ -24,8 +24,8 @@ struct KvPair {
   std::unique_ptr<KvReceiver> receiver;
 };
 std::unique_ptr<KvPair> MakeKvPair(std::unique_ptr<TransferEngine> prefill,
-                                   std::unique_ptr<TransferEngine> decode, KvPool src,
-                                   KvPool dst, bool checksums);
+                                   std::unique_ptr<TransferEngine> decode, KvPool src, KvPool dst,
+                                   bool checksums);
 
 // The timed loop: pages 0..kChecksumRequestPages-1 to the same pages, one
 // request per iteration; sets the bytes processed for `layout`.

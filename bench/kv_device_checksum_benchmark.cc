@@ -23,8 +23,8 @@
 #include "benchmark/benchmark.h"
 #include "cuda/driver.h"
 #include "cuda/testing/fake_driver.h"
-#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
+#include "kv/kv_cache.h"
 
 namespace kvferry {
 namespace {
@@ -67,8 +67,8 @@ void BM_KvChecksum(benchmark::State& state) {
                           checksums);
   }
   bench::RunChecksummedRequests(state, *p, l);
-  state.SetLabel(absl::StrCat(page_bytes >> 10, " KiB ", device ? "device" : "host",
-                              ", checksums ", checksums ? "on" : "off"));
+  state.SetLabel(absl::StrCat(page_bytes >> 10, " KiB ", device ? "device" : "host", ", checksums ",
+                              checksums ? "on" : "off"));
 }
 
 class RatioReporter : public benchmark::ConsoleReporter {

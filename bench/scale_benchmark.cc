@@ -30,8 +30,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "engine/testing/sim_world.h"
 #include "engine/transfer_engine.h"
-#include "tests/sim_world.h"
 
 ABSL_FLAG(int, gpus, 8, "GPUs and NICs per host");
 ABSL_FLAG(double, gbps, 400, "each NIC's link rate, Gb/s");
@@ -88,14 +88,14 @@ StripeResult Stripe(const std::vector<int>& sources, uint64_t mib) {
   sim::NicSpec nic;
   nic.bits_per_sec = static_cast<uint64_t>(absl::GetFlag(FLAGS_gbps) * 1e9);
   SimWorld w(2026);
-  w.set_near_nics([gpus](const std::string& location)
-                      -> absl::StatusOr<std::vector<transport::NicIndex>> {
-    int gpu = -1;
-    if (std::sscanf(location.c_str(), "cuda:%d", &gpu) != 1 || gpu < 0 || gpu >= gpus) {
-      return absl::NotFoundError(absl::StrCat("no GPU ", location));
-    }
-    return std::vector<transport::NicIndex>{static_cast<transport::NicIndex>(gpu)};
-  });
+  w.set_near_nics(
+      [gpus](const std::string& location) -> absl::StatusOr<std::vector<transport::NicIndex>> {
+        int gpu = -1;
+        if (std::sscanf(location.c_str(), "cuda:%d", &gpu) != 1 || gpu < 0 || gpu >= gpus) {
+          return absl::NotFoundError(absl::StrCat("no GPU ", location));
+        }
+        return std::vector<transport::NicIndex>{static_cast<transport::NicIndex>(gpu)};
+      });
   const std::vector<int32_t> numa(gpus, 0);
   const int a = w.AddMultiNicHost(numa, nic), b = w.AddMultiNicHost(numa, nic);
   w.set_engine_options(EngineOptions{});  // the defaults: 64 KiB slices
@@ -177,12 +177,13 @@ void PeersMemory() {
   }
   const uint64_t after = HeapInUse();
   const double open = double(after - before);
-  std::printf("%d open peers: heap +%.2f MiB (%.1f KiB per peer, both ends of its links); an "
-              "idle engine %.1f KiB; engine with %d peers <= %.2f MiB, target 64 MiB (ratio "
-              "%.3f); process RSS %.1f -> %.1f MiB with %d engines\n",
-              peers, open / 1048576.0, open / 1024.0 / peers, idle_engine / 1024.0, peers,
-              (open + idle_engine) / 1048576.0, (open + idle_engine) / (64.0 * 1048576.0),
-              rss_before / 1048576.0, Rss() / 1048576.0, peers + 1);
+  std::printf(
+      "%d open peers: heap +%.2f MiB (%.1f KiB per peer, both ends of its links); an "
+      "idle engine %.1f KiB; engine with %d peers <= %.2f MiB, target 64 MiB (ratio "
+      "%.3f); process RSS %.1f -> %.1f MiB with %d engines\n",
+      peers, open / 1048576.0, open / 1024.0 / peers, idle_engine / 1024.0, peers,
+      (open + idle_engine) / 1048576.0, (open + idle_engine) / (64.0 * 1048576.0),
+      rss_before / 1048576.0, Rss() / 1048576.0, peers + 1);
 }
 
 }  // namespace

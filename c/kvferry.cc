@@ -25,9 +25,9 @@
 #include "base/mutex.h"
 #include "base/status_macros.h"
 #include "cuda/driver.h"
-#include "kv/kv_cache.h"
 #include "engine/metrics.h"
 #include "engine/transfer_engine.h"
+#include "kv/kv_cache.h"
 #include "transport/verbs/discovery.h"
 
 #ifndef KVFERRY_VERSION
@@ -35,7 +35,6 @@
 #endif
 
 #include "c/c_util.h"
-
 
 using kvferry::Fail;
 using kvferry::Invalid;

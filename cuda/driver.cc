@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 
@@ -158,11 +158,11 @@ Driver* Driver::Load(absl::Status* error) {
   if (r == api::kSuccess) r = f.cuDriverGetVersion(&d->version_);
   if (r == api::kSuccess) r = f.cuDeviceGetCount(&d->device_count_);
   if (r != api::kSuccess) {
-    *error = absl::UnavailableError(absl::StrCat(
-        "no CUDA driver: ", library, " does not start: ",
-        r == api::kErrorStubLibrary ? "it is the toolkit's stub library, not a driver"
-        : r == api::kErrorNoDevice  ? "no CUDA device"
-                                    : d->Error("cuInit", r).message()));
+    *error = absl::UnavailableError(
+        absl::StrCat("no CUDA driver: ", library, " does not start: ",
+                     r == api::kErrorStubLibrary ? "it is the toolkit's stub library, not a driver"
+                     : r == api::kErrorNoDevice  ? "no CUDA device"
+                                                 : d->Error("cuInit", r).message()));
     ::dlclose(handle);
     delete d;
     return nullptr;
@@ -293,8 +293,8 @@ absl::StatusOr<MemoryInfo> Driver::Classify(const void* addr, uint64_t length) c
         kind != api::kMemoryTypeDevice ||
         fn_.cuPointerGetAttribute(&ordinal, api::kPointerAttributeDeviceOrdinal, p) !=
             api::kSuccess ||
-        ordinal != info.ordinal ||
-        fn_.cuMemGetAddressRange_v2(&base, &size, p) != api::kSuccess || base + size <= p) {
+        ordinal != info.ordinal || fn_.cuMemGetAddressRange_v2(&base, &size, p) != api::kSuccess ||
+        base + size <= p) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "[%#x, +%u) is not all memory of CUDA device %d: byte %#x (offset %u) is %s", at, length,
           info.ordinal, p, p - at,

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/mutex.h"
 #include "cuda/driver_api.h"

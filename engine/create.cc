@@ -67,9 +67,9 @@ absl::Status DetectRdma(const EngineOptions& options, Decision* out) {
       if (!options.devices.empty()) {
         asked.push_back(absl::StrCat("RDMA device(s) ", absl::StrJoin(options.devices, ",")));
       }
-      return absl::FailedPreconditionError(absl::StrCat(
-          absl::StrJoin(asked, " and "), " asked for, but ", loaded.message(),
-          "; install rdma-core (libibverbs1) or set KVFERRY_IBVERBS_LIBRARY"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(absl::StrJoin(asked, " and "), " asked for, but ", loaded.message(),
+                       "; install rdma-core (libibverbs1) or set KVFERRY_IBVERBS_LIBRARY"));
     }
     d.transport = "tcp";
     d.transport_reason = absl::StrCat(loaded.message(), ", TCP");
@@ -93,32 +93,31 @@ absl::Status DetectRdma(const EngineOptions& options, Decision* out) {
     std::vector<std::string> names;
     for (const auto& p : out->ports) names.push_back(absl::StrCat(p.device, ":", p.port));
     d.devices = absl::StrJoin(names, ",");
-    d.transport_reason = absl::StrCat(options.transport == "rdma" ? "set explicitly; " : "",
-                                      out->ports.size(), " active RDMA port(s); ", first.device,
-                                      ":", first.port, " ", first.why);
+    d.transport_reason =
+        absl::StrCat(options.transport == "rdma" ? "set explicitly; " : "", out->ports.size(),
+                     " active RDMA port(s); ", first.device, ":", first.port, " ", first.why);
     return absl::OkStatus();
   }
   if (options.transport == "rdma") {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "transport=rdma but no usable RDMA port was found (",
-        found.devices.empty() ? "no RDMA devices" : absl::StrJoin(found.notes, "; "),
-        "); ./bazelw run //tools:devices explains"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("transport=rdma but no usable RDMA port was found (",
+                     found.devices.empty() ? "no RDMA devices" : absl::StrJoin(found.notes, "; "),
+                     "); ./bazelw run //tools:devices explains"));
   }
   d.transport = "tcp";
-  d.transport_reason =
-      found.devices.empty()
-          ? "no RDMA devices on this host"
-          : absl::StrCat("no usable RDMA port (", absl::StrJoin(found.notes, "; "), ")");
+  d.transport_reason = found.devices.empty() ? "no RDMA devices on this host"
+                                             : absl::StrCat("no usable RDMA port (",
+                                                            absl::StrJoin(found.notes, "; "), ")");
   return absl::OkStatus();
 }
 
 absl::StatusOr<Decision> Detect(const EngineOptions& options) {
   Decision out;
   Detection& d = out.detection;
-  if (options.transport != "auto" && options.transport != "tcp" &&
-      options.transport != "rdma" && options.transport != "sim") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown transport '", options.transport, "' (expected auto, tcp, rdma or sim)"));
+  if (options.transport != "auto" && options.transport != "tcp" && options.transport != "rdma" &&
+      options.transport != "sim") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown transport '", options.transport,
+                                                   "' (expected auto, tcp, rdma or sim)"));
   }
   if (options.transport == "sim") {
     return absl::InvalidArgumentError(
@@ -133,10 +132,10 @@ absl::StatusOr<Decision> Detect(const EngineOptions& options) {
   if (d.devices.empty()) d.devices = "none (TCP)";
   const std::string rdma_netdev = out.ports.empty() ? "" : out.ports[0].netdev;
   absl::StatusOr<std::vector<net::InterfaceAddress>> addresses = net::ListInterfaceAddresses();
-  const net::HostChoice host = net::ChooseLocalHost(
-      options.local_host, rdma_netdev,
-      addresses.ok() ? *addresses : std::vector<net::InterfaceAddress>{},
-      net::DefaultRouteInterface());
+  const net::HostChoice host =
+      net::ChooseLocalHost(options.local_host, rdma_netdev,
+                           addresses.ok() ? *addresses : std::vector<net::InterfaceAddress>{},
+                           net::DefaultRouteInterface());
   d.host = host.host;
   d.host_reason = host.reason;
   d.bind_host = options.bind_host.empty() ? host.host : options.bind_host;

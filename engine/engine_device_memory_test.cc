@@ -8,11 +8,11 @@
 
 #include "cuda/driver.h"
 #include "cuda/testing/fake_driver.h"
-#include "kv/kv_cache.h"
 #include "engine/testing/engine_conformance.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
 #include "handshake/tcp_network.h"
+#include "kv/kv_cache.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
@@ -67,8 +67,8 @@ TEST_P(EngineDeviceMemoryTest, KvPagesMoveBetweenGpusWithoutTheCpuTouchingThem) 
   ASSERT_TRUE(d_->Copy(src, pattern.data(), kBytes, 0).ok());
   // No location: the memory says where it is.
   ASSERT_TRUE(prefill_->RegisterMemory(src, kBytes).ok());
-  ASSERT_TRUE(decode_->RegisterMemory(dst, kBytes, transport::Access::kRemoteReadWrite,
-                                      "cuda:1").ok());
+  ASSERT_TRUE(
+      decode_->RegisterMemory(dst, kBytes, transport::Access::kRemoteReadWrite, "cuda:1").ok());
   auto seg = prefill_->OpenSegment(decode_->address());
   ASSERT_TRUE(seg.ok()) << seg.status();
   // Scattered pages, as a KV layer sends them.
@@ -101,18 +101,17 @@ TEST_P(EngineDeviceMemoryTest, ALocationThatContradictsTheMemoryIsRefused) {
   void* dev = Device(1, 1 << 16);
   std::vector<char> host(1 << 16);
   auto code = [](const absl::Status& s) { return s.code(); };
-  EXPECT_EQ(code(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite,
-                                          "cuda:0")),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(code(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite,
-                                          "cpu:0")),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      code(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite, "cuda:0")),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      code(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite, "cpu:0")),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(code(prefill_->RegisterMemory(host.data(), host.size(),
                                           transport::Access::kRemoteReadWrite, "cuda:1")),
             absl::StatusCode::kInvalidArgument);
   // Past the allocation's end.
-  EXPECT_EQ(code(prefill_->RegisterMemory(dev, (1 << 16) + 1)),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(prefill_->RegisterMemory(dev, (1 << 16) + 1)), absl::StatusCode::kInvalidArgument);
   // A freed device pointer.
   void* freed = Device(0, 4096);
   ASSERT_TRUE(d_->FreeDevice(freed, 0).ok());
@@ -120,8 +119,8 @@ TEST_P(EngineDeviceMemoryTest, ALocationThatContradictsTheMemoryIsRefused) {
   absl::Status gone = prefill_->RegisterMemory(freed, 4096);
   EXPECT_EQ(gone.code(), absl::StatusCode::kInvalidArgument) << gone;
   // The engine is still usable: the right location works.
-  EXPECT_TRUE(prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite,
-                                       "cuda:1").ok());
+  EXPECT_TRUE(
+      prefill_->RegisterMemory(dev, 1 << 16, transport::Access::kRemoteReadWrite, "cuda:1").ok());
   EXPECT_TRUE(prefill_->RegisterMemory(host.data(), host.size()).ok());
 }
 

@@ -1,25 +1,23 @@
+#include "engine/transfer_engine.h"
+
+#include <dirent.h>
 #include <netinet/in.h>
 #include <sched.h>
-#include <dirent.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include "engine/transfer_engine.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
-#include <sched.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
-#include <string>
 #include <memory>
 #include <set>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -105,7 +103,7 @@ TEST(TransferEngine, WritesAndReadsAcrossEnginesWithSlicing) {
   ASSERT_TRUE(seg.ok()) << seg.status();
   EXPECT_EQ(*prefill->OpenSegment(decode->address()), *seg);  // cached
   std::vector<TransferRequest> reqs = {
-      {Opcode::kWrite, src.data(), Addr(dst), 300000},                // 5 slices
+      {Opcode::kWrite, src.data(), Addr(dst), 300000},                   // 5 slices
       {Opcode::kWrite, src.data() + 300000, Addr(dst, 300000), 448576},  // spans regions
       {Opcode::kWrite, src.data() + 748576, Addr(dst, 748576), 300000},
   };
@@ -264,7 +262,7 @@ TEST(TransferEngine, OutOfRegionRequestsAreRefusedBeforeAnythingIsSent) {
   auto seg = a->OpenSegment(b->address());
   ASSERT_TRUE(seg.ok());
   std::vector<TransferRequest> reqs = {
-      {Opcode::kWrite, src.data(), Addr(dst), 100},      // fine on its own
+      {Opcode::kWrite, src.data(), Addr(dst), 100},        // fine on its own
       {Opcode::kWrite, src.data(), Addr(dst, 4000), 200},  // runs past the region
   };
   auto batch = a->Submit(*seg, reqs);
@@ -274,8 +272,7 @@ TEST(TransferEngine, OutOfRegionRequestsAreRefusedBeforeAnythingIsSent) {
   // Unregistered local memory.
   std::vector<char> stray(64);
   TransferRequest bad_local{Opcode::kWrite, stray.data(), Addr(dst), 64};
-  EXPECT_EQ(a->Submit(*seg, {&bad_local, 1}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Submit(*seg, {&bad_local, 1}).status().code(), absl::StatusCode::kInvalidArgument);
   absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(dst, std::vector<char>(8192, 'd'));  // nothing was sent
   // The engine is still usable.
@@ -524,16 +521,15 @@ TEST(TransferEngine, UnauthenticatedClientsReceiveNoKeys) {
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
 
   EngineOptions plain = Local();  // no secret
-  plain.transport = "tcp";       // (the count below, also where RDMA is)
+  plain.transport = "tcp";        // (the count below, also where RDMA is)
   auto stranger = MakeEngine(plain);
   auto seg = stranger->OpenSegment(b->address());
   EXPECT_EQ(seg.status().code(), absl::StatusCode::kUnauthenticated) << seg.status();
   EXPECT_NE(seg.status().message().find("secret"), std::string::npos);
   // Raw requests get nothing either: no descriptor, no notification.
   auto raw = handshake::NewTcpNetwork();
-  auto describe =
-      raw->Call(b->address(), handshake::Frame{handshake::MessageType::kDescribe, ""},
-                absl::Seconds(5));
+  auto describe = raw->Call(b->address(), handshake::Frame{handshake::MessageType::kDescribe, ""},
+                            absl::Seconds(5));
   EXPECT_EQ(describe.status().code(), absl::StatusCode::kUnauthenticated);
   auto notify = raw->Call(b->address(),
                           handshake::Frame{handshake::MessageType::kNotify,
@@ -599,7 +595,7 @@ int ConnectionsToOwnListeners(int except_port) {
       fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
           timeout >> inode;
       if (mine.count(inode) == 0) continue;
-      if (state == "0A") listening.insert(port_of(local));        // TCP_LISTEN
+      if (state == "0A") listening.insert(port_of(local));         // TCP_LISTEN
       if (state == "01") remote_ports.push_back(port_of(remote));  // TCP_ESTABLISHED
     }
   }
@@ -712,14 +708,19 @@ TEST(TransferEngine, BogusLinkBatchHoldsNothing) {
   ASSERT_TRUE(b->RegisterMemory(dst.data(), dst.size()).ok());
   handshake::ConnectLinksRequest bogus;
   for (uint64_t token = 1; token <= handshake::kMaxLinksPerConnect; ++token) {
-    bogus.links.push_back(handshake::ConnectRequest{
-        42, 0, {"lo", "127.0.0.1:1", 0, 0, 0}, 0, transport::tcp_wire::EncodeLinkParams(token, 0, 0)});
+    bogus.links.push_back(
+        handshake::ConnectRequest{42,
+                                  0,
+                                  {"lo", "127.0.0.1:1", 0, 0, 0},
+                                  0,
+                                  transport::tcp_wire::EncodeLinkParams(token, 0, 0)});
   }
   auto raw = handshake::NewTcpNetwork();
   const absl::Time t0 = absl::Now();
-  auto reply = raw->Call(
-      b->address(), handshake::Frame{handshake::MessageType::kConnectLinks, handshake::Encode(bogus)},
-      absl::Seconds(10));
+  auto reply =
+      raw->Call(b->address(),
+                handshake::Frame{handshake::MessageType::kConnectLinks, handshake::Encode(bogus)},
+                absl::Seconds(10));
   const absl::Duration took = absl::Now() - t0;
   ASSERT_TRUE(reply.ok()) << reply.status();
   auto answers = handshake::DecodeConnectLinksReply(reply->payload);
@@ -742,9 +743,10 @@ TEST(TransferEngine, BogusLinkBatchHoldsNothing) {
   EXPECT_GE(absl::Now() - t0, o.connect_timeout);
   // More links than the cap are refused unread.
   bogus.links.push_back(bogus.links.back());
-  auto too_many = raw->Call(
-      b->address(), handshake::Frame{handshake::MessageType::kConnectLinks, handshake::Encode(bogus)},
-      absl::Seconds(10));
+  auto too_many =
+      raw->Call(b->address(),
+                handshake::Frame{handshake::MessageType::kConnectLinks, handshake::Encode(bogus)},
+                absl::Seconds(10));
   EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument) << too_many.status();
 
   // A real engine's links (links_per_peer = 3) all come up, in one request.
@@ -826,9 +828,8 @@ TEST(TransferEngine, NotificationIsNeverObservedBeforeItsData) {
     auto batch = prefill->Submit(*seg, reqs);
     ASSERT_TRUE(batch.ok());
     std::thread sender([&] {
-      EXPECT_TRUE(prefill->NotifyAfter(*batch, "round " + std::to_string(round),
-                                       absl::Seconds(10))
-                      .ok());
+      EXPECT_TRUE(
+          prefill->NotifyAfter(*batch, "round " + std::to_string(round), absl::Seconds(10)).ok());
     });
     auto n = decode->WaitNotification(absl::Seconds(10));
     ASSERT_TRUE(n.ok()) << n.status();
@@ -1058,7 +1059,7 @@ TEST(TransferEngine, EachPeerGoesOverTheBestTransportBothEndsHave) {
     }
     return std::string("none");
   };
-  move(*rdma, *tcp, a, b, 0);   // RDMA engine -> TCP-only engine
+  move(*rdma, *tcp, a, b, 0);          // RDMA engine -> TCP-only engine
   move(*tcp, *rdma, b, a, 256 << 10);  // and back
   move(*rdma, *rdma2, a, c, 512 << 10);
   const std::string r_to_t = transport_to(*rdma, tcp->address());

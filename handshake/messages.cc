@@ -21,9 +21,8 @@ void WriteNic(Writer& w, const transport::NicInfo& nic) {
 }
 
 bool ReadNic(Reader& r, transport::NicInfo* nic) {
-  return r.Bytes(&nic->name, kMaxStringBytes) &&
-         r.Bytes(&nic->address, kMaxStringBytes) && r.I32(&nic->numa_node) &&
-         r.U64(&nic->link_bits_per_sec) && r.U32(&nic->mtu);
+  return r.Bytes(&nic->name, kMaxStringBytes) && r.Bytes(&nic->address, kMaxStringBytes) &&
+         r.I32(&nic->numa_node) && r.U64(&nic->link_bits_per_sec) && r.U32(&nic->mtu);
 }
 
 // A status as EncodeError writes it; false if malformed (or OK).
@@ -103,8 +102,7 @@ std::string EncodeFrame(MessageType type, absl::string_view payload) {
   return out;
 }
 
-absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header,
-                                             uint32_t max_payload_bytes) {
+absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header, uint32_t max_payload_bytes) {
   Reader r(header);
   uint16_t magic;
   uint8_t version, type;
@@ -113,22 +111,19 @@ absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header,
     return absl::DataLossError("truncated frame header");
   }
   if (magic != kMagic) {
-    return absl::DataLossError(absl::StrCat(
-        "not a kvferry handshake frame (magic 0x", absl::Hex(magic), ")"));
+    return absl::DataLossError(
+        absl::StrCat("not a kvferry handshake frame (magic 0x", absl::Hex(magic), ")"));
   }
   if (version != kVersion) {
-    return absl::UnimplementedError(
-        absl::StrCat("peer speaks handshake version ", version,
-                     "; this build speaks version ", kVersion));
+    return absl::UnimplementedError(absl::StrCat("peer speaks handshake version ", version,
+                                                 "; this build speaks version ", kVersion));
   }
-  if (type < static_cast<uint8_t>(MessageType::kDescribe) ||
-      type > kLastMessageType) {
+  if (type < static_cast<uint8_t>(MessageType::kDescribe) || type > kLastMessageType) {
     return absl::DataLossError(absl::StrCat("unknown message type ", type));
   }
   if (length > max_payload_bytes) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("frame of ", length, " bytes exceeds the limit of ",
-                     max_payload_bytes));
+        absl::StrCat("frame of ", length, " bytes exceeds the limit of ", max_payload_bytes));
   }
   return FrameHeader{static_cast<MessageType>(type), length};
 }
@@ -160,8 +155,8 @@ absl::StatusOr<EngineDescriptor> DecodeDescriptor(absl::string_view payload) {
   }
   if (!r.U32(&nics)) return Malformed("descriptor");
   if (nics == 0 || nics > kMaxNics) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "descriptor lists ", nics, " NICs; 1 to ", kMaxNics, " are allowed"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("descriptor lists ", nics, " NICs; 1 to ", kMaxNics, " are allowed"));
   }
   d.nics.resize(nics);
   for (auto& nic : d.nics) {
@@ -170,8 +165,7 @@ absl::StatusOr<EngineDescriptor> DecodeDescriptor(absl::string_view payload) {
   if (!r.U32(&regions)) return Malformed("descriptor");
   if (regions > kMaxRegions) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("descriptor lists ", regions,
-                     " regions; the limit is ", kMaxRegions));
+        absl::StrCat("descriptor lists ", regions, " regions; the limit is ", kMaxRegions));
   }
   // Each region takes at least 21 bytes: reject absurd counts before
   // allocating for them.
@@ -180,8 +174,7 @@ absl::StatusOr<EngineDescriptor> DecodeDescriptor(absl::string_view payload) {
   for (auto& region : d.regions) {
     uint8_t access;
     uint32_t keys;
-    if (!r.U64(&region.addr) || !r.U64(&region.length) || !r.U8(&access) ||
-        !r.U32(&keys)) {
+    if (!r.U64(&region.addr) || !r.U64(&region.length) || !r.U8(&access) || !r.U32(&keys)) {
       return Malformed("descriptor");
     }
     if (access > 3 || keys != nics || region.length == 0 ||
@@ -236,9 +229,8 @@ std::string Encode(const ConnectRequest& c) {
 absl::StatusOr<ConnectRequest> DecodeConnectRequest(absl::string_view payload) {
   Reader r(payload);
   ConnectRequest c;
-  if (!r.U64(&c.engine_id) || !r.U32(&c.requester_nic) ||
-      !ReadNic(r, &c.requester_nic_info) || !r.U32(&c.target_nic) ||
-      !r.Bytes(&c.params, kMaxStringBytes) || !r.AtEnd()) {
+  if (!r.U64(&c.engine_id) || !r.U32(&c.requester_nic) || !ReadNic(r, &c.requester_nic_info) ||
+      !r.U32(&c.target_nic) || !r.Bytes(&c.params, kMaxStringBytes) || !r.AtEnd()) {
     return Malformed("connect");
   }
   return c;
@@ -277,9 +269,8 @@ absl::StatusOr<ConnectLinksRequest> DecodeConnectLinksRequest(absl::string_view 
   uint32_t count = 0;
   if (!r.U32(&count)) return Malformed("connect-links");
   if (count == 0 || count > kMaxLinksPerConnect) {
-    return absl::InvalidArgumentError(absl::StrCat("connect-links asks for ", count,
-                                                   " links; 1 to ", kMaxLinksPerConnect,
-                                                   " are allowed"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "connect-links asks for ", count, " links; 1 to ", kMaxLinksPerConnect, " are allowed"));
   }
   ConnectLinksRequest c;
   c.links.reserve(count);
@@ -347,9 +338,8 @@ absl::StatusOr<CloseLinksRequest> DecodeCloseLinksRequest(absl::string_view payl
   uint32_t count = 0;
   if (!r.U64(&c.engine_id) || !r.U32(&count)) return Malformed("close-links");
   if (count == 0 || count > kMaxLinksPerConnect) {
-    return absl::InvalidArgumentError(absl::StrCat("close-links names ", count,
-                                                   " links; 1 to ", kMaxLinksPerConnect,
-                                                   " are allowed"));
+    return absl::InvalidArgumentError(absl::StrCat("close-links names ", count, " links; 1 to ",
+                                                   kMaxLinksPerConnect, " are allowed"));
   }
   c.links.resize(count);
   for (std::string& link : c.links) {
@@ -431,8 +421,7 @@ absl::StatusOr<Metadata> DecodeMetadata(absl::string_view payload) {
 std::string EncodeError(const absl::Status& status) {
   std::string out;
   Writer w(&out);
-  w.U8(static_cast<uint8_t>(status.ok() ? absl::StatusCode::kUnknown
-                                        : status.code()));
+  w.U8(static_cast<uint8_t>(status.ok() ? absl::StatusCode::kUnknown : status.code()));
   w.Bytes(status.message().substr(0, kMaxStringBytes));
   return out;
 }

@@ -106,8 +106,7 @@ struct FrameHeader {
 // The 8-byte header followed by `payload`.
 std::string EncodeFrame(MessageType type, absl::string_view payload);
 // Parses the first kFrameHeaderBytes of `header`.
-absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header,
-                                             uint32_t max_payload_bytes);
+absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header, uint32_t max_payload_bytes);
 
 // A region as a peer may use it.
 struct RegionDescriptor {
@@ -142,8 +141,8 @@ struct ConnectRequest {
   uint64_t engine_id = 0;      // the requester
   uint32_t requester_nic = 0;  // index in the requester's descriptor
   transport::NicInfo requester_nic_info;
-  uint32_t target_nic = 0;     // index in the target's descriptor
-  std::string params;          // from Transport::CreateLink
+  uint32_t target_nic = 0;  // index in the target's descriptor
+  std::string params;       // from Transport::CreateLink
 };
 
 struct ConnectReply {
@@ -164,8 +163,8 @@ struct ConnectLinksReply {
 // accepted them (ConnectReply::params); only links the requesting engine
 // opened are closed, and names that match none are ignored.
 struct CloseLinksRequest {
-  uint64_t engine_id = 0;            // the requester
-  std::vector<std::string> links;    // 1 to kMaxLinksPerConnect
+  uint64_t engine_id = 0;          // the requester
+  std::vector<std::string> links;  // 1 to kMaxLinksPerConnect
 };
 
 struct Notify {

@@ -19,8 +19,8 @@ EngineDescriptor SampleDescriptor() {
   d.nics.push_back({"eth0", "10.0.0.1:15001", 0, 100'000'000'000, 1500});
   d.nics.push_back({"eth1", "10.0.1.1:15002", 1, 0, 9000});
   d.regions.push_back({0x7f0000001000, 4096, transport::Access::kRemoteWrite, {1, 2}});
-  d.regions.push_back({0x7f0000100000, 1 << 20, transport::Access::kRemoteReadWrite,
-                       {0xdeadbeefcafe, 3}});
+  d.regions.push_back(
+      {0x7f0000100000, 1 << 20, transport::Access::kRemoteReadWrite, {0xdeadbeefcafe, 3}});
   return d;
 }
 
@@ -36,8 +36,7 @@ TEST(Frame, RoundTripAndHeaderErrors) {
             absl::StatusCode::kDataLoss);
   std::string bad_magic = frame;
   bad_magic[0] = 'X';
-  EXPECT_EQ(ParseFrameHeader(bad_magic, 1024).status().code(),
-            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ParseFrameHeader(bad_magic, 1024).status().code(), absl::StatusCode::kDataLoss);
   std::string v2 = frame;
   v2[2] = 2;
   auto version = ParseFrameHeader(v2, 1024);
@@ -45,10 +44,8 @@ TEST(Frame, RoundTripAndHeaderErrors) {
   EXPECT_NE(version.status().message().find("version 2"), std::string::npos);
   std::string bad_type = frame;
   bad_type[3] = 42;
-  EXPECT_EQ(ParseFrameHeader(bad_type, 1024).status().code(),
-            absl::StatusCode::kDataLoss);
-  EXPECT_EQ(ParseFrameHeader(frame, 2).status().code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ParseFrameHeader(bad_type, 1024).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ParseFrameHeader(frame, 2).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST(Descriptor, RoundTrip) {
@@ -110,8 +107,7 @@ TEST(Descriptor, RejectsInconsistentOrExcessiveContent) {
   d = SampleDescriptor();
   d.nics.clear();
   d.regions.clear();
-  EXPECT_EQ(DecodeDescriptor(Encode(d)).status().code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(DecodeDescriptor(Encode(d)).status().code(), absl::StatusCode::kResourceExhausted);
   // A region count above the limit is refused before any allocation.
   std::string payload;
   Writer w(&payload);
@@ -166,8 +162,8 @@ TEST(Messages, OthersRoundTrip) {
 TEST(Messages, ConnectLinksRoundTripAndBounds) {
   ConnectLinksRequest batch;
   for (uint32_t i = 0; i < 3; ++i) {
-    batch.links.push_back(ConnectRequest{7, i, {"eth1", "addr", -1, 0, 0}, i + 1,
-                                         std::string("p\0", 2) + char('a' + i)});
+    batch.links.push_back(ConnectRequest{
+        7, i, {"eth1", "addr", -1, 0, 0}, i + 1, std::string("p\0", 2) + char('a' + i)});
   }
   auto b = DecodeConnectLinksRequest(Encode(batch));
   ASSERT_TRUE(b.ok()) << b.status();
@@ -235,18 +231,28 @@ TEST(Messages, EveryTruncationIsAnError) {
   const std::vector<std::string> payloads = {
       Encode(SampleDescriptor()),
       Encode(ConnectRequest{7, 1, {"eth1", "addr", -1, 0, 0}, 2, "params"}),
-      Encode(Notify{9, "payload"}), Encode(Probe{1, 2}),
-      EncodeError(absl::InternalError("x"))};
+      Encode(Notify{9, "payload"}), Encode(Probe{1, 2}), EncodeError(absl::InternalError("x"))};
   for (size_t which = 0; which < payloads.size(); ++which) {
     for (size_t len = 0; len < payloads[which].size(); ++len) {
       absl::string_view cut(payloads[which].data(), len);
       absl::Status s;
       switch (which) {
-        case 0: s = DecodeDescriptor(cut).status(); break;
-        case 1: s = DecodeConnectRequest(cut).status(); break;
-        case 2: s = DecodeNotify(cut).status(); break;
-        case 3: s = DecodeProbe(cut).status(); break;
-        case 4: s = DecodeError(cut); EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss); continue;
+        case 0:
+          s = DecodeDescriptor(cut).status();
+          break;
+        case 1:
+          s = DecodeConnectRequest(cut).status();
+          break;
+        case 2:
+          s = DecodeNotify(cut).status();
+          break;
+        case 3:
+          s = DecodeProbe(cut).status();
+          break;
+        case 4:
+          s = DecodeError(cut);
+          EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+          continue;
       }
       EXPECT_FALSE(s.ok()) << "message " << which << " cut at " << len;
     }
@@ -262,8 +268,7 @@ TEST(Messages, MutationCorpusNeverCrashes) {
   const std::vector<std::string> base = {
       Encode(SampleDescriptor()),
       Encode(ConnectRequest{7, 1, {"eth1", "addr", -1, 0, 0}, 2, "params"}),
-      Encode(Notify{9, "payload"}), Encode(Probe{1, 2}),
-      EncodeError(absl::InternalError("x"))};
+      Encode(Notify{9, "payload"}), Encode(Probe{1, 2}), EncodeError(absl::InternalError("x"))};
   int errors = 0, values = 0;
   for (int i = 0; i < 4000; ++i) {
     std::string m = base[prng.Uniform(base.size())];
@@ -280,7 +285,8 @@ TEST(Messages, MutationCorpusNeverCrashes) {
           m.resize(prng.Uniform(m.size() + 1));
           break;
         case 3:  // insert random bytes
-          m.insert(prng.Uniform(m.size() + 1), std::string(1 + prng.Uniform(8), char(prng.Next64())));
+          m.insert(prng.Uniform(m.size() + 1),
+                   std::string(1 + prng.Uniform(8), char(prng.Next64())));
           break;
       }
     }
@@ -291,23 +297,46 @@ TEST(Messages, MutationCorpusNeverCrashes) {
       ++errors;
       continue;
     }
-    absl::string_view payload(frame.data() + kFrameHeaderBytes,
-                              frame.size() - kFrameHeaderBytes);
+    absl::string_view payload(frame.data() + kFrameHeaderBytes, frame.size() - kFrameHeaderBytes);
     absl::Status s;
     switch (header->type) {
-      case MessageType::kDescriptor: s = DecodeDescriptor(payload).status(); break;
-      case MessageType::kDescriptorV2: s = DecodeDescriptorV2(payload).status(); break;
-      case MessageType::kConnect: s = DecodeConnectRequest(payload).status(); break;
-      case MessageType::kConnectReply: s = DecodeConnectReply(payload).status(); break;
-      case MessageType::kConnectLinks: s = DecodeConnectLinksRequest(payload).status(); break;
-      case MessageType::kConnectLinksReply: s = DecodeConnectLinksReply(payload).status(); break;
-      case MessageType::kNotify: s = DecodeNotify(payload).status(); break;
+      case MessageType::kDescriptor:
+        s = DecodeDescriptor(payload).status();
+        break;
+      case MessageType::kDescriptorV2:
+        s = DecodeDescriptorV2(payload).status();
+        break;
+      case MessageType::kConnect:
+        s = DecodeConnectRequest(payload).status();
+        break;
+      case MessageType::kConnectReply:
+        s = DecodeConnectReply(payload).status();
+        break;
+      case MessageType::kConnectLinks:
+        s = DecodeConnectLinksRequest(payload).status();
+        break;
+      case MessageType::kConnectLinksReply:
+        s = DecodeConnectLinksReply(payload).status();
+        break;
+      case MessageType::kNotify:
+        s = DecodeNotify(payload).status();
+        break;
       case MessageType::kProbe:
-      case MessageType::kProbeReply: s = DecodeProbe(payload).status(); break;
-      case MessageType::kError: s = DecodeError(payload); break;
-      case MessageType::kGetMetadata: s = DecodeMetadataRequest(payload).status(); break;
-      case MessageType::kMetadata: s = DecodeMetadata(payload).status(); break;
-      default: s = absl::OkStatus(); break;
+      case MessageType::kProbeReply:
+        s = DecodeProbe(payload).status();
+        break;
+      case MessageType::kError:
+        s = DecodeError(payload);
+        break;
+      case MessageType::kGetMetadata:
+        s = DecodeMetadataRequest(payload).status();
+        break;
+      case MessageType::kMetadata:
+        s = DecodeMetadata(payload).status();
+        break;
+      default:
+        s = absl::OkStatus();
+        break;
     }
     if (s.ok() || header->type == MessageType::kError) {
       ++values;

@@ -6,11 +6,11 @@
 #include <thread>
 #include <vector>
 
-#include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
-#include "kv/kv_cache.h"
+#include "absl/time/clock.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
+#include "kv/kv_cache.h"
 #include "tests/peer_process.h"
 #include "tests/test_kv_layout.h"
 
@@ -241,7 +241,8 @@ KvReceiver::Status StopAfterLayer0(Decode& d, const std::string& id, const char*
 TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) {
   Decode d = StartDecode(kKvPeerTimeout);
   absl::StatusOr<PeerProcess> prefill;
-  StopAfterLayer0(d, "killed", "killed", [](PeerProcess& p) { p.Kill(); }, &prefill);
+  StopAfterLayer0(
+      d, "killed", "killed", [](PeerProcess& p) { p.Kill(); }, &prefill);
   if (HasFailure()) return;
   // The decode goes on: a new prefill's request completes.
   auto next = StartPrefill(d, "next");
@@ -259,8 +260,8 @@ TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) 
 TEST(PeerFailure, KvPrefillFrozenMidRequestIsFailedAndFencedBeforeItResumes) {
   Decode d = StartDecode(kKvPeerTimeout);
   absl::StatusOr<PeerProcess> prefill;
-  const KvReceiver::Status s =
-      StopAfterLayer0(d, "frozen", "frozen", [](PeerProcess& p) { p.Freeze(); }, &prefill);
+  const KvReceiver::Status s = StopAfterLayer0(
+      d, "frozen", "frozen", [](PeerProcess& p) { p.Freeze(); }, &prefill);
   if (HasFailure()) return;
   EXPECT_NE(s.error.message().find("has not answered"), std::string::npos) << s.error;
   // Fenced: the prefill resumes and tries to send layers 1-3 (one every

@@ -21,10 +21,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "base/logging.h"
 #include "absl/time/clock.h"
-#include "kv/kv_cache.h"
+#include "base/logging.h"
 #include "engine/transfer_engine.h"
+#include "kv/kv_cache.h"
 #include "tests/test_kv_layout.h"
 
 ABSL_FLAG(uint16_t, port, 0, "handshake port (0: any free one)");
@@ -58,7 +58,8 @@ int Prefill(kvferry::TransferEngine* engine) {
   for (uint32_t layer = 0; layer < layout.layers; ++layer) {
     absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_kv_layer_delay_ms)));
     absl::Status sent = (*sender)->SendLayer(*h, layer);
-    if (!sent.ok()) std::fprintf(stderr, "peer_main: layer %u: %s\n", layer, sent.ToString().c_str());
+    if (!sent.ok())
+      std::fprintf(stderr, "peer_main: layer %u: %s\n", layer, sent.ToString().c_str());
   }
   absl::Status done = (*sender)->Finish(*h, "aux");
   std::printf("FINISHED %s\n", done.ToString().c_str());

@@ -4,7 +4,7 @@
 #include <memory>
 
 #include "engine/testing/engine_conformance.h"
-#include "tests/sim_world.h"
+#include "engine/testing/sim_world.h"
 
 namespace kvferry {
 namespace testing {

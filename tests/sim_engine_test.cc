@@ -6,8 +6,8 @@
 #include <memory>
 #include <vector>
 
+#include "engine/testing/sim_world.h"
 #include "engine/transfer_engine.h"
-#include "tests/sim_world.h"
 #include "gtest/gtest.h"
 #include "handshake/sim_network.h"
 #include "sim/fabric.h"
@@ -25,8 +25,8 @@ constexpr size_t kLayers = 4, kPages = 32, kPage = 4096;
 
 // Sends every page of every layer prefill -> decode (scattered), one batch
 // per layer, then a notification; checks the pages when it is seen.
-void MovePages(SimWorld& w, TransferEngine& prefill, TransferEngine& decode,
-               std::vector<char>& src, std::vector<char>& dst, int round) {
+void MovePages(SimWorld& w, TransferEngine& prefill, TransferEngine& decode, std::vector<char>& src,
+               std::vector<char>& dst, int round) {
   auto seg = prefill.OpenSegment(decode.address());
   ASSERT_TRUE(seg.ok()) << seg.status();
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 7 + round);
@@ -36,8 +36,8 @@ void MovePages(SimWorld& w, TransferEngine& prefill, TransferEngine& decode,
     for (size_t p = 0; p < kPages; ++p) {
       const size_t from = (layer * kPages + p) * kPage;
       const size_t to = (layer * kPages + (p * 5 + 3) % kPages) * kPage;  // scattered
-      reqs.push_back({Opcode::kWrite, src.data() + from,
-                      reinterpret_cast<uintptr_t>(dst.data()) + to, kPage});
+      reqs.push_back(
+          {Opcode::kWrite, src.data() + from, reinterpret_cast<uintptr_t>(dst.data()) + to, kPage});
     }
     auto b = prefill.Submit(*seg, reqs);
     ASSERT_TRUE(b.ok()) << b.status();
@@ -48,8 +48,8 @@ void MovePages(SimWorld& w, TransferEngine& prefill, TransferEngine& decode,
     ASSERT_TRUE(st.ok()) << st.status();
     ASSERT_TRUE(st->ok()) << st->requests[0];
   }
-  ASSERT_TRUE(prefill.NotifyAfter(batches.back(), "round " + std::to_string(round),
-                                  absl::Seconds(1)).ok());
+  ASSERT_TRUE(
+      prefill.NotifyAfter(batches.back(), "round " + std::to_string(round), absl::Seconds(1)).ok());
   auto note = decode.WaitNotification(absl::Seconds(1));
   ASSERT_TRUE(note.ok()) << note.status();
   EXPECT_EQ(note->message, "round " + std::to_string(round));
@@ -78,9 +78,7 @@ uint64_t RunScenario(uint64_t seed, sim::FaultOptions faults) {
   return w.sched().trace_hash();
 }
 
-TEST(SimEngine, PagesArriveAndNotificationsFollowTheirData) {
-  RunScenario(1, {});
-}
+TEST(SimEngine, PagesArriveAndNotificationsFollowTheirData) { RunScenario(1, {}); }
 
 TEST(SimEngine, LossyFabricStillDeliversAndReplaysBitForBit) {
   sim::FaultOptions lossy;

@@ -33,12 +33,12 @@
 #include <string>
 #include <vector>
 
-#include "kv/kv_cache.h"
+#include "engine/testing/sim_world.h"
 #include "gtest/gtest.h"
+#include "kv/kv_cache.h"
 #include "sim/fault_injector.h"
 #include "sim/prng.h"
 #include "sim/seed.h"
-#include "tests/sim_world.h"
 
 namespace kvferry {
 namespace {
@@ -268,8 +268,7 @@ class KvCluster {
       ++corruptions_detected_;
     } else if (sent.ok() && !restarted && d_alive) {
       ADD_FAILURE() << "request " << id << " was sent, but the receiver did not hear of it: "
-                    << (state == KvReceiver::State::kPending ? "pending"
-                                                             : heard.error.ToString());
+                    << (state == KvReceiver::State::kPending ? "pending" : heard.error.ToString());
     } else if (sent.ok() && !restarted) {
       holder = &dst_pool;  // crashed after completing: its memory is still here
     }
@@ -279,8 +278,8 @@ class KvCluster {
       for (uint32_t b = 0; b < kLayout.buffer_count(); ++b) {
         for (size_t i = 0; i < dst.size(); ++i) {
           EXPECT_TRUE(SamePage(from.pool, src[i], *holder, dst[i], b))
-              << "request " << id << (sent.ok() ? " was sent" : " shows complete")
-              << " but page " << dst[i] << " of buffer " << b << " differs";
+              << "request " << id << (sent.ok() ? " was sent" : " shows complete") << " but page "
+              << dst[i] << " of buffer " << b << " differs";
         }
       }
     }
@@ -334,8 +333,7 @@ class KvCluster {
     if (it == h.fenced_pages.end()) return;
     const uint64_t n = kLayout.page_bytes();
     for (uint32_t b = 0; b < kLayout.buffer_count(); ++b) {
-      EXPECT_EQ(std::memcmp(h.pool.buffer(b) + uint64_t{page} * n, it->second.data() + b * n, n),
-                0)
+      EXPECT_EQ(std::memcmp(h.pool.buffer(b) + uint64_t{page} * n, it->second.data() + b * n, n), 0)
           << "page " << page << " of buffer " << b
           << " was written after its request was reported failed: " << h.fenced_why[page];
     }
@@ -428,8 +426,8 @@ void RunSeed(uint64_t seed, Stats* stats) {
   s.max_outage = absl::Milliseconds(20);
   s.fault_phase = absl::Milliseconds(150);
   sim::FaultInjector inj(
-      &c.world().fabric(), seed ^ 0xfa17, s,
-      [&](NodeId n) { c.Crash(c.HostOfNode(n)); }, [&](NodeId n) { c.Restart(c.HostOfNode(n)); });
+      &c.world().fabric(), seed ^ 0xfa17, s, [&](NodeId n) { c.Crash(c.HostOfNode(n)); },
+      [&](NodeId n) { c.Restart(c.HostOfNode(n)); });
   inj.Start();
   auto& sched = c.world().sched();
   // Fault phase: requests between random pairs; failures are allowed.
@@ -479,20 +477,20 @@ TEST(SimKvCluster, FaultPhaseThenHealedPhaseAcrossSeeds) {
     total.fenced_restarts += s.fenced_restarts;
     if (HasFailure()) break;
   }
-  std::printf("sweep of %zu seeds: %llu aborted and %llu killed mid-request; the decodes "
-              "reported %llu failed requests in bound; %llu corrupted requests detected "
-              "(checksums); %llu prefills restarted after a decode fenced them\n",
-              seeds.size(), (unsigned long long)total.aborted, (unsigned long long)total.killed,
-              (unsigned long long)total.reported_failed,
-              (unsigned long long)total.corruptions_detected,
-              (unsigned long long)total.fenced_restarts);
-  std::printf("sweep of %zu seeds: %llu KV requests, %llu failed in fault phases; %llu crashes "
-              "(%llu restarts), %llu partitions, %llu NIC outages\n",
-              seeds.size(), (unsigned long long)total.requests,
-              (unsigned long long)total.failed_in_fault_phase,
-              (unsigned long long)total.faults.crashes, (unsigned long long)total.restarts,
-              (unsigned long long)total.faults.partitions,
-              (unsigned long long)total.faults.nic_downs);
+  std::printf(
+      "sweep of %zu seeds: %llu aborted and %llu killed mid-request; the decodes "
+      "reported %llu failed requests in bound; %llu corrupted requests detected "
+      "(checksums); %llu prefills restarted after a decode fenced them\n",
+      seeds.size(), (unsigned long long)total.aborted, (unsigned long long)total.killed,
+      (unsigned long long)total.reported_failed, (unsigned long long)total.corruptions_detected,
+      (unsigned long long)total.fenced_restarts);
+  std::printf(
+      "sweep of %zu seeds: %llu KV requests, %llu failed in fault phases; %llu crashes "
+      "(%llu restarts), %llu partitions, %llu NIC outages\n",
+      seeds.size(), (unsigned long long)total.requests,
+      (unsigned long long)total.failed_in_fault_phase, (unsigned long long)total.faults.crashes,
+      (unsigned long long)total.restarts, (unsigned long long)total.faults.partitions,
+      (unsigned long long)total.faults.nic_downs);
   if (seeds.size() >= 20) {  // the sweep exercised failures (not a vacuous pass)
     EXPECT_GT(total.faults.crashes, 0u);
     EXPECT_GT(total.faults.partitions, 0u);

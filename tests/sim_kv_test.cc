@@ -1,14 +1,14 @@
 // The KV layer inside the simulator: pages verified, and layer-wise mode
 // overlapping transfer with (modelled) compute.
 #include <cstring>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
-#include "kv/kv_cache.h"
+#include "engine/testing/sim_world.h"
 #include "gtest/gtest.h"
+#include "kv/kv_cache.h"
 #include "sim/fabric.h"
-#include "tests/sim_world.h"
 
 namespace kvferry {
 namespace {
@@ -50,8 +50,9 @@ TEST(SimKv, PagesArriveAndAuxFollows) {
   for (uint32_t layer = 0; layer < l.layers; ++layer) {
     for (uint32_t kv = 0; kv < 2; ++kv) {
       for (size_t i = 0; i < s.size(); ++i) {
-        ASSERT_EQ(std::memcmp(k.src.page(layer, kv, s[i]), k.dst.page(layer, kv, d[i]),
-                              l.page_bytes()), 0);
+        ASSERT_EQ(
+            std::memcmp(k.src.page(layer, kv, s[i]), k.dst.page(layer, kv, d[i]), l.page_bytes()),
+            0);
       }
     }
   }
@@ -69,8 +70,9 @@ TEST(SimKv, CancelFailsOnBothSidesAndThePairStaysUsable) {
   EXPECT_EQ(st->state, KvReceiver::State::kFailed);
   EXPECT_NE(st->error.message().find("cancelled: preempted"), std::string::npos);
   // Layer 3 was never sent.
-  EXPECT_EQ(std::memcmp(k.dst.page(3, 0, 3), std::string(l.page_bytes(), '\0').data(),
-                        l.page_bytes()), 0);
+  EXPECT_EQ(
+      std::memcmp(k.dst.page(3, 0, 3), std::string(l.page_bytes(), '\0').data(), l.page_bytes()),
+      0);
   ASSERT_TRUE(k.sender->Send("after", k.decode->address(), {1, 2}, {3, 4}, "aux").ok());
   auto after = k.receiver->Wait("after", absl::Seconds(1));
   ASSERT_TRUE(after.ok());
@@ -106,8 +108,8 @@ TEST(SimKv, WritesHeldPastACancelNeverLand) {
 
 // Runs one request with `compute` per layer before each layer is ready;
 // returns the simulated time from the first layer's compute to completion.
-absl::Duration RunRequest(KvWorld& k, const std::vector<uint32_t>& pages,
-                          absl::Duration compute, bool layer_wise, const std::string& id) {
+absl::Duration RunRequest(KvWorld& k, const std::vector<uint32_t>& pages, absl::Duration compute,
+                          bool layer_wise, const std::string& id) {
   const KvLayout& l = k.src.layout();
   sim::Scheduler& sched = k.w.sched();
   auto h = k.sender->Begin(id, k.decode->address(), pages, pages);
@@ -142,8 +144,7 @@ TEST(SimKv, LayerWiseModeOverlapsTransferWithCompute) {
   const absl::Duration expected = std::max(compute_total, transfer_total) + layer_transfer;
   // Whole-request mode pays the sum; layer-wise pays the max plus one layer.
   EXPECT_GE(whole, compute_total + transfer_total * 0.95);
-  EXPECT_LE(overlapped, expected * 1.15) << "overlapped " << overlapped << " expected "
-                                         << expected;
+  EXPECT_LE(overlapped, expected * 1.15) << "overlapped " << overlapped << " expected " << expected;
   EXPECT_GE(overlapped, expected * 0.95);
   EXPECT_LT(overlapped, whole * 0.75);
   std::printf("layer-wise %s, whole %s, max(compute, transfer) + one layer %s\n",

@@ -32,8 +32,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
-#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
+#include "kv/kv_cache.h"
 #include "sim/prng.h"
 
 ABSL_FLAG(std::string, role, "both", "both (two local processes), prefill or decode");
@@ -143,9 +143,9 @@ absl::Status CheckFlags(const Layout& layout) {
   const uint64_t want = uint64_t{absl::GetFlag(FLAGS_requests)} * absl::GetFlag(FLAGS_pages);
   if (absl::GetFlag(FLAGS_requests) == 0 || absl::GetFlag(FLAGS_pages) == 0 ||
       want > layout.pool_pages) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--requests x --pages (", want, ") must be between 1 and --pool_pages (",
-        layout.pool_pages, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("--requests x --pages (", want,
+                                                   ") must be between 1 and --pool_pages (",
+                                                   layout.pool_pages, ")"));
   }
   return absl::OkStatus();
 }
@@ -218,9 +218,9 @@ int RunDecode(int report_fd, int death_fd) {
     for (uint32_t r = 0; r < requests; ++r) {
       auto st = (*receiver)->Wait(absl::StrCat("lost-", r), absl::Minutes(1));
       if (!st.ok() || st->state != KvReceiver::State::kFailed) {
-        std::fprintf(stderr, "decode: req-%u: %s\n", r,
-                     !st.ok() ? st.status().ToString().c_str()
-                              : "completed although its prefill died");
+        std::fprintf(
+            stderr, "decode: req-%u: %s\n", r,
+            !st.ok() ? st.status().ToString().c_str() : "completed although its prefill died");
         return 1;
       }
       seen = std::max(seen, absl::Now());
@@ -232,10 +232,10 @@ int RunDecode(int report_fd, int death_fd) {
       std::fprintf(stderr, "decode: no word of the prefill's death\n");
       return 1;
     }
-    std::printf("  decode   the prefill died mid-request: all %u requests reported failed %.0f ms "
-                "after its death (%s)\n",
-                requests, absl::ToDoubleMilliseconds(seen - absl::FromUnixNanos(died_ns)),
-                why.c_str());
+    std::printf(
+        "  decode   the prefill died mid-request: all %u requests reported failed %.0f ms "
+        "after its death (%s)\n",
+        requests, absl::ToDoubleMilliseconds(seen - absl::FromUnixNanos(died_ns)), why.c_str());
     std::printf("  decode   serving the next prefill\n");
     std::fflush(stdout);
   }
@@ -326,8 +326,8 @@ int RunPrefill(const std::string& peer, uint32_t kill_after = 0) {
   const absl::Time t0 = absl::Now();
   std::vector<KvSender::Handle> handles;
   for (uint32_t r = 0; r < requests; ++r) {
-    auto h = (*sender)->Begin(absl::StrCat(kill_after > 0 ? "lost-" : "req-", r), peer,
-                              plan.src[r], plan.dst[r]);
+    auto h = (*sender)->Begin(absl::StrCat(kill_after > 0 ? "lost-" : "req-", r), peer, plan.src[r],
+                              plan.dst[r]);
     if (!h.ok()) {
       std::fprintf(stderr, "prefill: %s\n", h.status().ToString().c_str());
       return 1;
@@ -375,16 +375,18 @@ int RunPrefill(const std::string& peer, uint32_t kill_after = 0) {
   const uint32_t completed = requests - (cancel_last ? 1 : 0);
   const double bytes = double(completed) * pages * 2 * layout.layers * layout.page_bytes;
   const uint64_t total = uint64_t{completed} * pages * 2 * layout.layers;
-  std::printf("  model    %u layers x K,V x %u-token pages x %u heads x %u dims bf16 = %s per page\n",
-              layout.layers, absl::GetFlag(FLAGS_page_tokens), absl::GetFlag(FLAGS_kv_heads),
-              absl::GetFlag(FLAGS_head_dim),
-              absl::StrFormat("%.0f KiB", layout.page_bytes / 1024.0).c_str());
+  std::printf(
+      "  model    %u layers x K,V x %u-token pages x %u heads x %u dims bf16 = %s per page\n",
+      layout.layers, absl::GetFlag(FLAGS_page_tokens), absl::GetFlag(FLAGS_kv_heads),
+      absl::GetFlag(FLAGS_head_dim),
+      absl::StrFormat("%.0f KiB", layout.page_bytes / 1024.0).c_str());
   std::printf("  handshake %.1f ms (descriptors, links, the decode pool's layout)\n",
               absl::ToDoubleMilliseconds(handshake));
-  std::printf("  sent     %u concurrent requests x %u scattered pages, layer by layer: "
-              "%.1f MiB in %.3f s = %.2f GB/s%s\n",
-              requests, pages, bytes / (1 << 20), seconds, bytes / seconds / 1e9,
-              cancel_last ? " (the last one cancelled after layer 0)" : "");
+  std::printf(
+      "  sent     %u concurrent requests x %u scattered pages, layer by layer: "
+      "%.1f MiB in %.3f s = %.2f GB/s%s\n",
+      requests, pages, bytes / (1 << 20), seconds, bytes / seconds / 1e9,
+      cancel_last ? " (the last one cancelled after layer 0)" : "");
   std::string per_request;
   for (size_t r = 0; r < latency_ms.size(); ++r) {
     absl::StrAppend(&per_request, r ? ", " : "", absl::StrFormat("%.1f", latency_ms[r]));
@@ -474,7 +476,8 @@ int main(int argc, char** argv) {
   if (role == "decode") return kvferry::RunDecode(-1, -1);
   if (role == "prefill") {
     if (absl::GetFlag(FLAGS_peer).empty()) {
-      std::fprintf(stderr, "demo: --role=prefill needs --peer=HOST:PORT (printed by --role=decode)\n");
+      std::fprintf(stderr,
+                   "demo: --role=prefill needs --peer=HOST:PORT (printed by --role=decode)\n");
       return 2;
     }
     return kvferry::RunPrefill(absl::GetFlag(FLAGS_peer));

@@ -24,8 +24,8 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
     const bool overlaps_prev =
         next != by_addr_.begin() && std::prev(next)->first + std::prev(next)->second.length > base;
     if (overlaps_next || overlaps_prev) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "RegisterMemory: [%#x, +%u) overlaps a registered region", base, length));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("RegisterMemory: [%#x, +%u) overlaps a registered region", base, length));
     }
     // Reserved (no pieces yet) so that a concurrent overlapping Register fails.
     Entry& e = by_addr_[base];
@@ -49,9 +49,9 @@ absl::Status LocalRegions::Register(void* addr, uint64_t length, transport::Acce
   return absl::OkStatus();
 }
 
-absl::Status LocalRegions::RegisterPieces(uint64_t base, uint64_t length,
-                                          transport::Access access, bool device,
-                                          std::vector<Piece>* pieces, uint32_t* absent) {
+absl::Status LocalRegions::RegisterPieces(uint64_t base, uint64_t length, transport::Access access,
+                                          bool device, std::vector<Piece>* pieces,
+                                          uint32_t* absent) {
   uint64_t piece_bytes = length;
   for (transport::Transport* t : transports_) {
     const uint64_t limit = t->GetLimits().max_region_bytes;
@@ -170,9 +170,9 @@ namespace {
 struct CachedPiece {
   uint64_t serial = 0;  // 0: none
   uint64_t generation = 0;
-  uint64_t base = 0;    // its registration: [base, +length)
+  uint64_t base = 0;  // its registration: [base, +length)
   uint64_t length = 0;
-  uint64_t from = 0;    // the piece: [from, use.until)
+  uint64_t from = 0;  // the piece: [from, use.until)
   LocalUse use;
 };
 thread_local CachedPiece cached_piece;
@@ -229,14 +229,14 @@ absl::Status LocalRegions::FindLocked(const TransferRequest& r, size_t i, bool l
   uint64_t base = 0;
   const Entry* e = Lookup(at, r.length, &base);
   if (e == nullptr) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "request %u: local buffer [%p, +%u) is %s", i, r.local, r.length,
-        r.length == 0 ? "empty" : "not inside memory registered on this engine"));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("request %u: local buffer [%p, +%u) is %s", i, r.local, r.length,
+                        r.length == 0 ? "empty" : "not inside memory registered on this engine"));
   }
   *out = e->Use(base, at);
   if (last) {
-    cached_piece = CachedPiece{serial_, generation_.load(std::memory_order_relaxed), base,
-                               e->length, e->pieces[e->PieceOf(base, at)].addr, *out};
+    cached_piece = CachedPiece{serial_,   generation_.load(std::memory_order_relaxed), base,
+                               e->length, e->pieces[e->PieceOf(base, at)].addr,        *out};
   }
   return absl::OkStatus();
 }

@@ -34,7 +34,7 @@ constexpr size_t kMaxTransports = 2;
 // holding its first byte (see LocalRegions), which ends at `until`.
 struct LocalUse {
   std::array<transport::RegionId, kMaxTransports> region{};  // per transport
-  NicMask near = 0;  // NICs of the primary transport
+  NicMask near = 0;                                          // NICs of the primary transport
   uint64_t until = 0;  // the piece's end: slices past it use the next piece
 };
 
@@ -94,7 +94,7 @@ class LocalRegions {
     transport::Access access = transport::Access::kNone;
     std::vector<Piece> pieces;  // in address order; empty while registering
     uint64_t piece_bytes = 0;   // every piece's length but the last's
-    uint32_t absent = 0;  // transports that could not register it (bit i), id 0 there
+    uint32_t absent = 0;        // transports that could not register it (bit i), id 0 there
     NicMask near = 0;
     bool usable() const {
       if (pieces.empty()) return false;
@@ -114,8 +114,8 @@ class LocalRegions {
   };
   // Registers `e`'s pieces of [base, +length) on every transport; on failure
   // none stays registered.
-  absl::Status RegisterPieces(uint64_t base, uint64_t length, transport::Access access,
-                              bool device, std::vector<Piece>* pieces, uint32_t* absent);
+  absl::Status RegisterPieces(uint64_t base, uint64_t length, transport::Access access, bool device,
+                              std::vector<Piece>* pieces, uint32_t* absent);
   // The entry holding [addr, +length) that requests may use, or null.
   // `*base`: where its registration starts.
   const Entry* Lookup(uint64_t addr, uint64_t length, uint64_t* base) const

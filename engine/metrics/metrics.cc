@@ -15,11 +15,11 @@ namespace {
 // smallest bucket, where most requests fall, cost a few instructions, where
 // a conversion to floating-point seconds (an Abseil division) and a binary
 // search cost a tenth of a 64-request batch.
-constexpr int64_t kBoundsNs[] = {
-    10'000,      25'000,      50'000,        100'000,       250'000,
-    500'000,     1'000'000,   2'500'000,     5'000'000,     10'000'000,
-    25'000'000,  50'000'000,  100'000'000,   250'000'000,   500'000'000,
-    1'000'000'000, 2'500'000'000, 5'000'000'000, 10'000'000'000};
+constexpr int64_t kBoundsNs[] = {10'000,        25'000,        50'000,        100'000,
+                                 250'000,       500'000,       1'000'000,     2'500'000,
+                                 5'000'000,     10'000'000,    25'000'000,    50'000'000,
+                                 100'000'000,   250'000'000,   500'000'000,   1'000'000'000,
+                                 2'500'000'000, 5'000'000'000, 10'000'000'000};
 constexpr size_t kBuckets = sizeof kBoundsNs / sizeof kBoundsNs[0];
 
 }  // namespace
@@ -89,9 +89,8 @@ class Writer {
   }
   // `labels`: extra labels already formatted as `k="v",...` (may be empty).
   void Sample(const std::string& name, const std::string& labels, double value) {
-    absl::StrAppend(out_, name, "{engine=\"", Escape(engine_), "\"",
-                    labels.empty() ? "" : ",", labels, "} ", absl::StrFormat("%.17g", value),
-                    "\n");
+    absl::StrAppend(out_, name, "{engine=\"", Escape(engine_), "\"", labels.empty() ? "" : ",",
+                    labels, "} ", absl::StrFormat("%.17g", value), "\n");
   }
 
  private:
@@ -130,8 +129,8 @@ void WritePeerCounters(Writer& w, const std::vector<PeerMetrics>& peers) {
   w.Family("kvferry_peer_transport", "gauge",
            "1 for the transport each peer's data goes over (why: the engine's log).");
   for (const PeerMetrics& p : peers) {
-    w.Sample("kvferry_peer_transport", Label("peer", p.peer) + "," + Label("transport", p.transport),
-             1);
+    w.Sample("kvferry_peer_transport",
+             Label("peer", p.peer) + "," + Label("transport", p.transport), 1);
   }
   w.Family("kvferry_peer_links", "gauge", "Links open to the peer (failed ones not counted).");
   for (const PeerMetrics& p : peers) w.Sample("kvferry_peer_links", Label("peer", p.peer), p.links);
@@ -168,9 +167,11 @@ void WritePeerLatency(Writer& w, const std::vector<PeerMetrics>& peers) {
 
 void WriteNics(Writer& w, const std::vector<NicMetrics>& nics) {
   w.Family("kvferry_nic_slices_total", "counter", "Slices posted on the NIC.");
-  for (const NicMetrics& n : nics) w.Sample("kvferry_nic_slices_total", Label("nic", n.name), n.slices);
+  for (const NicMetrics& n : nics)
+    w.Sample("kvferry_nic_slices_total", Label("nic", n.name), n.slices);
   w.Family("kvferry_nic_bytes_total", "counter", "Bytes posted on the NIC.");
-  for (const NicMetrics& n : nics) w.Sample("kvferry_nic_bytes_total", Label("nic", n.name), n.bytes);
+  for (const NicMetrics& n : nics)
+    w.Sample("kvferry_nic_bytes_total", Label("nic", n.name), n.bytes);
   w.Family("kvferry_nic_errors_total", "counter", "Slices that failed on the NIC, by status code.");
   for (const NicMetrics& n : nics) {
     for (const auto& [code, count] : n.errors_by_code) {
@@ -178,7 +179,8 @@ void WriteNics(Writer& w, const std::vector<NicMetrics>& nics) {
     }
   }
   w.Family("kvferry_nic_retries_total", "counter", "Failed slices of the NIC that were re-posted.");
-  for (const NicMetrics& n : nics) w.Sample("kvferry_nic_retries_total", Label("nic", n.name), n.retries);
+  for (const NicMetrics& n : nics)
+    w.Sample("kvferry_nic_retries_total", Label("nic", n.name), n.retries);
 }
 
 void WriteEngineCounters(Writer& w, const EngineMetrics& m) {

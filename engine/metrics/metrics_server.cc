@@ -93,8 +93,8 @@ void MetricsServer::OnEvent(int fd, uint32_t events) {
   }
   (void)events;
   while (c.sent < c.out.size()) {
-    const ssize_t n = ::send(fd, c.out.data() + c.sent, c.out.size() - c.sent,
-                             MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n =
+        ::send(fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
       (void)loop_->Modify(fd, EPOLLOUT);
       return;

@@ -82,12 +82,12 @@ TEST(Metrics, HistogramBoundsAreInclusive) {
     absl::Duration d;
     size_t bucket;
   };
-  for (const Case& c : {Case{absl::ZeroDuration(), 0}, Case{absl::Microseconds(10), 0},
-                        Case{absl::Microseconds(10) + absl::Nanoseconds(1), 1},
-                        Case{absl::Microseconds(25), 1}, Case{absl::Milliseconds(1), 6},
-                        Case{absl::Milliseconds(3), 8}, Case{absl::Seconds(10), 18},
-                        Case{absl::Seconds(10) + absl::Nanoseconds(1), 19},
-                        Case{absl::InfiniteDuration(), 19}, Case{-absl::Seconds(1), 0}}) {
+  for (const Case& c :
+       {Case{absl::ZeroDuration(), 0}, Case{absl::Microseconds(10), 0},
+        Case{absl::Microseconds(10) + absl::Nanoseconds(1), 1}, Case{absl::Microseconds(25), 1},
+        Case{absl::Milliseconds(1), 6}, Case{absl::Milliseconds(3), 8}, Case{absl::Seconds(10), 18},
+        Case{absl::Seconds(10) + absl::Nanoseconds(1), 19}, Case{absl::InfiniteDuration(), 19},
+        Case{-absl::Seconds(1), 0}}) {
     SCOPED_TRACE(absl::FormatDuration(c.d));
     LatencyHistogram h;
     h.Record(c.d);
@@ -118,8 +118,8 @@ TEST(Metrics, EndpointServesCountersThatMoveWithTraffic) {
   ASSERT_TRUE((*b)->RegisterMemory(dst.data(), dst.size()).ok());
   auto seg = (*a)->OpenSegment((*b)->address());
   ASSERT_TRUE(seg.ok());
-  const std::string peer = absl::StrCat("{engine=\"", (*a)->address(), "\",peer=\"",
-                                        (*b)->address(), "\"");
+  const std::string peer =
+      absl::StrCat("{engine=\"", (*a)->address(), "\",peer=\"", (*b)->address(), "\"");
   std::string before = Get((*a)->metrics_address(), "/metrics");
   ASSERT_TRUE(absl::StartsWith(before, "HTTP/1.1 200 OK")) << before;
   EXPECT_NE(before.find("# TYPE kvferry_requests_total counter"), std::string::npos);
@@ -153,7 +153,7 @@ TEST(Metrics, EndpointServesCountersThatMoveWithTraffic) {
   }
   // A failing request shows up by its code.
   TransferRequest outside{Opcode::kWrite, src.data(), 8, 64};  // not the peer's memory
-  EXPECT_FALSE((*a)->Submit(*seg, {&outside, 1}).ok());          // refused before posting
+  EXPECT_FALSE((*a)->Submit(*seg, {&outside, 1}).ok());        // refused before posting
   // The peer goes, and its handshake port stays taken (bound, not
   // listening: connects are refused), so that no engine of another test
   // running at the same time takes it over and answers as a restarted peer.

@@ -97,11 +97,11 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
       absl::StatusOr<handshake::EngineDescriptor> d =
           reply.ok() ? DecodeDescriptor(*reply) : reply.status();
       if (!d.ok()) {
-        out = !reply.ok() && RefusedAsUnknown(reply.status())
-                  ? absl::UnimplementedError(absl::StrCat(
-                        "peer ", peer, " speaks protocol version 1 (", reply.status().message(),
-                        ")"))
-                  : d.status();
+        out =
+            !reply.ok() && RefusedAsUnknown(reply.status())
+                ? absl::UnimplementedError(absl::StrCat(
+                      "peer ", peer, " speaks protocol version 1 (", reply.status().message(), ")"))
+                : d.status();
         return false;
       }
       out = Described{std::move(*d)};

@@ -87,7 +87,8 @@ std::vector<handshake::ConnectRequest> Requests(std::vector<std::string> params)
 TEST(PeerClient, ConnectLinksAsksForEveryLinkInOneCall) {
   ScriptedNetwork net(ScriptedNetwork::Mode::kBatch);
   PeerClient client(&net, 1, absl::Seconds(1));
-  auto answers = client.ConnectLinks("peer:1", Requests({"a", "refuse", "c"}), handshake::kCapabilities);
+  auto answers =
+      client.ConnectLinks("peer:1", Requests({"a", "refuse", "c"}), handshake::kCapabilities);
   ASSERT_TRUE(answers.ok()) << answers.status();
   ASSERT_EQ(answers->size(), 3u);
   EXPECT_EQ(*(*answers)[0], "a!");
@@ -288,7 +289,8 @@ TEST(PeerClient, DescribeLearnsTheProtocolVersionAndCapabilities) {
   EXPECT_EQ(d->engine_id, 9u);
   EXPECT_EQ(d->protocol_version, 1);
   EXPECT_FALSE(d->capabilities.has_value());
-  EXPECT_EQ(old.calls, (std::vector<MessageType>{MessageType::kDescribeV2, MessageType::kDescribe}));
+  EXPECT_EQ(old.calls,
+            (std::vector<MessageType>{MessageType::kDescribeV2, MessageType::kDescribe}));
 
   VersionedNetwork old2(1);
   PeerClient c(&old2, 1, absl::Seconds(1));

@@ -51,9 +51,8 @@ void CompletionPump::AwaitEpochPast(size_t lane, uint64_t seen, absl::Time deadl
   while (Seen(lane) == seen && FastNow() < spin_until) std::this_thread::yield();
   MutexLock lock(&mu_);
   lanes_[lane].sleepers.fetch_add(1);  // before the look below: see Wake
-  cv_.AwaitWithDeadline(&mu_, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return Seen(lane) != seen;
-  });
+  cv_.AwaitWithDeadline(&mu_, deadline,
+                        [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return Seen(lane) != seen; });
   lanes_[lane].sleepers.fetch_sub(1);
 }
 

@@ -1,10 +1,10 @@
 #include "engine/pipeline/completion_pump.h"
 
 #include <atomic>
-#include <thread>
-
 #include <condition_variable>
 #include <mutex>
+#include <thread>
+
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
@@ -56,8 +56,7 @@ TEST(CompletionPump, WaiterIsWokenWhileAnotherThreadDrives) {
   std::atomic<bool> returned{false};
   std::thread waiter([&] {
     EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Hours(1),
-                           [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; },
-                           kNothing));
+                           [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; }, kNothing));
     returned = true;
   });
   waiter_ready = true;  // its batch completed, collected by the driver
@@ -90,8 +89,8 @@ TEST(CompletionPump, WakeReachesTheWaitersOfItsLane) {
   driving.WaitForNotification();
   std::thread waiter([&] {
     EXPECT_TRUE(pump.Await([&] { return waiter_ready.load(); }, absl::Hours(1),
-                           [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; },
-                           kNothing, /*lane=*/5));
+                           [&](absl::Time) { ADD_FAILURE() << "a second driver ran"; }, kNothing,
+                           /*lane=*/5));
   });
   absl::SleepFor(absl::Milliseconds(50));  // asleep by now, most likely
   waiter_ready = true;
@@ -171,10 +170,11 @@ TEST(CompletionPump, ReadsTheClockOnlyWhenItMustWait) {
   EXPECT_TRUE(pump.Await([] { return true; }, absl::Seconds(1), no_drive, kNothing));
   EXPECT_EQ(clock.reads, 0);
   bool ready = false;
-  EXPECT_TRUE(pump.Await([&] { return ready; }, absl::Seconds(1), no_drive, [&] {
-    ready = true;
-    return true;
-  }));
+  EXPECT_TRUE(pump.Await([&] { return ready; }, absl::Seconds(1), no_drive,
+                         [&] {
+                           ready = true;
+                           return true;
+                         }));
   EXPECT_EQ(clock.reads, 0);
   // Nothing comes: the driver waits until the deadline, 5 ms of this clock
   // after its first reading.

@@ -26,10 +26,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/mutex.h"
+#include "engine/metrics/metrics.h"
 #include "engine/pipeline/batch_table.h"
 #include "engine/pipeline/completion_pump.h"
 #include "engine/pipeline/lock_order.h"
-#include "engine/metrics/metrics.h"
 #include "engine/pipeline/segment_table.h"
 
 namespace kvferry {

@@ -80,7 +80,7 @@ TEST(ChooseLink, CopiesShareTheLoad) {
   const absl::Time now = absl::Now();
   ASSERT_NE(ChooseLink(view, 0, 1, 0, now), nullptr);
   EXPECT_EQ(links[0].inflight(), 1u);
-  EXPECT_EQ(ChooseLink(links, 0, 1, 0, now), nullptr);  // full through either
+  EXPECT_EQ(ChooseLink(links, 0, 1, 0, now), nullptr);                        // full through either
   EXPECT_EQ(absl::ToUnixNanos(links[0].progress()), absl::ToUnixNanos(now));  // made busy now
 }
 
@@ -102,7 +102,7 @@ TEST(LinkPlan, PlansLikeChooseLinkAndTakesAllOrNothing) {
 
   ASSERT_TRUE(plan.Begin(&links, 4, 0));
   for (int i = 0; i < 5; ++i) EXPECT_GE(plan.Next(0), 0);
-  EXPECT_EQ(plan.Next(0), -1);  // both full as planned
+  EXPECT_EQ(plan.Next(0), -1);   // both full as planned
   links[1].load->inflight += 2;  // another thread took link 1's places
   EXPECT_FALSE(plan.Take(now));
   EXPECT_EQ(links[0].inflight(), 1u);  // nothing of this plan stays

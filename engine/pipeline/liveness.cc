@@ -60,9 +60,8 @@ void Liveness::FindRepairs(absl::Time now, std::vector<Repair>* out) {
         continue;
       }
       l.repairing = true;
-      out->push_back(
-          Repair{id, seg.generation, seg.via, seg.peer, l, seg.descriptor.nics[l.remote_nic],
-                                seg.descriptor.capabilities});
+      out->push_back(Repair{id, seg.generation, seg.via, seg.peer, l,
+                            seg.descriptor.nics[l.remote_nic], seg.descriptor.capabilities});
     }
   });
 }

@@ -16,8 +16,8 @@
 
 #include "absl/status/statusor.h"
 #include "base/clock.h"
-#include "engine/pipeline/lanes.h"
 #include "engine/peer/peer_client.h"
+#include "engine/pipeline/lanes.h"
 #include "engine/pipeline/segment_registry.h"
 #include "engine/pipeline/vias.h"
 

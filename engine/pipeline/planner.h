@@ -11,8 +11,8 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "engine/pipeline/batch_table.h"
 #include "engine/memory/local_regions.h"
+#include "engine/pipeline/batch_table.h"
 #include "engine/pipeline/segment_table.h"
 #include "engine/pipeline/vias.h"
 

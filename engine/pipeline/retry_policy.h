@@ -20,8 +20,8 @@ inline bool Retryable(absl::StatusCode code) {
 // reconnect's (kUnavailable for a dead peer), with what the slice saw first.
 inline absl::Status RetryImpossible(const absl::Status& reconnect, const absl::Status& first) {
   if (first.ok()) return reconnect;
-  return absl::Status(reconnect.code(), absl::StrCat(reconnect.message(), " (retrying after: ",
-                                                     first.message(), ")"));
+  return absl::Status(reconnect.code(), absl::StrCat(reconnect.message(),
+                                                     " (retrying after: ", first.message(), ")"));
 }
 
 }  // namespace engine_internal

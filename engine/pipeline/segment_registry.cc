@@ -206,8 +206,7 @@ void SegmentRegistry::ExpireIdle(absl::Time now) {
   });
 }
 
-absl::StatusOr<std::vector<RemoteRegion>> SegmentRegistry::Regions(
-    SegmentId id) const {
+absl::StatusOr<std::vector<RemoteRegion>> SegmentRegistry::Regions(SegmentId id) const {
   MutexLock lock(&mu_);
   const Segment* seg = table_.Find(id);
   if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
@@ -302,9 +301,8 @@ absl::Status SegmentRegistry::ClosePeerHalves(
   for (const auto& l : links) names.push_back(l.second);
   for (size_t i = 0; i < names.size(); i += handshake::kMaxLinksPerConnect) {
     const size_t end = std::min(names.size(), i + handshake::kMaxLinksPerConnect);
-    absl::Status closed =
-        client_->CloseLinks(peer, std::vector<std::string>(names.begin() + i, names.begin() + end),
-                            capabilities);
+    absl::Status closed = client_->CloseLinks(
+        peer, std::vector<std::string>(names.begin() + i, names.begin() + end), capabilities);
     if (!closed.ok()) {
       return Annotate(
           closed, absl::StrCat("closing the peer's half of ", links.size(), " failed link(s) to ",

@@ -19,12 +19,12 @@
 #include "absl/status/statusor.h"
 #include "base/clock.h"
 #include "base/mutex.h"
+#include "engine/peer/peer_client.h"
 #include "engine/pipeline/lanes.h"
 #include "engine/pipeline/path_choice.h"
-#include "engine/peer/peer_client.h"
 #include "engine/pipeline/segment_table.h"
-#include "engine/types.h"
 #include "engine/pipeline/vias.h"
+#include "engine/types.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -41,8 +41,7 @@ class SegmentRegistry {
   // reason are logged and kept in the peer's metrics.
   absl::StatusOr<SegmentId> Open(const std::string& peer) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Close(SegmentId id) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<std::vector<RemoteRegion>> Regions(SegmentId id) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<RemoteRegion>> Regions(SegmentId id) const ABSL_LOCKS_EXCLUDED(mu_);
   // The peer's address, its instance and the links' generation.
   struct PeerView {
     std::string peer;

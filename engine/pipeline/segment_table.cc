@@ -12,9 +12,9 @@ namespace engine_internal {
 
 const handshake::RegionDescriptor* SegmentCore::FindRemote(uint64_t addr) const {
   const auto& regions = descriptor.regions;
-  auto it = std::upper_bound(
-      regions.begin(), regions.end(), addr,
-      [](uint64_t a, const handshake::RegionDescriptor& r) { return a < r.addr; });
+  auto it =
+      std::upper_bound(regions.begin(), regions.end(), addr,
+                       [](uint64_t a, const handshake::RegionDescriptor& r) { return a < r.addr; });
   if (it == regions.begin()) return nullptr;
   --it;
   return addr - it->addr < it->length ? &*it : nullptr;
@@ -39,7 +39,8 @@ SliceCheck CheckRegion(const SegmentCore& seg, const handshake::RegionDescriptor
             : !transport::AllowsRemoteRead(found->access)) {
     *error = absl::PermissionDeniedError(absl::StrFormat(
         "peer %s does not allow remote %s of [%#x, +%u): it registered that memory without %s "
-        "access (the peer chooses: RegisterMemory's access; in Python register_memory(access=\"rw\") "
+        "access (the peer chooses: RegisterMemory's access; in Python "
+        "register_memory(access=\"rw\") "
         "or KVFERRY_REMOTE_ACCESS=rw in the peer's environment)",
         seg.peer, write ? "write" : "read", remote, length, write ? "write" : "read"));
     return SliceCheck::kForbidden;

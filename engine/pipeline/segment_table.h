@@ -17,8 +17,8 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "engine/pipeline/link_set.h"
 #include "engine/metrics/metrics.h"
+#include "engine/pipeline/link_set.h"
 #include "engine/types.h"
 #include "handshake/messages.h"
 
@@ -60,7 +60,7 @@ struct SegmentShared {
 
 struct Segment : SegmentCore {
   SegmentState state = SegmentState::kReady;
-  bool probing = false;     // a liveness probe is out
+  bool probing = false;  // a liveness probe is out
   // Set when the peer did not answer a probe: slices of this generation
   // fail with it instead of being retried.
   absl::Status dead;
@@ -84,8 +84,7 @@ enum class SliceCheck { kOk, kOutsideRegions, kForbidden, kNoLinks };
 // `write` (or read); `error` gets the message when not kOk, `region` (if
 // given) the peer region containing `remote`.
 SliceCheck CheckRemote(const SegmentCore& seg, uint64_t remote, uint64_t length, bool write,
-                       absl::Status* error,
-                       const handshake::RegionDescriptor** region = nullptr);
+                       absl::Status* error, const handshake::RegionDescriptor** region = nullptr);
 // The same with the region containing `remote` already looked up (`found`,
 // null when none).
 SliceCheck CheckRegion(const SegmentCore& seg, const handshake::RegionDescriptor* found,

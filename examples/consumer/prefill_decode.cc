@@ -24,14 +24,15 @@ int main() {
   auto dst = kvferry::KvPool::Allocate(layout);
   if (!src.ok() || !dst.ok()) return 1;
   for (uint32_t b = 0; b < layout.buffer_count(); ++b) {
-    for (uint64_t i = 0; i < layout.buffer_bytes(); ++i) src->buffer(b)[i] = static_cast<char>(i + b);
+    for (uint64_t i = 0; i < layout.buffer_bytes(); ++i)
+      src->buffer(b)[i] = static_cast<char>(i + b);
   }
   auto receiver = kvferry::KvReceiver::Create(decode->get(), *dst);
   auto sender = kvferry::KvSender::Create(prefill->get(), *src);
   if (!receiver.ok() || !sender.ok()) return 1;
   const std::vector<uint32_t> src_pages = {0, 1, 2, 3, 10, 11}, dst_pages = {40, 41, 42, 43, 7, 8};
-  absl::Status sent = (*sender)->Send("request-1", (*decode)->address(), src_pages, dst_pages,
-                                      "first token: 42");
+  absl::Status sent =
+      (*sender)->Send("request-1", (*decode)->address(), src_pages, dst_pages, "first token: 42");
   if (!sent.ok()) {
     std::fprintf(stderr, "send: %s\n", sent.ToString().c_str());
     return 1;

@@ -34,8 +34,8 @@
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
 #include "cuda/driver.h"
-#include "kv/kv_cache.h"
 #include "engine/transfer_engine.h"
+#include "kv/kv_cache.h"
 #include "tools/gpu/two_process.h"
 
 ABSL_FLAG(int, mib, 256, "bytes moved per transfer, MiB");
@@ -301,7 +301,8 @@ PathResult RunPath(Mode mode, size_t bytes, int rounds, int src_dev, int dst_dev
       engine != nullptr && src != nullptr) {
     result.ok = true;
     for (int r = 0; r < rounds && result.ok; ++r) {
-      for (size_t i = 0; i < bytes; i += 8) pattern[i] = static_cast<char>(i / 8 + r * 31 + static_cast<int>(mode));
+      for (size_t i = 0; i < bytes; i += 8)
+        pattern[i] = static_cast<char>(i / 8 + r * 31 + static_cast<int>(mode));
       result.ok = d->Copy(src, pattern.data(), bytes, src_dev).ok() &&
                   (r > 0 || engine->RegisterMemory(src, bytes).ok());
       auto seg = engine->OpenSegment(peer);
@@ -452,12 +453,11 @@ int Main() {
   std::vector<Path> all = {
       {Mode::kStaged, "device memory between two processes over TCP staging", {}},
       {Mode::kIpc, "device memory between two processes over CUDA IPC", {}},
-      {Mode::kVmm, "VMM device memory (20 MiB chunks) between two processes through POSIX fds",
-       {}},
+      {Mode::kVmm, "VMM device memory (20 MiB chunks) between two processes through POSIX fds", {}},
   };
   // The verbs path only where an RDMA engine starts (it says why not).
-  const bool rdma = !InChild([](std::vector<double>*) { return Engine(Mode::kVerbs) != nullptr; })
-                         .empty();
+  const bool rdma =
+      !InChild([](std::vector<double>*) { return Engine(Mode::kVerbs) != nullptr; }).empty();
   if (rdma) {
     all.push_back({Mode::kVerbs, "device memory between two processes over RDMA", {}});
   } else {
@@ -473,8 +473,9 @@ int Main() {
     });
     const bool ran = !path.result.empty();
     Check(ran, std::string(path.what) + ", verified");
-    Check(ran && path.result[2] == 1.0,
-          std::string(path.what) + ": a stream-ordered WRITE behind an asynchronous copy, verified");
+    Check(
+        ran && path.result[2] == 1.0,
+        std::string(path.what) + ": a stream-ordered WRITE behind an asynchronous copy, verified");
     Check(ran && path.result[3] == 1.0,
           std::string(path.what) + ": a KV request over device pools with checksums, verified");
   }
@@ -484,10 +485,11 @@ int Main() {
   const double ipc_rate = rate(all[1], 1);
   const double vmm_rate = rate(all[2], 1);
   if (rdma) std::printf("RDMA: %.2f GB/s\n", rate(all[3], 1));
-  std::printf("rates (best of %d): TCP staging %.2f GB/s, CUDA IPC %.2f GB/s, VMM fds %.2f GB/s; "
-              "references in this run: host-to-host TCP stream %.2f GB/s, device-to-device "
-              "cuMemcpy %.2f GB/s\n",
-              rounds, staged_rate, ipc_rate, vmm_rate, host_tcp, d2d);
+  std::printf(
+      "rates (best of %d): TCP staging %.2f GB/s, CUDA IPC %.2f GB/s, VMM fds %.2f GB/s; "
+      "references in this run: host-to-host TCP stream %.2f GB/s, device-to-device "
+      "cuMemcpy %.2f GB/s\n",
+      rounds, staged_rate, ipc_rate, vmm_rate, host_tcp, d2d);
   if (host_tcp > 0) std::printf("TCP staging / host TCP stream: %.2f\n", staged_rate / host_tcp);
   if (d2d > 0) std::printf("CUDA IPC / device-to-device cuMemcpy: %.2f\n", ipc_rate / d2d);
   if (d2d > 0) std::printf("VMM fds / device-to-device cuMemcpy: %.2f\n", vmm_rate / d2d);

@@ -1,7 +1,5 @@
 #include "transport/sim/sim_transport.h"
 
-#include "transport/sim/sim_transport_internal.h"
-
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -16,6 +14,7 @@
 #include "transport/checks.h"
 #include "transport/kinds.h"
 #include "transport/link_params.h"
+#include "transport/sim/sim_transport_internal.h"
 
 namespace kvferry {
 namespace transport {

@@ -1,8 +1,8 @@
 // A simulated world for engine-level tests: hosts with a data NIC and a
 // management NIC on one fabric, and TransferEngines built on SimTransport
 // and SimNetwork, all driven by one scheduler.
-#ifndef KVFERRY_TESTS_SIM_WORLD_H_
-#define KVFERRY_TESTS_SIM_WORLD_H_
+#ifndef KVFERRY_ENGINE_TESTING_SIM_WORLD_H_
+#define KVFERRY_ENGINE_TESTING_SIM_WORLD_H_
 
 #include <functional>
 #include <memory>
@@ -31,7 +31,8 @@ class SimWorld {
   int AddMultiNicHost(const std::vector<int32_t>& numa_nodes, sim::NicSpec data_nic = {}) {
     const sim::NodeId node = fabric_.AddNode("host" + std::to_string(hosts_.size()));
     Host h;
-    for (size_t i = 0; i < numa_nodes.size(); ++i) h.data.push_back(*fabric_.AddNic(node, data_nic));
+    for (size_t i = 0; i < numa_nodes.size(); ++i)
+      h.data.push_back(*fabric_.AddNic(node, data_nic));
     h.numa = numa_nodes;
     h.mgmt = *fabric_.AddNic(node, {});
     hosts_.push_back(std::move(h));
@@ -98,4 +99,4 @@ class SimWorld {
 
 }  // namespace kvferry
 
-#endif  // KVFERRY_TESTS_SIM_WORLD_H_
+#endif  // KVFERRY_ENGINE_TESTING_SIM_WORLD_H_
