@@ -209,11 +209,22 @@ void JsonCounts(std::string* out, const std::map<std::string, uint64_t>& m) {
   out->push_back('}');
 }
 
+namespace {
+// Appends `items` as a JSON array, each written by `one`.
+template <typename T, typename Fn>
+void JsonArray(std::string* out, const std::vector<T>& items, Fn one) {
+  out->push_back('[');
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) out->append(", ");
+    one(items[i]);
+  }
+  out->push_back(']');
+}
+}  // namespace
+
 std::string MetricsJson(const EngineMetrics& m) {
-  std::string out = "{\"peers\": [";
-  for (size_t i = 0; i < m.peers.size(); ++i) {
-    const PeerMetrics& p = m.peers[i];
-    if (i > 0) out.append(", ");
+  std::string out = "{\"peers\": ";
+  JsonArray(&out, m.peers, [&out](const PeerMetrics& p) {
     out.append("{\"peer\": ");
     JsonString(&out, p.peer);
     absl::StrAppend(&out, ", \"requests\": ", p.requests, ", \"requests_ok\": ", p.requests_ok,
@@ -223,19 +234,17 @@ std::string MetricsJson(const EngineMetrics& m) {
     JsonCounts(&out, p.errors);
     absl::StrAppend(&out, ", \"latency_p50_s\": ", p.latency.QuantileBound(0.5),
                     ", \"latency_p99_s\": ", p.latency.QuantileBound(0.99), "}");
-  }
-  out.append("], \"nics\": [");
-  for (size_t i = 0; i < m.nics.size(); ++i) {
-    const NicMetrics& n = m.nics[i];
-    if (i > 0) out.append(", ");
+  });
+  out.append(", \"nics\": ");
+  JsonArray(&out, m.nics, [&out](const NicMetrics& n) {
     out.append("{\"name\": ");
     JsonString(&out, n.name);
     absl::StrAppend(&out, ", \"slices\": ", n.slices, ", \"bytes\": ", n.bytes,
                     ", \"errors\": ", n.errors, ", \"errors_by_code\": ");
     JsonCounts(&out, n.errors_by_code);
     absl::StrAppend(&out, ", \"retries\": ", n.retries, "}");
-  }
-  out.append("]}");
+  });
+  out.append("}");
   return out;
 }
 

@@ -34,17 +34,7 @@
 #define KVFERRY_VERSION "0.0.0"
 #endif
 
-#include "c/c_util.h"
-
-using kvferry::Fail;
-using kvferry::Invalid;
-using kvferry::Ok;
-using kvferry::Result;
-
-#define KVF_REQUIRE(cond, what)        \
-  do {                                 \
-    if (!(cond)) return Invalid(what); \
-  } while (0)
+#include "c/c_util.h"  // Fail, Invalid, Ok, Result, KVF_REQUIRE
 
 extern "C" {
 
