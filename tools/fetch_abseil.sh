@@ -18,6 +18,13 @@ version="$(dpkg-query -W -f='${source:Version}' libabsl-dev 2>/dev/null || true)
 [[ -n "$version" ]] || { echo "fetch_abseil: libabsl-dev is not installed (./bazelw installs it)" >&2; exit 1; }
 tree="$cache/$version"
 
+# Abseil's BUILD files load @bazel_skylib, which WORKSPACE maps to Debian's
+# bazel-skylib (not one of bazelw's packages: only this build needs it).
+if [[ ! -d /usr/share/bazel/tools/skylib ]]; then
+  echo "fetch_abseil: installing bazel-skylib (Abseil's BUILD files load it)" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bazel-skylib >&2
+fi
+
 if [[ ! -f "$tree/.complete" ]]; then
   command -v dpkg-source >/dev/null || {
     echo "fetch_abseil: installing dpkg-dev (dpkg-source)" >&2

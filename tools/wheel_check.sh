@@ -4,7 +4,8 @@
 # GoogleTest-style result line per check or test case (tools/test_summary.py
 # counts them).
 #
-#   tools/wheel_check.sh [--log=FILE] [--only=NAME]
+#   tools/wheel_check.sh [--log=FILE] [--only=NAME]   (the build's and the
+#   tests' output go to FILE; without --log, to a temporary file it names)
 #
 # 1. Builds the self-contained wheel (tools/wheel.sh) and checks with
 #    readelf that libkvferry.so needs glibc's libraries only (and
@@ -25,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root="$PWD"
 
-log=/dev/stdout
+log=""
 only=""
 for arg in "$@"; do
   case "$arg" in
@@ -34,6 +35,9 @@ for arg in "$@"; do
     *) echo "usage: $0 [--log=FILE] [--only=debian12|debian13|pypy3|host]" >&2; exit 2 ;;
   esac
 done
+# Result lines go to stdout and the log; everything else to the log alone
+# (without --log, a file of its own, named at the end).
+[[ -n "$log" ]] || log="$(mktemp -t kvferry-wheel-log.XXXXXX)"
 : >"$log"
 status=0
 work="$(mktemp -d -t kvferry-wheel.XXXXXX)"
@@ -249,4 +253,5 @@ done
 
 # The counts must reflect every case: a FAILED line anywhere fails the stage.
 grep -q '^\[  FAILED  \]' "$log" && status=1
+echo "wheel: full log in $log"
 exit "$status"

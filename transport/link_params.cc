@@ -31,11 +31,13 @@ std::string LinkParams::Encode() const {
 }
 
 absl::StatusOr<std::string> LinkParams::KindOf(absl::string_view bytes) {
+  const size_t kind_size = bytes.size() < 2 ? 0 : static_cast<uint8_t>(bytes[1]);
   if (bytes.size() < 2 || static_cast<uint8_t>(bytes[0]) != kVersion ||
-      bytes.size() < 2 + static_cast<uint8_t>(bytes[1])) {
-    return absl::InvalidArgumentError("link parameters: no transport kind (malformed or another version)");
+      bytes.size() < 2 + kind_size) {
+    return absl::InvalidArgumentError(
+        "link parameters: no transport kind (malformed or another version)");
   }
-  return std::string(bytes.substr(2, static_cast<uint8_t>(bytes[1])));
+  return std::string(bytes.substr(2, kind_size));
 }
 
 absl::StatusOr<LinkParams> LinkParams::Decode(absl::string_view bytes, absl::string_view kind) {
@@ -92,8 +94,8 @@ absl::StatusOr<std::string> LinkParams::GetBytes(uint8_t tag, size_t size,
                                                  absl::string_view name) const {
   const std::string* v = Find(tag);
   if (v == nullptr || v->size() != size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "link parameters: ", name, v == nullptr ? " missing" : " of the wrong size"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("link parameters: ", name, v == nullptr ? " missing" : " of the wrong size"));
   }
   return *v;
 }
