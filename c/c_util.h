@@ -5,6 +5,7 @@
 #ifndef KVFERRY_C_C_UTIL_H_
 #define KVFERRY_C_C_UTIL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -37,6 +38,9 @@ struct kvferry_engine {
   // kvferry_transfer_sync batches that outlived their timeout: each later
   // call releases those that finished (so none stays in the engine).
   std::vector<kvferry::BatchId> abandoned ABSL_GUARDED_BY(mu);
+  // KV receivers on this engine: while there is one, the application's
+  // notifications (kvferry_next_notification) leave its words to it.
+  std::atomic<int> kv_receivers{0};
 };
 
 struct kvferry_kv_pool {
@@ -49,6 +53,11 @@ struct kvferry_kv_sender {
 
 struct kvferry_kv_receiver {
   std::unique_ptr<kvferry::KvReceiver> receiver;
+  kvferry_engine* engine;
+  ~kvferry_kv_receiver() {
+    receiver.reset();
+    --engine->kv_receivers;
+  }
 };
 
 namespace kvferry {

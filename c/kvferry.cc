@@ -264,10 +264,15 @@ int kvferry_next_notification(kvferry_engine* e, int64_t timeout_ms, uint64_t* s
   KVF_REQUIRE(sender != nullptr && message != nullptr && length != nullptr, "null argument");
   kvferry::Notification n;
   bool have = false;
+  // With a KV receiver on the engine, its words stay for it.
+  const bool leave_words = e->kv_receivers > 0;
+  const kvferry::TransferEngine::NotificationFilter mine = [leave_words](absl::string_view m) {
+    return !leave_words || !kvferry::KvReceiver::IsWord(m);
+  };
   {
     kvferry::MutexLock lock(&e->mu);
     if (e->notes.empty()) {
-      for (kvferry::Notification& t : e->engine->TakeNotifications()) {
+      for (kvferry::Notification& t : e->engine->TakeNotifications(mine)) {
         e->notes.push_back(std::move(t));
       }
     }
@@ -281,7 +286,7 @@ int kvferry_next_notification(kvferry_engine* e, int64_t timeout_ms, uint64_t* s
     if (timeout_ms <= 0) {
       return Fail(absl::DeadlineExceededError("no notification"));
     }
-    auto got = e->engine->WaitNotification(kvferry::Millis(timeout_ms));
+    auto got = e->engine->WaitNotification(kvferry::Millis(timeout_ms), mine);
     if (!got.ok()) return Fail(got.status());
     n = std::move(*got);
   }

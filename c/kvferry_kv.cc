@@ -102,7 +102,8 @@ int kvferry_kv_receiver_create(kvferry_engine* e, const kvferry_kv_pool* pool,
   if (peer_timeout_ms > 0) o.peer_timeout = absl::Milliseconds(peer_timeout_ms);
   auto r = kvferry::KvReceiver::Create(e->engine.get(), pool->pool, o);
   if (!r.ok()) return Fail(r.status());
-  *out = new kvferry_kv_receiver{std::move(*r)};
+  ++e->kv_receivers;
+  *out = new kvferry_kv_receiver{std::move(*r), e};
   return Ok();
 }
 

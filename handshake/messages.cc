@@ -90,6 +90,25 @@ const char* MessageTypeName(MessageType type) {
   return "unknown";
 }
 
+uint32_t MaxRequestPayloadBytes(MessageType type) {
+  constexpr uint32_t kSmall = kMaxStringBytes + 64;  // a string and fixed fields
+  switch (type) {
+    case MessageType::kConnect:
+      return kMaxConnectRequestBytes;
+    case MessageType::kConnectLinks:
+    case MessageType::kConnectLinksHere:
+      return 64 + kMaxLinksPerConnect * (4 + kMaxConnectRequestBytes);
+    case MessageType::kCloseLinks:
+      return 64 + kMaxLinksPerConnect * (4 + kMaxStringBytes);
+    case MessageType::kNotify:
+      return kMaxNotifyBytes + kSmall;
+    case MessageType::kAuthenticated:
+      return kMaxNotifyBytes + (64 << 10);  // the envelope around any request
+    default:
+      return kSmall;
+  }
+}
+
 std::string EncodeFrame(MessageType type, absl::string_view payload) {
   std::string out;
   out.reserve(kFrameHeaderBytes + payload.size());
@@ -251,10 +270,6 @@ absl::StatusOr<ConnectReply> DecodeConnectReply(absl::string_view payload) {
   }
   return c;
 }
-
-// A ConnectRequest inside kConnectLinks: two NIC strings, the parameters
-// and fixed fields.
-constexpr uint32_t kMaxConnectRequestBytes = 3 * kMaxStringBytes + 64;
 
 std::string Encode(const ConnectLinksRequest& c) {
   std::string out;

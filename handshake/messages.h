@@ -96,6 +96,9 @@ inline constexpr uint8_t kLastMessageType = 22;
 // The most links one kConnectLinks asks for (the engine's links_per_peer
 // and NIC count are capped at 64 too).
 inline constexpr uint32_t kMaxLinksPerConnect = 64;
+// A ConnectRequest (alone, or one of kConnectLinks'): two NIC strings, the
+// parameters and fixed fields.
+inline constexpr uint32_t kMaxConnectRequestBytes = 3 * kMaxStringBytes + 64;
 const char* MessageTypeName(MessageType type);
 
 struct FrameHeader {
@@ -107,6 +110,12 @@ struct FrameHeader {
 std::string EncodeFrame(MessageType type, absl::string_view payload);
 // Parses the first kFrameHeaderBytes of `header`.
 absl::StatusOr<FrameHeader> ParseFrameHeader(absl::string_view header, uint32_t max_payload_bytes);
+// The most a request of `type` can need by its own encoding: a describe,
+// probe or challenge is never large, and only a notification or an
+// authenticated frame (which may wrap one) reaches kMaxNotifyBytes. A server
+// refuses a header that claims more (before its bytes arrive). Reply types
+// never come as requests: a small bound.
+uint32_t MaxRequestPayloadBytes(MessageType type);
 
 // A region as a peer may use it.
 struct RegionDescriptor {

@@ -17,6 +17,7 @@
 #include "base/log_limiter.h"
 #include "base/logging.h"
 #include "base/mutex.h"
+#include "base/status_macros.h"
 #include "base/thread.h"
 #include "net/event_loop.h"
 
@@ -25,6 +26,10 @@ namespace handshake {
 
 namespace {
 constexpr size_t kReadChunk = 64 << 10;
+// A request claiming more is large (a notification, or an authenticated
+// frame around one): large ones share all but TcpServerOptions::
+// small_headroom of the budget, at most max_large_per_source at a time.
+constexpr uint32_t kSmallClaim = 64 << 10;
 constexpr absl::Duration kSweepEvery = absl::Milliseconds(500);
 }  // namespace
 
@@ -41,6 +46,10 @@ struct TcpServer::State {
     TakeConnection take;   // hand the connection to it once the reply is out
     absl::Time last_active;
     absl::Time first_byte = absl::InfiniteFuture();  // of the partial request
+    std::string source;                              // the peer's address, without the port
+    // The request at the head of `in` claims more than kSmallClaim bytes:
+    // its bytes count in `large_buffered`, and it in its source's count.
+    bool large = false;
   };
   struct Job {
     uint64_t conn;
@@ -57,6 +66,8 @@ struct TcpServer::State {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Conn>> conns;
   uint64_t last_conn = 0;
   size_t buffered = 0;
+  size_t large_buffered = 0;  // the part of `buffered` in large partial requests
+  absl::flat_hash_map<std::string, size_t> large_by_source;
   uint64_t sweep_timer = 0;
 
   // The handler pool.
@@ -66,7 +77,8 @@ struct TcpServer::State {
   bool stopping ABSL_GUARDED_BY(mu) = false;
   std::vector<std::thread> workers;
 
-  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0}, handed_over{0};
+  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0}, handed_over{0},
+      shed{0};
   std::atomic<uint64_t> open{0};
   LogLimiter log_limit;
 
@@ -74,6 +86,10 @@ struct TcpServer::State {
   void EvictQuietest();
   void OnEvent(uint64_t id, uint32_t events);
   bool ReadSome(uint64_t id, Conn* c);
+  absl::StatusOr<FrameHeader> Header(absl::string_view in) const;
+  bool Classify(uint64_t id, Conn* c);
+  void Unclassify(Conn* c);
+  bool WithinBudget(uint64_t id, Conn* c);
   void Dispatch(uint64_t id, Conn* c);
   void OnReply(uint64_t id, Frame reply, TakeConnection take);
   bool Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take, bool flush = true);
@@ -101,6 +117,12 @@ void TcpServer::State::Admit(net::Fd fd) {
   auto c = std::make_unique<Conn>();
   c->fd = std::move(fd);
   c->last_active = absl::Now();
+  net::SocketAddress peer;
+  peer.length = sizeof peer.storage;
+  if (::getpeername(c->fd.get(), reinterpret_cast<sockaddr*>(&peer.storage), &peer.length) == 0) {
+    const std::string text = peer.ToString();
+    c->source = text.substr(0, text.rfind(':'));
+  }
   const int raw = c->fd.get();
   if (!loop->Watch(raw, EPOLLIN | EPOLLRDHUP, [this, id](uint32_t e) { OnEvent(id, e); }).ok()) {
     return;  // closes the fd
@@ -158,16 +180,12 @@ bool TcpServer::State::ReadSome(uint64_t id, Conn* c) {
   for (;;) {
     const ssize_t n = ::read(c->fd.get(), buf, sizeof buf);
     if (n > 0) {
-      if (buffered + n > options.max_buffered_bytes) {
-        ++reaped;
-        Warn("the request buffers are full: closing a connection");
-        Close(id);
-        return false;
-      }
       if (c->in.empty()) c->first_byte = absl::Now();
       c->in.append(buf, n);
       buffered += n;
+      if (c->large) large_buffered += n;
       c->last_active = absl::Now();
+      if (!Classify(id, c) || !WithinBudget(id, c)) return false;
       if (static_cast<size_t>(n) < sizeof buf) return true;
       continue;
     }
@@ -175,6 +193,80 @@ bool TcpServer::State::ReadSome(uint64_t id, Conn* c) {
     if (n < 0 && errno == EINTR) continue;
     Close(id);  // closed by the peer, or reset
     return false;
+  }
+}
+
+absl::StatusOr<FrameHeader> TcpServer::State::Header(absl::string_view in) const {
+  ASSIGN_OR_RETURN(FrameHeader h, ParseFrameHeader(in, options.max_request_bytes));
+  if (h.payload_bytes > MaxRequestPayloadBytes(h.type)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a ", MessageTypeName(h.type), " request of ", h.payload_bytes,
+                     " bytes: at most ", MaxRequestPayloadBytes(h.type), " are allowed"));
+  }
+  return h;
+}
+
+// Once the head request's header is in: a large claim counts against its
+// source's share (refused beyond it). False when the connection was closed.
+bool TcpServer::State::Classify(uint64_t id, Conn* c) {
+  if (c->large || c->in.size() < kFrameHeaderBytes) return true;
+  absl::StatusOr<FrameHeader> h = Header(c->in);
+  if (!h.ok() || h->payload_bytes <= kSmallClaim) return true;  // Dispatch refuses a bad one
+  size_t& mine = large_by_source[c->source];
+  if (mine >= options.max_large_per_source) {
+    ++shed;
+    Refuse(id, c,
+           absl::ResourceExhaustedError(
+               absl::StrCat(options.max_large_per_source, " large requests from ", c->source,
+                            " are in progress already; send it again when one has been answered")));
+    return false;
+  }
+  ++mine;
+  c->large = true;
+  large_buffered += c->in.size();
+  return true;
+}
+
+// The head request leaves `in` (answered, refused, or the connection closed).
+void TcpServer::State::Unclassify(Conn* c) {
+  if (!c->large) return;
+  c->large = false;
+  large_buffered -= c->in.size();
+  auto it = large_by_source.find(c->source);
+  if (it != large_by_source.end() && --it->second == 0) large_by_source.erase(it);
+}
+
+// Over the budget, the connection holding the most partial bytes goes, not
+// the one that read last (unless it is that one): small requests have the
+// whole budget, large ones all but `small_headroom`, so a probe, challenge,
+// describe or connect-links always fits however many large requests hog
+// the rest. False when `c` itself was closed.
+bool TcpServer::State::WithinBudget(uint64_t id, Conn* c) {
+  const size_t headroom =
+      options.small_headroom == 0 ? options.max_buffered_bytes / 4 : options.small_headroom;
+  const size_t large_cap =
+      options.max_buffered_bytes - std::min(headroom, options.max_buffered_bytes);
+  for (;;) {
+    const bool over = buffered > options.max_buffered_bytes;
+    const bool large_over = c->large && large_buffered > large_cap;
+    if (!over && !large_over) return true;
+    // The largest holder among the others; over the large cap, a large one.
+    uint64_t victim = 0;
+    size_t most = c->in.size();
+    for (const auto& [other, o] : conns) {
+      if (other != id && o->in.size() > most && (!large_over || over || o->large)) {
+        most = o->in.size();
+        victim = other;
+      }
+    }
+    ++shed;
+    Warn(absl::StrCat("the request buffers are full (", buffered, " bytes, ", large_buffered,
+                      " in large requests): closing the connection holding the most"));
+    if (victim == 0) {
+      Close(id);
+      return false;
+    }
+    Close(victim);
   }
 }
 
@@ -188,7 +280,7 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
   // yet written while `deferred`.
   bool deferred = false;
   while (!c->busy && (c->out.empty() || deferred) && c->in.size() >= kFrameHeaderBytes) {
-    absl::StatusOr<FrameHeader> h = ParseFrameHeader(c->in, options.max_request_bytes);
+    absl::StatusOr<FrameHeader> h = Header(c->in);
     if (!h.ok()) {
       Refuse(id, c, h.status());  // after the replies deferred so far
       return;
@@ -203,9 +295,11 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
       deferred = false;
       continue;
     }
+    Unclassify(c);
     c->in.erase(0, total);
     buffered -= total;
     c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
+    if (!Classify(id, c)) return;  // a pipelined large one over its source's share
     if (inline_answer) {
       handshake::Answer answer = handler(request);
       // The next request is in whole: its reply goes with this one.
@@ -232,7 +326,7 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
 
 bool TcpServer::State::WholeRequestIn(const Conn& c) const {
   if (c.in.size() < kFrameHeaderBytes) return false;
-  absl::StatusOr<FrameHeader> h = ParseFrameHeader(c.in, options.max_request_bytes);
+  absl::StatusOr<FrameHeader> h = Header(c.in);
   return h.ok() && c.in.size() >= kFrameHeaderBytes + h->payload_bytes;
 }
 
@@ -264,6 +358,7 @@ void TcpServer::State::HandOver(uint64_t id, Conn* c) {
   TakeConnection take = std::move(c->take);
   loop->Unwatch(c->fd.get());
   net::Fd fd = std::move(c->fd);
+  Unclassify(c);
   buffered -= c->in.size();
   conns.erase(id);
   --open;
@@ -318,6 +413,7 @@ bool TcpServer::State::Flush(uint64_t id, Conn* c) {
 void TcpServer::State::Refuse(uint64_t id, Conn* c, const absl::Status& why) {
   ++refused;
   Warn(absl::StrCat("closing a connection: ", why.ToString()));
+  Unclassify(c);
   buffered -= c->in.size();
   c->in.clear();
   c->closing = true;
@@ -328,6 +424,7 @@ void TcpServer::State::Close(uint64_t id) {
   auto it = conns.find(id);
   if (it == conns.end()) return;
   Conn* c = it->second.get();
+  Unclassify(c);
   buffered -= c->in.size() + (c->out.size());
   loop->Unwatch(c->fd.get());
   conns.erase(it);
@@ -432,6 +529,7 @@ std::vector<std::pair<std::string, uint64_t>> TcpServer::RefusedInput() const {
   return {{"handshake_connection_evicted", s.evicted},
           {"handshake_frame_refused", s.refused_frames},
           {"handshake_connection_reaped", s.reaped},
+          {"handshake_connection_shed", s.shed},
           {"handshake_accept_paused", s.accept_pauses}};
 }
 
@@ -444,6 +542,7 @@ TcpServerStats TcpServer::stats() const {
   s.reaped = state_->reaped;
   s.accept_pauses = state_->pauses;
   s.handed_over = state_->handed_over;
+  s.shed = state_->shed;
   return s;
 }
 

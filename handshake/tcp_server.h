@@ -6,7 +6,14 @@
 //     that has been quiet longest is closed to admit a new one;
 //   - a request's buffer grows as its bytes arrive, never from the length a
 //     header claims, and all partial requests and unsent replies together
-//     stay under `max_buffered_bytes`;
+//     stay under `max_buffered_bytes`. Over it, the connection holding the
+//     most buffered bytes is closed, not the one that read last;
+//   - a header may claim only what its type can need
+//     (MaxRequestPayloadBytes): a describe, probe or challenge is never
+//     large. Requests claiming over 64 KiB (notifications, or authenticated
+//     frames around them) are "large": together they may hold all of the
+//     budget but `small_headroom`, so small requests always fit, and at most
+//     `max_large_per_source` of them are in progress from one address;
 //   - a request must arrive whole within `request_timeout` of its first
 //     byte, and a reply be taken within it; a silent connection is closed
 //     after `idle_timeout`;
@@ -33,6 +40,12 @@ struct TcpServerOptions {
   uint32_t max_request_bytes = kMaxNotifyBytes + (64 << 10);
   size_t max_connections = 1024;
   size_t max_buffered_bytes = 32 << 20;
+  // The part of max_buffered_bytes that large requests may not take; 0: a
+  // quarter of it.
+  size_t small_headroom = 0;
+  // Large requests in progress at once from one source address; more are
+  // refused (kResourceExhausted) at their header.
+  size_t max_large_per_source = 8;
   absl::Duration request_timeout = absl::Seconds(5);
   absl::Duration idle_timeout = absl::Seconds(60);
   // Threads that run the handler for requests that may wait (e.g. for a
@@ -49,7 +62,8 @@ struct TcpServerStats {
   uint64_t open = 0;
   uint64_t evicted = 0;         // closed at the connection cap
   uint64_t refused_frames = 0;  // malformed or oversized
-  uint64_t reaped = 0;          // idle, too slow, or over the buffer budget
+  uint64_t reaped = 0;          // idle or too slow
+  uint64_t shed = 0;            // over the buffer budget, or its source's share of large requests
   uint64_t accept_pauses = 0;   // at the file-descriptor limit
   uint64_t handed_over = 0;     // to another owner (Answer::take)
 };

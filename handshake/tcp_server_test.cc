@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -141,23 +142,75 @@ TEST(TcpServerTest, AClaimedLengthAboveTheRequestLimitIsRefusedUnread) {
   LegitimateCall(s);
 }
 
-TEST(TcpServerTest, PartialRequestsShareOneBufferBudget) {
+// Sends the first `bytes` of a notification claiming 1 MiB (a large
+// request) on a fresh connection.
+net::Fd PartialNotify(const Served& s, size_t bytes) {
+  net::Fd fd = Attacker(s);
+  const std::string frame = EncodeFrame(MessageType::kNotify, std::string(1 << 20, 'x'));
+  EXPECT_TRUE(net::WriteFull(fd.get(), frame.data(), bytes, absl::Now() + absl::Seconds(2)).ok());
+  return fd;
+}
+
+TEST(TcpServerTest, OverTheBudgetTheBiggestHolderIsShedNotTheReader) {
+  TcpServerOptions o;
+  o.max_buffered_bytes = 256 << 10;  // large requests may hold 192 KiB of it
+  Served s = Serve(o);
+  net::Fd hog = PartialNotify(s, 150 << 10);
+  ASSERT_FALSE(ClosedByServer(hog.get(), absl::Milliseconds(100)));
+  // The next large request pushes the large share over: the hog goes, not
+  // the newcomer.
+  net::Fd newcomer = PartialNotify(s, 60 << 10);
+  EXPECT_TRUE(ClosedByServer(hog.get(), absl::Seconds(3)));
+  EXPECT_FALSE(ClosedByServer(newcomer.get(), absl::Milliseconds(100)));
+  EXPECT_GE(s.server->stats().shed, 1u);
+  // A request that alone would hold more than the share is itself the
+  // biggest holder, and goes.
+  net::Fd greedy = PartialNotify(s, 200 << 10);
+  EXPECT_TRUE(ClosedByServer(greedy.get(), absl::Seconds(3)));
+  EXPECT_FALSE(ClosedByServer(newcomer.get(), absl::Milliseconds(50)));
+  LegitimateCall(s);
+}
+
+TEST(TcpServerTest, SmallRequestsFitWhileLargeOnesHoldTheirShare) {
   TcpServerOptions o;
   o.max_buffered_bytes = 256 << 10;
   Served s = Serve(o);
-  // Each claims 1 MiB (allowed) and sends 100 KiB of it: the third pushes
-  // the total over the budget and is closed; the server holds no more.
-  std::vector<net::Fd> fds;
-  std::string frame = EncodeFrame(MessageType::kNotify, std::string(1 << 20, 'x'));
-  for (int i = 0; i < 3; ++i) {
-    fds.push_back(Attacker(s));
-    ASSERT_TRUE(
-        net::WriteFull(fds.back().get(), frame.data(), 100 << 10, absl::Now() + absl::Seconds(2))
-            .ok());
-  }
-  EXPECT_TRUE(ClosedByServer(fds[2].get(), absl::Seconds(3)));
-  EXPECT_FALSE(ClosedByServer(fds[0].get(), absl::Milliseconds(50)));
-  EXPECT_GE(s.server->stats().reaped, 1u);
+  std::vector<net::Fd> hogs;
+  for (int i = 0; i < 3; ++i) hogs.push_back(PartialNotify(s, 62 << 10));  // 186 of 192 KiB
+  for (int i = 0; i < 20; ++i) EXPECT_LT(LegitimateCall(s), absl::Seconds(2));
+  for (net::Fd& hog : hogs) EXPECT_FALSE(ClosedByServer(hog.get(), absl::Milliseconds(20)));
+  EXPECT_EQ(s.server->stats().shed, 0u);
+}
+
+TEST(TcpServerTest, OneSourceHasAShareOfLargeRequests) {
+  TcpServerOptions o;
+  o.max_large_per_source = 2;
+  Served s = Serve(o);
+  net::Fd a = PartialNotify(s, 1 << 10);
+  net::Fd b = PartialNotify(s, 1 << 10);
+  net::Fd c = PartialNotify(s, 1 << 10);
+  EXPECT_TRUE(ClosedByServer(c.get(), absl::Seconds(3)));
+  EXPECT_FALSE(ClosedByServer(a.get(), absl::Milliseconds(50)));
+  EXPECT_FALSE(ClosedByServer(b.get(), absl::Milliseconds(50)));
+  // One ends: its share is free again.
+  a.Reset();
+  absl::SleepFor(absl::Milliseconds(100));
+  net::Fd d = PartialNotify(s, 1 << 10);
+  EXPECT_FALSE(ClosedByServer(d.get(), absl::Milliseconds(100)));
+  LegitimateCall(s);
+}
+
+TEST(TcpServerTest, AHeaderMayClaimOnlyWhatItsTypeNeeds) {
+  Served s = Serve(TcpServerOptions{});
+  // A probe that claims 100 KiB: refused at its header, before its bytes.
+  std::string header = EncodeFrame(MessageType::kProbe, "");
+  const uint32_t claim = 100 << 10;
+  std::memcpy(&header[4], &claim, 4);
+  net::Fd fd = Attacker(s);
+  ASSERT_EQ(::send(fd.get(), header.data(), header.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(header.size()));
+  EXPECT_TRUE(ClosedByServer(fd.get(), absl::Seconds(3)));
+  EXPECT_EQ(s.server->stats().refused_frames, 1u);
   LegitimateCall(s);
 }
 

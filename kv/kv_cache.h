@@ -39,6 +39,9 @@
 #include "engine/transfer_engine.h"
 
 namespace kvferry {
+namespace kv_internal {
+struct Word;
+}  // namespace kv_internal
 
 // How a KV pool is laid out in memory.
 struct KvLayout {
@@ -215,7 +218,14 @@ class KvReceiver {
     // comes within this bound of its death. It is probed every quarter of
     // it.
     absl::Duration peer_timeout = absl::Seconds(4);
+    // A word about a request nobody expects or waits for yet (its prefill
+    // was quicker than the decode's Expect, or it is forged) is kept this
+    // long, at most kMaxEarlyWords of them and kMaxEarlyBytes of their aux
+    // payloads (the oldest go first), for an Expect, Poll or Wait to come.
+    absl::Duration early_word_ttl = absl::Seconds(60);
   };
+  static constexpr size_t kMaxEarlyWords = 4096;
+  static constexpr size_t kMaxEarlyBytes = 4 << 20;
 
   // Registers `pool` for remote writes and publishes its layout so senders
   // can find it. `engine` must outlive the receiver. It takes only the KV
@@ -231,6 +241,9 @@ class KvReceiver {
   static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(TransferEngine* engine, KvPool pool) {
     return Create(engine, std::move(pool), Options());
   }
+  // Whether a notification is one of the KV layer's words (what a receiver
+  // takes from its engine's inbox).
+  static bool IsWord(absl::string_view message);
   ~KvReceiver();
 
   // Declares that request `request_id` is to come from the prefill engine at
@@ -269,6 +282,9 @@ class KvReceiver {
   uint64_t checksum_failures() const ABSL_LOCKS_EXCLUDED(mu_);
   // Words about expected requests that came from another engine (ignored).
   uint64_t ignored_words() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Words about requests nobody expected that were dropped unclaimed (too
+  // old, or pushed out by newer ones).
+  uint64_t dropped_early_words() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // A prefill that expected requests come from.
@@ -280,7 +296,26 @@ class KvReceiver {
   };
   KvReceiver(TransferEngine* engine, KvPool pool, Options options)
       : engine_(engine), pool_(std::move(pool)), options_(options) {}
+  // A word that came before anyone expected its request.
+  struct Early {
+    Status status;
+    uint64_t engine_id = 0;  // its sender
+    uint64_t token = 0;
+    absl::Time arrived;
+    uint64_t seq = 0;  // its place in early_order_
+  };
   void Absorb(std::vector<Notification> notes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps a resolved early word within the bounds, dropping the oldest.
+  void KeepEarly(const std::string& id, Early e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves `id`'s early word, if any, to requests_ (unless it came from
+  // another engine than `instance`, when that is known).
+  void ClaimEarly(const std::string& id, uint64_t instance) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropEarly(std::map<std::string, Early>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireEarly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a word says about its request (checksums verified; the sender's
+  // links dropped for an aborted one).
+  Status Resolve(const std::string& id, const kv_internal::Word& w, uint64_t from)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Probes the prefills that are due; fences and fails those that are dead.
   void CheckPrefills();
   void Watch();
@@ -306,6 +341,11 @@ class KvReceiver {
   std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ignored_words_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, Early> early_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::string> early_order_ ABSL_GUARDED_BY(mu_);  // seq -> id, oldest first
+  uint64_t early_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t early_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t dropped_early_ ABSL_GUARDED_BY(mu_) = 0;
   // The attempt whose word finished each request, and the attempts of
   // requests forgotten since (their words are ignored; the oldest of more
   // than kMaxRetired are forgotten in turn).

@@ -335,6 +335,57 @@ TEST(KvCache, AWordFromAForgottenAttemptDoesNotFinishTheIdsReuse) {
   EXPECT_NE(old->error.message().find("why"), std::string::npos);
 }
 
+// Words about requests nobody expects (a prefill quicker than its decode's
+// Expect, or a peer sending words for made-up ids) are kept, but bounded:
+// at most kMaxEarlyWords of them and kMaxEarlyBytes of aux, the oldest
+// dropped first, and none longer than early_word_ttl. A request expected or
+// waited for later still finds its word.
+TEST(KvCache, WordsNobodyExpectsAreKeptWithinBounds) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  KvReceiver::Options ro;
+  ro.early_word_ttl = absl::Seconds(2);
+  Pair p(src, dst, {}, ro);
+  const std::string peer = p.decode_engine->address();
+  auto seg = p.prefill_engine->OpenSegment(peer);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  const std::string sep(1, '\0');
+  auto word = [&](const std::string& id, const std::string& aux) {
+    return absl::StrCat("kv2", sep, "done", sep, id, sep, "00000000000000b1", sep, aux);
+  };
+  // Eight words with 1 MiB of aux each (under the engine's inbox limit):
+  // only what fits in kMaxEarlyBytes stays, the newest.
+  const std::string mib((1 << 20) - 64, 'a');
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(p.prefill_engine->Notify(*seg, word(absl::StrCat("big", i), mib)).ok());
+  }
+  // Then more small words than kMaxEarlyWords.
+  const int small = static_cast<int>(KvReceiver::kMaxEarlyWords) + 100;
+  for (int i = 0; i < small; ++i) {
+    ASSERT_TRUE(p.prefill_engine->Notify(*seg, word(absl::StrCat("s", i), "x")).ok());
+  }
+  // Notify returns once the decode's engine has the word: a Poll of an
+  // unrelated id takes them all in.
+  (void)p.receiver->Poll("unrelated");
+  // Four big words fit in kMaxEarlyBytes and four were pushed out; then the
+  // small ones pushed out the other four, and 100 of their own.
+  EXPECT_EQ(p.receiver->dropped_early_words(), 8u + 100u);
+  EXPECT_EQ(p.receiver->Poll("big7").state, KvReceiver::State::kPending);
+  EXPECT_EQ(p.receiver->Poll("s99").state, KvReceiver::State::kPending);
+  // The newest are still there for a decode that asks later.
+  auto last = p.receiver->Wait(absl::StrCat("s", small - 1), absl::Seconds(1));
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->state, KvReceiver::State::kComplete);
+  EXPECT_EQ(last->aux, "x");
+  ASSERT_TRUE(p.receiver->Expect("s100", p.prefill_engine->address()).ok());
+  EXPECT_EQ(p.receiver->Poll("s100").state, KvReceiver::State::kComplete);
+  // After early_word_ttl the rest are gone.
+  absl::SleepFor(absl::Milliseconds(2100));
+  (void)p.receiver->Poll("unrelated");
+  EXPECT_EQ(p.receiver->dropped_early_words(), 8u + small - 2);  // all but the two claimed
+  EXPECT_EQ(p.receiver->Poll("s200").state, KvReceiver::State::kPending);
+}
+
 // The receiver takes only the KV layer's words from the engine's inbox: an
 // application's own notifications, sent around a KV request while a
 // decode thread waits on the receiver, stay in the engine for the

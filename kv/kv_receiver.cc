@@ -25,17 +25,18 @@ using kv_internal::PageCrcs;
 using kv_internal::ParseWord;
 using kv_internal::Word;
 
-namespace {
-// The notifications this receiver takes from the engine: KV words only.
-bool IsWord(absl::string_view message) { return ParseWord(message).has_value(); }
-}  // namespace
+bool KvReceiver::IsWord(absl::string_view message) { return ParseWord(message).has_value(); }
 
 // ---------------------------------------------------------------- receiver
 
 absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* engine, KvPool pool,
                                                                Options options) {
-  if (options.peer_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("KvReceiver: peer_timeout must be positive");
+  if (!(options.peer_timeout > absl::ZeroDuration()) ||
+      options.peer_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError("KvReceiver: peer_timeout must be positive and finite");
+  }
+  if (!(options.early_word_ttl > absl::ZeroDuration())) {
+    return absl::InvalidArgumentError("KvReceiver: early_word_ttl must be positive");
   }
   RETURN_IF_ERROR(pool.Register(*engine, transport::Access::kRemoteWrite));
   std::vector<std::string> addrs;
@@ -79,6 +80,7 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   bool start = false;
   {
     MutexLock lock(&mu_);
+    ClaimEarly(request_id, instance);
     Status& s = requests_[request_id];
     // Its word came first (the prefill was quicker than this call): there
     // is nothing left to watch.
@@ -222,35 +224,102 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
         continue;
       }
       Unexpect(e);
+    } else if (requests_.find(id) == requests_.end()) {
+      // Nobody expects it or waits for it (yet): kept a while, bounded.
+      if (early_.count(id) != 0) continue;  // first word wins
+      Early early;
+      early.status = Resolve(id, *w, n.engine_id);
+      early.engine_id = n.engine_id;
+      early.token = w->token;
+      KeepEarly(id, std::move(early));
+      continue;
     }
     Status& s = requests_[id];
     if (s.state != State::kPending) continue;  // first word wins
     if (w->token != 0) tokens_[id] = w->token;
-    if (w->kind == "done") {
-      s.state = State::kComplete;
-      s.aux = std::string(w->body);
-    } else if (w->kind == "donc") {
-      absl::StatusOr<std::string> aux = Verify(id, w->body);
-      s.state = aux.ok() ? State::kComplete : State::kFailed;
-      if (aux.ok()) {
-        s.aux = std::move(*aux);
-      } else {
-        s.error = aux.status();
-      }
-    } else {
-      // A write the sender gave up on may still be on its way: its links
-      // are dropped first, so nothing of it lands after this report.
-      if (w->kind == "abrt") engine_->DropLinksFrom(n.engine_id);
-      s.state = State::kFailed;
-      s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", w->body));
-    }
+    s = Resolve(id, *w, n.engine_id);
   }
+  ExpireEarly();
+}
+
+KvReceiver::Status KvReceiver::Resolve(const std::string& id, const Word& w, uint64_t from) {
+  Status s;
+  if (w.kind == "done") {
+    s.state = State::kComplete;
+    s.aux = std::string(w.body);
+  } else if (w.kind == "donc") {
+    absl::StatusOr<std::string> aux = Verify(id, w.body);
+    s.state = aux.ok() ? State::kComplete : State::kFailed;
+    if (aux.ok()) {
+      s.aux = std::move(*aux);
+    } else {
+      s.error = aux.status();
+    }
+  } else {
+    // A write the sender gave up on may still be on its way: its links are
+    // dropped first, so nothing of it lands after this report.
+    if (w.kind == "abrt") engine_->DropLinksFrom(from);
+    s.state = State::kFailed;
+    s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", w.body));
+  }
+  return s;
+}
+
+void KvReceiver::KeepEarly(const std::string& id, Early e) {
+  const size_t bytes = e.status.aux.size() + id.size();
+  if (bytes > kMaxEarlyBytes) {
+    ++dropped_early_;
+    return;
+  }
+  while (!early_.empty() &&
+         (early_.size() >= kMaxEarlyWords || early_bytes_ + bytes > kMaxEarlyBytes)) {
+    DropEarly(early_.find(early_order_.begin()->second));
+  }
+  e.arrived = engine_->clock()->Now();
+  e.seq = ++early_seq_;
+  early_order_.emplace(e.seq, id);
+  early_bytes_ += bytes;
+  early_.emplace(id, std::move(e));
+}
+
+void KvReceiver::DropEarly(std::map<std::string, Early>::iterator it) {
+  ++dropped_early_;
+  early_bytes_ -= it->second.status.aux.size() + it->first.size();
+  early_order_.erase(it->second.seq);
+  early_.erase(it);
+}
+
+void KvReceiver::ExpireEarly() {
+  const absl::Time now = engine_->clock()->Now();
+  while (!early_order_.empty()) {
+    auto it = early_.find(early_order_.begin()->second);
+    if (now - it->second.arrived < options_.early_word_ttl) return;
+    DropEarly(it);
+  }
+}
+
+void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance) {
+  auto it = early_.find(id);
+  if (it == early_.end()) return;
+  Early e = std::move(it->second);
+  early_bytes_ -= e.status.aux.size() + id.size();
+  early_order_.erase(e.seq);
+  early_.erase(it);
+  if (instance != 0 && e.engine_id != instance) {
+    ++ignored_words_;  // from another engine than the one expected
+    return;
+  }
+  Status& s = requests_[id];
+  if (s.state != State::kPending) return;
+  if (e.token != 0) tokens_[id] = e.token;
+  s = std::move(e.status);
 }
 
 KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
   std::vector<Notification> notes = engine_->TakeNotifications(IsWord);
   MutexLock lock(&mu_);
   Absorb(std::move(notes));
+  if (requests_.find(request_id) == requests_.end()) ClaimEarly(request_id, 0);
   auto it = requests_.find(request_id);
   return it == requests_.end() ? Status{} : it->second;
 }
@@ -265,6 +334,9 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
   const bool simulated = clock != RealClock();
   const absl::Time deadline = clock->Now() + timeout;
   mu_.Lock();
+  // A waiter expects the request: its words are kept from now on.
+  ClaimEarly(request_id, 0);
+  requests_.try_emplace(request_id);
   for (;;) {
     Absorb(engine_->TakeNotifications(IsWord));
     auto it = requests_.find(request_id);
@@ -343,6 +415,11 @@ uint64_t KvReceiver::ignored_words() const {
   return ignored_words_;
 }
 
+uint64_t KvReceiver::dropped_early_words() const {
+  MutexLock lock(&mu_);
+  return dropped_early_;
+}
+
 uint64_t KvReceiver::checksum_failures() const {
   MutexLock lock(&mu_);
   return checksum_failures_;
@@ -351,6 +428,10 @@ uint64_t KvReceiver::checksum_failures() const {
 void KvReceiver::Forget(const std::string& request_id) {
   MutexLock lock(&mu_);
   requests_.erase(request_id);
+  if (auto early = early_.find(request_id); early != early_.end()) {
+    DropEarly(early);
+    --dropped_early_;  // forgotten by the application, not dropped
+  }
   if (auto t = tokens_.find(request_id); t != tokens_.end()) {
     // Its attempt's words are ignored from now on (the id may come again).
     retired_.Insert({request_id, t->second});

@@ -203,6 +203,21 @@ class KvTest(unittest.TestCase):
                                            [a.ctypes.data for a in arrs])
         return src, dst, make(src), make(dst)
 
+    def test_the_application_drains_its_notifications_and_the_receiver_its_words(self):
+        prefill = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        decode = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        src, dst, src_pool, dst_pool = self._pools()
+        receiver = kvferry.KvReceiver(decode, dst_pool)
+        sender = kvferry.KvSender(prefill, src_pool)
+        prefill.notify(decode.address, "before")
+        sender.send("r", decode.address, [0], [1], aux="aux")
+        prefill.notify(decode.address, b"after")
+        got = decode.notifications(timeout=5)
+        self.assertEqual([m for _, m in got], [b"before", b"after"])
+        self.assertEqual({s for s, _ in got}, {prefill.engine_id})
+        self.assertEqual(decode.notifications(), [])
+        self.assertEqual(receiver.wait("r", timeout=5), b"aux")
+
     def test_layer_wise_send_and_cancel_reach_the_decode(self):
         prefill = kvferry.Engine(host="127.0.0.1", transport="tcp")
         decode = kvferry.Engine(host="127.0.0.1", transport="tcp")

@@ -15,10 +15,14 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -118,6 +122,77 @@ std::vector<net::Fd> Open(const std::string& address, int count) {
 
 void SendEach(std::vector<net::Fd>& fds, const std::string& bytes) {
   for (net::Fd& fd : fds) (void)::send(fd.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL);
+}
+
+// Sends `bytes` on `fd` with a send timeout of 2 s; false when it could
+// not (the server closed the connection, or stopped reading).
+bool SendWithin(net::Fd& fd, const std::string& bytes) {
+  timeval tv{2, 0};
+  (void)::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::send(fd.get(), bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    done += n;
+  }
+  return true;
+}
+
+// Pre-auth starvation: 32 connections each send the header of an
+// authenticated frame that claims 1,110,016 bytes, then the rest of 1 MiB,
+// and hold it; the attacker replaces every connection the engine closes, for as
+// long as the test runs. The server's buffer budget (32 MiB) is the target:
+// an engine that closes whichever connection reads next when the budget is
+// full starves everyone else. Under the attack a legitimate client holding
+// the secret completes its handshake (challenge and authenticated frames)
+// and a WRITE, five times over.
+TEST(Hostile, PreAuthStarvationLeavesAPeerWithTheSecretServed) {
+  RaiseDescriptorLimit();
+  ASSERT_EQ(::setenv("KVFERRY_SECRET", "hostile-test-secret-0123456789", 1), 0);
+  auto peer = PeerProcess::Start(0, 1 << 20);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_LT(LegitimateFirstTransfer(peer->address()), absl::Seconds(10));
+
+  std::string hog = handshake::EncodeFrame(handshake::MessageType::kAuthenticated, "");
+  const uint32_t claim = 1110016;
+  std::memcpy(&hog[4], &claim, 4);
+  hog += std::string((1 << 20) - hog.size(), 'x');  // 1 MiB in all: 32 fill the budget
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> hogs_sent{0};
+  std::thread attacker([&] {
+    std::vector<net::Fd> conns;
+    while (!stop) {
+      // Replace the connections the engine closed (a closed one fails to
+      // take more bytes, or reads as closed).
+      for (size_t i = 0; i < conns.size();) {
+        char b;
+        const ssize_t n = ::recv(conns[i].get(), &b, 1, MSG_DONTWAIT | MSG_PEEK);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) || n > 0) {
+          conns.erase(conns.begin() + i);
+        } else {
+          ++i;
+        }
+      }
+      std::vector<net::Fd> fresh = Open(peer->address(), 32 - static_cast<int>(conns.size()));
+      for (net::Fd& fd : fresh) {
+        if (stop) break;
+        if (SendWithin(fd, hog)) ++hogs_sent;
+        conns.push_back(std::move(fd));
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  absl::SleepFor(absl::Seconds(1));  // the budget is full
+  int served = 0;
+  for (int i = 0; i < 5; ++i) {
+    if (LegitimateFirstTransfer(peer->address()) < absl::Seconds(10)) ++served;
+  }
+  stop = true;
+  attacker.join();
+  std::printf("hogs sent: %lu MiB\n", static_cast<unsigned long>(hogs_sent.load()));
+  EXPECT_GE(hogs_sent.load(), 32u);  // the attack ran
+  EXPECT_EQ(served, 5);
+  ::unsetenv("KVFERRY_SECRET");
 }
 
 TEST(Hostile, CombinedAttackLeavesLegitimateTrafficAndMemoryBounded) {

@@ -155,6 +155,32 @@ class Engine(_Handle):
         if failure is not None:
             raise failure
 
+    def notify(self, peer, message):
+        """Sends `message` (bytes or str) to the engine at `peer`
+        ("host:port"); returns once that engine has it."""
+        if isinstance(message, str):
+            message = message.encode()
+        e = self._handle()
+        segment = ctypes.c_uint64()
+        check(lib.kvferry_open_segment(e, text(peer), ctypes.byref(segment)))
+        check(lib.kvferry_notify(e, segment, message, len(message), 0))
+
+    def notifications(self, timeout=0.0):
+        """The notifications received and not yet taken, oldest first, as
+        [(sender engine id, bytes)]; with timeout > 0, waits up to that many
+        seconds for the first when there is none. A KvReceiver on this
+        engine keeps its own words. Drain them: an engine holds at most
+        65,536 (64 MiB) untaken, and refuses more to their senders."""
+        e = self._handle()
+        out = []
+        sender, data, n = ctypes.c_uint64(), ctypes.c_void_p(), ctypes.c_size_t()
+        wait = _ms(timeout) if timeout > 0 else 0
+        while lib.kvferry_next_notification(e, wait, ctypes.byref(sender), ctypes.byref(data),
+                                            ctypes.byref(n)) == _lib.OK:
+            out.append((sender.value, _lib.take_bytes(data, n)))
+            wait = 0
+        return out
+
     def metrics(self):
         """{"peers": [...], "nics": [...], "prometheus": text}."""
         e = self._handle()
