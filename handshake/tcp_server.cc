@@ -19,95 +19,14 @@
 #include "base/mutex.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
+#include "handshake/tcp_server_state.h"
 #include "net/event_loop.h"
 
 namespace kvferry {
 namespace handshake {
 
-namespace {
-constexpr size_t kReadChunk = 64 << 10;
-// A request claiming more is large (a notification, or an authenticated
-// frame around one): large ones share all but TcpServerOptions::
-// small_headroom of the budget, at most max_large_per_source at a time.
-constexpr uint32_t kSmallClaim = 64 << 10;
-constexpr absl::Duration kSweepEvery = absl::Milliseconds(500);
-}  // namespace
-
-// Everything below runs on the loop thread, except the handler pool
-// (Worker) and the atomics read by stats().
-struct TcpServer::State {
-  struct Conn {
-    net::Fd fd;
-    std::string in;   // bytes of requests not yet handed on
-    std::string out;  // reply bytes not yet written
-    size_t out_done = 0;
-    bool busy = false;     // a request is with the handler
-    bool closing = false;  // close once the reply is out
-    TakeConnection take;   // hand the connection to it once the reply is out
-    absl::Time last_active;
-    absl::Time first_byte = absl::InfiniteFuture();  // of the partial request
-    std::string source;                              // the peer's address, without the port
-    // The request at the head of `in` claims more than kSmallClaim bytes:
-    // its bytes count in `large_buffered`, and it in its source's count.
-    bool large = false;
-  };
-  struct Job {
-    uint64_t conn;
-    Frame request;
-  };
-
-  net::ListeningSocket socket;
-  std::string address;
-  HandingHandler handler;
-  TcpServerOptions options;
-  std::unique_ptr<net::EventLoop> loop;
-
-  // Loop thread only.
-  absl::flat_hash_map<uint64_t, std::unique_ptr<Conn>> conns;
-  uint64_t last_conn = 0;
-  size_t buffered = 0;
-  size_t large_buffered = 0;  // the part of `buffered` in large partial requests
-  absl::flat_hash_map<std::string, size_t> large_by_source;
-  uint64_t sweep_timer = 0;
-
-  // The handler pool.
-  Mutex mu;
-  CondVar cv;
-  std::deque<Job> jobs ABSL_GUARDED_BY(mu);
-  bool stopping ABSL_GUARDED_BY(mu) = false;
-  std::vector<std::thread> workers;
-
-  std::atomic<uint64_t> accepted{0}, evicted{0}, refused{0}, reaped{0}, pauses{0}, handed_over{0},
-      shed{0};
-  std::atomic<uint64_t> open{0};
-  LogLimiter log_limit;
-
-  void Admit(net::Fd fd);
-  void EvictQuietest();
-  void OnEvent(uint64_t id, uint32_t events);
-  bool ReadSome(uint64_t id, Conn* c);
-  absl::StatusOr<FrameHeader> Header(absl::string_view in) const;
-  bool Classify(uint64_t id, Conn* c);
-  void Unclassify(Conn* c);
-  bool WithinBudget(uint64_t id, Conn* c);
-  void Dispatch(uint64_t id, Conn* c);
-  void OnReply(uint64_t id, Frame reply, TakeConnection take);
-  bool Answer(uint64_t id, Conn* c, const Frame& reply, TakeConnection take, bool flush = true);
-  bool SendReply(uint64_t id, Conn* c, const Frame& reply, bool flush = true);
-  bool WholeRequestIn(const Conn& c) const;
-  bool Flush(uint64_t id, Conn* c);
-  void HandOver(uint64_t id, Conn* c);
-  void Refuse(uint64_t id, Conn* c, const absl::Status& why);
-  void Close(uint64_t id);
-  void Sweep();
-  void Worker();
-  void Warn(const std::string& what) {
-    uint64_t skipped;
-    if (log_limit.Allow(&skipped)) {
-      KVF_LOG(WARNING) << "handshake " << address << ": " << what << LogLimiter::Suffix(skipped);
-    }
-  }
-};
+using server_internal::kReadChunk;
+using server_internal::kSweepEvery;
 
 void TcpServer::State::Admit(net::Fd fd) {
   ++accepted;
@@ -193,80 +112,6 @@ bool TcpServer::State::ReadSome(uint64_t id, Conn* c) {
     if (n < 0 && errno == EINTR) continue;
     Close(id);  // closed by the peer, or reset
     return false;
-  }
-}
-
-absl::StatusOr<FrameHeader> TcpServer::State::Header(absl::string_view in) const {
-  ASSIGN_OR_RETURN(FrameHeader h, ParseFrameHeader(in, options.max_request_bytes));
-  if (h.payload_bytes > MaxRequestPayloadBytes(h.type)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("a ", MessageTypeName(h.type), " request of ", h.payload_bytes,
-                     " bytes: at most ", MaxRequestPayloadBytes(h.type), " are allowed"));
-  }
-  return h;
-}
-
-// Once the head request's header is in: a large claim counts against its
-// source's share (refused beyond it). False when the connection was closed.
-bool TcpServer::State::Classify(uint64_t id, Conn* c) {
-  if (c->large || c->in.size() < kFrameHeaderBytes) return true;
-  absl::StatusOr<FrameHeader> h = Header(c->in);
-  if (!h.ok() || h->payload_bytes <= kSmallClaim) return true;  // Dispatch refuses a bad one
-  size_t& mine = large_by_source[c->source];
-  if (mine >= options.max_large_per_source) {
-    ++shed;
-    Refuse(id, c,
-           absl::ResourceExhaustedError(
-               absl::StrCat(options.max_large_per_source, " large requests from ", c->source,
-                            " are in progress already; send it again when one has been answered")));
-    return false;
-  }
-  ++mine;
-  c->large = true;
-  large_buffered += c->in.size();
-  return true;
-}
-
-// The head request leaves `in` (answered, refused, or the connection closed).
-void TcpServer::State::Unclassify(Conn* c) {
-  if (!c->large) return;
-  c->large = false;
-  large_buffered -= c->in.size();
-  auto it = large_by_source.find(c->source);
-  if (it != large_by_source.end() && --it->second == 0) large_by_source.erase(it);
-}
-
-// Over the budget, the connection holding the most partial bytes goes, not
-// the one that read last (unless it is that one): small requests have the
-// whole budget, large ones all but `small_headroom`, so a probe, challenge,
-// describe or connect-links always fits however many large requests hog
-// the rest. False when `c` itself was closed.
-bool TcpServer::State::WithinBudget(uint64_t id, Conn* c) {
-  const size_t headroom =
-      options.small_headroom == 0 ? options.max_buffered_bytes / 4 : options.small_headroom;
-  const size_t large_cap =
-      options.max_buffered_bytes - std::min(headroom, options.max_buffered_bytes);
-  for (;;) {
-    const bool over = buffered > options.max_buffered_bytes;
-    const bool large_over = c->large && large_buffered > large_cap;
-    if (!over && !large_over) return true;
-    // The largest holder among the others; over the large cap, a large one.
-    uint64_t victim = 0;
-    size_t most = c->in.size();
-    for (const auto& [other, o] : conns) {
-      if (other != id && o->in.size() > most && (!large_over || over || o->large)) {
-        most = o->in.size();
-        victim = other;
-      }
-    }
-    ++shed;
-    Warn(absl::StrCat("the request buffers are full (", buffered, " bytes, ", large_buffered,
-                      " in large requests): closing the connection holding the most"));
-    if (victim == 0) {
-      Close(id);
-      return false;
-    }
-    Close(victim);
   }
 }
 
