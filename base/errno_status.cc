@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
@@ -10,8 +11,11 @@ namespace kvferry {
 
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok() || context.empty()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(context, ": ", status.message()));
+  absl::Status out(status.code(), absl::StrCat(context, ": ", status.message()));
+  // What callers mark on statuses (net::ConnectionRefused, ...) survives.
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
 }
 
 absl::StatusCode ErrnoToCode(int errno_value) {

@@ -316,7 +316,9 @@ int kvferry_probe(kvferry_engine* e, const char* peer, int64_t timeout_ms, uint6
   return Ok();
 }
 
-void kvferry_fence_peer(kvferry_engine* e, uint64_t engine_id) { e->engine->FencePeer(engine_id); }
+void kvferry_fence_peer(kvferry_engine* e, uint64_t engine_id) {
+  e->engine->FencePeer(engine_id, "the application fenced it (kvferry_fence_peer)");
+}
 int kvferry_peer_fenced(const kvferry_engine* e, uint64_t engine_id) {
   return e->engine->PeerFenced(engine_id) ? 1 : 0;
 }

@@ -248,6 +248,7 @@ class TransferEngine::Impl {
     m.link_failovers = c.link_failovers;
     m.probes = c.probes;
     m.probes_failed = c.probes_failed;
+    m.peers_fenced = c.peers_fenced;
     if (server_ != nullptr) m.refused_input = server_->RefusedInput();
     for (transport::Transport* t : Transports()) {
       for (auto& entry : t->RefusedInput()) m.refused_input.push_back(std::move(entry));
@@ -257,6 +258,7 @@ class TransferEngine::Impl {
   EngineCounters GetCounters() const {
     EngineCounters c = pipeline_.segments().Counters();
     c.handshakes_refused = auth_ == nullptr ? 0 : auth_->rejected();
+    c.peers_fenced = service_.fences();
     return c;
   }
   std::vector<transport::Transport*> Transports() const {
@@ -463,7 +465,12 @@ absl::StatusOr<uint64_t> TransferEngine::ProbePeer(const std::string& peer,
   ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer));
   return impl_->client_.Probe(hp.ToString(), timeout);
 }
-void TransferEngine::FencePeer(uint64_t engine_id) { impl_->service_.Fence(engine_id); }
+bool TransferEngine::PeerAnswered(const absl::Status& status) {
+  return handshake::PeerAnswered(status);
+}
+void TransferEngine::FencePeer(uint64_t engine_id, absl::string_view reason) {
+  impl_->service_.Fence(engine_id, reason);
+}
 bool TransferEngine::PeerFenced(uint64_t engine_id) const {
   return impl_->service_.Fenced(engine_id);
 }

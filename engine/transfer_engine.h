@@ -303,8 +303,12 @@ class TransferEngine {
   // The engine id of the engine answering at `peer` ("host:port"), asked
   // over the handshake within `timeout`: kUnavailable or kDeadlineExceeded
   // when it does not answer. A different id than before means the peer
-  // restarted.
+  // restarted. A failure for which PeerAnswered() is true was the peer's
+  // own answer (it refused: overloaded, fenced, ...): its process is alive.
+  // One for which net::ConnectionRefused() is true found nothing listening
+  // at the address: the process is gone.
   absl::StatusOr<uint64_t> ProbePeer(const std::string& peer, absl::Duration timeout);
+  static bool PeerAnswered(const absl::Status& status);
   // Fences the peer instance `engine_id` once it is declared failed: closes
   // every link it opened to this engine and refuses its links and
   // notifications from then on (kFailedPrecondition to it). When this
@@ -312,7 +316,8 @@ class TransferEngine {
   // (TCP: the links' reader threads are gone; verbs: its queue pairs are
   // destroyed), even if it was only frozen and resumes. Its successor (a
   // restarted process has a new engine id) is not affected.
-  void FencePeer(uint64_t engine_id);
+  // Logged with `reason` and counted (EngineCounters::peers_fenced).
+  void FencePeer(uint64_t engine_id, absl::string_view reason = "");
   bool PeerFenced(uint64_t engine_id) const;
   // Closes every link the peer instance `engine_id` opened to this engine,
   // without fencing it: it reconnects on its next request (its requests in

@@ -55,6 +55,7 @@ struct EngineCounters {
   uint64_t links_repaired = 0;      // failed links rebuilt on their NIC pair later
   uint64_t probes = 0;              // peers probed for silence
   uint64_t probes_failed = 0;       // ... that did not answer
+  uint64_t peers_fenced = 0;        // peer instances fenced (FencePeer)
 };
 
 // What the engine posted on each of its NICs (see metrics.h).

@@ -1,5 +1,6 @@
 #include "handshake/messages.h"
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "handshake/wire.h"
@@ -441,10 +442,19 @@ std::string EncodeError(const absl::Status& status) {
   return out;
 }
 
+namespace {
+constexpr char kAnsweredUrl[] = "kvferry.handshake/peer-answered";
+}  // namespace
+
 absl::Status DecodeError(absl::string_view payload) {
   absl::Status status;
-  if (!ReadStatus(payload, &status)) return Malformed("error");
+  if (!ReadStatus(payload, &status)) status = Malformed("error");
+  status.SetPayload(kAnsweredUrl, absl::Cord("1"));
   return status;
+}
+
+bool PeerAnswered(const absl::Status& status) {
+  return status.GetPayload(kAnsweredUrl).has_value();
 }
 
 }  // namespace handshake

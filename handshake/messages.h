@@ -230,7 +230,10 @@ absl::StatusOr<MetadataRequest> DecodeMetadataRequest(absl::string_view payload)
 absl::StatusOr<Metadata> DecodeMetadata(absl::string_view payload);
 // Decodes an error payload into the status it carries (kDataLoss if the
 // payload itself is malformed).
+// The status a peer's kError frame carries; PeerAnswered() is true of it
+// (and of a malformed one): the peer's process was there to answer.
 absl::Status DecodeError(absl::string_view payload);
+bool PeerAnswered(const absl::Status& status);
 
 }  // namespace handshake
 }  // namespace kvferry

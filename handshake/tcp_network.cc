@@ -102,8 +102,9 @@ class TcpNetwork final : public Network, public HandOver {
       if (!pooled) {
         absl::StatusOr<net::Fd> fresh = net::Connect(*hp, deadline - absl::Now());
         if (!fresh.ok()) {
-          on_reply(0, absl::UnavailableError(absl::StrCat("handshake with ", peer,
-                                                          " failed: ", fresh.status().message())));
+          absl::Status failed = absl::UnavailableError(
+              absl::StrCat("handshake with ", peer, " failed: ", fresh.status().message()));
+          on_reply(0, net::ConnectionRefused(fresh.status()) ? net::MarkRefused(failed) : failed);
           return;
         }
         fd = std::move(*fresh);

@@ -289,7 +289,10 @@ class KvReceiver {
  private:
   // A prefill that expected requests come from.
   struct Prefill {
-    uint64_t engine_id = 0;  // as its first probe answered (0: not yet)
+    uint64_t engine_id = 0;  // as its first probe answered, or Expect named (0: not yet)
+    // The prefill at that address presented engine_id itself (a probe's
+    // answer): only such an id is ever fenced.
+    bool presented = false;
     absl::Time last_answer;  // or when it was first expected
     absl::Time next_probe;
     uint32_t expected = 0;  // pending requests expected from it (> 0)
@@ -316,8 +319,14 @@ class KvReceiver {
   // links dropped for an aborted one).
   Status Resolve(const std::string& id, const kv_internal::Word& w, uint64_t from)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Probes the prefills that are due; fences and fails those that are dead.
+  // Probes the prefills that are due, at once (at most kMaxProbesAtOnce at
+  // a time); fences and fails those that are dead.
   void CheckPrefills();
+  static constexpr size_t kMaxProbesAtOnce = 16;
+  // Why the prefill `p` at `peer` counts as dead after probe result `id`
+  // (OK when it does not).
+  absl::Status DeathOf(const std::string& peer, const Prefill& p,
+                       const absl::StatusOr<uint64_t>& id, absl::Time now) const;
   void Watch();
   void FailFrom(const std::string& prefill, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

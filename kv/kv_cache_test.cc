@@ -454,6 +454,32 @@ std::string Snapshot(const KvPool& pool) {
 // the Soft-RoCE VM): once the decode fences the prefill instance, nothing
 // it sends lands, over the links it already had or new ones, and its words
 // are refused.
+// Expect(request, X's address, V's engine id): the engine answering at X
+// presents X's id, not V's. The request fails (the named instance is not
+// there), but V, which never presented itself at X, is not fenced: it still
+// delivers to this decode.
+TEST(KvCache, AnIdTheAddressDidNotPresentIsNeverFenced) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 3);
+  KvReceiver::Options ro;
+  ro.peer_timeout = absl::Seconds(1);
+  Pair p(src, dst, {}, ro);
+  auto x = Engine();
+  const std::string peer = p.decode_engine->address();
+  ASSERT_TRUE(p.receiver->Expect("r", x->address(), p.prefill_engine->engine_id()).ok());
+  auto st = p.receiver->Wait("r", absl::Seconds(5));
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->state, KvReceiver::State::kFailed);
+  EXPECT_NE(st->error.message().find("not the engine named"), std::string::npos) << st->error;
+  EXPECT_FALSE(p.decode_engine->PeerFenced(p.prefill_engine->engine_id()));
+  EXPECT_EQ(p.decode_engine->GetCounters().peers_fenced, 0u);
+  ASSERT_TRUE(p.sender->Send("v", peer, {1}, {1}, "from v").ok());
+  auto v = p.receiver->Wait("v", absl::Seconds(5));
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->state, KvReceiver::State::kComplete);
+}
+
 TEST(KvCache, AFencedPrefillLandsNothingMore) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
@@ -470,8 +496,11 @@ TEST(KvCache, AFencedPrefillLandsNothingMore) {
   ASSERT_TRUE(sender->Send("before", peer, {0, 1}, {0, 1}, "").ok());  // links are up
   ASSERT_EQ(receiver->Wait("before", absl::Seconds(5))->state, KvReceiver::State::kComplete);
 
-  decode->FencePeer(prefill->engine_id());
+  EXPECT_EQ(decode->GetCounters().peers_fenced, 0u);
+  decode->FencePeer(prefill->engine_id(), "the test fences it");
+  decode->FencePeer(prefill->engine_id(), "twice");  // counted (and logged) once
   EXPECT_TRUE(decode->PeerFenced(prefill->engine_id()));
+  EXPECT_EQ(decode->GetCounters().peers_fenced, 1u);
   const std::string fenced = Snapshot(dst);
   Fill(src, 10);  // different bytes, so a landing write would show
   auto h = sender->Begin("after", peer, {2, 3}, {2, 3});

@@ -1,5 +1,6 @@
 // KvReceiver: the decode side of the KV layer (engine/kv_cache.h).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -72,11 +73,17 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   // unless the caller named the instance, so that a restart later is told
   // from a living instance.
   uint64_t instance = prefill_engine_id;
+  // Its first probe is due now when nothing answered for it yet: an id the
+  // caller named is checked at once, and a port that refused is a prefill
+  // gone (reported without waiting).
+  bool probe_now = prefill_engine_id != 0;
   if (!watched && instance == 0) {
     absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, options_.peer_timeout / 4);
     if (id.ok()) instance = *id;
+    probe_now = !id.ok() && net::ConnectionRefused(id.status());
   }
   const absl::Time now = engine_->clock()->Now();
+  const bool presented = instance != 0 && instance != prefill_engine_id;
   bool start = false;
   {
     MutexLock lock(&mu_);
@@ -86,8 +93,8 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     // is nothing left to watch.
     if (s.state != State::kPending) return absl::OkStatus();
     if (auto again = expected_.find(request_id); again != expected_.end()) Unexpect(again);
-    auto [known, fresh] =
-        prefills_.try_emplace(peer, Prefill{instance, now, now + options_.peer_timeout / 4});
+    auto [known, fresh] = prefills_.try_emplace(
+        peer, Prefill{instance, presented, now, probe_now ? now : now + options_.peer_timeout / 4});
     if (!fresh && prefill_engine_id != 0 && known->second.engine_id == 0) {
       known->second.engine_id = prefill_engine_id;
     }
@@ -139,30 +146,41 @@ void KvReceiver::CheckPrefills() {
       if (p.next_probe <= now) due.emplace_back(peer, p);
     }
   }
-  for (const auto& [peer, p] : due) {
-    const absl::Time start = clock->Now();
-    absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, period);
-    const absl::Time now = clock->Now();
-    absl::Status dead;
-    if (id.ok() && engine_->PeerFenced(*id)) {
-      // Declared failed earlier (and still running): it can deliver nothing
-      // here until it restarts.
-      dead = absl::UnavailableError(absl::StrFormat(
-          "the prefill at %s (engine %#x) was declared failed earlier and is fenced off this "
-          "engine; it must restart",
-          peer, *id));
-    } else if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
-      dead = absl::UnavailableError(absl::StrFormat(
-          "the prefill at %s restarted (engine %#x, now %#x): its requests were lost", peer,
-          p.engine_id, *id));
-    } else if (!id.ok() && now - p.last_answer >= options_.peer_timeout - period) {
-      dead = absl::UnavailableError(absl::StrCat(
-          "the prefill at ", peer, " has not answered for ",
-          absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))), " (",
-          id.status().message(), ")"));
+  if (due.empty()) return;
+  // All due prefills are probed at once, so that many frozen ones (each
+  // probe waiting out `period`) do not push the others past their bound.
+  struct Probe {
+    absl::Time start, end;
+    absl::StatusOr<uint64_t> id = absl::UnknownError("not probed");
+  };
+  std::vector<Probe> probes(due.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next++) < due.size();) {
+      probes[i].start = clock->Now();
+      probes[i].id = engine_->ProbePeer(due[i].first, period);
+      probes[i].end = clock->Now();
     }
-    // Fenced before anyone is told: nothing of it lands afterwards.
-    if (!dead.ok() && p.engine_id != 0) engine_->FencePeer(p.engine_id);
+  };
+  std::vector<std::thread> helpers;
+  const size_t threads = std::min(due.size(), kMaxProbesAtOnce);
+  for (size_t t = 1; t < threads && clock == RealClock(); ++t) {
+    absl::StatusOr<std::thread> helper = StartThread("a KV receiver's probe", work);
+    if (!helper.ok()) break;  // fewer at once, never none: this thread probes too
+    helpers.push_back(std::move(*helper));
+  }
+  work();
+  for (std::thread& t : helpers) t.join();
+
+  for (size_t i = 0; i < due.size(); ++i) {
+    const auto& [peer, p] = due[i];
+    const absl::StatusOr<uint64_t>& id = probes[i].id;
+    const absl::Status dead = DeathOf(peer, p, id, probes[i].end);
+    // Fenced before anyone is told: nothing of it lands afterwards. Only an
+    // id the prefill presented itself: never one a caller merely named.
+    if (!dead.ok() && p.engine_id != 0 && p.presented) {
+      engine_->FencePeer(p.engine_id, dead.message());
+    }
     MutexLock lock(&mu_);
     auto it = prefills_.find(peer);
     if (it == prefills_.end()) continue;
@@ -172,10 +190,47 @@ void KvReceiver::CheckPrefills() {
     }
     if (id.ok()) {
       it->second.engine_id = *id;
-      it->second.last_answer = now;
+      it->second.presented = true;
     }
-    it->second.next_probe = start + period;
+    // An answer, even a refusal (an overloaded or fencing engine), means
+    // its process is alive.
+    if (id.ok() || TransferEngine::PeerAnswered(id.status())) it->second.last_answer = probes[i].end;
+    it->second.next_probe = probes[i].start + period;
   }
+}
+
+absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
+                                 const absl::StatusOr<uint64_t>& id, absl::Time now) const {
+  const absl::Duration period = options_.peer_timeout / 4;
+  if (id.ok() && engine_->PeerFenced(*id)) {
+    // Declared failed earlier (and still running): it can deliver nothing
+    // here until it restarts.
+    return absl::UnavailableError(absl::StrFormat(
+        "the prefill at %s (engine %#x) was declared failed earlier and is fenced off this "
+        "engine; it must restart",
+        peer, *id));
+  }
+  if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
+    return absl::UnavailableError(absl::StrFormat(
+        p.presented ? "the prefill at %s restarted (engine %#x, now %#x): its requests were lost"
+                    : "the prefill at %s is not the engine named for its requests (%#x, it "
+                      "answers as %#x): it restarted, or the name was wrong",
+        peer, p.engine_id, *id));
+  }
+  if (id.ok() || TransferEngine::PeerAnswered(id.status())) return absl::OkStatus();
+  if (net::ConnectionRefused(id.status())) {
+    // Nothing listens at its port: the process is gone (no need to wait).
+    return absl::UnavailableError(absl::StrCat("the prefill at ", peer,
+                                               " is gone: its port refuses connections (",
+                                               id.status().message(), ")"));
+  }
+  if (now - p.last_answer >= options_.peer_timeout - period) {
+    return absl::UnavailableError(absl::StrCat(
+        "the prefill at ", peer, " has not answered for ",
+        absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))), " (",
+        id.status().message(), ")"));
+  }
+  return absl::OkStatus();
 }
 
 void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -251,22 +252,38 @@ absl::StatusOr<Fd> Accept(int listen_fd, absl::Duration timeout) {
   return fd;
 }
 
+namespace {
+constexpr char kRefusedUrl[] = "kvferry.net/connection-refused";
+}  // namespace
+
+bool ConnectionRefused(const absl::Status& status) {
+  return status.GetPayload(kRefusedUrl).has_value();
+}
+
+absl::Status MarkRefused(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kRefusedUrl, absl::Cord("1"));
+  return status;
+}
+
 absl::StatusOr<Fd> Connect(const HostPort& peer, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   auto addrs = Resolve(peer.host, peer.port);
   if (!addrs.ok()) return addrs.status();
   absl::Status last;
+  bool all_refused = true;
   for (const SocketAddress& a : *addrs) {
     Fd fd(::socket(a.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!fd.valid()) return LastErrnoError("socket");
     const std::string what = absl::StrCat("connect ", peer.ToString());
     if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0) {
       if (errno != EINPROGRESS) {
+        all_refused = all_refused && errno == ECONNREFUSED;
         last = absl::UnavailableError(ErrnoError(errno, what).message());
         continue;
       }
       absl::Status ready = WaitFor(fd.get(), POLLOUT, deadline, what);
       if (!ready.ok()) {
+        all_refused = false;
         last = absl::UnavailableError(ready.message());
         continue;
       }
@@ -274,6 +291,7 @@ absl::StatusOr<Fd> Connect(const HostPort& peer, absl::Duration timeout) {
       socklen_t len = sizeof err;
       ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
       if (err != 0) {
+        all_refused = all_refused && err == ECONNREFUSED;
         last = absl::UnavailableError(ErrnoError(err, what).message());
         continue;
       }
@@ -282,7 +300,7 @@ absl::StatusOr<Fd> Connect(const HostPort& peer, absl::Duration timeout) {
     (void)SetBlocking(fd.get());
     return fd;
   }
-  return last;
+  return all_refused ? MarkRefused(last) : last;
 }
 
 absl::StatusOr<Fd> ConnectStart(const HostPort& peer) {

@@ -98,8 +98,13 @@ absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host,
 absl::StatusOr<Fd> Accept(int listen_fd, absl::Duration timeout);
 
 // Connects to `peer`, trying each address it resolves to, within `timeout`
-// in total. kUnavailable (refused, unreachable, timed out) naming the peer.
+// in total. kUnavailable (refused, unreachable, timed out) naming the peer;
+// when every address refused the connection (nothing listens there: a
+// certain sign that the process is gone), ConnectionRefused() says so.
 absl::StatusOr<Fd> Connect(const HostPort& peer, absl::Duration timeout);
+bool ConnectionRefused(const absl::Status& status);
+// Marks `status` as a refused connection (kept by kvferry::Annotate).
+absl::Status MarkRefused(absl::Status status);
 // Starts connecting to `peer`'s first address and returns at once: a
 // non-blocking socket (TCP_NODELAY on), connected or on its way (a failure
 // shows at its first read or write).

@@ -189,11 +189,14 @@ void WriteEngineCounters(Writer& w, const EngineMetrics& m) {
       {"kvferry_link_failovers_total", m.link_failovers},
       {"kvferry_probes_total", m.probes},
       {"kvferry_probes_failed_total", m.probes_failed},
+      {"kvferry_peers_fenced_total", m.peers_fenced},
   };
   const char* helps[] = {"Handshake requests refused for lack of the secret.",
                          "Slices moved off a failed link to another.",
-                         "Peers probed after a silence.", "Probes that got no answer."};
-  for (size_t i = 0; i < 4; ++i) {
+                         "Peers probed after a silence.", "Probes that got no answer.",
+                         "Peer instances fenced off this engine (declared failed)."};
+  static_assert(sizeof helps / sizeof helps[0] == sizeof engine_counters / sizeof engine_counters[0]);
+  for (size_t i = 0; i < sizeof helps / sizeof helps[0]; ++i) {
     w.Family(engine_counters[i].first, "counter", helps[i]);
     w.Sample(engine_counters[i].first, "", engine_counters[i].second);
   }

@@ -75,6 +75,7 @@ struct EngineMetrics {
   uint64_t link_failovers = 0;
   uint64_t probes = 0;
   uint64_t probes_failed = 0;
+  uint64_t peers_fenced = 0;
   // Network input refused or cut off, by reason (docs/security.md): the
   // handshake server's and the transports' counts.
   std::vector<std::pair<std::string, uint64_t>> refused_input;

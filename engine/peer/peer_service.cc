@@ -78,12 +78,23 @@ void PeerService::PruneClosedLinks() {
   prune_at_ = std::max(kPruneAbove, 2 * tracked_);
 }
 
-void PeerService::Fence(uint64_t engine_id) {
+void PeerService::Fence(uint64_t engine_id, absl::string_view reason) {
   {
     MutexLock lock(&mu_);
+    if (!fenced_.Contains(engine_id)) {
+      ++fences_;
+      KVF_LOG(WARNING) << absl::StrFormat("fencing engine %#x off this engine (%#x): ", engine_id,
+                                          engine_id_)
+                       << (reason.empty() ? "declared failed" : reason);
+    }
     fenced_.Insert(engine_id);
   }
   CloseLinksOf(engine_id);
+}
+
+uint64_t PeerService::fences() const {
+  MutexLock lock(&mu_);
+  return fences_;
 }
 
 void PeerService::CloseLinksOf(uint64_t engine_id) {

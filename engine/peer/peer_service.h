@@ -60,8 +60,10 @@ class PeerService {
   // Fences the peer instance `engine_id` (declared failed): closes every
   // link it opened to this engine and refuses its links and notifications
   // from then on. Returns once nothing it sends on those links can land in
-  // this engine's memory (the transports' CloseLink). Idempotent.
-  void Fence(uint64_t engine_id);
+  // this engine's memory (the transports' CloseLink). Idempotent. Logged
+  // (once per instance) with `reason`, and counted.
+  void Fence(uint64_t engine_id, absl::string_view reason);
+  uint64_t fences() const;
   // Closes the links `engine_id` opened (without fencing it).
   void CloseLinksOf(uint64_t engine_id);
   bool Fenced(uint64_t engine_id) const;
@@ -105,6 +107,7 @@ class PeerService {
   size_t tracked_ ABSL_GUARDED_BY(mu_) = 0;
   size_t prune_at_ ABSL_GUARDED_BY(mu_) = kPruneAbove;
   RecentSet<uint64_t> fenced_ ABSL_GUARDED_BY(mu_){kMaxFenced};
+  uint64_t fences_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace engine_internal
