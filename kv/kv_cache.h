@@ -37,6 +37,7 @@
 #include "base/mutex.h"
 #include "base/recent_set.h"
 #include "engine/transfer_engine.h"
+#include "net/socket.h"
 
 namespace kvferry {
 namespace kv_internal {
@@ -297,8 +298,7 @@ class KvReceiver {
     absl::Time next_probe;
     uint32_t expected = 0;  // pending requests expected from it (> 0)
   };
-  KvReceiver(TransferEngine* engine, KvPool pool, Options options)
-      : engine_(engine), pool_(std::move(pool)), options_(options) {}
+  KvReceiver(TransferEngine* engine, KvPool pool, Options options);
   // A word that came before anyone expected its request.
   struct Early {
     Status status;
@@ -362,6 +362,19 @@ class KvReceiver {
   std::map<std::string, uint64_t> tokens_ ABSL_GUARDED_BY(mu_);
   RecentSet<std::pair<std::string, uint64_t>> retired_ ABSL_GUARDED_BY(mu_){kMaxRetired};
   std::thread watcher_;  // with the real clock; simulations check from Wait
+  // The watcher's wake-up (an eventfd: Expect and the destructor write it).
+  net::Fd wake_;
+  // An idle connection to each watched prefill's handshake port, opened
+  // after a probe it answered: its process's death closes it at once (the
+  // kernel's FIN), and the watcher probes that prefill then instead of at
+  // its turn. Closed ones wait in `retired_watches_` for the watcher to
+  // finish polling them.
+  std::map<std::string, net::Fd> watches_ ABSL_GUARDED_BY(mu_);
+  std::vector<net::Fd> retired_watches_ ABSL_GUARDED_BY(mu_);
+  void Wake();
+  // Polls the wake-up and the watch connections until `wait` passes or
+  // something happens; a closed watch makes its prefill due now.
+  void WaitForEvents(absl::Duration wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 // The metadata key under which a receiver publishes its pool.

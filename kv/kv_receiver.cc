@@ -1,4 +1,8 @@
 // KvReceiver: the decode side of the KV layer (engine/kv_cache.h).
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -49,11 +53,18 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* e
   return std::unique_ptr<KvReceiver>(new KvReceiver(engine, std::move(pool), options));
 }
 
+KvReceiver::KvReceiver(TransferEngine* engine, KvPool pool, Options options)
+    : engine_(engine),
+      pool_(std::move(pool)),
+      options_(options),
+      wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+
 KvReceiver::~KvReceiver() {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
     changed_.SignalAll();
+    Wake();
   }
   if (watcher_.joinable()) watcher_.join();
 }
@@ -103,6 +114,7 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     start = !watcher_started_ && engine_->clock() == RealClock();
     watcher_started_ = watcher_started_ || start;
     changed_.SignalAll();
+    Wake();
   }
   if (start) {
     absl::StatusOr<std::thread> t =
@@ -125,7 +137,7 @@ void KvReceiver::Watch() {
     for (const auto& [peer, p] : prefills_) next = std::min(next, p.next_probe);
     const absl::Duration wait = next - absl::Now();
     if (wait > absl::ZeroDuration()) {
-      changed_.WaitWithTimeout(&mu_, std::min(wait, absl::Hours(1)));
+      WaitForEvents(std::min(wait, absl::Hours(1)));
       continue;
     }
     mu_.Unlock();
@@ -133,6 +145,47 @@ void KvReceiver::Watch() {
     mu_.Lock();
   }
   mu_.Unlock();
+}
+
+void KvReceiver::Wake() {
+  if (!wake_.valid()) return;
+  const uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+}
+
+void KvReceiver::WaitForEvents(absl::Duration wait) {
+  std::vector<pollfd> fds;
+  std::vector<std::string> peers;
+  if (wake_.valid()) fds.push_back(pollfd{wake_.get(), POLLIN, 0});
+  for (const auto& [peer, fd] : watches_) {
+    fds.push_back(pollfd{fd.get(), POLLIN | POLLRDHUP, 0});
+    peers.push_back(peer);
+  }
+  if (!wake_.valid()) {  // no eventfd: the condition variable, without watches
+    changed_.WaitWithTimeout(&mu_, wait);
+    return;
+  }
+  mu_.Unlock();
+  const int ms = static_cast<int>(std::min<int64_t>(
+      absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))), 1 << 30));
+  (void)::poll(fds.data(), fds.size(), ms);
+  if (fds[0].revents != 0) {
+    uint64_t n;
+    (void)!::read(wake_.get(), &n, sizeof n);
+  }
+  mu_.Lock();
+  const absl::Time now = absl::Now();
+  for (size_t i = 1; i < fds.size(); ++i) {
+    if (fds[i].revents == 0) continue;
+    // The peer sends nothing on a watch: any event is its end (or reset).
+    auto w = watches_.find(peers[i - 1]);
+    if (w == watches_.end() || w->second.get() != fds[i].fd) continue;
+    retired_watches_.push_back(std::move(w->second));
+    watches_.erase(w);
+    auto p = prefills_.find(peers[i - 1]);
+    if (p != prefills_.end()) p->second.next_probe = now;
+  }
+  retired_watches_.clear();  // no poll on them any more
 }
 
 void KvReceiver::CheckPrefills() {
@@ -152,14 +205,25 @@ void KvReceiver::CheckPrefills() {
   struct Probe {
     absl::Time start, end;
     absl::StatusOr<uint64_t> id = absl::UnknownError("not probed");
+    bool watched = false;  // it has a watch connection
+    net::Fd watch;         // one opened now
   };
   std::vector<Probe> probes(due.size());
+  if (clock == RealClock()) {
+    MutexLock lock(&mu_);
+    for (size_t i = 0; i < due.size(); ++i) probes[i].watched = watches_.count(due[i].first) != 0;
+  }
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i; (i = next++) < due.size();) {
       probes[i].start = clock->Now();
       probes[i].id = engine_->ProbePeer(due[i].first, period);
       probes[i].end = clock->Now();
+      if (probes[i].id.ok() && !probes[i].watched && clock == RealClock()) {
+        absl::StatusOr<net::HostPort> hp = net::ParseHostPort(due[i].first);
+        absl::StatusOr<net::Fd> fd = hp.ok() ? net::Connect(*hp, period) : hp.status();
+        if (fd.ok()) probes[i].watch = std::move(*fd);
+      }
     }
   };
   std::vector<std::thread> helpers;
@@ -192,9 +256,14 @@ void KvReceiver::CheckPrefills() {
       it->second.engine_id = *id;
       it->second.presented = true;
     }
+    if (probes[i].watch.valid()) {
+      watches_.emplace(peer, std::move(probes[i].watch));
+      Wake();  // the watcher polls it from now on
+    }
     // An answer, even a refusal (an overloaded or fencing engine), means
     // its process is alive.
-    if (id.ok() || TransferEngine::PeerAnswered(id.status())) it->second.last_answer = probes[i].end;
+    if (id.ok() || TransferEngine::PeerAnswered(id.status()))
+      it->second.last_answer = probes[i].end;
     it->second.next_probe = probes[i].start + period;
   }
 }
@@ -225,10 +294,10 @@ absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
                                                id.status().message(), ")"));
   }
   if (now - p.last_answer >= options_.peer_timeout - period) {
-    return absl::UnavailableError(absl::StrCat(
-        "the prefill at ", peer, " has not answered for ",
-        absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))), " (",
-        id.status().message(), ")"));
+    return absl::UnavailableError(
+        absl::StrCat("the prefill at ", peer, " has not answered for ",
+                     absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))),
+                     " (", id.status().message(), ")"));
   }
   return absl::OkStatus();
 }
@@ -254,7 +323,14 @@ void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
 
 void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
   auto p = prefills_.find(e->second);
-  if (p != prefills_.end() && --p->second.expected == 0) prefills_.erase(p);
+  if (p != prefills_.end() && --p->second.expected == 0) {
+    if (auto w = watches_.find(p->first); w != watches_.end()) {
+      retired_watches_.push_back(std::move(w->second));  // the watcher may be polling it
+      watches_.erase(w);
+      Wake();
+    }
+    prefills_.erase(p);
+  }
   expected_.erase(e);
 }
 

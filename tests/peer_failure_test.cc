@@ -1,6 +1,7 @@
 // Peers that fail for real, in their own processes, over TCP: frozen
 // (SIGSTOP: sockets stay open, nothing answers), killed (SIGKILL) and
 // restarted on the same port with new keys and a new buffer.
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <thread>
@@ -294,6 +295,72 @@ TEST(PeerFailure, KvRequestFromAPrefillWhosePortRefusesFailsAtOnce) {
   // Declared again after it failed: it stays failed.
   EXPECT_TRUE(d.receiver->Expect("never", address).ok());
   EXPECT_EQ(d.receiver->Poll("never").state, KvReceiver::State::kFailed);
+}
+
+// A watched prefill (Expect, and it answered a probe) that is killed: the
+// kernel closes its sockets, the receiver's watch connection sees it at
+// once, and the probe that follows finds its port refusing. Reported well
+// before its probe's turn (peer_timeout 2 s: every 500 ms).
+TEST(PeerFailure, AWatchedPrefillThatIsKilledIsReportedWithin100ms) {
+  const absl::Duration peer_timeout = absl::Seconds(2);
+  Decode d = StartDecode(peer_timeout);
+  auto prefill = PeerProcess::Start(0, 4096);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  ASSERT_TRUE(d.receiver->Expect("killed", prefill->address()).ok());
+  absl::SleepFor(peer_timeout / 4 + absl::Milliseconds(400));  // probed, and watched
+  EXPECT_EQ(d.receiver->Poll("killed").state, KvReceiver::State::kPending);
+  prefill->Kill();
+  const absl::Time killed = absl::Now();
+  auto s = d.receiver->Wait("killed", absl::Seconds(5));
+  const absl::Duration took = absl::Now() - killed;
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->state, KvReceiver::State::kFailed);
+  EXPECT_NE(s->error.message().find("refuses connections"), std::string::npos) << s->error;
+  std::printf("killed, watched prefill: reported %s after the kill\n",
+              absl::FormatDuration(took).c_str());
+  EXPECT_LT(took, absl::Milliseconds(100));
+}
+
+// 16 prefills, 12 of them frozen at once: their probes run at once, so the
+// frozen ones' timeouts do not add up, and each is reported within
+// peer_timeout of its freeze. The four alive ones stay pending.
+TEST(PeerFailure, TwelveOfSixteenFrozenPrefillsAreEachReportedWithinPeerTimeout) {
+  const absl::Duration peer_timeout = absl::Seconds(2);
+  Decode d = StartDecode(peer_timeout);
+  std::vector<PeerProcess> prefills;
+  for (int i = 0; i < 16; ++i) {
+    auto p = PeerProcess::Start(0, 4096);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(d.receiver->Expect(absl::StrCat("r", i), p->address()).ok());
+    prefills.push_back(std::move(*p));
+  }
+  absl::SleepFor(absl::Seconds(1));  // every one probed and answering
+  for (int i = 0; i < 12; ++i) prefills[i].Freeze();
+  const absl::Time frozen = absl::Now();
+  std::vector<absl::Duration> took(12, absl::InfiniteDuration());
+  for (int round = 0; round < 400; ++round) {
+    bool all = true;
+    for (int i = 0; i < 12; ++i) {
+      if (took[i] != absl::InfiniteDuration()) continue;
+      if (d.receiver->Poll(absl::StrCat("r", i)).state == KvReceiver::State::kFailed) {
+        took[i] = absl::Now() - frozen;
+      } else {
+        all = false;
+      }
+    }
+    if (all) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const absl::Duration worst = *std::max_element(took.begin(), took.end());
+  const absl::Duration best = *std::min_element(took.begin(), took.end());
+  std::printf("12 of 16 prefills frozen: reported after %s to %s (peer_timeout %s)\n",
+              absl::FormatDuration(best).c_str(), absl::FormatDuration(worst).c_str(),
+              absl::FormatDuration(peer_timeout).c_str());
+  EXPECT_LE(worst, peer_timeout);
+  for (int i = 12; i < 16; ++i) {
+    EXPECT_EQ(d.receiver->Poll(absl::StrCat("r", i)).state, KvReceiver::State::kPending) << i;
+  }
+  for (int i = 0; i < 12; ++i) prefills[i].Thaw();
 }
 
 }  // namespace
