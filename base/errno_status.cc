@@ -82,16 +82,11 @@ absl::StatusCode ErrnoToCode(int errno_value) {
 absl::Status ErrnoError(int errno_value, absl::string_view context) {
   char buf[128];
   // GNU strerror_r: thread-safe, returns a pointer to the text.
-  const char* text =
-      errno_value == 0 ? "no errno set" : strerror_r(errno_value, buf, sizeof buf);
-  return absl::Status(
-      ErrnoToCode(errno_value),
-      absl::StrCat(context, context.empty() ? "" : ": ", text, " (errno ",
-                   errno_value, ")"));
+  const char* text = errno_value == 0 ? "no errno set" : strerror_r(errno_value, buf, sizeof buf);
+  return absl::Status(ErrnoToCode(errno_value), absl::StrCat(context, context.empty() ? "" : ": ",
+                                                             text, " (errno ", errno_value, ")"));
 }
 
-absl::Status LastErrnoError(absl::string_view context) {
-  return ErrnoError(errno, context);
-}
+absl::Status LastErrnoError(absl::string_view context) { return ErrnoError(errno, context); }
 
 }  // namespace kvferry

@@ -16,10 +16,14 @@
 namespace kvferry {
 namespace cuda {
 
-absl::Status CheckHostReadable(const void* p, uint64_t length) {
+namespace {
+
+// The first byte of [p, +length) outside mappings with `perm` ('r' or 'w')
+// set, or the end; the end when /proc/self/maps cannot be read.
+uintptr_t FirstWithout(const void* p, uint64_t length, char perm) {
   const auto addr = reinterpret_cast<uintptr_t>(p);
   FILE* f = std::fopen("/proc/self/maps", "r");
-  if (f == nullptr) return absl::OkStatus();  // cannot tell: trust the caller
+  if (f == nullptr) return addr + length;  // cannot tell: trust the caller
   uintptr_t covered = addr;
   const uintptr_t end = addr + length;
   char line[512];
@@ -28,11 +32,28 @@ absl::Status CheckHostReadable(const void* p, uint64_t length) {
     char perms[8] = {};
     if (std::sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3) continue;
     if (hi <= covered || lo > covered) continue;  // the lines are sorted by address
-    if (perms[0] != 'r') break;
+    if (perms[perm == 'r' ? 0 : 1] != perm) break;
     covered = hi;
   }
   std::fclose(f);
-  if (covered >= end) return absl::OkStatus();
+  return std::min(covered, end);
+}
+
+}  // namespace
+
+absl::Status CheckHostWritable(const void* p, uint64_t length) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t first = FirstWithout(p, length, 'w');
+  if (first >= addr + length) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "[%#x, +%u) is not memory the CPU can write (byte %#x is read-only or unmapped)", addr,
+      length, first));
+}
+
+absl::Status CheckHostReadable(const void* p, uint64_t length) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t covered = FirstWithout(p, length, 'r');
+  if (covered >= addr + length) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrFormat(
       "[%#x, +%u) is neither CUDA device memory nor host memory the CPU can read (byte %#x): "
       "a freed device pointer?",

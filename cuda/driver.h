@@ -32,6 +32,9 @@ struct MemoryInfo {
 // Whether every byte of [addr, +length) lies in mappings the CPU may read
 // (/proc/self/maps); kInvalidArgument naming the first that does not.
 absl::Status CheckHostReadable(const void* addr, uint64_t length);
+// The same, for mappings the CPU may write: memory a peer may write into
+// must be (a remote WRITE into a read-only mapping would kill the process).
+absl::Status CheckHostWritable(const void* addr, uint64_t length);
 
 class Driver {
  public:

@@ -190,6 +190,14 @@ class TransferEngine::Impl {
     bool derived = false, device = false;
     ASSIGN_OR_RETURN(const std::string where,
                      MemoryLocation(addr, length, location, &derived, &device));
+    if (!device && addr != nullptr && length > 0 && transport::AllowsRemoteWrite(access)) {
+      // A remote WRITE into a read-only mapping would kill this process.
+      if (absl::Status w = cuda::CheckHostWritable(addr, length); !w.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("RegisterMemory: ", w.message(),
+                         "; peers may not write it (register it with kRemoteRead or kNone)"));
+      }
+    }
     if (!where.empty()) {
       absl::StatusOr<std::vector<NicIndex>> nics = near_nics_(where);
       // A GPU the RDMA discovery does not list: no preference.

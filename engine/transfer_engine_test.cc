@@ -401,6 +401,40 @@ TEST(TransferEngine, RegistrationDefaultsToRemoteWriteOnly) {
   EXPECT_EQ(dst, src);
 }
 
+// A read-only mapping offered for remote writes: refused at registration
+// (a peer's WRITE would otherwise kill this process with SIGSEGV). Offered
+// for reading it is fine, and peers read it.
+TEST(TransferEngine, ReadOnlyMemoryIsRefusedForRemoteWrites) {
+  auto a = MakeEngine();
+  auto b = MakeEngine();
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  void* ro = ::mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(ro, MAP_FAILED);
+  std::memset(ro, 'r', 2 * page);
+  ASSERT_EQ(::mprotect(static_cast<char*>(ro) + page, page, PROT_READ), 0);  // the second page
+  auto refused = b->RegisterMemory(ro, 2 * page, transport::Access::kRemoteReadWrite);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("read-only"), std::string::npos) << refused;
+  EXPECT_EQ(b->RegisterMemory(ro, 2 * page, transport::Access::kRemoteWrite).code(),
+            absl::StatusCode::kInvalidArgument);
+  // The first page alone is writable; the whole is fine for reading.
+  ASSERT_TRUE(b->RegisterMemory(ro, 2 * page, transport::Access::kRemoteRead).ok());
+  std::vector<char> got(2 * page, 0);
+  ASSERT_TRUE(a->RegisterMemory(got.data(), got.size(), transport::Access::kNone).ok());
+  auto seg = a->OpenSegment(b->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  TransferRequest r{Opcode::kRead, got.data(), reinterpret_cast<uint64_t>(ro), got.size()};
+  auto batch = a->Submit(*seg, {&r, 1});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  ASSERT_TRUE(a->Wait(*batch, absl::Seconds(5))->ok());
+  EXPECT_EQ(got, std::vector<char>(2 * page, 'r'));
+  ASSERT_TRUE(a->Release(*batch).ok());
+  ASSERT_TRUE(b->UnregisterMemory(ro).ok());
+  ASSERT_TRUE(b->RegisterMemory(ro, page, transport::Access::kRemoteWrite).ok());
+  ASSERT_TRUE(b->UnregisterMemory(ro).ok());
+  ::munmap(ro, 2 * page);
+}
+
 TEST(TransferEngine, PeerNotListeningIsUnavailableInBoundedTime) {
   const uint16_t port = EphemeralPort();  // nobody listens there
   ASSERT_NE(port, 0);

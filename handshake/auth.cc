@@ -170,10 +170,17 @@ struct AuthenticatedNetwork::State {
         "(EngineOptions::secret, KVFERRY_SECRET or KVFERRY_SECRET_FILE)"));
   }
 
+  // A key of this network instance alone (random, made with it): its
+  // nonces verify nowhere else, so a request authenticated for one engine
+  // cannot be replayed to another with the same secret, or to this one
+  // restarted.
+  std::string instance_key;
+
   // random(8) expiry(8) and a MAC over both: the server keeps nothing per
   // challenge, so no flood of challenges can push out a client's nonce.
   std::string NonceMac(absl::string_view random_and_expiry) const {
-    return HmacSha256(options.secret, absl::StrCat("kvferry-nonce", random_and_expiry))
+    return HmacSha256(options.secret,
+                      absl::StrCat("kvferry-nonce", instance_key, random_and_expiry))
         .substr(0, kServerNonceBytes - 16);
   }
 
@@ -243,6 +250,10 @@ absl::StatusOr<std::unique_ptr<AuthenticatedNetwork>> AuthenticatedNetwork::Crea
   if (options.clock == nullptr) options.clock = RealClock();
   if (!options.random) options.random = OpenSslRandom;
   auto state = std::make_shared<State>();
+  state->instance_key = options.random(32);
+  if (state->instance_key.size() != 32) {
+    return absl::InternalError("no random bytes for the handshake's instance key");
+  }
   state->options = std::move(options);
   return std::unique_ptr<AuthenticatedNetwork>(
       new AuthenticatedNetwork(std::move(inner), std::move(state)));

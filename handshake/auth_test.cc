@@ -139,6 +139,44 @@ TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
   EXPECT_EQ((*server_net)->rejected(), 2u);
 }
 
+// A request authenticated for one engine is refused by another engine with
+// the same secret (and by the same engine restarted): the server's nonce
+// verifies only where it was made.
+TEST(Auth, ARequestAuthenticatedForOneEngineIsRefusedByAnother) {
+  auto a_net = Auth(), b_net = Auth();
+  ASSERT_TRUE(a_net.ok() && b_net.ok());
+  auto a = (*a_net)->Serve(Loopback(), KeysHandler);
+  auto b = (*b_net)->Serve(Loopback(), KeysHandler);
+  ASSERT_TRUE(a.ok() && b.ok());
+  struct Recorder : Network {
+    std::unique_ptr<Network> inner = NewTcpNetwork();
+    Frame last;
+    absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler) override {
+      return absl::UnimplementedError("client only");
+    }
+    absl::StatusOr<Frame> Call(const std::string& peer, const Frame& f,
+                               absl::Duration timeout) override {
+      last = f;
+      return inner->Call(peer, f, timeout);
+    }
+  };
+  auto recorder = std::make_unique<Recorder>();
+  Recorder* rec = recorder.get();
+  AuthOptions o;
+  o.secret = kSecret;
+  auto client = AuthenticatedNetwork::Create(std::move(recorder), o);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE(
+      (*client)->Call((*a)->address(), Frame{MessageType::kDescribe, "a"}, absl::Seconds(5)).ok());
+  const Frame for_a = rec->last;
+  auto replayed = NewTcpNetwork()->Call((*b)->address(), for_a, absl::Seconds(5));
+  EXPECT_EQ(replayed.status().code(), absl::StatusCode::kUnauthenticated) << replayed.status();
+  EXPECT_EQ((*b_net)->rejected(), 1u);
+  // B itself still serves holders of the secret.
+  EXPECT_TRUE(
+      (*client)->Call((*b)->address(), Frame{MessageType::kDescribe, "b"}, absl::Seconds(5)).ok());
+}
+
 // Challenges cost the server no state: a flood of them between a client's
 // challenge and its authenticated request does not push its nonce out.
 TEST(Auth, AFloodOfChallengesCannotEvictAClientsNonce) {

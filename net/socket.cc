@@ -27,13 +27,12 @@ int PollMs(absl::Time deadline) {
   const absl::Duration left = deadline - absl::Now();
   if (left <= absl::ZeroDuration()) return 0;
   if (left > absl::Hours(1)) return 3600 * 1000;
-  return static_cast<int>(absl::ToInt64Milliseconds(left + absl::Milliseconds(1) -
-                                                    absl::Nanoseconds(1)));
+  return static_cast<int>(
+      absl::ToInt64Milliseconds(left + absl::Milliseconds(1) - absl::Nanoseconds(1)));
 }
 
 // Waits for `events` on fd until `deadline`. OK, or kDeadlineExceeded.
-absl::Status WaitFor(int fd, short events, absl::Time deadline,
-                     absl::string_view what) {
+absl::Status WaitFor(int fd, short events, absl::Time deadline, absl::string_view what) {
   for (;;) {
     pollfd p{fd, events, 0};
     const int ms = PollMs(deadline);
@@ -68,9 +67,9 @@ static std::string ColonsInHost(absl::string_view text, const std::string& host)
   const bool whole_is_ipv6 = inet_pton(AF_INET6, whole.c_str(), &a) == 1;
   const bool host_is_ipv6 = inet_pton(AF_INET6, host.c_str(), &a) == 1;
   if (host_is_ipv6) {
-    return absl::StrCat("an IPv6 address goes in brackets: [", host, "]", text.substr(host.size()),
-                        whole_is_ipv6 ? absl::StrCat(", or [", text, "]:PORT if all of it is the address")
-                                      : "");
+    return absl::StrCat(
+        "an IPv6 address goes in brackets: [", host, "]", text.substr(host.size()),
+        whole_is_ipv6 ? absl::StrCat(", or [", text, "]:PORT if all of it is the address") : "");
   }
   if (whole_is_ipv6) {
     return absl::StrCat("'", text, "' is an IPv6 address without a port: write it as [", text,
@@ -82,9 +81,9 @@ static std::string ColonsInHost(absl::string_view text, const std::string& host)
 
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view text) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bad peer address '", text, "': ", why,
-        " (expected host:port, 1.2.3.4:15000 or [::1]:15000)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad peer address '", text, "': ", why,
+                     " (expected host:port, 1.2.3.4:15000 or [::1]:15000)"));
   };
   HostPort hp;
   absl::string_view port;
@@ -122,17 +121,14 @@ uint16_t SocketAddress::port() const {
 std::string SocketAddress::ToString() const {
   char buf[INET6_ADDRSTRLEN] = {};
   if (family() == AF_INET) {
-    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&storage)->sin_addr,
-              buf, sizeof buf);
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&storage)->sin_addr, buf, sizeof buf);
     return absl::StrCat(buf, ":", port());
   }
-  inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_addr,
-            buf, sizeof buf);
+  inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_addr, buf, sizeof buf);
   return absl::StrCat("[", buf, "]:", port());
 }
 
-absl::StatusOr<std::vector<SocketAddress>> Resolve(const std::string& host,
-                                                   uint16_t port) {
+absl::StatusOr<std::vector<SocketAddress>> Resolve(const std::string& host, uint16_t port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -141,8 +137,7 @@ absl::StatusOr<std::vector<SocketAddress>> Resolve(const std::string& host,
   const std::string service = std::to_string(port);
   const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &result);
   if (rc != 0) {
-    return absl::NotFoundError(
-        absl::StrCat("cannot resolve '", host, "': ", gai_strerror(rc)));
+    return absl::NotFoundError(absl::StrCat("cannot resolve '", host, "': ", gai_strerror(rc)));
   }
   std::vector<SocketAddress> out;
   for (addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
@@ -160,8 +155,7 @@ namespace {
 
 // Binds and listens on one address; the errno of a failure is returned in
 // the status message and `*in_use` tells whether the port was taken.
-absl::StatusOr<ListeningSocket> ListenOn(SocketAddress addr, int backlog,
-                                         bool* in_use) {
+absl::StatusOr<ListeningSocket> ListenOn(SocketAddress addr, int backlog, bool* in_use) {
   *in_use = false;
   Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return LastErrnoError("socket");
@@ -184,16 +178,14 @@ absl::StatusOr<ListeningSocket> ListenOn(SocketAddress addr, int backlog,
   }
   ListeningSocket out;
   out.address.length = sizeof out.address.storage;
-  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&out.address.storage),
-                &out.address.length);
+  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&out.address.storage), &out.address.length);
   out.fd = std::move(fd);
   return out;
 }
 
 }  // namespace
 
-absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host,
-                                       uint16_t port, PortRange range,
+absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host, uint16_t port, PortRange range,
                                        int backlog) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -224,8 +216,8 @@ absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host,
     return ListenOn(with_port(0), backlog, &in_use);  // the kernel's choice
   }
   if (range.first == 0 || range.last < range.first) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bad port range ", range.first, "-", range.last));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad port range ", range.first, "-", range.last));
   }
   const uint32_t span = uint32_t{range.last} - range.first + 1;
   // Start somewhere different in each process so that engines starting at
@@ -239,9 +231,9 @@ absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host,
     if (!in_use) return s.status();  // a real error, not a taken port
     last = s.status();
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "every port from ", range.first, " to ", range.last, " on ", bind_host,
-      " is taken (", last.message(), ")"));
+  return absl::ResourceExhaustedError(absl::StrCat("every port from ", range.first, " to ",
+                                                   range.last, " on ", bind_host, " is taken (",
+                                                   last.message(), ")"));
 }
 
 absl::StatusOr<Fd> Accept(int listen_fd, absl::Duration timeout) {
@@ -386,8 +378,7 @@ absl::Status SetKeepAlive(int fd, absl::Duration dead_after) {
       ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle) != 0 ||
       ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval) != 0 ||
       ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count) != 0 ||
-      ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout,
-                   sizeof user_timeout) != 0) {
+      ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout) != 0) {
     return LastErrnoError("setsockopt keepalive");
   }
   return absl::OkStatus();

@@ -69,8 +69,7 @@ struct SocketAddress {
 
 // Resolves a host (literal or name) and port. kNotFound when the name does
 // not resolve, with the resolver's message.
-absl::StatusOr<std::vector<SocketAddress>> Resolve(const std::string& host,
-                                                   uint16_t port);
+absl::StatusOr<std::vector<SocketAddress>> Resolve(const std::string& host, uint16_t port);
 
 struct PortRange {
   uint16_t first = 15000;
@@ -89,8 +88,7 @@ struct ListeningSocket {
 // keeping the socket, so two engines never get the same one. A range of
 // {0, 0} lets the kernel pick any free port.
 // kResourceExhausted when the whole range is taken.
-absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host,
-                                       uint16_t port, PortRange range,
+absl::StatusOr<ListeningSocket> Listen(const std::string& bind_host, uint16_t port, PortRange range,
                                        int backlog = 128);
 
 // Accepts one connection, waiting up to `timeout`. kDeadlineExceeded when

@@ -127,6 +127,20 @@ class EngineTest(unittest.TestCase):
         self.assertGreater(ticks[0], 100, f"{ticks[0]} ticks in {took:.3f} s")
         self.assertEqual(int(dst[-1]), 1)
 
+    def test_ports_and_durations_out_of_range_are_refused(self):
+        for port in (70000, -1, 65536):
+            with self.assertRaises(kvferry.Error) as err:
+                kvferry.Engine(host="127.0.0.1", transport="tcp", port=port)
+            self.assertEqual(err.exception.code, "INVALID_ARGUMENT")
+        engine = kvferry.Engine(host="127.0.0.1", transport="tcp")
+        pool = kvferry.KvPool(1, True, 1, 64, 1, [np.zeros(64, dtype=np.uint8).ctypes.data])
+        for bad in (float("nan"), float("inf"), -1.0, 0.0, "soon"):
+            with self.assertRaises(kvferry.Error) as err:
+                kvferry.KvReceiver(engine, pool, peer_timeout=bad)
+            self.assertEqual(err.exception.code, "INVALID_ARGUMENT")
+        with self.assertRaises(kvferry.Error):
+            engine.transfer(engine.address, [], timeout=float("nan"))
+
     def test_an_ipv6_host_in_brackets_is_accepted(self):
         engine = kvferry.Engine(host="[::1]", transport="tcp")
         self.assertTrue(engine.address.startswith("[::1]:"), engine.address)

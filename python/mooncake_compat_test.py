@@ -122,7 +122,17 @@ class SurfaceTest(unittest.TestCase):
         self.assertEqual(e.free_managed_buffer(addr, 8192), -1)
         self.assertIn("not from allocate_managed_buffer", e.get_last_error())
         self.assertEqual(e.write_bytes_to_buffer(addr, b"xy", 3), -1)  # longer than given
+        # Raw pointers outside registered memory are refused, not followed
+        # (they used to crash the process).
+        self.assertEqual(e.write_bytes_to_buffer(8, b"xy", 2), -1)
+        self.assertIn("not inside memory registered", e.get_last_error())
+        self.assertEqual(e.read_bytes_from_buffer(8, 16), b"")
+        self.assertIn("not inside memory registered", e.get_last_error())
+        self.assertEqual(e.read_bytes_from_buffer(addr + 8190, 4), b"")  # runs past the end
+        self.assertEqual(e.write_bytes_to_buffer(addr + 8, b"xy", 2), 0)
+        self.assertEqual(e.read_bytes_from_buffer(addr + 8, 2), b"xy")
         self.assertEqual(e.unregister_memory(addr), 0)
+        self.assertEqual(e.read_bytes_from_buffer(addr, 2), b"")  # no longer registered
 
     def test_uninitialized_and_bad_arguments(self):
         e = kvferry.TransferEngine()

@@ -195,7 +195,8 @@ void WriteEngineCounters(Writer& w, const EngineMetrics& m) {
                          "Slices moved off a failed link to another.",
                          "Peers probed after a silence.", "Probes that got no answer.",
                          "Peer instances fenced off this engine (declared failed)."};
-  static_assert(sizeof helps / sizeof helps[0] == sizeof engine_counters / sizeof engine_counters[0]);
+  static_assert(sizeof helps / sizeof helps[0] ==
+                sizeof engine_counters / sizeof engine_counters[0]);
   for (size_t i = 0; i < sizeof helps / sizeof helps[0]; ++i) {
     w.Family(engine_counters[i].first, "counter", helps[i]);
     w.Sample(engine_counters[i].first, "", engine_counters[i].second);

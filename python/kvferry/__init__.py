@@ -16,6 +16,7 @@ works.
 """
 import ctypes
 import json
+import math
 
 from kvferry import _lib
 from kvferry._lib import Error, check, lib, text
@@ -54,8 +55,17 @@ def parse_access(access):
     return _ACCESS[access]
 
 
-def _ms(seconds):
-    return max(0, int(round(float(seconds) * 1000)))
+def _ms(seconds, name="timeout"):
+    """Seconds -> whole milliseconds; a clear error for what is not a finite,
+    non-negative number of seconds (nan would switch a timeout off)."""
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        raise Error(f"{name} {seconds!r}: a number of seconds", "INVALID_ARGUMENT") from None
+    if not math.isfinite(s) or s < 0 or s > 1e9:
+        raise Error(f"{name} {seconds!r}: a finite number of seconds from 0 to 1e9",
+                    "INVALID_ARGUMENT")
+    return int(round(s * 1000))
 
 
 class _Handle:
@@ -136,6 +146,7 @@ class Engine(_Handle):
     def transfer(self, peer, requests, timeout=30.0):
         """[(op, local, remote, length)] with op "write" or "read"; raises on
         any failed request (the message names it)."""
+        wait_ms = _ms(timeout)
         requests = list(requests)
         array = (_lib.Request * len(requests))()
         for i, (op, local, remote, length) in enumerate(requests):
@@ -149,7 +160,7 @@ class Engine(_Handle):
         batch = ctypes.c_uint64()
         check(lib.kvferry_submit(e, segment, array, len(requests), 0, ctypes.byref(batch)))
         status = _lib.BatchStatus()
-        rc = lib.kvferry_wait(e, batch, _ms(timeout), ctypes.byref(status))
+        rc = lib.kvferry_wait(e, batch, wait_ms, ctypes.byref(status))
         failure = _lib.error(rc) if rc != _lib.OK else None
         lib.kvferry_release(e, batch)
         if failure is not None:
@@ -292,8 +303,11 @@ class KvReceiver(_Handle):
         super().__init__(None)
         self._engine = engine
         out = ctypes.c_void_p()
-        check(lib.kvferry_kv_receiver_create(engine._handle(), pool._handle(),
-                                             _ms(peer_timeout), ctypes.byref(out)))
+        ms = _ms(peer_timeout, "peer_timeout")
+        if ms <= 0:
+            raise Error(f"peer_timeout {peer_timeout!r}: at least a millisecond", "INVALID_ARGUMENT")
+        check(lib.kvferry_kv_receiver_create(engine._handle(), pool._handle(), ms,
+                                             ctypes.byref(out)))
         self._h = out.value
 
     def expect(self, request_id, prefill, engine_id=0):

@@ -251,7 +251,7 @@ class TransferEngine:
         self._mu = threading.Lock()
         self._batches = {}   # async batches not yet collected: id -> (start, timeout s)
         self._managed = {}   # allocate_managed_buffer: address -> mmap
-        self._local = []     # addresses registered here, in registration order
+        self._local = {}     # address -> length registered here, in registration order
         self._peers = {}     # target -> the handshake's peer name (bounded)
 
     def __del__(self):
@@ -483,7 +483,7 @@ class TransferEngine:
             self._call(lib.kvferry_register_memory(e, buffer_addr, capacity, a,
                                                    text("" if location == "*" else location)))
             with self._mu:
-                self._local.append(buffer_addr)
+                self._local[buffer_addr] = capacity
             return 0
         except _Failure as f:
             return self._fail(f)
@@ -492,8 +492,7 @@ class TransferEngine:
         try:
             self._call(lib.kvferry_unregister_memory(self._ready(), buffer_addr))
             with self._mu:
-                if buffer_addr in self._local:
-                    self._local.remove(buffer_addr)
+                self._local.pop(buffer_addr, None)
             return 0
         except _Failure as f:
             return self._fail(f)
@@ -731,8 +730,25 @@ class TransferEngine:
 
     # -------------------------------------------------------------- bytes
 
+    def _inside_registered(self, what, address, length):
+        """Raises unless [address, +length) lies in memory registered here
+        (a raw pointer anywhere else could crash the process)."""
+        if not isinstance(address, int) or not isinstance(length, int) or length < 0:
+            raise _Failure(f"{what}: address and length must be non-negative integers",
+                           "INVALID_ARGUMENT")
+        with self._mu:
+            for base, size in self._local.items():
+                if base <= address and address + length <= base + size:
+                    return
+        raise _Failure(f"{what}: [{address:#x}, +{length}) is not inside memory registered "
+                       "with this engine", "INVALID_ARGUMENT")
+
     def write_bytes_to_buffer(self, dest_address, src_ptr, length):
         self._begin()
+        try:
+            self._inside_registered("write_bytes_to_buffer", dest_address, length)
+        except _Failure as f:
+            return self._fail(f)
         data = _lib.blob(src_ptr)
         if length > len(data):
             return self._fail(_Failure(f"write_bytes_to_buffer: length {length} exceeds the "
@@ -741,7 +757,13 @@ class TransferEngine:
         return 0
 
     def read_bytes_from_buffer(self, source_address, length):
+        """The bytes at [source_address, +length), which must lie in memory
+        registered here; b"" (and the error logged) otherwise."""
         self._begin()
+        try:
+            self._inside_registered("read_bytes_from_buffer", source_address, length)
+        except _Failure as f:
+            return self._fail(f, b"")
         return ctypes.string_at(source_address, length)
 
     # ---------------------------------------------------------- the peers
@@ -766,7 +788,7 @@ class TransferEngine:
             if peer_name(segment_name) == self._address:
                 with self._mu:
                     if self._local:
-                        return self._local[0]
+                        return next(iter(self._local))
                 raise _Failure(f"{segment_name} has registered no memory", "NOT_FOUND")
             segment = self._segment(segment_name)
             count = ctypes.c_size_t()

@@ -1,5 +1,8 @@
 #include "transport/tcp/vmm_share.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -29,8 +32,8 @@ struct Request {
   uint64_t id;
 };
 struct Reply {
-  uint32_t code;   // absl::StatusCode; 0: the chunks follow
-  uint32_t count;  // chunks
+  uint32_t code;    // absl::StatusCode; 0: the chunks follow
+  uint32_t count;   // chunks
   uint64_t offset;  // the region's start in the first chunk
   uint64_t length;  // the region's length
   char text[104];   // why not, NUL-terminated
@@ -97,9 +100,8 @@ absl::Status RecvMsg(int fd, void* data, size_t n, std::vector<int>* fds, size_t
     const ssize_t got = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
-      return absl::UnavailableError(
-          got == 0 ? std::string("the VMM server closed the connection")
-                   : absl::StrCat("recvmsg: ", std::strerror(errno)));
+      return absl::UnavailableError(got == 0 ? std::string("the VMM server closed the connection")
+                                             : absl::StrCat("recvmsg: ", std::strerror(errno)));
     }
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
       if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -141,7 +143,8 @@ VmmServer* VmmServer::Get() {
 
 absl::Status VmmServer::Start() {
   listener_ = net::Fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (listener_.get() < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  if (listener_.get() < 0)
+    return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
   for (int attempt = 0;; ++attempt) {
     name_ = net::RandomU64();
     socklen_t len;
@@ -152,6 +155,9 @@ absl::Status VmmServer::Start() {
     }
   }
   pid_ = ::getpid();
+  wake_ = net::Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_.valid())
+    return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(errno)));
   if (::listen(listener_.get(), 16) != 0) {
     return absl::UnavailableError(absl::StrCat("listen: ", std::strerror(errno)));
   }
@@ -166,7 +172,8 @@ void VmmServer::Stop() {
   // socket alone: shutdown() would stop it for both.
   if (::getpid() != pid_) return;
   stopping_ = true;
-  ::shutdown(listener_.get(), SHUT_RDWR);  // wakes accept()
+  const uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);  // wakes poll()
   if (thread_.joinable()) thread_.join();
 }
 
@@ -185,48 +192,100 @@ void VmmServer::Remove(uint64_t id) {
   exports_.erase(id);
 }
 
+namespace {
+
+// Refuses on `fd` (best effort: the client may not read).
+void Refuse(int fd, absl::StatusCode code, const std::string& why) {
+  Reply reply{};
+  reply.code = static_cast<uint32_t>(code);
+  std::snprintf(reply.text, sizeof reply.text, "%s", why.c_str());
+  (void)SendMsg(fd, &reply, sizeof reply, nullptr, 0);
+}
+
+}  // namespace
+
+// One poll loop over the listener and the connections whose request is
+// still arriving: a client that trickles its request (or sends none) holds
+// only its own connection, for at most kVmmRequestTime, and never delays
+// another's answer. Another user's connection is refused at accept.
 void VmmServer::Serve() {
+  struct Pending {
+    net::Fd fd;
+    Request req{};
+    size_t got = 0;
+    absl::Time deadline;
+  };
+  std::vector<Pending> pending;
   for (;;) {
-    const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0 && stopping_) return;
-    if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE ||
-          errno == ENOBUFS || errno == ENOMEM) {
-        if (errno != EINTR && errno != ECONNABORTED) ::usleep(10000);  // out of fds: later
-        continue;
-      }
-      KVF_LOG(WARNING) << "tcp: the VMM server stops: accept: " << std::strerror(errno);
-      return;
+    std::vector<pollfd> fds = {{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    absl::Time next = absl::InfiniteFuture();
+    for (const Pending& p : pending) {
+      fds.push_back({p.fd.get(), POLLIN, 0});
+      next = std::min(next, p.deadline);
     }
-    SetTimeouts(fd);
-    Answer(fd);
-    ::close(fd);
+    const absl::Duration wait = std::min(next - absl::Now(), absl::Seconds(1));
+    (void)::poll(fds.data(), fds.size(),
+                 std::max<int>(0, static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1));
+    if (stopping_) return;
+    const absl::Time now = absl::Now();
+    for (size_t i = 0; i < pending.size();) {
+      Pending& p = pending[i];
+      bool done = now > p.deadline;
+      if (done) {
+        Refuse(p.fd.get(), absl::StatusCode::kDeadlineExceeded, "the VMM request came too slowly");
+      } else if ((fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        const ssize_t n = ::recv(p.fd.get(), reinterpret_cast<char*>(&p.req) + p.got,
+                                 sizeof p.req - p.got, MSG_DONTWAIT);
+        done = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
+        if (done && p.got > 0) {
+          Refuse(p.fd.get(), absl::StatusCode::kInvalidArgument, "not a VMM request (cut short)");
+        }
+        if (n > 0 && (p.got += static_cast<size_t>(n)) == sizeof p.req) {
+          // The answer is sent blocking, each message within kVmmTimeout.
+          (void)::fcntl(p.fd.get(), F_SETFL, ::fcntl(p.fd.get(), F_GETFL) & ~O_NONBLOCK);
+          SetTimeouts(p.fd.get());
+          Answer(p.fd.get(), p.req.magic, p.req.id);
+          done = true;
+        }
+      }
+      if (done) {
+        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+        fds.erase(fds.begin() + static_cast<std::ptrdiff_t>(i) + 2);
+      } else {
+        ++i;
+      }
+    }
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    net::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!fd.valid()) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        ::usleep(10000);  // out of descriptors: later
+      }
+      continue;
+    }
+    ucred peer{};
+    socklen_t peer_len = sizeof peer;
+    if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
+        peer.uid != ::geteuid()) {
+      // Root included: a root server shares with root's processes only.
+      SetTimeouts(fd.get());
+      Refuse(fd.get(), absl::StatusCode::kPermissionDenied,
+             "VMM memory is shared with the same user only");
+      continue;
+    }
+    if (pending.size() >= kMaxVmmPending) pending.erase(pending.begin());  // the oldest goes
+    pending.push_back(Pending{std::move(fd), Request{}, 0, now + kVmmRequestTime});
   }
 }
 
-void VmmServer::Answer(int fd) {
+void VmmServer::Answer(int fd, uint64_t magic, uint64_t id) {
   Reply reply{};
-  auto refuse = [&](absl::StatusCode code, const std::string& why) {
-    reply.code = static_cast<uint32_t>(code);
-    std::snprintf(reply.text, sizeof reply.text, "%s", why.c_str());
-    (void)SendMsg(fd, &reply, sizeof reply, nullptr, 0);
-  };
-  ucred peer{};
-  socklen_t peer_len = sizeof peer;
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
-      (peer.uid != ::geteuid() && ::geteuid() != 0)) {
-    return refuse(absl::StatusCode::kPermissionDenied, "VMM memory is shared with the same user only");
-  }
-  Request req{};
-  std::vector<int> none;
-  if (!RecvMsg(fd, &req, sizeof req, &none, 0).ok() || req.magic != kMagic) {
-    CloseAll(none);
-    return refuse(absl::StatusCode::kInvalidArgument, "not a VMM request");
-  }
+  auto refuse = [&](absl::StatusCode code, const std::string& why) { Refuse(fd, code, why); };
+  if (magic != kMagic) return refuse(absl::StatusCode::kInvalidArgument, "not a VMM request");
   Export e{};
   {
     MutexLock lock(&mu_);
-    auto it = exports_.find(req.id);
+    auto it = exports_.find(id);
     if (it == exports_.end()) {
       return refuse(absl::StatusCode::kNotFound, "no such VMM export (unregistered?)");
     }

@@ -9,8 +9,11 @@
 // digits>" (the digits random; links carry them, VmmServer::name()). A
 // request names an export id (random, 64 bits, given only to the link
 // peers that requests name it to) and gets the region's chunks: their sizes,
-// then their fds. Only a process of the same user (SO_PEERCRED) is answered;
-// one connection at a time, each within `kVmmTimeout`.
+// then their fds. Only a process of the same user (SO_PEERCRED; root's
+// server serves root only) is answered. Requests arriving are polled
+// together (at most kMaxVmmPending, each within kVmmRequestTime): a client
+// that trickles its request delays no other; each answer is sent within
+// `kVmmTimeout` a message.
 //
 // The importer maps the chunks back to back (cuMemImportFromShareableHandle,
 // cuMemAddressReserve, cuMemMap, cuMemSetAccess) and closes the fds.
@@ -32,6 +35,8 @@ namespace kvferry {
 namespace transport {
 
 constexpr absl::Duration kVmmTimeout = absl::Seconds(2);
+constexpr absl::Duration kVmmRequestTime = absl::Milliseconds(500);
+constexpr size_t kMaxVmmPending = 64;
 // At most this many chunks per region (20 MiB chunks: 1.25 TiB).
 constexpr uint32_t kMaxVmmChunks = 1 << 16;
 
@@ -52,7 +57,7 @@ class VmmServer {
   VmmServer() = default;
   absl::Status Start();
   void Serve();
-  void Answer(int fd);
+  void Answer(int fd, uint64_t magic, uint64_t id);
   // At exit: the thread ends (joined, so that no thread is left inside the
   // driver while the process goes).
   void Stop();
@@ -64,6 +69,7 @@ class VmmServer {
   uint64_t name_ = 0;
   int pid_ = 0;  // the process serving
   net::Fd listener_;
+  net::Fd wake_;  // an eventfd: Stop() wakes the server's poll
   Mutex mu_;
   std::map<uint64_t, Export> exports_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> stopping_{false};
@@ -72,8 +78,8 @@ class VmmServer {
 
 // Another process's VMM region, mapped here.
 struct VmmMapping {
-  void* base = nullptr;  // where the chunks are mapped
-  uint64_t total = 0;    // their sum
+  void* base = nullptr;   // where the chunks are mapped
+  uint64_t total = 0;     // their sum
   char* start = nullptr;  // the region's first byte (inside the first chunk)
   uint64_t length = 0;    // the region's length
   int ordinal = -1;       // mapped for this device

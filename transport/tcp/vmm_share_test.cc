@@ -169,6 +169,73 @@ TEST(VmmFetchTest, ANonsenseReplyIsRefused) {
 
 // A forked child that exits normally (running the process's exit handlers)
 // leaves the parent's server serving.
+int ConnectTo(uint64_t name) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  const std::string path = absl::StrFormat("kvferry-vmm-%016x", name);
+  std::memcpy(a.sun_path + 1, path.data(), path.size());
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a),
+                static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size())) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Local clients that trickle their requests (or send none) hold only their
+// own connections: an import meanwhile is answered at once, not after
+// their timeouts (it took 8 s behind two of them).
+TEST_F(VmmShareTest, TricklingClientsDelayNoOtherImport) {
+  std::vector<int> slow;
+  for (int i = 0; i < 4; ++i) {
+    slow.push_back(ConnectTo(server_->name()));
+    ASSERT_GE(slow.back(), 0);
+    ASSERT_EQ(::write(slow.back(), "k", 1), 1);  // one byte of 16, then silence
+  }
+  const uint64_t id = server_->Add(base_, chunk_, 0);
+  const absl::Time start = absl::Now();
+  auto m = FetchVmm(server_->name(), id, 0);
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_LT(took, absl::Milliseconds(400)) << took;
+  UnmapVmm(*m);
+  server_->Remove(id);
+  // The slow ones are refused once their time is up.
+  for (int fd : slow) {
+    char reply[128];
+    EXPECT_GT(::read(fd, reply, sizeof reply), 0);
+    ::close(fd);
+  }
+}
+
+// Another user's process is refused, whoever runs the server (root too:
+// root's server used to answer uid 65534).
+TEST_F(VmmShareTest, AnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to become another user";
+  const uint64_t id = server_->Add(base_, chunk_, 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(2);
+    const int fd = ConnectTo(server_->name());
+    if (fd < 0) ::_exit(3);
+    const uint64_t req[2] = {0x31306d6d7666766bull, id};
+    if (::write(fd, req, sizeof req) != static_cast<ssize_t>(sizeof req)) ::_exit(4);
+    uint32_t reply[32] = {};
+    if (::read(fd, reply, sizeof reply) < 8) ::_exit(5);
+    ::_exit(reply[0] == static_cast<uint32_t>(absl::StatusCode::kPermissionDenied) ? 0 : 6);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  server_->Remove(id);
+  ASSERT_TRUE(WIFEXITED(status));
+  // A sandbox without other users (Bazel's, in a user namespace).
+  if (WEXITSTATUS(status) == 2) GTEST_SKIP() << "cannot become uid 65534 here";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3-5: the child could not ask; 6: it was not refused";
+}
+
 TEST_F(VmmShareTest, AChildThatExitsLeavesTheServerServing) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
