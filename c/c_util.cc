@@ -151,6 +151,25 @@ int Outcome(const BatchStatus& st, bool pending_is_error, kvferry_batch_status* 
   return Ok();
 }
 
+int EndTimedOut(kvferry_engine& e, BatchId batch, const absl::Status& at_timeout) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<BatchStatus> end = e.engine->Wait(batch, kDrainBound);
+  const absl::Duration more = absl::Now() - start;
+  const std::string head(at_timeout.message());
+  if (end.ok() && end->done()) {
+    (void)e.engine->Release(batch);
+    return Fail(absl::DeadlineExceededError(absl::StrCat(
+        head, "; waited ", absl::FormatDuration(absl::Trunc(more, absl::Milliseconds(1))),
+        " more until the transfer ended (", end->failed == 0 ? "it completed" : "it failed",
+        "): nothing of it lands after this")));
+  }
+  MutexLock lock(&e.mu);
+  e.abandoned.push_back(batch);
+  return Fail(absl::DeadlineExceededError(absl::StrCat(head, "; still running ",
+                                                       absl::FormatDuration(kDrainBound),
+                                                       " later: its bytes may still land")));
+}
+
 void ReleaseAbandoned(kvferry_engine& e) {
   MutexLock lock(&e.mu);
   auto& v = e.abandoned;

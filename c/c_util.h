@@ -76,6 +76,15 @@ absl::Status SetOption(EngineOptions& o, const std::string& key, const char* val
 int64_t FirstFailed(const BatchStatus& st);
 int Outcome(const BatchStatus& st, bool pending_is_error, kvferry_batch_status* out);
 void ReleaseAbandoned(kvferry_engine& e);
+// A synchronous transfer that did not finish within its timeout: the engine
+// cannot call back bytes already on their way, so the call ends only when
+// nothing of it can land any more. It waits for the batch to end (the
+// engine's failure bounds end it: peer_timeout, the handshake timeout) for
+// at most kDrainBound, releases it, and fails with kDeadlineExceeded
+// saying so. Past kDrainBound (an engine fault) the batch is kept for a
+// later call to release and the message says its bytes may still land.
+constexpr absl::Duration kDrainBound = absl::Seconds(60);
+int EndTimedOut(kvferry_engine& e, BatchId batch, const absl::Status& at_timeout);
 absl::StatusOr<std::vector<TransferRequest>> Columns(int opcode, const uint64_t* local,
                                                      const uint64_t* remote,
                                                      const uint64_t* lengths, size_t count);

@@ -212,12 +212,13 @@ int kvferry_transfer_sync(kvferry_engine* e, const char* peer, int opcode, const
   auto batch = e->engine->Submit(*seg, *reqs);
   if (!batch.ok()) return Fail(batch.status());
   auto st = e->engine->Wait(*batch, kvferry::Millis(timeout_ms));
-  if (!st.ok()) return Fail(st.status());
-  if (!e->engine->Release(*batch).ok()) {
-    // Still running past the timeout: released by a later call once done.
-    kvferry::MutexLock lock(&e->mu);
-    e->abandoned.push_back(*batch);
+  if (!st.ok() && st.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    return kvferry::EndTimedOut(*e, *batch, st.status());
   }
+  if (!st.ok()) return Fail(st.status());
+  if (!st->done())
+    return kvferry::EndTimedOut(*e, *batch, absl::DeadlineExceededError("timed out"));
+  (void)e->engine->Release(*batch);
   return kvferry::Outcome(*st, /*pending_is_error=*/true, nullptr);
 }
 

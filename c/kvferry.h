@@ -204,7 +204,11 @@ int kvferry_wait(kvferry_engine* engine, kvferry_batch batch, int64_t timeout_ms
 /* Forgets a finished batch (FAILED_PRECONDITION while it runs). */
 int kvferry_release(kvferry_engine* engine, kvferry_batch batch);
 /* Opens `peer`, submits, waits up to timeout_ms and releases: OK only when
- * every byte landed. */
+ * every byte landed. DEADLINE_EXCEEDED when it did not finish in time; the
+ * call then returns only once nothing of the transfer can land any more
+ * (bytes on their way cannot be called back, so it waits for the transfer
+ * to end, which the engine's failure bounds limit: peer_timeout, the
+ * handshake timeout; at most 60 s more), and its message says how long. */
 int kvferry_transfer_sync(kvferry_engine* engine, const char* peer, int opcode,
                           const uint64_t* local, const uint64_t* remote, const uint64_t* lengths,
                           size_t count, int64_t timeout_ms);

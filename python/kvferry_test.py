@@ -96,6 +96,46 @@ class EngineTest(unittest.TestCase):
             p.join(30)
         self.assertEqual(p.exitcode, 0)
 
+    def test_a_transfer_that_times_out_has_ended_when_it_raises(self):
+        # 64 MiB read back over loopback with a 1 ms timeout: the call raises
+        # DEADLINE_EXCEEDED, and by then every byte it was to read is in
+        # place; none lands in the buffer afterwards (it used to keep
+        # landing after the raise, into a buffer the caller may have freed).
+        size = 64 << 20
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_target, args=(theirs, size))
+        p.start()
+        try:
+            peer, remote = mine.recv()
+            engine = kvferry.Engine(host="127.0.0.1", transport="tcp")
+            src = (np.arange(size, dtype=np.uint64) * 13 + 1).astype(np.uint8)
+            back = np.zeros(size, dtype=np.uint8)
+            engine.register_memory(src.ctypes.data, size, access="none")
+            engine.register_memory(back.ctypes.data, size)
+            engine.transfer(peer, [("write", src.ctypes.data, remote, size)])
+            with self.assertRaises(kvferry.Error) as err:
+                engine.transfer(peer, [("read", back.ctypes.data, remote, size)], timeout=0.001)
+            self.assertEqual(err.exception.code, "DEADLINE_EXCEEDED")
+            self.assertIn("nothing of it lands after this", str(err.exception))
+            self.assertTrue(np.array_equal(back, src), "the read was still landing")
+            # The Mooncake surface (kvferry_transfer_sync in the C API) too.
+            te = kvferry.TransferEngine()
+            self.assertEqual(te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), 0)
+            again = np.zeros(size, dtype=np.uint8)
+            self.assertEqual(te.register_memory(again.ctypes.data, size), 0)
+            te._timeout = 0.001 - size / 1e9  # 1 ms for these 64 MiB
+            self.assertEqual(te.transfer_sync_read(peer, again.ctypes.data, remote, size), -1)
+            self.assertIn("DEADLINE_EXCEEDED", te.get_last_error())
+            self.assertIn("nothing of it lands after this", te.get_last_error())
+            self.assertTrue(np.array_equal(again, src), "the read was still landing")
+        finally:
+            mine.send("show me")
+            mine.recv()
+            mine.send("bye")
+            p.join(30)
+        self.assertEqual(p.exitcode, 0)
+
     def test_the_gil_is_released_during_transfers(self):
         a = kvferry.Engine(host="127.0.0.1", transport="tcp")
         b = kvferry.Engine(host="127.0.0.1", transport="tcp")

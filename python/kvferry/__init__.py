@@ -17,6 +17,7 @@ works.
 import ctypes
 import json
 import math
+import time
 
 from kvferry import _lib
 from kvferry._lib import Error, check, lib, text
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 _ACCESS = {"none": 0, "r": 1, "w": 2, "rw": 3}
+_DRAIN_MS = 60000  # how long a timed-out transfer is waited for (see Engine.transfer)
 _OPS = {"write": 0, "read": 1}
 
 
@@ -145,7 +147,11 @@ class Engine(_Handle):
 
     def transfer(self, peer, requests, timeout=30.0):
         """[(op, local, remote, length)] with op "write" or "read"; raises on
-        any failed request (the message names it)."""
+        any failed request (the message names it). One that does not finish
+        within `timeout` raises DEADLINE_EXCEEDED, but only once nothing of
+        it can land any more: bytes on their way cannot be called back, so
+        it waits for the transfer to end (the engine's failure bounds end
+        it; at most 60 s more)."""
         wait_ms = _ms(timeout)
         requests = list(requests)
         array = (_lib.Request * len(requests))()
@@ -162,6 +168,17 @@ class Engine(_Handle):
         status = _lib.BatchStatus()
         rc = lib.kvferry_wait(e, batch, wait_ms, ctypes.byref(status))
         failure = _lib.error(rc) if rc != _lib.OK else None
+        if status.pending > 0 or (failure is not None and failure.code == "DEADLINE_EXCEEDED"):
+            start = time.monotonic()
+            ended = lib.kvferry_wait(e, batch, _DRAIN_MS, ctypes.byref(status)) != _lib.DEADLINE_EXCEEDED
+            more = time.monotonic() - start
+            failure = Error(
+                f"{len(requests)} requests not done within {timeout} s; "
+                + (f"waited {more:.3f} s more until the transfer ended: nothing of it lands "
+                   "after this" if ended else "still running 60 s later: its bytes may still "
+                   "land"), "DEADLINE_EXCEEDED")
+            if not ended:
+                raise failure  # not released: the engine keeps it until it ends
         lib.kvferry_release(e, batch)
         if failure is not None:
             raise failure
