@@ -42,6 +42,31 @@ struct Frame {
 // event (sim); must not block for long.
 using Handler = std::function<Frame(const Frame& request)>;
 
+namespace network_internal {
+inline thread_local absl::string_view request_source;
+}  // namespace network_internal
+
+// The address (the host, no port) that the request a handler answers on
+// this thread came from, as the server's network saw it: a TCP peer's
+// address, which a peer cannot choose as it can what its messages claim.
+// Empty where the network does not know it (the simulated one) and outside
+// a handler. For per-source shares of what peers may make an engine hold.
+inline absl::string_view RequestSource() { return network_internal::request_source; }
+
+// Sets RequestSource() for the handler called in its scope (servers).
+class RequestSourceScope {
+ public:
+  explicit RequestSourceScope(absl::string_view source) : saved_(network_internal::request_source) {
+    network_internal::request_source = source;
+  }
+  ~RequestSourceScope() { network_internal::request_source = saved_; }
+  RequestSourceScope(const RequestSourceScope&) = delete;
+  RequestSourceScope& operator=(const RequestSourceScope&) = delete;
+
+ private:
+  absl::string_view saved_;
+};
+
 // A running service; stops serving when destroyed.
 class Server {
  public:

@@ -146,7 +146,10 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
     c->first_byte = c->in.empty() ? absl::InfiniteFuture() : absl::Now();
     if (!Classify(id, c)) return;  // a pipelined large one over its source's share
     if (inline_answer) {
-      handshake::Answer answer = handler(request);
+      handshake::Answer answer = [&] {
+        RequestSourceScope from(c->source);
+        return handler(request);
+      }();
       // The next request is in whole: its reply goes with this one.
       const bool more = answer.take == nullptr && answered + 1 < kInlineBurst && WholeRequestIn(*c);
       if (!Answer(id, c, answer.reply, std::move(answer.take), /*flush=*/!more)) return;
@@ -163,7 +166,7 @@ void TcpServer::State::Dispatch(uint64_t id, Conn* c) {
     c->busy = true;
     (void)loop->Modify(c->fd.get(), 0);
     MutexLock lock(&mu);
-    jobs.push_back(Job{id, std::move(request)});
+    jobs.push_back(Job{id, std::move(request), c->source});
     cv.Signal();
   }
   if (deferred) (void)Flush(id, c);
@@ -304,7 +307,10 @@ void TcpServer::State::Worker() {
       job = std::move(jobs.front());
       jobs.pop_front();
     }
-    handshake::Answer answer = handler(job.request);
+    handshake::Answer answer = [&] {
+      RequestSourceScope from(job.source);
+      return handler(job.request);
+    }();
     const uint64_t id = job.conn;
     loop->Post([this, id, a = std::move(answer)]() mutable {
       OnReply(id, std::move(a.reply), std::move(a.take));

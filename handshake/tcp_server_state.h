@@ -52,6 +52,7 @@ struct TcpServer::State {
   struct Job {
     uint64_t conn;
     Frame request;
+    std::string source;  // RequestSource() while it is handled
   };
 
   net::ListeningSocket socket;

@@ -11,6 +11,8 @@
 // on shared machines are noisy), the engine's RSS grows by under 64 MiB, and
 // after the attackers leave it serves as before. Bounded: every loop has a
 // fixed count, every wait a deadline.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 
@@ -35,6 +37,7 @@
 #include "handshake/tcp_network.h"
 #include "net/socket.h"
 #include "tests/peer_process.h"
+#include "transport/tcp/wire.h"
 
 namespace kvferry {
 namespace {
@@ -193,6 +196,82 @@ TEST(Hostile, PreAuthStarvationLeavesAPeerWithTheSecretServed) {
   EXPECT_GE(hogs_sent.load(), 32u);  // the attack ran
   EXPECT_EQ(served, 5);
   ::unsetenv("KVFERRY_SECRET");
+}
+
+// A connection to `peer` from source address `from` (another loopback
+// address: a second host, as the engine's per-source shares see it).
+net::Fd ConnectFrom(const std::string& from, const std::string& peer) {
+  auto hp = net::ParseHostPort(peer);
+  if (!hp.ok()) return net::Fd();
+  net::Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, from.c_str(), &a.sin_addr);
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return net::Fd();
+  sockaddr_in b{};
+  b.sin_family = AF_INET;
+  b.sin_port = htons(hp->port);
+  ::inet_pton(AF_INET, hp->host.c_str(), &b.sin_addr);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&b), sizeof b) != 0) return net::Fd();
+  return fd;
+}
+
+// A claim flood from one source (no secret needed): eight connect-links
+// requests of 64 links each, with made-up tokens whose data connections
+// never come. Each accepted link holds a claim on the data port (256 in
+// all) until its connect timeout: before the per-source share, four such
+// requests refused every other peer's links. Now the source gets its share
+// (PeerService::kMaxLinksPerSource) and a legitimate peer from another
+// address completes its handshake and a WRITE.
+TEST(Hostile, AClaimFloodFromOneSourceLeavesOthersTheirLinks) {
+  RaiseDescriptorLimit();
+  ::unsetenv("KVFERRY_SECRET");
+  auto peer = PeerProcess::Start(0, 1 << 20);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  handshake::ConnectLinksRequest bogus;
+  for (int i = 0; i < 64; ++i) {
+    bogus.links.push_back(
+        handshake::ConnectRequest{0xbad,
+                                  0,
+                                  {"lo", "127.0.0.3:1", 0, 0, 0},
+                                  0,
+                                  transport::tcp_wire::EncodeLinkParams(0x1000 + i, 0, 0)});
+  }
+  std::vector<net::Fd> flood;
+  size_t accepted = 0, refused = 0;
+  for (int r = 0; r < 8; ++r) {
+    for (size_t i = 0; i < bogus.links.size(); ++i) {  // fresh tokens each round
+      bogus.links[i].params = transport::tcp_wire::EncodeLinkParams(0x10000 * (r + 1) + i, 0, 0);
+    }
+    net::Fd fd = ConnectFrom("127.0.0.3", peer->address());
+    ASSERT_TRUE(fd.valid()) << "cannot connect from 127.0.0.3";
+    const std::string f =
+        handshake::EncodeFrame(handshake::MessageType::kConnectLinks, handshake::Encode(bogus));
+    ASSERT_TRUE(net::WriteFull(fd.get(), f.data(), f.size(), absl::Now() + absl::Seconds(5)).ok());
+    std::string head(handshake::kFrameHeaderBytes, '\0');
+    ASSERT_TRUE(
+        net::ReadFull(fd.get(), head.data(), head.size(), absl::Now() + absl::Seconds(10)).ok());
+    auto h = handshake::ParseFrameHeader(head, 1 << 20);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_EQ(h->type, handshake::MessageType::kConnectLinksReply);
+    std::string payload(h->payload_bytes, '\0');
+    ASSERT_TRUE(
+        net::ReadFull(fd.get(), payload.data(), payload.size(), absl::Now() + absl::Seconds(10))
+            .ok());
+    auto answers = handshake::DecodeConnectLinksReply(payload);
+    ASSERT_TRUE(answers.ok()) << answers.status();
+    for (const auto& a : answers->links) {
+      (a.ok() ? accepted : refused)++;
+      if (!a.ok() && refused == 1)
+        std::printf("first refusal: %s\n", a.status().ToString().c_str());
+    }
+    flood.push_back(std::move(fd));
+  }
+  std::printf("claim flood: %zu links accepted, %zu refused\n", accepted, refused);
+  EXPECT_LE(accepted, 128u);
+  EXPECT_GT(refused, 0u);
+  // A peer from another address is served meanwhile.
+  EXPECT_LT(LegitimateFirstTransfer(peer->address()), absl::Seconds(5));
 }
 
 TEST(Hostile, CombinedAttackLeavesLegitimateTrafficAndMemoryBounded) {

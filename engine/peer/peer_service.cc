@@ -75,6 +75,13 @@ void PeerService::PruneClosedLinks() {
     tracked_ += v.size();
     it = v.empty() ? links_by_engine_.erase(it) : std::next(it);
   }
+  for (auto it = by_source_.begin(); it != by_source_.end();) {
+    auto& v = it->second;
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
+            v.end());
+    it = v.empty() ? by_source_.erase(it) : std::next(it);
+  }
   prune_at_ = std::max(kPruneAbove, 2 * tracked_);
 }
 
@@ -143,6 +150,21 @@ absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest&
 
 absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::ConnectRequest& c) {
   RETURN_IF_ERROR(RefuseFenced(c.engine_id));
+  if (const absl::string_view source = handshake::RequestSource(); !source.empty()) {
+    MutexLock lock(&mu_);
+    auto it = by_source_.find(source);
+    if (it != by_source_.end() && it->second.size() >= kMaxLinksPerSource) {
+      auto& v = it->second;
+      v.erase(std::remove_if(v.begin(), v.end(),
+                             [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
+              v.end());
+      if (v.size() >= kMaxLinksPerSource) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("the peers at ", source, " hold ", v.size(),
+                         " links to this engine already (its share; close some first)"));
+      }
+    }
+  }
   // With several transports, the link parameters say which one made them
   // (transport/link_params.h); with one, it is that one whatever its format.
   absl::StatusOr<std::string> kind = transport::LinkParams::KindOf(c.params);
@@ -154,6 +176,10 @@ absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::Co
     if (!offer.ok()) return offer.status();
     Tracked link{t, offer->link, std::move(offer->params)};
     RETURN_IF_ERROR(Track(c.engine_id, link));
+    if (const absl::string_view source = handshake::RequestSource(); !source.empty()) {
+      MutexLock lock(&mu_);
+      by_source_[std::string(source)].push_back(Tracked{link.transport, link.link, ""});
+    }
     return link;
   }
   return absl::FailedPreconditionError(

@@ -93,6 +93,15 @@ class PeerService {
 
   // Tracked links are pruned of closed ones when their count passes this.
   static constexpr size_t kPruneAbove = 4096;
+
+ public:
+  // Links (established, or accepted and waiting for their data connection)
+  // that the peers at one address may hold: one source cannot take every
+  // link slot (TCP has 512, two threads each) or pending claim of the
+  // transports. More are refused with kResourceExhausted.
+  static constexpr size_t kMaxLinksPerSource = 128;
+
+ private:
   // Fenced instances remembered (the oldest forgotten first).
   static constexpr size_t kMaxFenced = 65536;
 
@@ -107,6 +116,8 @@ class PeerService {
   size_t tracked_ ABSL_GUARDED_BY(mu_) = 0;
   size_t prune_at_ ABSL_GUARDED_BY(mu_) = kPruneAbove;
   RecentSet<uint64_t> fenced_ ABSL_GUARDED_BY(mu_){kMaxFenced};
+  // Each source's links, pruned of closed ones when it reaches its share.
+  std::map<std::string, std::vector<Tracked>, std::less<>> by_source_ ABSL_GUARDED_BY(mu_);
   uint64_t fences_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
