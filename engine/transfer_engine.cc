@@ -136,7 +136,7 @@ class TransferEngine::Impl {
         regions_(Transports()),
         inbox_(std::move(parts.wait)),
         client_(network_.get(), engine_id_, options_.handshake_timeout),
-        service_(engine_id_, Transports(), &regions_, &inbox_, &metadata_),
+        service_(engine_id_, Transports(), &regions_, &inbox_, &metadata_, &sent_),
         pipeline_(ConfigOf(options_), engine_id_, Transports(), &regions_, &client_, clock_,
                   engine_internal::HostFacts::OfThisHost()),
         streams_([this](SegmentId segment, const std::vector<TransferRequest>& requests,
@@ -220,6 +220,7 @@ class TransferEngine::Impl {
   // Notify, refused by the peer unless it is the instance `target` (0: any).
   absl::Status NotifyInstance(SegmentId id, const std::string& message, uint64_t target) {
     ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, pipeline_.segments().View(id));
+    sent_.Add(engine_internal::NotificationDigest(message));  // confirmed if asked
     return client_.Notify(v.peer, message, target);
   }
   absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
@@ -295,6 +296,7 @@ class TransferEngine::Impl {
   std::function<absl::StatusOr<std::vector<NicIndex>>(const std::string&)> near_nics_;
   engine_internal::LocalRegions regions_;
   engine_internal::Inbox inbox_;
+  engine_internal::SentLog sent_;
   engine_internal::MetadataStore metadata_;
   engine_internal::PeerClient client_;
   engine_internal::PeerService service_;
@@ -468,6 +470,17 @@ absl::StatusOr<std::string> TransferEngine::FetchMetadata(SegmentId segment,
                                                           const std::string& key) {
   return impl_->FetchMetadata(segment, key);
 }
+absl::StatusOr<bool> TransferEngine::ConfirmSent(const std::string& peer, uint64_t engine_id,
+                                                 uint64_t digest, absl::Duration timeout) {
+  ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer));
+  ASSIGN_OR_RETURN(handshake::ConfirmReply r,
+                   impl_->client_.Confirm(hp.ToString(), digest, timeout));
+  return r.sent && r.engine_id == engine_id;
+}
+uint64_t TransferEngine::NotificationDigest(absl::string_view message) {
+  return engine_internal::NotificationDigest(message);
+}
+
 absl::StatusOr<uint64_t> TransferEngine::ProbePeer(const std::string& peer,
                                                    absl::Duration timeout) {
   ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer));
@@ -482,7 +495,12 @@ void TransferEngine::FencePeer(uint64_t engine_id, absl::string_view reason) {
 bool TransferEngine::PeerFenced(uint64_t engine_id) const {
   return impl_->service_.Fenced(engine_id);
 }
-void TransferEngine::DropLinksFrom(uint64_t engine_id) { impl_->service_.CloseLinksOf(engine_id); }
+bool TransferEngine::HasLinksFrom(uint64_t engine_id, absl::string_view source) const {
+  return impl_->service_.HasLinksOf(engine_id, source);
+}
+void TransferEngine::DropLinksFrom(uint64_t engine_id, absl::string_view source) {
+  impl_->service_.CloseLinksOf(engine_id, source);
+}
 std::vector<Notification> TransferEngine::TakeNotifications() { return impl_->inbox_.TakeAll(); }
 std::vector<Notification> TransferEngine::TakeNotifications(const NotificationFilter& which) {
   return impl_->inbox_.TakeAll(which);

@@ -309,6 +309,17 @@ class TransferEngine {
   // at the address: the process is gone.
   absl::StatusOr<uint64_t> ProbePeer(const std::string& peer, absl::Duration timeout);
   static bool PeerAnswered(const absl::Status& status);
+  // Whether engine `engine_id`, answering at `peer` ("host:port"), sent
+  // `message` lately (it keeps the digests of its last 65,536
+  // notifications): proof that a notification naming that engine came from
+  // it, which its claimed sender id alone is not. False when another engine
+  // answers there or it did not send it; an error when it cannot be asked
+  // (kUnavailable, kDeadlineExceeded; a peer too old to know the question
+  // refuses it).
+  absl::StatusOr<bool> ConfirmSent(const std::string& peer, uint64_t engine_id, uint64_t digest,
+                                   absl::Duration timeout);
+  // The digest ConfirmSent asks about (SHA-256 of the message, 8 bytes).
+  static uint64_t NotificationDigest(absl::string_view message);
   // Fences the peer instance `engine_id` once it is declared failed: closes
   // every link it opened to this engine and refuses its links and
   // notifications from then on (kFailedPrecondition to it). When this
@@ -322,8 +333,13 @@ class TransferEngine {
   // Closes every link the peer instance `engine_id` opened to this engine,
   // without fencing it: it reconnects on its next request (its requests in
   // flight on them fail and are retried). When this returns, nothing it
-  // sent on those links before lands any more.
-  void DropLinksFrom(uint64_t engine_id);
+  // sent on those links before lands any more. With a `source` (a
+  // Notification's), only the links asked for from that address: what a
+  // notification not confirmed by its sender may cost the engine it names.
+  void DropLinksFrom(uint64_t engine_id, absl::string_view source = "");
+  // Whether `engine_id` holds links to this engine asked for from `source`
+  // (any, with an empty one).
+  bool HasLinksFrom(uint64_t engine_id, absl::string_view source = "") const;
 
   // Per local NIC: the primary transport's in its order, then the
   // fallback's (EngineParts::fallback).

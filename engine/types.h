@@ -36,8 +36,11 @@ struct BatchStatus {
 };
 
 struct Notification {
-  uint64_t engine_id = 0;  // the sender
+  uint64_t engine_id = 0;  // the sender, as it claims
   std::string message;
+  // The address (host, no port) it came from as this engine's network saw
+  // it (not claimable); empty where the network does not know.
+  std::string source;
 };
 
 // A region a peer advertises: where a request may write or read.

@@ -87,6 +87,10 @@ const char* MessageTypeName(MessageType type) {
       return "describe-v2";
     case MessageType::kDescriptorV2:
       return "descriptor-v2";
+    case MessageType::kConfirm:
+      return "confirm";
+    case MessageType::kConfirmReply:
+      return "confirm-reply";
   }
   return "unknown";
 }
@@ -399,6 +403,40 @@ absl::StatusOr<Probe> DecodeProbe(absl::string_view payload) {
     return Malformed("probe");
   }
   return p;
+}
+
+std::string Encode(const Confirm& c) {
+  std::string out;
+  Writer w(&out);
+  w.U64(c.engine_id);
+  w.U64(c.digest);
+  return out;
+}
+
+absl::StatusOr<Confirm> DecodeConfirm(absl::string_view payload) {
+  Reader r(payload);
+  Confirm c;
+  if (!r.U64(&c.engine_id) || !r.U64(&c.digest) || !r.AtEnd()) return Malformed("confirm");
+  return c;
+}
+
+std::string Encode(const ConfirmReply& c) {
+  std::string out;
+  Writer w(&out);
+  w.U64(c.engine_id);
+  w.U8(c.sent ? 1 : 0);
+  return out;
+}
+
+absl::StatusOr<ConfirmReply> DecodeConfirmReply(absl::string_view payload) {
+  Reader r(payload);
+  ConfirmReply c;
+  uint8_t sent = 0;
+  if (!r.U64(&c.engine_id) || !r.U8(&sent) || sent > 1 || !r.AtEnd()) {
+    return Malformed("confirm-reply");
+  }
+  c.sent = sent == 1;
+  return c;
 }
 
 std::string Encode(const MetadataRequest& m) {

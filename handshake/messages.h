@@ -42,9 +42,11 @@ enum Capability : uint64_t {
   kCapConnectLinks = uint64_t{1} << 0,      // kConnectLinks, kConnectLinksReply
   kCapCloseLinks = uint64_t{1} << 1,        // kCloseLinks, kCloseLinksReply
   kCapConnectLinksHere = uint64_t{1} << 2,  // kConnectLinksHere
+  kCapConfirm = uint64_t{1} << 3,           // kConfirm, kConfirmReply
 };
 // What this build speaks.
-inline constexpr uint64_t kCapabilities = kCapConnectLinks | kCapCloseLinks | kCapConnectLinksHere;
+inline constexpr uint64_t kCapabilities =
+    kCapConnectLinks | kCapCloseLinks | kCapConnectLinksHere | kCapConfirm;
 inline constexpr size_t kFrameHeaderBytes = 8;
 inline constexpr uint32_t kDefaultMaxFrameBytes = 16 << 20;
 inline constexpr uint32_t kMaxNics = 64;
@@ -91,8 +93,14 @@ enum class MessageType : uint8_t {
   // unknown, and is described with kDescribe instead.
   kDescribeV2 = 21,
   kDescriptorV2 = 22,
+  // Did you send this notification (Confirm: its digest)? The answer
+  // (ConfirmReply) names the answering engine: a receiver takes a word
+  // that fails, fences or completes something only once the engine it
+  // names, at the address it expects, says it sent it.
+  kConfirm = 23,
+  kConfirmReply = 24,
 };
-inline constexpr uint8_t kLastMessageType = 22;
+inline constexpr uint8_t kLastMessageType = 24;
 // The most links one kConnectLinks asks for (the engine's links_per_peer
 // and NIC count are capped at 64 too).
 inline constexpr uint32_t kMaxLinksPerConnect = 64;
@@ -190,6 +198,16 @@ struct Probe {
   uint64_t nonce = 0;
 };
 
+struct Confirm {
+  uint64_t engine_id = 0;  // the asker
+  uint64_t digest = 0;     // NotificationDigest of the message
+};
+
+struct ConfirmReply {
+  uint64_t engine_id = 0;  // the answerer
+  bool sent = false;       // it sent a notification of that digest lately
+};
+
 // Small named values an engine publishes for its peers (e.g. the layout of
 // a KV pool): keys up to kMaxStringBytes, values up to kMaxNotifyBytes.
 struct MetadataRequest {
@@ -226,6 +244,10 @@ absl::StatusOr<ConnectLinksReply> DecodeConnectLinksReply(absl::string_view payl
 absl::StatusOr<CloseLinksRequest> DecodeCloseLinksRequest(absl::string_view payload);
 absl::StatusOr<Notify> DecodeNotify(absl::string_view payload);
 absl::StatusOr<Probe> DecodeProbe(absl::string_view payload);
+std::string Encode(const Confirm& c);
+absl::StatusOr<Confirm> DecodeConfirm(absl::string_view payload);
+std::string Encode(const ConfirmReply& c);
+absl::StatusOr<ConfirmReply> DecodeConfirmReply(absl::string_view payload);
 absl::StatusOr<MetadataRequest> DecodeMetadataRequest(absl::string_view payload);
 absl::StatusOr<Metadata> DecodeMetadata(absl::string_view payload);
 // Decodes an error payload into the status it carries (kDataLoss if the

@@ -286,6 +286,10 @@ class KvReceiver {
   // Words about requests nobody expected that were dropped unclaimed (too
   // old, or pushed out by newer ones).
   uint64_t dropped_early_words() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Words about expected requests that the engine they name did not
+  // confirm sending (forged, or from a prefill that could not be asked):
+  // ignored.
+  uint64_t unconfirmed_words() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // A prefill that expected requests come from.
@@ -302,23 +306,48 @@ class KvReceiver {
   // A word that came before anyone expected its request.
   struct Early {
     Status status;
-    uint64_t engine_id = 0;  // its sender
+    uint64_t engine_id = 0;  // its sender, as it claims
     uint64_t token = 0;
+    uint64_t digest = 0;  // TransferEngine::NotificationDigest, to confirm it later
+    bool confirmed = false;
+    std::string source;  // where it came from (Notification::source)
     absl::Time arrived;
     uint64_t seq = 0;  // its place in early_order_
   };
-  void Absorb(std::vector<Notification> notes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A word taken from the engine, and whether the engine it names, asked
+  // at the address its request is expected from, said it sent it
+  // (TransferEngine::ConfirmSent). Only a confirmed word fails, completes
+  // or aborts an expected request; a word nobody expects yet is kept
+  // unconfirmed, and confirmed when an Expect names its prefill.
+  struct Vetted {
+    Notification n;
+    bool confirmed = false;
+    bool unasked = false;  // its prefill could not be asked (no answer): try again later
+  };
+  // Confirms the words about expected requests (a round trip to their
+  // prefills each; none while holding mu_).
+  std::vector<Vetted> Vet(std::vector<Notification> notes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Vet(what the engine holds for this receiver), then Absorb; mu_ held on
+  // entry and exit, released while vetting.
+  void TakeWords() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Absorb(std::vector<Vetted> words) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a resolved early word within the bounds, dropping the oldest.
   void KeepEarly(const std::string& id, Early e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves `id`'s early word, if any, to requests_ (unless it came from
-  // another engine than `instance`, when that is known).
-  void ClaimEarly(const std::string& id, uint64_t instance) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves `id`'s early word, if any, to requests_: for an Expect
+  // (`expected`), only one from `instance` (when known) that was confirmed
+  // (at arrival, or by the caller: `confirmed`); for a Poll or Wait without
+  // an Expect, any (nothing names its prefill to ask).
+  void ClaimEarly(const std::string& id, uint64_t instance, bool expected, bool confirmed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropEarly(std::map<std::string, Early>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireEarly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a word says about its request (checksums verified; the sender's
   // links dropped for an aborted one).
-  Status Resolve(const std::string& id, const kv_internal::Word& w, uint64_t from)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An abort drops the sender's links first: all of them when it confirmed
+  // the word, else only those asked for from where the word came from (a
+  // forger on another host cannot cut an innocent engine's links).
+  Status Resolve(const std::string& id, const kv_internal::Word& w, uint64_t from,
+                 absl::string_view source, bool confirmed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Probes the prefills that are due, at once (at most kMaxProbesAtOnce at
   // a time); fences and fails those that are dead.
   void CheckPrefills();
@@ -355,6 +384,9 @@ class KvReceiver {
   uint64_t early_seq_ ABSL_GUARDED_BY(mu_) = 0;
   size_t early_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t dropped_early_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t unconfirmed_ ABSL_GUARDED_BY(mu_) = 0;
+  // Words about expected requests whose prefill could not be asked yet.
+  std::vector<Notification> unasked_ ABSL_GUARDED_BY(mu_);
   // The attempt whose word finished each request, and the attempts of
   // requests forgotten since (their words are ignored; the oldest of more
   // than kMaxRetired are forgotten in turn).

@@ -7,7 +7,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "handshake/messages.h"
+#include "handshake/tcp_network.h"
 #include "sim/prng.h"
 #include "sim/seed.h"
 
@@ -458,6 +461,47 @@ std::string Snapshot(const KvPool& pool) {
 // presents X's id, not V's. The request fails (the named instance is not
 // there), but V, which never presented itself at X, is not fenced: it still
 // delivers to this decode.
+// Words forged in the prefill's name (its engine id is public: any probe
+// of it tells) by another engine: a "done" for pages that never landed, a
+// "fail" and an "abrt" for a request expected from the prefill. The prefill,
+// asked at its address, did not send them: all are ignored, its links stay
+// up, and its own words then finish the request.
+TEST(KvCache, WordsForgedInThePrefillsNameAreIgnored) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 5);
+  Pair p(src, dst);
+  const std::string peer = p.decode_engine->address();
+  const uint64_t prefill_id = p.prefill_engine->engine_id();
+  ASSERT_TRUE(p.sender->Send("warm", peer, {0}, {0}, "").ok());  // the prefill's links are up
+  ASSERT_EQ(p.receiver->Wait("warm", absl::Seconds(5))->state, KvReceiver::State::kComplete);
+  ASSERT_TRUE(p.receiver->Expect("x", p.prefill_engine->address(), prefill_id).ok());
+  const std::string sep(1, '\0');
+  auto forge = [&](const std::string& kind, const std::string& body) {
+    const std::string word =
+        absl::StrCat("kv2", sep, kind, sep, "x", sep, "00000000000000f0", sep, body);
+    auto reply = handshake::NewTcpNetwork()->Call(
+        peer,
+        handshake::Frame{handshake::MessageType::kNotify,
+                         handshake::Encode(handshake::Notify{prefill_id, word, 0})},
+        absl::Seconds(5));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+  };
+  forge("done", "forged aux");
+  EXPECT_EQ(p.receiver->Poll("x").state, KvReceiver::State::kPending);
+  forge("fail", "forged failure");
+  forge("abrt", "forged abort");
+  EXPECT_EQ(p.receiver->Poll("x").state, KvReceiver::State::kPending);
+  EXPECT_EQ(p.receiver->unconfirmed_words(), 3u);
+  EXPECT_TRUE(p.decode_engine->HasLinksFrom(prefill_id)) << "a forged abort cut its links";
+  ASSERT_TRUE(p.sender->Send("x", peer, {1, 2}, {3, 4}, "real aux").ok());
+  auto st = p.receiver->Wait("x", absl::Seconds(5));
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->state, KvReceiver::State::kComplete) << st->error;
+  EXPECT_EQ(st->aux, "real aux");
+  EXPECT_TRUE(PagesMatch(src, dst, {1, 2}, {3, 4}));
+}
+
 TEST(KvCache, AnIdTheAddressDidNotPresentIsNeverFenced) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);

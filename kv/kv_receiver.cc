@@ -10,6 +10,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -95,10 +96,25 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   }
   const absl::Time now = engine_->clock()->Now();
   const bool presented = instance != 0 && instance != prefill_engine_id;
+  // A word that came first is confirmed with this prefill before it counts.
+  std::optional<std::pair<uint64_t, uint64_t>> early;  // its sender and digest
+  {
+    MutexLock lock(&mu_);
+    auto e = early_.find(request_id);
+    if (e != early_.end() && !e->second.confirmed &&
+        (instance == 0 || e->second.engine_id == instance)) {
+      early.emplace(e->second.engine_id, e->second.digest);
+    }
+  }
+  bool confirmed = false;
+  if (early.has_value()) {
+    confirmed = engine_->ConfirmSent(peer, early->first, early->second, options_.peer_timeout / 4)
+                    .value_or(false);
+  }
   bool start = false;
   {
     MutexLock lock(&mu_);
-    ClaimEarly(request_id, instance);
+    ClaimEarly(request_id, instance, /*expected=*/true, confirmed);
     Status& s = requests_[request_id];
     // Its word came first (the prefill was quicker than this call): there
     // is nothing left to watch.
@@ -303,9 +319,9 @@ absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
 }
 
 void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
-  // What arrived before the fence counts: a request whose completion is
-  // already here is complete.
-  Absorb(engine_->TakeNotifications(IsWord));
+  // Words still in the engine's inbox are not taken: the prefill, gone,
+  // cannot confirm them (they stay there for the next Poll or Wait, and
+  // find their requests failed).
   for (auto it = expected_.begin(); it != expected_.end();) {
     if (it->second != prefill) {
       ++it;
@@ -334,8 +350,54 @@ void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
   expected_.erase(e);
 }
 
-void KvReceiver::Absorb(std::vector<Notification> notes) {
+std::vector<KvReceiver::Vetted> KvReceiver::Vet(std::vector<Notification> notes) {
+  std::vector<Vetted> out;
+  out.reserve(notes.size());
+  absl::flat_hash_set<std::string> unreachable;  // prefills that did not answer this round
   for (Notification& n : notes) {
+    Vetted v{std::move(n), false, false};
+    const std::optional<Word> w = ParseWord(v.n.message);
+    std::string prefill;  // where its request is expected from
+    if (w.has_value()) {
+      MutexLock lock(&mu_);
+      auto e = expected_.find(std::string(w->id));
+      auto p = e == expected_.end() ? prefills_.end() : prefills_.find(e->second);
+      // From another engine than the one answering there: Absorb ignores it.
+      if (p != prefills_.end() &&
+          (p->second.engine_id == 0 || p->second.engine_id == v.n.engine_id)) {
+        prefill = p->first;
+      }
+    }
+    if (!prefill.empty()) {
+      if (unreachable.contains(prefill)) {
+        v.unasked = true;  // it did not answer this round: asked again later
+      } else {
+        absl::StatusOr<bool> c = engine_->ConfirmSent(
+            prefill, v.n.engine_id, TransferEngine::NotificationDigest(v.n.message),
+            options_.peer_timeout / 4);
+        v.confirmed = c.value_or(false);
+        v.unasked = !c.ok();
+        if (!c.ok()) unreachable.insert(prefill);
+      }
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+void KvReceiver::TakeWords() {
+  std::vector<Notification> notes = std::move(unasked_);
+  unasked_.clear();
+  mu_.Unlock();
+  for (Notification& n : engine_->TakeNotifications(IsWord)) notes.push_back(std::move(n));
+  std::vector<Vetted> words = Vet(std::move(notes));
+  mu_.Lock();
+  Absorb(std::move(words));
+}
+
+void KvReceiver::Absorb(std::vector<Vetted> words) {
+  for (Vetted& v : words) {
+    const Notification& n = v.n;
     const std::optional<Word> w = ParseWord(n.message);
     if (!w.has_value()) continue;  // taken only when IsWord said so
     const std::string id(w->id);
@@ -354,26 +416,45 @@ void KvReceiver::Absorb(std::vector<Notification> notes) {
         ++ignored_words_;
         continue;
       }
+      if (!v.confirmed && v.unasked) {
+        // Its prefill could not be asked now: asked again by the next
+        // Poll or Wait (until the prefill is declared dead, and its
+        // request failed). Bounded: the oldest go first.
+        if (unasked_.size() >= kMaxEarlyWords) {
+          unasked_.erase(unasked_.begin());
+          ++dropped_early_;
+        }
+        unasked_.push_back(std::move(v.n));
+        continue;
+      }
+      if (!v.confirmed) {
+        ++unconfirmed_;  // the engine it names said it did not send it: forged
+        continue;
+      }
       Unexpect(e);
     } else if (requests_.find(id) == requests_.end()) {
       // Nobody expects it or waits for it (yet): kept a while, bounded.
       if (early_.count(id) != 0) continue;  // first word wins
       Early early;
-      early.status = Resolve(id, *w, n.engine_id);
+      early.status = Resolve(id, *w, n.engine_id, n.source, v.confirmed);
       early.engine_id = n.engine_id;
       early.token = w->token;
+      early.digest = TransferEngine::NotificationDigest(n.message);
+      early.confirmed = v.confirmed;
+      early.source = n.source;
       KeepEarly(id, std::move(early));
       continue;
     }
     Status& s = requests_[id];
     if (s.state != State::kPending) continue;  // first word wins
     if (w->token != 0) tokens_[id] = w->token;
-    s = Resolve(id, *w, n.engine_id);
+    s = Resolve(id, *w, n.engine_id, n.source, v.confirmed);
   }
   ExpireEarly();
 }
 
-KvReceiver::Status KvReceiver::Resolve(const std::string& id, const Word& w, uint64_t from) {
+KvReceiver::Status KvReceiver::Resolve(const std::string& id, const Word& w, uint64_t from,
+                                       absl::string_view source, bool confirmed) {
   Status s;
   if (w.kind == "done") {
     s.state = State::kComplete;
@@ -388,8 +469,10 @@ KvReceiver::Status KvReceiver::Resolve(const std::string& id, const Word& w, uin
     }
   } else {
     // A write the sender gave up on may still be on its way: its links are
-    // dropped first, so nothing of it lands after this report.
-    if (w.kind == "abrt") engine_->DropLinksFrom(from);
+    // dropped first, so nothing of it lands after this report. Only for a
+    // word its sender confirmed: a forged one must not cut an innocent
+    // engine's links.
+    if (w.kind == "abrt") engine_->DropLinksFrom(from, confirmed ? "" : source);
     s.state = State::kFailed;
     s.error = absl::AbortedError(absl::StrCat("the sender failed the request: ", w.body));
   }
@@ -429,7 +512,8 @@ void KvReceiver::ExpireEarly() {
   }
 }
 
-void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance) {
+void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance, bool expected,
+                            bool confirmed) {
   auto it = early_.find(id);
   if (it == early_.end()) return;
   Early e = std::move(it->second);
@@ -440,6 +524,17 @@ void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance) {
     ++ignored_words_;  // from another engine than the one expected
     return;
   }
+  if (expected && !e.confirmed && !confirmed) {
+    ++unconfirmed_;  // the prefill did not say it sent it
+    return;
+  }
+  // Without an Expect nothing names the prefill to ask: the word must at
+  // least come from where the engine it names opened its links here from.
+  if (!expected && !e.confirmed && !e.source.empty() &&
+      !engine_->HasLinksFrom(e.engine_id, e.source)) {
+    ++unconfirmed_;
+    return;
+  }
   Status& s = requests_[id];
   if (s.state != State::kPending) return;
   if (e.token != 0) tokens_[id] = e.token;
@@ -447,10 +542,17 @@ void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance) {
 }
 
 KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
-  std::vector<Notification> notes = engine_->TakeNotifications(IsWord);
+  std::vector<Notification> notes;
+  {
+    MutexLock lock(&mu_);
+    notes = std::move(unasked_);
+    unasked_.clear();
+  }
+  for (Notification& n : engine_->TakeNotifications(IsWord)) notes.push_back(std::move(n));
+  std::vector<Vetted> words = Vet(std::move(notes));
   MutexLock lock(&mu_);
-  Absorb(std::move(notes));
-  if (requests_.find(request_id) == requests_.end()) ClaimEarly(request_id, 0);
+  Absorb(std::move(words));
+  if (requests_.find(request_id) == requests_.end()) ClaimEarly(request_id, 0, false, false);
   auto it = requests_.find(request_id);
   return it == requests_.end() ? Status{} : it->second;
 }
@@ -466,10 +568,10 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
   const absl::Time deadline = clock->Now() + timeout;
   mu_.Lock();
   // A waiter expects the request: its words are kept from now on.
-  ClaimEarly(request_id, 0);
+  ClaimEarly(request_id, 0, false, false);
   requests_.try_emplace(request_id);
   for (;;) {
-    Absorb(engine_->TakeNotifications(IsWord));
+    TakeWords();
     auto it = requests_.find(request_id);
     if (it != requests_.end() && it->second.state != State::kPending) {
       Status s = it->second;
@@ -490,9 +592,11 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
     mu_.Unlock();
     if (simulated) CheckPrefills();  // no watcher thread on simulated time
     absl::StatusOr<Notification> n = engine_->WaitNotification(std::min(left, kSlice), IsWord);
+    std::vector<Vetted> words;
+    if (n.ok()) words = Vet({std::move(*n)});
     mu_.Lock();
     pumping_ = false;
-    if (n.ok()) Absorb({std::move(*n)});
+    Absorb(std::move(words));
     changed_.SignalAll();
   }
 }
@@ -544,6 +648,11 @@ absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,
 uint64_t KvReceiver::ignored_words() const {
   MutexLock lock(&mu_);
   return ignored_words_;
+}
+
+uint64_t KvReceiver::unconfirmed_words() const {
+  MutexLock lock(&mu_);
+  return unconfirmed_;
 }
 
 uint64_t KvReceiver::dropped_early_words() const {

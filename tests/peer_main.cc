@@ -13,6 +13,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -71,6 +72,8 @@ int Prefill(kvferry::TransferEngine* engine) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // The test reads only the READY line: a later print must not kill it.
+  std::signal(SIGPIPE, SIG_IGN);
   kvferry::SetLogThreshold(kvferry::LogSeverity::kWarning);
   rlimit files;
   if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {

@@ -257,7 +257,19 @@ class KvCluster {
       for (uint32_t page : dst) to.targeted.insert(page);
     }
     const bool d_alive = !to.down && to.receiver != nullptr;
-    const KvReceiver::Status heard = d_alive ? to.receiver->Poll(id) : KvReceiver::Status{};
+    // A word counts once its sender confirms it (one more round trip, which
+    // the faults may delay): a sent request is waited for that long.
+    // The receiver runs the simulation while it asks (a confirmation): a
+    // crash of the decode then waits for the call to return, as a busy
+    // prefill's does (FinishDeferred below).
+    KvReceiver::Status heard;
+    busy_[d] = d_alive;
+    if (d_alive && sent.ok()) {
+      heard = to.receiver->Wait(id, kReceiverPeerTimeout).value_or(KvReceiver::Status{});
+    } else if (d_alive) {
+      heard = to.receiver->Poll(id);
+    }
+    busy_[d] = false;
     const KvReceiver::State state = heard.state;
     const KvPool* holder = nullptr;
     if (state == KvReceiver::State::kComplete) {
@@ -266,6 +278,12 @@ class KvCluster {
                heard.error.code() == absl::StatusCode::kDataLoss) {
       // Sent, but a page arrived corrupted: the checksums caught it.
       ++corruptions_detected_;
+    } else if (sent.ok() && !restarted && d_alive && state == KvReceiver::State::kFailed &&
+               heard.error.code() == absl::StatusCode::kUnavailable) {
+      // Sent, but its prefill died or restarted before it confirmed its
+      // word: the decode cannot tell that word from a forged one, and
+      // fails the request (safe: the bytes are not used).
+      ++unconfirmed_after_death_;
     } else if (sent.ok() && !restarted && d_alive) {
       ADD_FAILURE() << "request " << id << " was sent, but the receiver did not hear of it: "
                     << (state == KvReceiver::State::kPending ? "pending" : heard.error.ToString());
@@ -287,7 +305,12 @@ class KvCluster {
       EXPECT_TRUE(sent.ok()) << "healed cluster: " << id << ": " << sent;
     }
     FinishDeferred(p);
-    if (!sent.ok() && !restarted && d_alive && state != KvReceiver::State::kComplete) {
+    // Crashed while the receiver asked: torn down (and restarted) now, and
+    // its report of this request lost with it.
+    const bool d_crashed = to.down || restart_after_[d];
+    FinishDeferred(d);
+    if (!sent.ok() && !restarted && d_alive && !d_crashed &&
+        state != KvReceiver::State::kComplete) {
       ExpectReportedFailure(d, id, dst, sent);
     }
     return sent.ok();
@@ -411,6 +434,7 @@ class KvCluster {
   uint64_t boots_[kPrefills + kDecodes] = {};
   uint64_t requests_ = 0, restarts_ = 0;
   uint64_t aborted_ = 0, killed_ = 0, reported_failed_ = 0, corruptions_detected_ = 0;
+  uint64_t unconfirmed_after_death_ = 0;  // sent, its sender gone before it confirmed the word
   uint64_t fenced_restarts_ = 0;
 };
 

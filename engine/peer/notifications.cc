@@ -1,5 +1,7 @@
 #include "engine/peer/notifications.h"
 
+#include <openssl/sha.h>
+
 #include <algorithm>
 #include <iterator>
 
@@ -90,6 +92,24 @@ absl::StatusOr<std::string> MetadataStore::Get(const std::string& key) const {
     return absl::NotFoundError(absl::StrCat("the peer has published no '", key, "'"));
   }
   return it->second;
+}
+
+uint64_t NotificationDigest(absl::string_view message) {
+  unsigned char d[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(message.data()), message.size(), d);
+  uint64_t out = 0;
+  for (int i = 0; i < 8; ++i) out |= uint64_t{d[i]} << (8 * i);
+  return out;
+}
+
+void SentLog::Add(uint64_t digest) {
+  MutexLock lock(&mu_);
+  sent_.Insert(digest);
+}
+
+bool SentLog::Contains(uint64_t digest) const {
+  MutexLock lock(&mu_);
+  return sent_.Contains(digest);
 }
 
 }  // namespace engine_internal

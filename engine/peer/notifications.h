@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "base/mutex.h"
+#include "base/recent_set.h"
 #include "engine/types.h"
 
 namespace kvferry {
@@ -56,6 +57,24 @@ class Inbox {
   CondVar cv_;
   std::deque<Notification> queue_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A digest of a notification's bytes (SHA-256, its first 8 bytes): what a
+// receiver asks the sender about (kConfirm). Both ends compute it alike.
+uint64_t NotificationDigest(absl::string_view message);
+
+// The notifications this engine sent lately, as digests: what it confirms
+// to receivers that ask. Bounded: the oldest of more than kMaxSent are
+// forgotten (a receiver asks within a round trip of receiving one).
+class SentLog {
+ public:
+  static constexpr size_t kMaxSent = 1 << 16;
+  void Add(uint64_t digest) ABSL_LOCKS_EXCLUDED(mu_);
+  bool Contains(uint64_t digest) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable Mutex mu_;
+  RecentSet<uint64_t> sent_ ABSL_GUARDED_BY(mu_){kMaxSent};
 };
 
 class MetadataStore {

@@ -163,6 +163,17 @@ absl::Status PeerClient::CloseLinks(const std::string& peer, std::vector<std::st
   return reply.status();
 }
 
+absl::StatusOr<handshake::ConfirmReply> PeerClient::Confirm(const std::string& peer,
+                                                            uint64_t digest,
+                                                            absl::Duration timeout) const {
+  ASSIGN_OR_RETURN(
+      Frame reply,
+      Call(peer,
+           Frame{MessageType::kConfirm, handshake::Encode(handshake::Confirm{engine_id_, digest})},
+           MessageType::kConfirmReply, timeout));
+  return handshake::DecodeConfirmReply(reply.payload);
+}
+
 absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer, absl::Duration timeout) const {
   ASSIGN_OR_RETURN(
       Frame reply,

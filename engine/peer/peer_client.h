@@ -82,6 +82,10 @@ class PeerClient {
                           std::optional<uint64_t> capabilities) const;
   // The engine id that answers at `peer` within `timeout`.
   absl::StatusOr<uint64_t> Probe(const std::string& peer, absl::Duration timeout) const;
+  // Whether the engine answering at `peer` sent a notification of
+  // `digest` lately, and which engine answered.
+  absl::StatusOr<handshake::ConfirmReply> Confirm(const std::string& peer, uint64_t digest,
+                                                  absl::Duration timeout) const;
   // Delivers a notification, refused by any instance but `target` (0: any).
   absl::Status Notify(const std::string& peer, const std::string& message, uint64_t target) const;
   // A value the peer published, and the instance that answered.

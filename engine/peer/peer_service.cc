@@ -104,15 +104,29 @@ uint64_t PeerService::fences() const {
   return fences_;
 }
 
-void PeerService::CloseLinksOf(uint64_t engine_id) {
+bool PeerService::HasLinksOf(uint64_t engine_id, absl::string_view source) const {
+  MutexLock lock(&mu_);
+  auto it = links_by_engine_.find(engine_id);
+  if (it == links_by_engine_.end()) return false;
+  return std::any_of(it->second.begin(), it->second.end(), [&](const Tracked& l) {
+    return (source.empty() || l.source == source) && l.transport->HasLink(l.link);
+  });
+}
+
+void PeerService::CloseLinksOf(uint64_t engine_id, absl::string_view source) {
   std::vector<Tracked> links;
   {
     MutexLock lock(&mu_);
     auto it = links_by_engine_.find(engine_id);
     if (it != links_by_engine_.end()) {
-      links = std::move(it->second);
+      auto& v = it->second;
+      auto doomed = std::stable_partition(v.begin(), v.end(), [&](const Tracked& l) {
+        return !source.empty() && l.source != source;
+      });
+      links.assign(std::make_move_iterator(doomed), std::make_move_iterator(v.end()));
+      v.erase(doomed, v.end());
       tracked_ -= links.size();
-      links_by_engine_.erase(it);
+      if (v.empty()) links_by_engine_.erase(it);
     }
   }
   // Outside the lock: closing a TCP link waits for its reader thread.
@@ -174,11 +188,11 @@ absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::Co
     absl::StatusOr<transport::LinkOffer> offer =
         t->AcceptLink(c.target_nic, c.requester_nic_info, c.params);
     if (!offer.ok()) return offer.status();
-    Tracked link{t, offer->link, std::move(offer->params)};
+    Tracked link{t, offer->link, std::move(offer->params), std::string(handshake::RequestSource())};
     RETURN_IF_ERROR(Track(c.engine_id, link));
     if (const absl::string_view source = handshake::RequestSource(); !source.empty()) {
       MutexLock lock(&mu_);
-      by_source_[std::string(source)].push_back(Tracked{link.transport, link.link, ""});
+      by_source_[std::string(source)].push_back(Tracked{link.transport, link.link, "", ""});
     }
     return link;
   }
@@ -246,7 +260,8 @@ Frame PeerService::Notify(const Frame& request) {
         "what the notification is about went to its predecessor)",
         n->target_engine_id, engine_id_)));
   }
-  if (absl::Status pushed = inbox_->Push(Notification{n->engine_id, std::move(n->payload)});
+  if (absl::Status pushed = inbox_->Push(Notification{n->engine_id, std::move(n->payload),
+                                                      std::string(handshake::RequestSource())});
       !pushed.ok()) {
     return ErrorFrame(pushed);
   }
@@ -279,6 +294,13 @@ handshake::Answer PeerService::Handle(const Frame& request) {
       return Notify(request);
     case MessageType::kCloseLinks:
       return CloseLinks(request);
+    case MessageType::kConfirm: {
+      absl::StatusOr<handshake::Confirm> c = handshake::DecodeConfirm(request.payload);
+      if (!c.ok()) return ErrorFrame(c.status());
+      return Frame{MessageType::kConfirmReply,
+                   handshake::Encode(handshake::ConfirmReply{
+                       engine_id_, sent_ != nullptr && sent_->Contains(c->digest)})};
+    }
     case MessageType::kProbe: {
       absl::StatusOr<handshake::Probe> p = handshake::DecodeProbe(request.payload);
       if (!p.ok()) return ErrorFrame(p.status());

@@ -30,12 +30,14 @@ class PeerService {
  public:
   // `transports`: the primary first (LocalRegions' order).
   PeerService(uint64_t engine_id, std::vector<transport::Transport*> transports,
-              const LocalRegions* regions, Inbox* inbox, const MetadataStore* metadata)
+              const LocalRegions* regions, Inbox* inbox, const MetadataStore* metadata,
+              const SentLog* sent)
       : engine_id_(engine_id),
         transports_(std::move(transports)),
         regions_(regions),
         inbox_(inbox),
-        metadata_(metadata) {}
+        metadata_(metadata),
+        sent_(sent) {}
 
   // This engine as peers see it through the transport of `kind` (empty:
   // the primary): NICs and the regions they may use. kNotFound when this
@@ -64,8 +66,10 @@ class PeerService {
   // (once per instance) with `reason`, and counted.
   void Fence(uint64_t engine_id, absl::string_view reason);
   uint64_t fences() const;
-  // Closes the links `engine_id` opened (without fencing it).
-  void CloseLinksOf(uint64_t engine_id);
+  // Closes the links `engine_id` opened (without fencing it); with a
+  // `source`, only those asked for from that address.
+  void CloseLinksOf(uint64_t engine_id, absl::string_view source = "");
+  bool HasLinksOf(uint64_t engine_id, absl::string_view source) const;
   bool Fenced(uint64_t engine_id) const;
 
  private:
@@ -75,6 +79,7 @@ class PeerService {
     transport::Transport* transport;
     transport::LinkId link;
     std::string params;
+    std::string source;  // the address it was asked for from (RequestSource)
   };
   // One link: the accepting transport's parameters.
   absl::StatusOr<std::string> Accept(const handshake::ConnectRequest& c);
@@ -110,6 +115,7 @@ class PeerService {
   const LocalRegions* const regions_;
   Inbox* const inbox_;
   const MetadataStore* const metadata_;
+  const SentLog* const sent_;  // what kConfirm answers from
 
   mutable Mutex mu_;
   std::map<uint64_t, std::vector<Tracked>> links_by_engine_ ABSL_GUARDED_BY(mu_);
