@@ -29,7 +29,7 @@ std::vector<Input> ListInputs() {
   if (srcdir == nullptr || workspace == nullptr) return out;
   const std::string root = std::string(srcdir) + "/" + workspace + "/handshake/fuzz/";
   for (const char* kind : {"corpus", "regressions"}) {
-    for (const char* fuzzer : {"frame", "descriptor"}) {
+    for (const char* fuzzer : {"frame", "descriptor", "auth"}) {
       const std::string dir = root + kind + "/" + fuzzer;
       DIR* d = opendir(dir.c_str());
       if (d == nullptr) continue;
@@ -57,20 +57,27 @@ TEST_P(CorpusTest, DecodesWithoutCrashing) {
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   if (GetParam().fuzzer == "frame") {
     FuzzFrame(data, bytes.size());
+  } else if (GetParam().fuzzer == "auth") {
+    FuzzAuthenticated(data, bytes.size());
   } else {
     FuzzDescriptor(data, bytes.size());
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Inputs, CorpusTest, ::testing::ValuesIn(ListInputs()),
-                         [](const ::testing::TestParamInfo<Input>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<Input>& info) {
+                           return info.param.name;
+                         });
 
 // The corpus must be there: an empty list would pass vacuously.
 TEST(Corpus, IsPresent) {
-  size_t frames = 0, descriptors = 0;
-  for (const Input& i : ListInputs()) ++(i.fuzzer == "frame" ? frames : descriptors);
+  size_t frames = 0, descriptors = 0, auth = 0;
+  for (const Input& i : ListInputs()) {
+    ++(i.fuzzer == "frame" ? frames : i.fuzzer == "auth" ? auth : descriptors);
+  }
   EXPECT_GE(frames, 10u);
   EXPECT_GE(descriptors, 4u);
+  EXPECT_GE(auth, 4u);
 }
 
 }  // namespace

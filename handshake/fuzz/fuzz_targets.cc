@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
+#include "handshake/auth.h"
 #include "handshake/messages.h"
 
 namespace kvferry {
@@ -132,7 +133,9 @@ void FuzzFrame(const uint8_t* data, size_t size) {
     case MessageType::kProbeReply:
       RoundTrip<Probe>(
           payload, [](absl::string_view p) { return DecodeProbe(p); },
-          [](const Probe& a, const Probe& b) { return a.engine_id == b.engine_id && a.nonce == b.nonce; });
+          [](const Probe& a, const Probe& b) {
+            return a.engine_id == b.engine_id && a.nonce == b.nonce;
+          });
       break;
     case MessageType::kGetMetadata:
       RoundTrip<MetadataRequest>(
@@ -146,6 +149,20 @@ void FuzzFrame(const uint8_t* data, size_t size) {
             return a.key == b.key && a.value == b.value && a.engine_id == b.engine_id;
           });
       break;
+    case MessageType::kConfirm:
+      RoundTrip<Confirm>(
+          payload, [](absl::string_view p) { return DecodeConfirm(p); },
+          [](const Confirm& a, const Confirm& b) {
+            return a.engine_id == b.engine_id && a.digest == b.digest;
+          });
+      break;
+    case MessageType::kConfirmReply:
+      RoundTrip<ConfirmReply>(
+          payload, [](absl::string_view p) { return DecodeConfirmReply(p); },
+          [](const ConfirmReply& a, const ConfirmReply& b) {
+            return a.engine_id == b.engine_id && a.sent == b.sent;
+          });
+      break;
     case MessageType::kError: {
       absl::Status s = DecodeError(payload);
       Check(!s.ok(), "an error payload decoded to OK");
@@ -154,6 +171,47 @@ void FuzzFrame(const uint8_t* data, size_t size) {
     default:
       break;
   }
+}
+
+namespace {
+
+// Captures the handler an authenticated network serves with.
+class CaptureNetwork : public Network {
+ public:
+  Handler* captured;
+  explicit CaptureNetwork(Handler* out) : captured(out) {}
+  absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler handler) override {
+    *captured = std::move(handler);
+    return absl::UnimplementedError("captured");
+  }
+  absl::StatusOr<Frame> Call(const std::string&, const Frame&, absl::Duration) override {
+    return absl::UnimplementedError("server side only");
+  }
+};
+
+}  // namespace
+
+void FuzzAuthenticated(const uint8_t* data, size_t size) {
+  static Handler* served = [] {
+    auto* h = new Handler;
+    AuthOptions o;
+    o.secret = "fuzz-secret-0123456789abcdef";
+    auto net = AuthenticatedNetwork::Create(std::make_unique<CaptureNetwork>(h), o);
+    Check(net.ok(), "no authenticated network");
+    (void)(*net)->Serve(ServeOptions{}, [](const Frame&) -> Frame {
+      Check(false, "a frame without the secret reached the engine's handler");
+      return Frame{};
+    });
+    static AuthenticatedNetwork* kept = net->release();  // the handler refers to its state
+    (void)kept;
+    return h;
+  }();
+  if (size == 0 || !*served) return;
+  const Frame f{static_cast<MessageType>(data[0]),
+                std::string(reinterpret_cast<const char*>(data) + 1, size - 1)};
+  const Frame reply = (*served)(f);
+  Check(reply.type == MessageType::kError || reply.type == MessageType::kChallengeReply,
+        "an unauthenticated frame got an answer other than an error or a challenge");
 }
 
 }  // namespace handshake

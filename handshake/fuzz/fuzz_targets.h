@@ -19,6 +19,11 @@ namespace handshake {
 void FuzzFrame(const uint8_t* data, size_t size);
 // A descriptor payload: decode, re-encode, decode again, compare.
 void FuzzDescriptor(const uint8_t* data, size_t size);
+// What an engine with a secret does with a frame from anyone (its first
+// byte the type, the rest the payload): the authenticated server's checks
+// (challenge, envelope, tag, nonce, decryption). Aborts if a frame nobody
+// with the secret made ever reaches the engine's own handler.
+void FuzzAuthenticated(const uint8_t* data, size_t size);
 
 }  // namespace handshake
 }  // namespace kvferry

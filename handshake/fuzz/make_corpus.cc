@@ -50,7 +50,8 @@ bool Write(const std::string& path, const std::string& bytes) {
 int main(int argc, char** argv) {
   using namespace kvferry::handshake;
   if (argc != 2) {
-    std::fprintf(stderr, "usage: make_corpus OUT_DIR (writes OUT_DIR/frame and OUT_DIR/descriptor)\n");
+    std::fprintf(stderr,
+                 "usage: make_corpus OUT_DIR (writes OUT_DIR/frame and OUT_DIR/descriptor)\n");
     return 2;
   }
   const std::string out = argv[1];
@@ -76,8 +77,7 @@ int main(int argc, char** argv) {
       {"probe", EncodeFrame(MessageType::kProbe, Encode(Probe{9, 77}))},
       {"get_metadata", EncodeFrame(MessageType::kGetMetadata, Encode(MetadataRequest{"kv"}))},
       {"metadata", EncodeFrame(MessageType::kMetadata, Encode(Metadata{"kv", "layers=32"}))},
-      {"error", EncodeFrame(MessageType::kError,
-                            EncodeError(absl::NotFoundError("no such key")))},
+      {"error", EncodeFrame(MessageType::kError, EncodeError(absl::NotFoundError("no such key")))},
       {"challenge", EncodeFrame(MessageType::kChallenge, "")},
   };
   bool ok = true;
