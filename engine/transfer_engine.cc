@@ -495,6 +495,9 @@ void TransferEngine::FencePeer(uint64_t engine_id, absl::string_view reason) {
 bool TransferEngine::PeerFenced(uint64_t engine_id) const {
   return impl_->service_.Fenced(engine_id);
 }
+uint64_t TransferEngine::DataInputsFrom(uint64_t engine_id) const {
+  return impl_->service_.InputsFrom(engine_id);
+}
 bool TransferEngine::HasLinksFrom(uint64_t engine_id, absl::string_view source) const {
   return impl_->service_.HasLinksOf(engine_id, source);
 }

@@ -340,6 +340,10 @@ class TransferEngine {
   // Whether `engine_id` holds links to this engine asked for from `source`
   // (any, with an empty one).
   bool HasLinksFrom(uint64_t engine_id, absl::string_view source = "") const;
+  // Messages this engine has received so far on the links `engine_id`
+  // opened to it (0 where the transports cannot tell): a peer whose count
+  // grows is alive even when its handshake does not answer.
+  uint64_t DataInputsFrom(uint64_t engine_id) const;
 
   // Per local NIC: the primary transport's in its order, then the
   // fallback's (EngineParts::fallback).

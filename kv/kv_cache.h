@@ -301,6 +301,9 @@ class KvReceiver {
     absl::Time last_answer;  // or when it was first expected
     absl::Time next_probe;
     uint32_t expected = 0;  // pending requests expected from it (> 0)
+    // Messages received on its data links so far (DataInputsFrom): growth
+    // since the last probe means alive, whatever the probe said.
+    uint64_t inputs = 0;
   };
   KvReceiver(TransferEngine* engine, KvPool pool, Options options);
   // A word that came before anyone expected its request.
@@ -354,8 +357,9 @@ class KvReceiver {
   static constexpr size_t kMaxProbesAtOnce = 16;
   // Why the prefill `p` at `peer` counts as dead after probe result `id`
   // (OK when it does not).
+  // `data_moved`: its data links received something since the last probe.
   absl::Status DeathOf(const std::string& peer, const Prefill& p,
-                       const absl::StatusOr<uint64_t>& id, absl::Time now) const;
+                       const absl::StatusOr<uint64_t>& id, absl::Time now, bool data_moved) const;
   void Watch();
   void FailFrom(const std::string& prefill, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

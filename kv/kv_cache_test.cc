@@ -1,5 +1,9 @@
 #include "kv/kv_cache.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -11,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "handshake/messages.h"
 #include "handshake/tcp_network.h"
+#include "net/socket.h"
 #include "sim/prng.h"
 #include "sim/seed.h"
 
@@ -500,6 +505,95 @@ TEST(KvCache, WordsForgedInThePrefillsNameAreIgnored) {
   EXPECT_EQ(st->state, KvReceiver::State::kComplete) << st->error;
   EXPECT_EQ(st->aux, "real aux");
   EXPECT_TRUE(PagesMatch(src, dst, {1, 2}, {3, 4}));
+}
+
+// A TCP proxy in front of `target` that can stop forwarding (the
+// handshake of a peer starved or cut off, while its other paths work).
+class PausableProxy {
+ public:
+  explicit PausableProxy(const std::string& target) : target_(*net::ParseHostPort(target)) {
+    auto l = net::Listen("127.0.0.1", 0, {0, 0});
+    listener_ = std::move(l->fd);
+    address_ = absl::StrCat("127.0.0.1:", l->address.port());
+    acceptor_ = std::thread([this] { Accept(); });
+  }
+  ~PausableProxy() {
+    stop_ = true;
+    ::shutdown(listener_.get(), SHUT_RDWR);
+    acceptor_.join();  // then nothing adds to threads_
+    for (std::thread& t : threads_) t.join();
+  }
+  const std::string& address() const { return address_; }
+  void Pause() { paused_ = true; }
+  void Resume() { paused_ = false; }
+
+ private:
+  void Accept() {
+    while (!stop_) {
+      auto c = net::Accept(listener_.get(), absl::Milliseconds(50));
+      if (!c.ok()) continue;
+      auto up = net::Connect(target_, absl::Seconds(2));
+      if (!up.ok()) continue;
+      auto a = std::make_shared<net::Fd>(std::move(*c)),
+           b = std::make_shared<net::Fd>(std::move(*up));
+      threads_.emplace_back([this, a, b] { Pump(a->get(), b->get()); });
+      threads_.emplace_back([this, a, b] { Pump(b->get(), a->get()); });
+    }
+  }
+  void Pump(int from, int to) {
+    char buf[16 << 10];
+    while (!stop_) {
+      if (paused_) {
+        absl::SleepFor(absl::Milliseconds(5));
+        continue;
+      }
+      pollfd p{from, POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      const ssize_t n = ::recv(from, buf, sizeof buf, 0);
+      if (n <= 0 || !net::WriteFull(to, buf, n, absl::Now() + absl::Seconds(2)).ok()) {
+        ::shutdown(to, SHUT_RDWR);
+        return;
+      }
+    }
+  }
+  net::HostPort target_;
+  net::Fd listener_;
+  std::string address_;
+  std::atomic<bool> stop_{false}, paused_{false};
+  std::thread acceptor_;
+  std::vector<std::thread> threads_;  // the pumps (only the acceptor adds)
+};
+
+// The prefill's handshake goes silent (its probes time out) while its
+// layers keep landing: it is alive, and is neither declared dead nor
+// fenced. Its request completes once its handshake answers again (its
+// word is confirmed then). Before data links counted, it was fenced after
+// ¾ of peer_timeout and its next layer refused.
+TEST(KvCache, APrefillWhoseWritesArriveIsAliveWhileItsHandshakeIsSilent) {
+  const KvLayout l{10, false, 16, 256, 16};
+  KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
+  Fill(src, 11);
+  KvReceiver::Options ro;
+  ro.peer_timeout = absl::Seconds(1);
+  Pair p(src, dst, {}, ro);
+  PausableProxy proxy(p.prefill_engine->address());
+  const std::string peer = p.decode_engine->address();
+  ASSERT_TRUE(p.receiver->Expect("x", proxy.address()).ok());  // presents itself through it
+  auto h = p.sender->Begin("x", peer, {1, 2}, {5, 6});
+  ASSERT_TRUE(h.ok()) << h.status();
+  proxy.Pause();
+  for (uint32_t layer = 0; layer < l.layers; ++layer) {  // 2 s of layers: twice peer_timeout
+    absl::SleepFor(absl::Milliseconds(200));
+    ASSERT_TRUE(p.sender->SendLayer(*h, layer).ok()) << "layer " << layer;
+  }
+  EXPECT_FALSE(p.decode_engine->PeerFenced(p.prefill_engine->engine_id()));
+  EXPECT_EQ(p.receiver->Poll("x").state, KvReceiver::State::kPending);
+  proxy.Resume();
+  ASSERT_TRUE(p.sender->Finish(*h, "alive").ok());
+  auto st = p.receiver->Wait("x", absl::Seconds(5));
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->state, KvReceiver::State::kComplete) << st->error;
+  EXPECT_TRUE(PagesMatch(src, dst, {1, 2}, {5, 6}));
 }
 
 TEST(KvCache, AnIdTheAddressDidNotPresentIsNeverFenced) {

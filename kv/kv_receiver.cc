@@ -255,7 +255,12 @@ void KvReceiver::CheckPrefills() {
   for (size_t i = 0; i < due.size(); ++i) {
     const auto& [peer, p] = due[i];
     const absl::StatusOr<uint64_t>& id = probes[i].id;
-    const absl::Status dead = DeathOf(peer, p, id, probes[i].end);
+    // Silent handshake, busy data links: alive (its probes may be starved
+    // or lost; its writes are not). Only for an instance that presented
+    // itself: links claiming a merely named id prove nothing.
+    const uint64_t inputs = p.presented ? engine_->DataInputsFrom(p.engine_id) : 0;
+    const bool data_moved = inputs > p.inputs;
+    const absl::Status dead = DeathOf(peer, p, id, probes[i].end, data_moved);
     // Fenced before anyone is told: nothing of it lands afterwards. Only an
     // id the prefill presented itself: never one a caller merely named.
     if (!dead.ok() && p.engine_id != 0 && p.presented) {
@@ -278,14 +283,17 @@ void KvReceiver::CheckPrefills() {
     }
     // An answer, even a refusal (an overloaded or fencing engine), means
     // its process is alive.
-    if (id.ok() || TransferEngine::PeerAnswered(id.status()))
+    if (id.ok() || TransferEngine::PeerAnswered(id.status()) || data_moved) {
       it->second.last_answer = probes[i].end;
+    }
+    it->second.inputs = std::max(it->second.inputs, inputs);
     it->second.next_probe = probes[i].start + period;
   }
 }
 
 absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
-                                 const absl::StatusOr<uint64_t>& id, absl::Time now) const {
+                                 const absl::StatusOr<uint64_t>& id, absl::Time now,
+                                 bool data_moved) const {
   const absl::Duration period = options_.peer_timeout / 4;
   if (id.ok() && engine_->PeerFenced(*id)) {
     // Declared failed earlier (and still running): it can deliver nothing
@@ -309,7 +317,7 @@ absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
                                                " is gone: its port refuses connections (",
                                                id.status().message(), ")"));
   }
-  if (now - p.last_answer >= options_.peer_timeout - period) {
+  if (!data_moved && now - p.last_answer >= options_.peer_timeout - period) {
     return absl::UnavailableError(
         absl::StrCat("the prefill at ", peer, " has not answered for ",
                      absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))),

@@ -222,6 +222,14 @@ class Transport {
   // Whether `link` is still open (a passive link whose peer went away may
   // be gone already).
   virtual bool HasLink(LinkId link) = 0;
+  // How many messages `link` has received from its peer so far (requests
+  // and answers): a peer whose count grows is alive, whatever its other
+  // channels say. 0 where the transport cannot tell (one-sided RDMA, which
+  // the CPU never sees).
+  virtual uint64_t InputCount(LinkId link) {
+    (void)link;
+    return 0;
+  }
 
   // Queues the batch, all or nothing (see the file comment for codes).
   virtual absl::Status Post(absl::Span<const WorkRequest> batch) = 0;

@@ -113,6 +113,16 @@ bool PeerService::HasLinksOf(uint64_t engine_id, absl::string_view source) const
   });
 }
 
+uint64_t PeerService::InputsFrom(uint64_t engine_id) const {
+  MutexLock lock(&mu_);
+  auto it = links_by_engine_.find(engine_id);
+  uint64_t n = 0;
+  if (it != links_by_engine_.end()) {
+    for (const Tracked& l : it->second) n += l.transport->InputCount(l.link);
+  }
+  return n;
+}
+
 void PeerService::CloseLinksOf(uint64_t engine_id, absl::string_view source) {
   std::vector<Tracked> links;
   {

@@ -70,6 +70,9 @@ class PeerService {
   // `source`, only those asked for from that address.
   void CloseLinksOf(uint64_t engine_id, absl::string_view source = "");
   bool HasLinksOf(uint64_t engine_id, absl::string_view source) const;
+  // Messages received so far on the links `engine_id` opened (the
+  // transports' InputCount): growth means it is alive.
+  uint64_t InputsFrom(uint64_t engine_id) const;
   bool Fenced(uint64_t engine_id) const;
 
  private:

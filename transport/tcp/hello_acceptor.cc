@@ -273,8 +273,8 @@ void HelloAcceptor::State::Sweep() {
 
 HelloAcceptor::HelloAcceptor(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
-absl::StatusOr<std::unique_ptr<HelloAcceptor>> HelloAcceptor::Start(
-    int listener, HelloAcceptorOptions options) {
+absl::StatusOr<std::unique_ptr<HelloAcceptor>> HelloAcceptor::Start(int listener,
+                                                                    HelloAcceptorOptions options) {
   auto s = std::make_unique<State>(options.max_pending);
   s->listener = listener;
   s->options = options;
@@ -333,8 +333,8 @@ absl::StatusOr<net::Fd> HelloAcceptor::ClaimOrAwait(uint64_t token, absl::Time d
     return absl::AlreadyExistsError("a link already waits for this connection");
   }
   if (st->awaited.size() >= st->options.max_pending) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        st->options.max_pending, " links wait for their data connections already"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(st->options.max_pending, " links wait for their data connections already"));
   }
   st->awaited.emplace(token, State::Awaited{deadline, std::move(deliver)});
   return net::Fd();

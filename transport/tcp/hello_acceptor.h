@@ -51,14 +51,14 @@ struct HelloAcceptorOptions {
 
 struct HelloAcceptorStats {
   uint64_t accepted = 0;
-  uint64_t pending = 0;          // connections held now
-  uint64_t bad_hellos = 0;       // wrong magic, closed, or too slow
+  uint64_t pending = 0;     // connections held now
+  uint64_t bad_hellos = 0;  // wrong magic, closed, or too slow
   uint64_t duplicate_tokens = 0;
-  uint64_t evicted = 0;          // at the cap
-  uint64_t expired = 0;          // never claimed
-  uint64_t unclaimed = 0;        // connections whose hello is in, not yet claimed
-  uint64_t claims = 0;           // claims waiting for their connection now
-  uint64_t claims_expired = 0;   // claims whose connection never came
+  uint64_t evicted = 0;         // at the cap
+  uint64_t expired = 0;         // never claimed
+  uint64_t unclaimed = 0;       // connections whose hello is in, not yet claimed
+  uint64_t claims = 0;          // claims waiting for their connection now
+  uint64_t claims_expired = 0;  // claims whose connection never came
   uint64_t accept_pauses = 0;
 };
 

@@ -153,9 +153,8 @@ struct Delivered {
   }
   bool Await(absl::Duration within) {
     MutexLock lock(&mu);
-    return cv.AwaitWithDeadline(&mu, absl::Now() + within, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return came;
-    });
+    return cv.AwaitWithDeadline(&mu, absl::Now() + within,
+                                [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return came; });
   }
 };
 
@@ -168,10 +167,9 @@ TEST(HelloAcceptorTest, AClaimBeforeTheHelloGetsTheConnectionWhenItArrives) {
   ASSERT_TRUE(now.ok()) << now.status();
   EXPECT_FALSE(now->valid());
   EXPECT_EQ(p.acceptor->stats().claims, 1u);
-  EXPECT_EQ(p.acceptor->ClaimOrAwait(7, absl::Now() + absl::Seconds(10), later.Sink())
-                .status()
-                .code(),
-            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(
+      p.acceptor->ClaimOrAwait(7, absl::Now() + absl::Seconds(10), later.Sink()).status().code(),
+      absl::StatusCode::kAlreadyExists);
   net::Fd client = Dial(p);
   SayHello(client.get(), 7);
   ASSERT_TRUE(later.Await(absl::Seconds(5)));
@@ -203,10 +201,9 @@ TEST(HelloAcceptorTest, AwaitedClaimsExpireAndAreCapped) {
   Delivered one, two, three;
   ASSERT_TRUE(p.acceptor->ClaimOrAwait(1, absl::Now() + absl::Seconds(1), one.Sink()).ok());
   ASSERT_TRUE(p.acceptor->ClaimOrAwait(2, absl::Now() + absl::Seconds(1), two.Sink()).ok());
-  EXPECT_EQ(p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink())
-                .status()
-                .code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(
+      p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink()).status().code(),
+      absl::StatusCode::kResourceExhausted);
   for (Delivered* d : {&one, &two}) {
     ASSERT_TRUE(d->Await(absl::Seconds(5)));
     EXPECT_EQ(d->fd.status().code(), absl::StatusCode::kUnavailable) << d->fd.status();
@@ -229,8 +226,8 @@ TEST(HelloAcceptorTest, ARefusedHelloFailsItsClaim) {
   ASSERT_TRUE(p.acceptor->ClaimOrAwait(4, absl::Now() + absl::Seconds(10), first.Sink()).ok());
   net::Fd a = Dial(p);
   const std::string wrong = EncodeHello(4, "another-secret-0123456789");
-  ASSERT_TRUE(net::WriteFull(a.get(), wrong.data(), wrong.size(), absl::Now() + absl::Seconds(2))
-                  .ok());
+  ASSERT_TRUE(
+      net::WriteFull(a.get(), wrong.data(), wrong.size(), absl::Now() + absl::Seconds(2)).ok());
   ASSERT_TRUE(first.Await(absl::Seconds(5)));
   EXPECT_EQ(first.fd.status().code(), absl::StatusCode::kPermissionDenied) << first.fd.status();
 
@@ -238,10 +235,9 @@ TEST(HelloAcceptorTest, ARefusedHelloFailsItsClaim) {
   SayHello(b.get(), 5);  // plain where a secret is needed
   EXPECT_TRUE(Closed(b.get(), absl::Seconds(2)));
   Delivered after;
-  EXPECT_EQ(p.acceptor->ClaimOrAwait(5, absl::Now() + absl::Seconds(10), after.Sink())
-                .status()
-                .code(),
-            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(
+      p.acceptor->ClaimOrAwait(5, absl::Now() + absl::Seconds(10), after.Sink()).status().code(),
+      absl::StatusCode::kPermissionDenied);
 }
 
 TEST(HelloAcceptorTest, AWrongMagicIsDropped) {
@@ -266,8 +262,8 @@ TEST(HelloAcceptorTest, WithASecretOnlyAuthenticatedHellosAreAccepted) {
     net::Fd fd = Dial(p);
     const std::string hello = EncodeHello(2, secret);
     ASSERT_EQ(hello.size(), kAuthHelloBytes);
-    ASSERT_TRUE(net::WriteFull(fd.get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2))
-                    .ok());
+    ASSERT_TRUE(
+        net::WriteFull(fd.get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2)).ok());
     if (secret != o.secret) {
       EXPECT_TRUE(Closed(fd.get(), absl::Seconds(2)));
       EXPECT_FALSE(p.acceptor->Claim(2, absl::Now() + absl::Milliseconds(50)).ok());

@@ -48,7 +48,7 @@ class StreamReader {
 
   const int fd_;
   const std::unique_ptr<char[]> buffer_;
-  size_t head_ = 0;                 // [head_, tail_): received, not read out
+  size_t head_ = 0;  // [head_, tail_): received, not read out
   size_t tail_ = 0;
   size_t ahead_ = kCapacity;
 };

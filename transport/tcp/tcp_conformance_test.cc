@@ -32,11 +32,10 @@ using testing::TransportConformanceTest;
 
 INSTANTIATE_TEST_SUITE_P(
     Tcp, TransportConformanceTest,
-    ::testing::Values(
-        testing::ConformanceParam{"tcp",
-                                  [] { return std::make_unique<TcpHarness>(false); }},
-        testing::ConformanceParam{"tcp_in_process",
-                                  [] { return std::make_unique<TcpHarness>(true); }}),
+    ::testing::Values(testing::ConformanceParam{"tcp",
+                                                [] { return std::make_unique<TcpHarness>(false); }},
+                      testing::ConformanceParam{"tcp_in_process",
+                                                [] { return std::make_unique<TcpHarness>(true); }}),
     testing::ConformanceParamName);
 
 }  // namespace

@@ -161,8 +161,7 @@ TEST_P(TcpDeviceMemoryTest, ARefusedWriteLeavesTheTargetUntouched) {
 INSTANTIATE_TEST_SUITE_P(
     Ends, TcpDeviceMemoryTest,
     ::testing::Values(Case{"device_to_host", 0, -1, false}, Case{"host_to_device", -1, 1, false},
-                      Case{"device_to_device", 1, 0, false},
-                      Case{"host_to_host", -1, -1, false},
+                      Case{"device_to_device", 1, 0, false}, Case{"host_to_host", -1, -1, false},
                       Case{"in_process_device_to_host", 0, -1, true},
                       Case{"in_process_host_to_device", -1, 0, true},
                       Case{"in_process_device_to_device", 0, 1, true}),
@@ -188,9 +187,10 @@ TEST(TcpVmmImportsTest, ALinkKeepsAtMostMaxIpcImportsMapped) {
   const cuda::Driver* d = cuda::UseFakeDriver();
   ASSERT_NE(d, nullptr);
   void* lib = ::dlopen(std::getenv("KVFERRY_CUDA_LIBRARY"), RTLD_NOW | RTLD_NOLOAD);
-  auto imports = lib == nullptr ? nullptr
-                                : reinterpret_cast<uint64_t (*)()>(
-                                      ::dlsym(lib, "kvferry_fake_cuda_vmm_imports"));
+  auto imports =
+      lib == nullptr
+          ? nullptr
+          : reinterpret_cast<uint64_t (*)()>(::dlsym(lib, "kvferry_fake_cuda_vmm_imports"));
   ASSERT_NE(imports, nullptr);
   TcpTransportOptions o;
   o.in_process_shortcut = false;  // through the socket, as between processes

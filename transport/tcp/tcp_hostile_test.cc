@@ -94,8 +94,8 @@ TEST(TcpHostile, APeerStalledMidWriteHoldsNoLock) {
   ASSERT_TRUE(links.ok()) << links.status();
   auto rs = (*a)->RegisterMemory(src.data(), src.size(), Access::kNone);
   ASSERT_TRUE(rs.ok());
-  WorkRequest w{Opcode::kWrite, links->first, rs->id, src.data(), src.size(), r2->addr,
-                r2->keys[0], 7};
+  WorkRequest w{Opcode::kWrite, links->first, rs->id,      src.data(),
+                src.size(),     r2->addr,     r2->keys[0], 7};
   ASSERT_TRUE((*a)->Post({&w, 1}).ok());
   Completion c;
   ASSERT_EQ((*a)->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
@@ -133,8 +133,8 @@ TEST(TcpHostile, ALinkAcceptedBeforeItsConnectionServesOnceItArrives) {
   std::vector<char> spare(64, 's');
   auto rs = (*b)->RegisterMemory(spare.data(), spare.size(), Access::kNone);
   ASSERT_TRUE(rs.ok());
-  WorkRequest stranded{Opcode::kWrite, never->link, rs->id, spare.data(), spare.size(),
-                       0x1000, 1, 77};
+  WorkRequest stranded{Opcode::kWrite, never->link, rs->id, spare.data(),
+                       spare.size(),   0x1000,      1,      77};
   ASSERT_TRUE((*b)->Post({&stranded, 1}).ok());
 
   auto hp = net::ParseHostPort((*b)->LocalEndpoint().nics[0].address);
@@ -142,13 +142,15 @@ TEST(TcpHostile, ALinkAcceptedBeforeItsConnectionServesOnceItArrives) {
   auto fd = net::Connect(*hp, absl::Seconds(2));
   ASSERT_TRUE(fd.ok());
   const std::string hello = EncodeHello(token, "");
-  ASSERT_TRUE(net::WriteFull(fd->get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2))
-                  .ok());
+  ASSERT_TRUE(
+      net::WriteFull(fd->get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(2)).ok());
   const DataHeader h = WriteHeader(*r, src.size());
   ASSERT_TRUE(net::WriteFull(fd->get(), &h, sizeof h, absl::Now() + absl::Seconds(2)).ok());
-  ASSERT_TRUE(net::WriteFull(fd->get(), src.data(), src.size(), absl::Now() + absl::Seconds(2)).ok());
+  ASSERT_TRUE(
+      net::WriteFull(fd->get(), src.data(), src.size(), absl::Now() + absl::Seconds(2)).ok());
   DataHeader answer;
-  ASSERT_TRUE(net::ReadFull(fd->get(), &answer, sizeof answer, absl::Now() + absl::Seconds(5)).ok());
+  ASSERT_TRUE(
+      net::ReadFull(fd->get(), &answer, sizeof answer, absl::Now() + absl::Seconds(5)).ok());
   EXPECT_EQ(answer.type, tcp_wire::kWriteAck);
   EXPECT_EQ(answer.status, 0);
   EXPECT_EQ(target, src);
@@ -189,7 +191,8 @@ TEST(TcpHostile, AZeroLengthRequestMustNameAValidKey) {
   h.length = 0;
   ASSERT_TRUE(net::WriteFull(peer.get(), &h, sizeof h, absl::Now() + absl::Seconds(2)).ok());
   DataHeader answer;
-  ASSERT_TRUE(net::ReadFull(peer.get(), &answer, sizeof answer, absl::Now() + absl::Seconds(2)).ok());
+  ASSERT_TRUE(
+      net::ReadFull(peer.get(), &answer, sizeof answer, absl::Now() + absl::Seconds(2)).ok());
   EXPECT_EQ(answer.type, tcp_wire::kWriteAck);
   EXPECT_NE(answer.status, 0) << "a zero-length request with a wrong key was acknowledged";
 }
@@ -219,8 +222,8 @@ TEST(TcpHostile, APeerThatNeverReadsItsAnswersIsDropped) {
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   for (uint64_t id = 1; !dropped && absl::Now() < deadline;) {
     for (auto& each : burst) each.id = id++;
-    const ssize_t n = ::send(peer.get(), burst.data(), burst.size() * sizeof h,
-                             MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n =
+        ::send(peer.get(), burst.data(), burst.size() * sizeof h, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) dropped = true;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       // The responder stopped reading: wait to see whether it drops us

@@ -113,7 +113,8 @@ class Staging {
   // The buffers, and the stream of `device`.
   absl::StatusOr<void*> Ready(int device) {
     const cuda::Driver* driver = cuda::Driver::Get();
-    if (driver == nullptr) return absl::FailedPreconditionError("device memory without a CUDA driver");
+    if (driver == nullptr)
+      return absl::FailedPreconditionError("device memory without a CUDA driver");
     if (buffer_ == nullptr) {
       ASSIGN_OR_RETURN(buffer_, driver->TakePinned(2 * kBytes));
     }

@@ -15,8 +15,7 @@ void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
     size_t skip = 0;
     {
       MutexLock lock(&mu_);
-      while (((link->jobs.empty() && !link->inline_rest) || link->writer_busy) &&
-             !link->stopping) {
+      while (((link->jobs.empty() && !link->inline_rest) || link->writer_busy) && !link->stopping) {
         link->cv.Wait(&mu_);
       }
       if (link->stopping) return;
@@ -112,7 +111,6 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
   }
 }
 
-
 void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   link->in = std::make_unique<StreamReader>(link->fd.get());
   absl::Status error;
@@ -122,6 +120,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     DataHeader h;
     error = ReadStream(*link->in, &h, sizeof h);
     if (!error.ok()) break;
+    link->inputs.fetch_add(1, std::memory_order_relaxed);
     // Reading ahead pays while payloads are small; a large one would be
     // copied out of the buffer: then only the next header is read ahead.
     const bool payload = (h.type == kWriteReq || h.type == kReadResp) && (h.flags & kViaIpc) == 0;
@@ -142,8 +141,8 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
   // Closed here (CloseLink, destruction) or already failed: nothing to do.
   if (link->stopping) return;
   FailLink(*link,
-           absl::UnavailableError(absl::StrCat("connection to peer lost on link ",
-                                               link->id, ": ", error.message())),
+           absl::UnavailableError(
+               absl::StrCat("connection to peer lost on link ", link->id, ": ", error.message())),
            link->outstanding.empty() ? 0 : link->outstanding.first());
 }
 

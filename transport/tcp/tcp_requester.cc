@@ -91,7 +91,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
   for (size_t i = 0; i < batch.size(); ++i) {
     if (i > 0 && batch[i].link == batch[i - 1].link) continue;
     Link& link = *links_.at(batch[i].link);
-    if (link.peer_key != 0) continue;  // copied in Post, no message
+    if (link.peer_key != 0) continue;          // copied in Post, no message
     link.jobs.back().header.flags |= kAckNow;  // held lock: the back is this Post's
   }
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -249,8 +249,8 @@ void TcpTransport::CopyAll(std::vector<Direct>& direct) {
   if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
 }
 
-std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_key,
-                                                                 uint64_t token, bool passive) {
+std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_key, uint64_t token,
+                                                                 bool passive) {
   if (peer_key == 0) return nullptr;
   Registry& r = registry();
   ReaderMutexLock registered(&r.mu);
@@ -294,13 +294,12 @@ void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
     link.outstanding.Erase(first_id);
   }
   link.outstanding.ForEach([&](uint64_t, const WorkRequest& wr) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    CompleteLocked(wr, absl::AbortedError(absl::StrCat("flushed: link ", link.id,
-                                                       " failed earlier: ", reason)));
+    CompleteLocked(wr, absl::AbortedError(
+                           absl::StrCat("flushed: link ", link.id, " failed earlier: ", reason)));
   });
   link.outstanding.Clear();
   WakeWaiters();
 }
-
 
 absl::Status TcpTransport::OnWriteAcks(Link& link, const DataHeader& h) {
   // A run of WRITEs, all landed: requests [h.id, + h.remote_addr).

@@ -140,7 +140,6 @@ absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, boo
   return static_cast<char*>(imp.mapped) + ref.offset;
 }
 
-
 absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
   // Sent by the writer thread while requests keep coming: the reader is the
   // responder's busy thread, and answering from it measured slower than

@@ -353,6 +353,15 @@ bool TcpTransport::HasLink(LinkId id) {
   return it != links_.end() && !(it->second->passive && it->second->reader_done);
 }
 
+uint64_t TcpTransport::InputCount(LinkId id) {
+  MutexLock lock(&mu_);
+  auto it = links_.find(id);
+  if (it == links_.end()) return 0;
+  const Link& l = *it->second;
+  // Over the socket, and through the shortcut when the peer is in this process.
+  return l.inputs.load(std::memory_order_relaxed) + (l.gate != nullptr ? l.gate->entries() : 0);
+}
+
 absl::Status TcpTransport::CloseLink(LinkId id) {
   std::shared_ptr<Link> link;
   {

@@ -86,8 +86,7 @@ struct TcpTransportOptions {
 
 // Creates a TCP transport and starts its listener. kInvalidArgument for a
 // wildcard bind without an advertise address; errors from binding.
-absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(
-    TcpTransportOptions options);
+absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(TcpTransportOptions options);
 
 }  // namespace transport
 }  // namespace kvferry

@@ -127,6 +127,7 @@ class TcpTransport final : public Transport, public StreamLinks {
   absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
   absl::Status CloseLink(LinkId link) override;
   bool HasLink(LinkId link) override;
+  uint64_t InputCount(LinkId link) override;
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
@@ -215,8 +216,11 @@ class TcpTransport final : public Transport, public StreamLinks {
       MutexLock lock(&mu_);
       if (!open_) return false;
       ++users_;
+      entries_.fetch_add(1, std::memory_order_relaxed);
       return true;
     }
+    // Runs of copies the peer made through it: its input (InputCount).
+    uint64_t entries() const { return entries_.load(std::memory_order_relaxed); }
     void Exit() {
       MutexLock lock(&mu_);
       if (--users_ == 0) cv_.SignalAll();
@@ -232,11 +236,13 @@ class TcpTransport final : public Transport, public StreamLinks {
     Mutex mu_;
     bool open_ ABSL_GUARDED_BY(mu_) = true;
     uint32_t users_ ABSL_GUARDED_BY(mu_) = 0;
+    std::atomic<uint64_t> entries_{0};
     CondVar cv_;
   };
   struct Link {
     using State = LinkState;  // transport/checks.h
     LinkId id = 0;
+    std::atomic<uint64_t> inputs{0};  // messages read from the peer (the reader counts)
     // The peer's in-process key when it lives in this process (shortcut).
     uint64_t peer_key = 0;
     // This end's gate (with the shortcut on), and the peer end's, through
