@@ -304,10 +304,14 @@ absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
         peer, *id));
   }
   if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
+    if (p.presented) {
+      return absl::UnavailableError(absl::StrFormat(
+          "the prefill at %s restarted (engine %#x, now %#x): its requests were lost", peer,
+          p.engine_id, *id));
+    }
     return absl::UnavailableError(absl::StrFormat(
-        p.presented ? "the prefill at %s restarted (engine %#x, now %#x): its requests were lost"
-                    : "the prefill at %s is not the engine named for its requests (%#x, it "
-                      "answers as %#x): it restarted, or the name was wrong",
+        "the prefill at %s is not the engine named for its requests (%#x, it answers as %#x): "
+        "it restarted, or the name was wrong",
         peer, p.engine_id, *id));
   }
   if (id.ok() || TransferEngine::PeerAnswered(id.status())) return absl::OkStatus();

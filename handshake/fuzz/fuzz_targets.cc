@@ -192,20 +192,21 @@ class CaptureNetwork : public Network {
 }  // namespace
 
 void FuzzAuthenticated(const uint8_t* data, size_t size) {
-  static Handler* served = [] {
-    auto* h = new Handler;
+  // Made once; both destroyed at exit (the handler refers to the network's
+  // state, which it shares).
+  static Handler handler;
+  static std::unique_ptr<AuthenticatedNetwork> network = [] {
     AuthOptions o;
     o.secret = "fuzz-secret-0123456789abcdef";
-    auto net = AuthenticatedNetwork::Create(std::make_unique<CaptureNetwork>(h), o);
+    auto net = AuthenticatedNetwork::Create(std::make_unique<CaptureNetwork>(&handler), o);
     Check(net.ok(), "no authenticated network");
     (void)(*net)->Serve(ServeOptions{}, [](const Frame&) -> Frame {
       Check(false, "a frame without the secret reached the engine's handler");
       return Frame{};
     });
-    static AuthenticatedNetwork* kept = net->release();  // the handler refers to its state
-    (void)kept;
-    return h;
+    return std::move(*net);
   }();
+  Handler* served = &handler;
   if (size == 0 || !*served) return;
   const Frame f{static_cast<MessageType>(data[0]),
                 std::string(reinterpret_cast<const char*>(data) + 1, size - 1)};

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -215,20 +216,26 @@ void VmmServer::Serve() {
     size_t got = 0;
     absl::Time deadline;
   };
-  std::vector<Pending> pending;
+  // Fixed arrays, no heap: a forked child (which has no server thread)
+  // inherits nothing of this loop that looks leaked.
+  std::array<Pending, kMaxVmmPending> pending;
+  size_t count = 0;
+  std::array<pollfd, kMaxVmmPending + 2> fds;
   for (;;) {
-    std::vector<pollfd> fds = {{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    fds[0] = {listener_.get(), POLLIN, 0};
+    fds[1] = {wake_.get(), POLLIN, 0};
     absl::Time next = absl::InfiniteFuture();
-    for (const Pending& p : pending) {
-      fds.push_back({p.fd.get(), POLLIN, 0});
-      next = std::min(next, p.deadline);
+    for (size_t i = 0; i < count; ++i) {
+      fds[i + 2] = {pending[i].fd.get(), POLLIN, 0};
+      next = std::min(next, pending[i].deadline);
     }
     const absl::Duration wait = std::min(next - absl::Now(), absl::Seconds(1));
-    (void)::poll(fds.data(), fds.size(),
+    (void)::poll(fds.data(), count + 2,
                  std::max<int>(0, static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1));
     if (stopping_) return;
     const absl::Time now = absl::Now();
-    for (size_t i = 0; i < pending.size();) {
+    size_t kept = 0;
+    for (size_t i = 0; i < count; ++i) {
       Pending& p = pending[i];
       bool done = now > p.deadline;
       if (done) {
@@ -249,12 +256,13 @@ void VmmServer::Serve() {
         }
       }
       if (done) {
-        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
-        fds.erase(fds.begin() + static_cast<std::ptrdiff_t>(i) + 2);
+        p.fd.Reset();
       } else {
-        ++i;
+        if (kept != i) pending[kept] = std::move(p);
+        ++kept;
       }
     }
+    count = kept;
     if ((fds[0].revents & POLLIN) == 0) continue;
     net::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd.valid()) {
@@ -273,8 +281,11 @@ void VmmServer::Serve() {
              "VMM memory is shared with the same user only");
       continue;
     }
-    if (pending.size() >= kMaxVmmPending) pending.erase(pending.begin());  // the oldest goes
-    pending.push_back(Pending{std::move(fd), Request{}, 0, now + kVmmRequestTime});
+    if (count == kMaxVmmPending) {  // the oldest goes
+      std::move(pending.begin() + 1, pending.begin() + count, pending.begin());
+      --count;
+    }
+    pending[count++] = Pending{std::move(fd), Request{}, 0, now + kVmmRequestTime};
   }
 }
 
