@@ -29,7 +29,7 @@ std::vector<Input> ListInputs() {
   if (srcdir == nullptr || workspace == nullptr) return out;
   const std::string root = std::string(srcdir) + "/" + workspace + "/handshake/fuzz/";
   for (const char* kind : {"corpus", "regressions"}) {
-    for (const char* fuzzer : {"frame", "descriptor", "auth"}) {
+    for (const char* fuzzer : {"frame", "descriptor", "auth", "hello"}) {
       const std::string dir = root + kind + "/" + fuzzer;
       DIR* d = opendir(dir.c_str());
       if (d == nullptr) continue;
@@ -59,6 +59,8 @@ TEST_P(CorpusTest, DecodesWithoutCrashing) {
     FuzzFrame(data, bytes.size());
   } else if (GetParam().fuzzer == "auth") {
     FuzzAuthenticated(data, bytes.size());
+  } else if (GetParam().fuzzer == "hello") {
+    FuzzHello(data, bytes.size());
   } else {
     FuzzDescriptor(data, bytes.size());
   }
@@ -71,10 +73,14 @@ INSTANTIATE_TEST_SUITE_P(Inputs, CorpusTest, ::testing::ValuesIn(ListInputs()),
 
 // The corpus must be there: an empty list would pass vacuously.
 TEST(Corpus, IsPresent) {
-  size_t frames = 0, descriptors = 0, auth = 0;
+  size_t frames = 0, descriptors = 0, auth = 0, hello = 0;
   for (const Input& i : ListInputs()) {
-    ++(i.fuzzer == "frame" ? frames : i.fuzzer == "auth" ? auth : descriptors);
+    ++(i.fuzzer == "frame"   ? frames
+       : i.fuzzer == "auth"  ? auth
+       : i.fuzzer == "hello" ? hello
+                             : descriptors);
   }
+  EXPECT_GE(hello, 3u);
   EXPECT_GE(frames, 10u);
   EXPECT_GE(descriptors, 4u);
   EXPECT_GE(auth, 4u);

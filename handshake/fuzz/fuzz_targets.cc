@@ -7,6 +7,7 @@
 #include "absl/strings/string_view.h"
 #include "handshake/auth.h"
 #include "handshake/messages.h"
+#include "transport/tcp/hello_acceptor.h"
 
 namespace kvferry {
 namespace handshake {
@@ -213,6 +214,19 @@ void FuzzAuthenticated(const uint8_t* data, size_t size) {
   const Frame reply = (*served)(f);
   Check(reply.type == MessageType::kError || reply.type == MessageType::kChallengeReply,
         "an unauthenticated frame got an answer other than an error or a challenge");
+}
+
+void FuzzHello(const uint8_t* data, size_t size) {
+  const absl::string_view in(reinterpret_cast<const char*>(data), size);
+  for (const std::string& secret : {std::string(), std::string("fuzz-secret-0123456789abcdef")}) {
+    const transport::HelloVerdict v = transport::CheckHello(in, secret);
+    if (v.kind != transport::HelloVerdict::kAccept) continue;
+    const std::string made = transport::EncodeHello(v.token, secret);
+    Check(in.size() >= made.size() && in.substr(0, made.size()) == made,
+          "a data hello was accepted that is not the one its token makes");
+    Check(transport::CheckHello(made, secret).kind == transport::HelloVerdict::kAccept,
+          "a made hello is not accepted");
+  }
 }
 
 }  // namespace handshake

@@ -24,6 +24,10 @@ void FuzzDescriptor(const uint8_t* data, size_t size);
 // (challenge, envelope, tag, nonce, decryption). Aborts if a frame nobody
 // with the secret made ever reaches the engine's own handler.
 void FuzzAuthenticated(const uint8_t* data, size_t size);
+// A data connection's first bytes, checked as the TCP data port does
+// (transport::CheckHello) with and without a secret. Aborts if it accepts
+// bytes that are not exactly the hello EncodeHello makes for their token.
+void FuzzHello(const uint8_t* data, size_t size);
 
 }  // namespace handshake
 }  // namespace kvferry

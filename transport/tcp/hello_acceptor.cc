@@ -47,6 +47,27 @@ std::string EncodeHello(uint64_t token, const std::string& secret) {
   return hello;
 }
 
+HelloVerdict CheckHello(absl::string_view bytes, const std::string& secret) {
+  HelloVerdict v;
+  if (bytes.size() < kHelloBytes) return v;
+  uint64_t magic = 0;
+  std::memcpy(&magic, bytes.data(), 8);
+  std::memcpy(&v.token, bytes.data() + 8, 8);
+  const uint64_t expected = secret.empty() ? kHelloMagic : kAuthHelloMagic;
+  if (magic != expected) {
+    v.kind = magic == kHelloMagic || magic == kAuthHelloMagic ? HelloVerdict::kWrongKind
+                                                              : HelloVerdict::kBadMagic;
+    return v;
+  }
+  if (bytes.size() < (secret.empty() ? kHelloBytes : kAuthHelloBytes)) return v;
+  if (!secret.empty() && !SameTag(bytes.substr(kHelloBytes, 32), HelloTag(v.token, secret))) {
+    v.kind = HelloVerdict::kBadTag;
+    return v;
+  }
+  v.kind = HelloVerdict::kAccept;
+  return v;
+}
+
 struct HelloAcceptor::State {
   // A connection that has not said hello yet (loop thread only).
   struct Arriving {
@@ -180,28 +201,18 @@ void HelloAcceptor::State::OnReadable(int fd) {
     return;
   }
   a.got += n;
-  uint64_t magic = 0, token = 0;
-  if (a.got >= kHelloBytes) {
-    std::memcpy(&magic, a.hello, 8);
-    std::memcpy(&token, a.hello + 8, 8);
-  }
-  const uint64_t expected = options.secret.empty() ? kHelloMagic : kAuthHelloMagic;
-  if (a.got >= kHelloBytes && magic != expected) {
+  const HelloVerdict v = CheckHello(absl::string_view(a.hello, a.got), options.secret);
+  const uint64_t token = v.token;
+  if (v.kind == HelloVerdict::kIncomplete) return;
+  if (v.kind != HelloVerdict::kAccept) {
     ++bad;
-    Warn(magic == kHelloMagic || magic == kAuthHelloMagic
+    Warn(v.kind == HelloVerdict::kWrongKind
              ? "dropped a data connection: its hello is authenticated where this engine has no "
                "secret, or plain where it has one (give every engine the same secret)"
+         : v.kind == HelloVerdict::kBadTag
+             ? "dropped a data connection whose hello does not prove the secret"
              : "dropped a data connection without a valid hello");
     Refuse(token);  // first: a claim made once the peer sees the close fails
-    Drop(fd);
-    return;
-  }
-  if (a.got < want) return;
-  if (!options.secret.empty() &&
-      !SameTag(absl::string_view(a.hello + kHelloBytes, 32), HelloTag(token, options.secret))) {
-    ++bad;
-    Warn("dropped a data connection whose hello does not prove the secret");
-    Refuse(token);
     Drop(fd);
     return;
   }

@@ -40,6 +40,21 @@ inline constexpr size_t kAuthHelloBytes = 48;
 // The hello a link's connection opens with: plain without a secret.
 std::string EncodeHello(uint64_t token, const std::string& secret);
 
+// What the first bytes of a data connection say, for an engine with
+// `secret` (empty: none). `token` is known once 16 bytes are in.
+struct HelloVerdict {
+  enum Kind {
+    kIncomplete,  // more bytes needed
+    kAccept,      // a hello of the right kind (and, with a secret, tag)
+    kWrongKind,   // authenticated where this end has no secret, or plain where it has one
+    kBadMagic,    // not a hello
+    kBadTag,      // does not prove the secret
+  };
+  Kind kind = kIncomplete;
+  uint64_t token = 0;
+};
+HelloVerdict CheckHello(absl::string_view bytes, const std::string& secret);
+
 struct HelloAcceptorOptions {
   // Non-empty: only authenticated hellos (kAuthHelloMagic, a valid tag) are
   // accepted; empty: only plain ones.
