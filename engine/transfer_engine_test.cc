@@ -417,8 +417,17 @@ TEST(TransferEngine, ReadOnlyMemoryIsRefusedForRemoteWrites) {
   EXPECT_NE(refused.message().find("read-only"), std::string::npos) << refused;
   EXPECT_EQ(b->RegisterMemory(ro, 2 * page, transport::Access::kRemoteWrite).code(),
             absl::StatusCode::kInvalidArgument);
-  // The first page alone is writable; the whole is fine for reading.
-  ASSERT_TRUE(b->RegisterMemory(ro, 2 * page, transport::Access::kRemoteRead).ok());
+  // The first page alone is writable; the whole is fine for reading, where
+  // the transport does not pin memory for writing (verbs registers every
+  // region for local writes, the sink of a READ: the NIC refuses a
+  // read-only mapping whatever the access).
+  absl::Status readable = b->RegisterMemory(ro, 2 * page, transport::Access::kRemoteRead);
+  if (b->detection().transport != "tcp") {
+    EXPECT_FALSE(readable.ok());
+    ::munmap(ro, 2 * page);
+    return;
+  }
+  ASSERT_TRUE(readable.ok()) << readable;
   std::vector<char> got(2 * page, 0);
   ASSERT_TRUE(a->RegisterMemory(got.data(), got.size(), transport::Access::kNone).ok());
   auto seg = a->OpenSegment(b->address());

@@ -93,6 +93,21 @@ TEST(Auth, WithoutTheSecretNothingIsAnsweredAndEachAttemptCounts) {
   EXPECT_LE((*server_net)->rejected(), 6u);
 }
 
+// A client network that keeps the last frame it sent (an eavesdropper's
+// recording of it).
+struct Recorder : Network {
+  std::unique_ptr<Network> inner = NewTcpNetwork();
+  Frame last;
+  absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler) override {
+    return absl::UnimplementedError("client only");
+  }
+  absl::StatusOr<Frame> Call(const std::string& peer, const Frame& f,
+                             absl::Duration timeout) override {
+    last = f;
+    return inner->Call(peer, f, timeout);
+  }
+};
+
 TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
   auto server_net = Auth();
   ASSERT_TRUE(server_net.ok());
@@ -106,18 +121,6 @@ TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
   ASSERT_EQ(nonce->payload.size(), 32u);
   // A real client's authenticated request, recorded on its way out, is
   // accepted once and refused when an eavesdropper replays it.
-  struct Recorder : Network {
-    std::unique_ptr<Network> inner = NewTcpNetwork();
-    Frame last;
-    absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler) override {
-      return absl::UnimplementedError("client only");
-    }
-    absl::StatusOr<Frame> Call(const std::string& peer, const Frame& f,
-                               absl::Duration timeout) override {
-      last = f;
-      return inner->Call(peer, f, timeout);
-    }
-  };
   auto recorder = std::make_unique<Recorder>();
   Recorder* rec = recorder.get();
   AuthOptions o;
@@ -148,18 +151,6 @@ TEST(Auth, ARequestAuthenticatedForOneEngineIsRefusedByAnother) {
   auto a = (*a_net)->Serve(Loopback(), KeysHandler);
   auto b = (*b_net)->Serve(Loopback(), KeysHandler);
   ASSERT_TRUE(a.ok() && b.ok());
-  struct Recorder : Network {
-    std::unique_ptr<Network> inner = NewTcpNetwork();
-    Frame last;
-    absl::StatusOr<std::unique_ptr<Server>> Serve(const ServeOptions&, Handler) override {
-      return absl::UnimplementedError("client only");
-    }
-    absl::StatusOr<Frame> Call(const std::string& peer, const Frame& f,
-                               absl::Duration timeout) override {
-      last = f;
-      return inner->Call(peer, f, timeout);
-    }
-  };
   auto recorder = std::make_unique<Recorder>();
   Recorder* rec = recorder.get();
   AuthOptions o;

@@ -111,9 +111,10 @@ TEST(CoalescePages, SimpleCasesAndErrors) {
 
 // ---------------------------------------------------------------- end to end (TCP)
 
-std::unique_ptr<TransferEngine> Engine() {
+std::unique_ptr<TransferEngine> Engine(const std::string& transport = "") {
   EngineOptions o;
   o.local_host = "127.0.0.1";
+  if (!transport.empty()) o.transport = transport;
   auto e = TransferEngine::Create(o);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
@@ -145,10 +146,12 @@ bool PagesMatch(const KvPool& a, const KvPool& b, const std::vector<uint32_t>& s
 }
 
 struct Pair {
-  std::unique_ptr<TransferEngine> prefill_engine = Engine(), decode_engine = Engine();
+  std::unique_ptr<TransferEngine> prefill_engine, decode_engine;
   std::unique_ptr<KvSender> sender;
   std::unique_ptr<KvReceiver> receiver;
-  Pair(KvPool src, KvPool dst, KvSender::Options so = {}, KvReceiver::Options ro = {}) {
+  Pair(KvPool src, KvPool dst, KvSender::Options so = {}, KvReceiver::Options ro = {},
+       const std::string& transport = "")
+      : prefill_engine(Engine(transport)), decode_engine(Engine(transport)) {
     sender = *KvSender::Create(prefill_engine.get(), std::move(src), so);
     receiver = *KvReceiver::Create(decode_engine.get(), std::move(dst), ro);
   }
@@ -575,7 +578,9 @@ TEST(KvCache, APrefillWhoseWritesArriveIsAliveWhileItsHandshakeIsSilent) {
   Fill(src, 11);
   KvReceiver::Options ro;
   ro.peer_timeout = absl::Seconds(1);
-  Pair p(src, dst, {}, ro);
+  // Over TCP: the decode sees the prefill's writes arrive. One-sided RDMA
+  // WRITEs never reach its CPU (Transport::InputCount is 0 there).
+  Pair p(src, dst, {}, ro, "tcp");
   PausableProxy proxy(p.prefill_engine->address());
   const std::string peer = p.decode_engine->address();
   ASSERT_TRUE(p.receiver->Expect("x", proxy.address()).ok());  // presents itself through it

@@ -29,6 +29,35 @@ def _target(conn, size):
     conn.recv()
 
 
+class _TargetProcess:
+    """_target in a second process, as a context: gives (its engine's address,
+    its buffer's address); edges() asks for its buffer's first and last 16
+    bytes; on exit it is told to go and must exit 0."""
+
+    def __init__(self, test, size):
+        self._test, self._size, self._edges_asked = test, size, False
+
+    def __enter__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self._mine, theirs = ctx.Pipe()
+        self._p = ctx.Process(target=_target, args=(theirs, self._size))
+        self._p.start()
+        return self._mine.recv()
+
+    def edges(self):
+        self._edges_asked = True
+        self._mine.send("show me")
+        return self._mine.recv()
+
+    def __exit__(self, *exc):
+        if not self._edges_asked:
+            self.edges()
+        self._mine.send("bye")
+        self._p.join(30)
+        self._test.assertEqual(self._p.exitcode, 0)
+        return False
+
+
 class MooncakeCompatTest(unittest.TestCase):
     def test_a_mooncake_script_runs_unchanged(self):
         env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -62,12 +91,8 @@ class MooncakeCompatTest(unittest.TestCase):
 class EngineTest(unittest.TestCase):
     def test_two_processes_move_numpy_buffers(self):
         size = 8 << 20
-        ctx = multiprocessing.get_context("spawn")
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_target, args=(theirs, size))
-        p.start()
-        try:
-            peer, remote = mine.recv()
+        target = _TargetProcess(self, size)
+        with target as (peer, remote):
             engine = kvferry.Engine(host="127.0.0.1", transport="tcp")
             src = (np.arange(size, dtype=np.uint64) * 7).astype(np.uint8)
             back = np.zeros(size, dtype=np.uint8)
@@ -78,9 +103,7 @@ class EngineTest(unittest.TestCase):
                                    ("write", src.ctypes.data + half, remote + half, half)])
             engine.transfer(peer, [("read", back.ctypes.data, remote, size)])
             np.testing.assert_array_equal(back, src)
-            mine.send("show me")
-            edges = mine.recv()
-            self.assertEqual(edges, bytes(src[:16]) + bytes(src[-16:]))
+            self.assertEqual(target.edges(), bytes(src[:16]) + bytes(src[-16:]))
             # Errors are exceptions carrying the engine's message and code.
             with self.assertRaises(kvferry.Error) as err:
                 engine.transfer(peer, [("write", src.ctypes.data, 64, 128)])
@@ -91,10 +114,6 @@ class EngineTest(unittest.TestCase):
             with self.assertRaises(kvferry.Error) as gone:
                 engine.transfer("127.0.0.1:1", [("write", src.ctypes.data, remote, 1)])
             self.assertEqual(gone.exception.code, "UNAVAILABLE")
-        finally:
-            mine.send("bye")
-            p.join(30)
-        self.assertEqual(p.exitcode, 0)
 
     def test_a_transfer_that_times_out_has_ended_when_it_raises(self):
         # 64 MiB read back over loopback with a 1 ms timeout: the call raises
@@ -102,12 +121,7 @@ class EngineTest(unittest.TestCase):
         # place; none lands in the buffer afterwards (it used to keep
         # landing after the raise, into a buffer the caller may have freed).
         size = 64 << 20
-        ctx = multiprocessing.get_context("spawn")
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_target, args=(theirs, size))
-        p.start()
-        try:
-            peer, remote = mine.recv()
+        with _TargetProcess(self, size) as (peer, remote):
             engine = kvferry.Engine(host="127.0.0.1", transport="tcp")
             src = (np.arange(size, dtype=np.uint64) * 13 + 1).astype(np.uint8)
             back = np.zeros(size, dtype=np.uint8)
@@ -129,12 +143,6 @@ class EngineTest(unittest.TestCase):
             self.assertIn("DEADLINE_EXCEEDED", te.get_last_error())
             self.assertIn("nothing of it lands after this", te.get_last_error())
             self.assertTrue(np.array_equal(again, src), "the read was still landing")
-        finally:
-            mine.send("show me")
-            mine.recv()
-            mine.send("bye")
-            p.join(30)
-        self.assertEqual(p.exitcode, 0)
 
     def test_the_gil_is_released_during_transfers(self):
         a = kvferry.Engine(host="127.0.0.1", transport="tcp")
