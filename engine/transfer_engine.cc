@@ -218,10 +218,12 @@ class TransferEngine::Impl {
     return pipeline_.segments().Open(hp.ToString());
   }
   // Notify, refused by the peer unless it is the instance `target` (0: any).
-  absl::Status NotifyInstance(SegmentId id, const std::string& message, uint64_t target) {
+  absl::Status NotifyInstance(SegmentId id, const std::string& message, uint64_t target,
+                              absl::Duration timeout = {}) {
+    if (timeout > absl::ZeroDuration()) timeout = std::min(timeout, options_.handshake_timeout);
     ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, pipeline_.segments().View(id));
     sent_.Add(engine_internal::NotificationDigest(message));  // confirmed if asked
-    return client_.Notify(v.peer, message, target);
+    return client_.Notify(v.peer, message, target, timeout);
   }
   absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
   // A stream-ordered batch, run on StreamOrder's thread.
@@ -247,7 +249,8 @@ class TransferEngine::Impl {
     absl::StatusOr<cuda::MemoryInfo> where = driver->Classify(requests[0].local, 1);
     return where.ok() && where->device ? where->ordinal : 0;
   }
-  absl::StatusOr<std::string> FetchMetadata(SegmentId id, const std::string& key);
+  absl::StatusOr<std::string> FetchMetadata(SegmentId id, const std::string& key,
+                                            absl::Duration timeout = {});
   EngineMetrics GetMetrics() const {
     EngineMetrics m;
     m.peers = pipeline_.segments().Peers();
@@ -325,10 +328,13 @@ absl::Status TransferEngine::Impl::NotifyAfter(BatchId id, const std::string& me
 }
 
 absl::StatusOr<std::string> TransferEngine::Impl::FetchMetadata(SegmentId id,
-                                                                const std::string& key) {
+                                                                const std::string& key,
+                                                                absl::Duration timeout) {
+  // Never longer than the engine's own bound for a handshake call.
+  if (timeout > absl::ZeroDuration()) timeout = std::min(timeout, options_.handshake_timeout);
   for (int attempt = 0;; ++attempt) {
     ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, pipeline_.segments().View(id));
-    ASSIGN_OR_RETURN(handshake::Metadata m, client_.GetMetadata(v.peer, key));
+    ASSIGN_OR_RETURN(handshake::Metadata m, client_.GetMetadata(v.peer, key, timeout));
     if (m.engine_id == v.engine_id) return std::move(m.value);
     // The peer restarted since the last handshake: values and segment must
     // describe the same instance, so handshake again first.
@@ -450,6 +456,10 @@ absl::Status TransferEngine::Notify(SegmentId segment, const std::string& messag
                                     uint64_t peer_engine_id) {
   return impl_->NotifyInstance(segment, message, peer_engine_id);
 }
+absl::Status TransferEngine::Notify(SegmentId segment, const std::string& message,
+                                    uint64_t peer_engine_id, absl::Duration timeout) {
+  return impl_->NotifyInstance(segment, message, peer_engine_id, timeout);
+}
 absl::StatusOr<uint64_t> TransferEngine::PeerEngineId(SegmentId segment) {
   ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v,
                    impl_->pipeline_.segments().View(segment));
@@ -469,6 +479,10 @@ absl::Status TransferEngine::PublishMetadata(const std::string& key, std::string
 absl::StatusOr<std::string> TransferEngine::FetchMetadata(SegmentId segment,
                                                           const std::string& key) {
   return impl_->FetchMetadata(segment, key);
+}
+absl::StatusOr<std::string> TransferEngine::FetchMetadata(SegmentId segment, const std::string& key,
+                                                          absl::Duration timeout) {
+  return impl_->FetchMetadata(segment, key, timeout);
 }
 absl::StatusOr<bool> TransferEngine::ConfirmSent(const std::string& peer, uint64_t engine_id,
                                                  uint64_t digest, absl::Duration timeout) {

@@ -292,6 +292,10 @@ class TransferEngine {
   // (kFailedPrecondition), so a notification never vouches for data that
   // went to its predecessor.
   absl::Status Notify(SegmentId segment, const std::string& message, uint64_t peer_engine_id = 0);
+  // The same, waiting at most `timeout` (and at most handshake_timeout)
+  // for the peer to take it.
+  absl::Status Notify(SegmentId segment, const std::string& message, uint64_t peer_engine_id,
+                      absl::Duration timeout);
   // Waits for `batch` to finish and, only if every request succeeded (so
   // its bytes are in place at the peer), sends `message` to the peer.
   absl::Status NotifyAfter(BatchId batch, const std::string& message, absl::Duration timeout);
@@ -299,6 +303,11 @@ class TransferEngine {
   // FetchMetadata reads a peer's. kNotFound when the peer has no such key.
   absl::Status PublishMetadata(const std::string& key, std::string value);
   absl::StatusOr<std::string> FetchMetadata(SegmentId segment, const std::string& key);
+  // The same, waiting at most `timeout` (and at most handshake_timeout) for
+  // the peer's answer: kDeadlineExceeded or kUnavailable for a peer that is
+  // frozen or gone.
+  absl::StatusOr<std::string> FetchMetadata(SegmentId segment, const std::string& key,
+                                            absl::Duration timeout);
 
   // The engine id of the engine answering at `peer` ("host:port"), asked
   // over the handshake within `timeout`: kUnavailable or kDeadlineExceeded

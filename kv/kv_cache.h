@@ -125,6 +125,12 @@ class KvSender {
     // How long a completion or failure that cannot reach the decode is
     // retried (at least the decode's KvReceiver peer_timeout).
     absl::Duration tell_timeout = absl::Seconds(4);
+    // How long Begin waits for the decode to describe its pool: a frozen
+    // or vanished decode fails the request within it (as the decode's
+    // receiver fails a silent prefill within its own peer_timeout), not
+    // after the engine's handshake_timeout. The first contact with a decode
+    // (its handshake) still takes up to handshake_timeout.
+    absl::Duration peer_timeout = absl::Seconds(4);
   };
   static constexpr uint32_t kMaxChecksumPages = 32768;
   // `pool` is registered with `engine` (local access only) and stays

@@ -29,6 +29,10 @@ using kv_internal::NewToken;
 
 absl::StatusOr<std::unique_ptr<KvSender>> KvSender::Create(TransferEngine* engine, KvPool pool,
                                                            Options options) {
+  if (!(options.peer_timeout > absl::ZeroDuration()) ||
+      options.peer_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError("KvSender: peer_timeout must be positive and finite");
+  }
   RETURN_IF_ERROR(pool.Register(*engine, transport::Access::kNone));
   return std::unique_ptr<KvSender>(new KvSender(engine, std::move(pool), options));
 }
@@ -47,7 +51,9 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
   absl::StatusOr<std::unique_ptr<Request>> r = Prepare(request_id, peer, src_pages, dst_pages);
   if (!r.ok()) {
     // The decode may be expecting it (KvReceiver::Expect): it is told the
-    // request will not come, as it would be of a failure later.
+    // request will not come, as it would be of a failure later (within
+    // tell_timeout, each attempt bounded by it: a frozen decode costs
+    // peer_timeout + tell_timeout here, not handshake timeouts).
     (void)Say([&]() -> absl::StatusOr<SegmentId> { return engine_->OpenSegment(peer); }, 0,
               KvMessage("fail", request_id, NewToken(),
                         absl::StrCat("not started: ", r.status().message())));
@@ -71,7 +77,8 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
                      " pages; with checksums at most ", kMaxChecksumPages, " per request"));
   }
   ASSIGN_OR_RETURN(SegmentId segment, engine_->OpenSegment(peer));
-  ASSIGN_OR_RETURN(std::string published, engine_->FetchMetadata(segment, kKvPoolMetadataKey));
+  ASSIGN_OR_RETURN(std::string published,
+                   engine_->FetchMetadata(segment, kKvPoolMetadataKey, options_.peer_timeout));
   // The instance the pool description came from (FetchMetadata matched it
   // to the segment's last handshake).
   ASSIGN_OR_RETURN(const uint64_t instance, engine_->PeerEngineId(segment));
@@ -189,7 +196,10 @@ absl::Status KvSender::Say(const std::function<absl::StatusOr<SegmentId>()>& seg
   absl::Duration pause = absl::Milliseconds(1);
   for (;;) {
     absl::StatusOr<SegmentId> seg = segment();
-    absl::Status told = seg.ok() ? engine_->Notify(*seg, message, instance) : seg.status();
+    // Each attempt within what is left of tell_timeout (a frozen decode
+    // must not hold it for a whole handshake timeout).
+    const absl::Duration left = std::max(deadline - clock->Now(), absl::Milliseconds(1));
+    absl::Status told = seg.ok() ? engine_->Notify(*seg, message, instance, left) : seg.status();
     const bool passing = told.code() == absl::StatusCode::kUnavailable ||
                          told.code() == absl::StatusCode::kDeadlineExceeded;
     if (told.ok() || !passing || clock->Now() + pause >= deadline) return told;

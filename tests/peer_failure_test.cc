@@ -297,6 +297,37 @@ TEST(PeerFailure, KvRequestFromAPrefillWhosePortRefusesFailsAtOnce) {
   EXPECT_EQ(d.receiver->Poll("never").state, KvReceiver::State::kFailed);
 }
 
+// A decode that freezes: the prefill's next Begin fails within the
+// sender's peer_timeout plus its tell_timeout (1 s each here: it tries to
+// tell the decode), not after the engine's handshake timeouts (11 s with
+// the defaults) as it did.
+TEST(PeerFailure, AKvSenderLearnsOfAFrozenDecodeWithinItsPeerTimeout) {
+  auto decode = PeerProcess::Start(0, 4096);  // an engine without a KV pool
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  auto engine = Initiator(absl::Seconds(4));
+  auto pool = KvPool::Allocate(TestKvLayout());
+  ASSERT_TRUE(pool.ok());
+  KvSender::Options so;
+  so.peer_timeout = absl::Seconds(1);
+  so.tell_timeout = absl::Seconds(1);
+  auto sender = KvSender::Create(engine.get(), *pool, so);
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  // Alive: it answers at once that it has no KV pool (and the segment is open).
+  auto first = (*sender)->Begin("a", decode->address(), {0}, {0});
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kNotFound) << first.status();
+  decode->Freeze();
+  const absl::Time start = absl::Now();
+  auto frozen = (*sender)->Begin("b", decode->address(), {0}, {0});
+  const absl::Duration took = absl::Now() - start;
+  decode->Thaw();
+  EXPECT_FALSE(frozen.ok());
+  EXPECT_TRUE(frozen.status().code() == absl::StatusCode::kDeadlineExceeded ||
+              frozen.status().code() == absl::StatusCode::kUnavailable)
+      << frozen.status();
+  std::printf("frozen decode: Begin failed after %s\n", absl::FormatDuration(took).c_str());
+  EXPECT_LT(took, absl::Seconds(3));
+}
+
 // A watched prefill (Expect, and it answered a probe) that is killed: the
 // kernel closes its sockets, the receiver's watch connection sees it at
 // once, and the probe that follows finds its port refusing. Reported well

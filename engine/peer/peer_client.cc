@@ -184,7 +184,7 @@ absl::StatusOr<uint64_t> PeerClient::Probe(const std::string& peer, absl::Durati
 }
 
 absl::Status PeerClient::Notify(const std::string& peer, const std::string& message,
-                                uint64_t target) const {
+                                uint64_t target, absl::Duration timeout) const {
   if (message.size() > handshake::kMaxNotifyBytes) {
     return absl::InvalidArgumentError(absl::StrCat("notification of ", message.size(),
                                                    " bytes exceeds the limit of ",
@@ -193,15 +193,16 @@ absl::Status PeerClient::Notify(const std::string& peer, const std::string& mess
   return Call(peer,
               Frame{MessageType::kNotify,
                     handshake::Encode(handshake::Notify{engine_id_, message, target})},
-              MessageType::kNotifyAck, timeout_)
+              MessageType::kNotifyAck, timeout > absl::ZeroDuration() ? timeout : timeout_)
       .status();
 }
 
 absl::StatusOr<handshake::Metadata> PeerClient::GetMetadata(const std::string& peer,
-                                                            const std::string& key) const {
+                                                            const std::string& key,
+                                                            absl::Duration timeout) const {
   absl::StatusOr<Frame> reply = Call(
       peer, Frame{MessageType::kGetMetadata, handshake::Encode(handshake::MetadataRequest{key})},
-      MessageType::kMetadata, timeout_);
+      MessageType::kMetadata, timeout > absl::ZeroDuration() ? timeout : timeout_);
   if (!reply.ok()) return Annotate(reply.status(), absl::StrCat("metadata '", key, "' of ", peer));
   return handshake::DecodeMetadata(reply->payload);
 }

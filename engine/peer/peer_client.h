@@ -87,10 +87,13 @@ class PeerClient {
   absl::StatusOr<handshake::ConfirmReply> Confirm(const std::string& peer, uint64_t digest,
                                                   absl::Duration timeout) const;
   // Delivers a notification, refused by any instance but `target` (0: any).
-  absl::Status Notify(const std::string& peer, const std::string& message, uint64_t target) const;
+  // Waits up to `timeout` (0: the client's).
+  absl::Status Notify(const std::string& peer, const std::string& message, uint64_t target,
+                      absl::Duration timeout = {}) const;
   // A value the peer published, and the instance that answered.
-  absl::StatusOr<handshake::Metadata> GetMetadata(const std::string& peer,
-                                                  const std::string& key) const;
+  // Waits up to `timeout` (0: the client's).
+  absl::StatusOr<handshake::Metadata> GetMetadata(const std::string& peer, const std::string& key,
+                                                  absl::Duration timeout = {}) const;
 
  private:
   // Sends `request` and checks the reply is of type `expected`.
