@@ -206,20 +206,24 @@ int kvferry_transfer_sync(kvferry_engine* e, const char* peer, int opcode, const
   KVF_REQUIRE(peer != nullptr, "null peer");
   auto reqs = kvferry::Columns(opcode, local, remote, lengths, count);
   if (!reqs.ok()) return Fail(reqs.status());
-  kvferry::ReleaseAbandoned(*e);
   auto seg = e->engine->OpenSegment(peer);
   if (!seg.ok()) return Fail(seg.status());
   auto batch = e->engine->Submit(*seg, *reqs);
   if (!batch.ok()) return Fail(batch.status());
-  auto st = e->engine->Wait(*batch, kvferry::Millis(timeout_ms));
+  return kvferry_finish(e, *batch, timeout_ms, nullptr);
+}
+
+int kvferry_finish(kvferry_engine* e, kvferry_batch batch, int64_t timeout_ms,
+                   kvferry_batch_status* out) {
+  kvferry::ReleaseAbandoned(*e);
+  auto st = e->engine->Wait(batch, kvferry::Millis(timeout_ms));
   if (!st.ok() && st.status().code() == absl::StatusCode::kDeadlineExceeded) {
-    return kvferry::EndTimedOut(*e, *batch, st.status());
+    return kvferry::EndTimedOut(*e, batch, st.status());
   }
   if (!st.ok()) return Fail(st.status());
-  if (!st->done())
-    return kvferry::EndTimedOut(*e, *batch, absl::DeadlineExceededError("timed out"));
-  (void)e->engine->Release(*batch);
-  return kvferry::Outcome(*st, /*pending_is_error=*/true, nullptr);
+  if (!st->done()) return kvferry::EndTimedOut(*e, batch, absl::DeadlineExceededError("timed out"));
+  (void)e->engine->Release(batch);
+  return kvferry::Outcome(*st, /*pending_is_error=*/true, out);
 }
 
 int kvferry_submit_on_stream(kvferry_engine* e, kvferry_segment segment, int opcode,

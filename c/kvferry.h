@@ -203,12 +203,16 @@ int kvferry_wait(kvferry_engine* engine, kvferry_batch batch, int64_t timeout_ms
                  kvferry_batch_status* out);
 /* Forgets a finished batch (FAILED_PRECONDITION while it runs). */
 int kvferry_release(kvferry_engine* engine, kvferry_batch batch);
-/* Opens `peer`, submits, waits up to timeout_ms and releases: OK only when
- * every byte landed. DEADLINE_EXCEEDED when it did not finish in time; the
- * call then returns only once nothing of the transfer can land any more
- * (bytes on their way cannot be called back, so it waits for the transfer
- * to end, which the engine's failure bounds limit: peer_timeout, the
- * handshake timeout; at most 60 s more), and its message says how long. */
+/* Waits up to timeout_ms for the batch and releases it: OK only when every
+ * byte landed (else as kvferry_wait). DEADLINE_EXCEEDED when it did not
+ * finish in time; the call then returns only once nothing of the batch can
+ * land any more (bytes on their way cannot be called back, so it waits for
+ * the batch to end, which the engine's failure bounds limit: peer_timeout,
+ * the handshake timeout; at most 60 s more), and its message says how long.
+  * What a synchronous transfer ends with. */
+int kvferry_finish(kvferry_engine* engine, kvferry_batch batch, int64_t timeout_ms,
+                   kvferry_batch_status* out);
+/* Opens `peer`, submits, and ends with kvferry_finish. */
 int kvferry_transfer_sync(kvferry_engine* engine, const char* peer, int opcode,
                           const uint64_t* local, const uint64_t* remote, const uint64_t* lengths,
                           size_t count, int64_t timeout_ms);

@@ -17,7 +17,6 @@ works.
 import ctypes
 import json
 import math
-import time
 
 from kvferry import _lib
 from kvferry._lib import Error, check, lib, text
@@ -45,7 +44,6 @@ __all__ = [
 ]
 
 _ACCESS = {"none": 0, "r": 1, "w": 2, "rw": 3}
-_DRAIN_MS = 60000  # how long a timed-out transfer is waited for (see Engine.transfer)
 _OPS = {"write": 0, "read": 1}
 
 
@@ -165,23 +163,7 @@ class Engine(_Handle):
         check(lib.kvferry_open_segment(e, text(peer), ctypes.byref(segment)))
         batch = ctypes.c_uint64()
         check(lib.kvferry_submit(e, segment, array, len(requests), 0, ctypes.byref(batch)))
-        status = _lib.BatchStatus()
-        rc = lib.kvferry_wait(e, batch, wait_ms, ctypes.byref(status))
-        failure = _lib.error(rc) if rc != _lib.OK else None
-        if status.pending > 0 or (failure is not None and failure.code == "DEADLINE_EXCEEDED"):
-            start = time.monotonic()
-            ended = lib.kvferry_wait(e, batch, _DRAIN_MS, ctypes.byref(status)) != _lib.DEADLINE_EXCEEDED
-            more = time.monotonic() - start
-            failure = Error(
-                f"{len(requests)} requests not done within {timeout} s; "
-                + (f"waited {more:.3f} s more until the transfer ended: nothing of it lands "
-                   "after this" if ended else "still running 60 s later: its bytes may still "
-                   "land"), "DEADLINE_EXCEEDED")
-            if not ended:
-                raise failure  # not released: the engine keeps it until it ends
-        lib.kvferry_release(e, batch)
-        if failure is not None:
-            raise failure
+        check(lib.kvferry_finish(e, batch, wait_ms, None))
 
     def notify(self, peer, message):
         """Sends `message` (bytes or str) to the engine at `peer`

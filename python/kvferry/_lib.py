@@ -119,6 +119,7 @@ _PROTOTYPES = {
     "kvferry_wait": (I, [P, c_u64, I64, ctypes.POINTER(BatchStatus)]),
     "kvferry_release": (I, [P, c_u64]),
     "kvferry_transfer_sync": (I, [P, S, I, P, P, P, SZ, I64]),
+    "kvferry_finish": (I, [P, c_u64, I64, ctypes.POINTER(BatchStatus)]),
     "kvferry_submit_on_stream": (I, [P, c_u64, I, P, P, P, SZ, P, I, I64, I, c_u64_p]),
     "kvferry_wait_on_stream": (I, [P, c_u64, I64, ctypes.POINTER(BatchStatus)]),
     "kvferry_notify": (I, [P, c_u64, P, SZ, c_u64]),
