@@ -219,10 +219,10 @@ class TransferEngine::Impl {
   }
   // Notify, refused by the peer unless it is the instance `target` (0: any).
   absl::Status NotifyInstance(SegmentId id, const std::string& message, uint64_t target,
-                              absl::Duration timeout = {}) {
+                              absl::Duration timeout = {}, bool confirmable = false) {
     if (timeout > absl::ZeroDuration()) timeout = std::min(timeout, options_.handshake_timeout);
     ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v, pipeline_.segments().View(id));
-    sent_.Add(engine_internal::NotificationDigest(message));  // confirmed if asked
+    if (confirmable) sent_.Add(engine_internal::NotificationDigest(message));
     return client_.Notify(v.peer, message, target, timeout);
   }
   absl::Status NotifyAfter(BatchId id, const std::string& message, absl::Duration timeout);
@@ -457,8 +457,9 @@ absl::Status TransferEngine::Notify(SegmentId segment, const std::string& messag
   return impl_->NotifyInstance(segment, message, peer_engine_id);
 }
 absl::Status TransferEngine::Notify(SegmentId segment, const std::string& message,
-                                    uint64_t peer_engine_id, absl::Duration timeout) {
-  return impl_->NotifyInstance(segment, message, peer_engine_id, timeout);
+                                    const NotifyOptions& options) {
+  return impl_->NotifyInstance(segment, message, options.peer_engine_id, options.timeout,
+                               options.confirmable);
 }
 absl::StatusOr<uint64_t> TransferEngine::PeerEngineId(SegmentId segment) {
   ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v,

@@ -292,10 +292,17 @@ class TransferEngine {
   // (kFailedPrecondition), so a notification never vouches for data that
   // went to its predecessor.
   absl::Status Notify(SegmentId segment, const std::string& message, uint64_t peer_engine_id = 0);
-  // The same, waiting at most `timeout` (and at most handshake_timeout)
-  // for the peer to take it.
-  absl::Status Notify(SegmentId segment, const std::string& message, uint64_t peer_engine_id,
-                      absl::Duration timeout);
+  struct NotifyOptions {
+    uint64_t peer_engine_id = 0;  // as above
+    // How long to wait for the peer to take it; 0 (and never more than it):
+    // handshake_timeout.
+    absl::Duration timeout = absl::ZeroDuration();
+    // The receiver may ask whether this engine sent it (ConfirmSent): its
+    // digest is kept (SHA-256, the last 65,536 so sent). The KV layer's
+    // words are; others need not pay for the hash.
+    bool confirmable = false;
+  };
+  absl::Status Notify(SegmentId segment, const std::string& message, const NotifyOptions& options);
   // Waits for `batch` to finish and, only if every request succeeded (so
   // its bytes are in place at the peer), sends `message` to the peer.
   absl::Status NotifyAfter(BatchId batch, const std::string& message, absl::Duration timeout);
@@ -319,8 +326,8 @@ class TransferEngine {
   absl::StatusOr<uint64_t> ProbePeer(const std::string& peer, absl::Duration timeout);
   static bool PeerAnswered(const absl::Status& status);
   // Whether engine `engine_id`, answering at `peer` ("host:port"), sent
-  // `message` lately (it keeps the digests of its last 65,536
-  // notifications): proof that a notification naming that engine came from
+  // the message of `digest` lately, as a confirmable notification
+  // (NotifyOptions::confirmable): proof that a notification naming that engine came from
   // it, which its claimed sender id alone is not. False when another engine
   // answers there or it did not send it; an error when it cannot be asked
   // (kUnavailable, kDeadlineExceeded; a peer too old to know the question

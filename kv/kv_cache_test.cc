@@ -364,16 +364,19 @@ TEST(KvCache, WordsNobodyExpectsAreKeptWithinBounds) {
   auto word = [&](const std::string& id, const std::string& aux) {
     return absl::StrCat("kv2", sep, "done", sep, id, sep, "00000000000000b1", sep, aux);
   };
+  // Sent as the KV layer sends its words: confirmable.
+  TransferEngine::NotifyOptions as_word;
+  as_word.confirmable = true;
   // Eight words with 1 MiB of aux each (under the engine's inbox limit):
   // only what fits in kMaxEarlyBytes stays, the newest.
   const std::string mib((1 << 20) - 64, 'a');
   for (int i = 0; i < 8; ++i) {
-    ASSERT_TRUE(p.prefill_engine->Notify(*seg, word(absl::StrCat("big", i), mib)).ok());
+    ASSERT_TRUE(p.prefill_engine->Notify(*seg, word(absl::StrCat("big", i), mib), as_word).ok());
   }
   // Then more small words than kMaxEarlyWords.
   const int small = static_cast<int>(KvReceiver::kMaxEarlyWords) + 100;
   for (int i = 0; i < small; ++i) {
-    ASSERT_TRUE(p.prefill_engine->Notify(*seg, word(absl::StrCat("s", i), "x")).ok());
+    ASSERT_TRUE(p.prefill_engine->Notify(*seg, word(absl::StrCat("s", i), "x"), as_word).ok());
   }
   // Notify returns once the decode's engine has the word: a Poll of an
   // unrelated id takes them all in.

@@ -199,7 +199,11 @@ absl::Status KvSender::Say(const std::function<absl::StatusOr<SegmentId>()>& seg
     // Each attempt within what is left of tell_timeout (a frozen decode
     // must not hold it for a whole handshake timeout).
     const absl::Duration left = std::max(deadline - clock->Now(), absl::Milliseconds(1));
-    absl::Status told = seg.ok() ? engine_->Notify(*seg, message, instance, left) : seg.status();
+    TransferEngine::NotifyOptions o;
+    o.peer_engine_id = instance;
+    o.timeout = left;
+    o.confirmable = true;  // the decode confirms a word with its sender
+    absl::Status told = seg.ok() ? engine_->Notify(*seg, message, o) : seg.status();
     const bool passing = told.code() == absl::StatusCode::kUnavailable ||
                          told.code() == absl::StatusCode::kDeadlineExceeded;
     if (told.ok() || !passing || clock->Now() + pause >= deadline) return told;
