@@ -348,6 +348,9 @@ class KvReceiver {
   // an Expect, any (nothing names its prefill to ask).
   void ClaimEarly(const std::string& id, uint64_t instance, bool expected, bool confirmed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `it` from the early words (and their bounds' counts).
+  Early TakeEarly(std::map<std::string, Early>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same, counted as dropped.
   void DropEarly(std::map<std::string, Early>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireEarly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a word says about its request (checksums verified; the sender's

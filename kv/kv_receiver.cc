@@ -508,11 +508,17 @@ void KvReceiver::KeepEarly(const std::string& id, Early e) {
   early_.emplace(id, std::move(e));
 }
 
+KvReceiver::Early KvReceiver::TakeEarly(std::map<std::string, Early>::iterator it) {
+  Early e = std::move(it->second);
+  early_bytes_ -= e.status.aux.size() + it->first.size();
+  early_order_.erase(e.seq);
+  early_.erase(it);
+  return e;
+}
+
 void KvReceiver::DropEarly(std::map<std::string, Early>::iterator it) {
   ++dropped_early_;
-  early_bytes_ -= it->second.status.aux.size() + it->first.size();
-  early_order_.erase(it->second.seq);
-  early_.erase(it);
+  (void)TakeEarly(it);
 }
 
 void KvReceiver::ExpireEarly() {
@@ -528,10 +534,7 @@ void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance, bool expec
                             bool confirmed) {
   auto it = early_.find(id);
   if (it == early_.end()) return;
-  Early e = std::move(it->second);
-  early_bytes_ -= e.status.aux.size() + id.size();
-  early_order_.erase(e.seq);
-  early_.erase(it);
+  Early e = TakeEarly(it);
   if (instance != 0 && e.engine_id != instance) {
     ++ignored_words_;  // from another engine than the one expected
     return;
@@ -554,16 +557,8 @@ void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance, bool expec
 }
 
 KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
-  std::vector<Notification> notes;
-  {
-    MutexLock lock(&mu_);
-    notes = std::move(unasked_);
-    unasked_.clear();
-  }
-  for (Notification& n : engine_->TakeNotifications(IsWord)) notes.push_back(std::move(n));
-  std::vector<Vetted> words = Vet(std::move(notes));
   MutexLock lock(&mu_);
-  Absorb(std::move(words));
+  TakeWords();
   if (requests_.find(request_id) == requests_.end()) ClaimEarly(request_id, 0, false, false);
   auto it = requests_.find(request_id);
   return it == requests_.end() ? Status{} : it->second;
@@ -681,8 +676,7 @@ void KvReceiver::Forget(const std::string& request_id) {
   MutexLock lock(&mu_);
   requests_.erase(request_id);
   if (auto early = early_.find(request_id); early != early_.end()) {
-    DropEarly(early);
-    --dropped_early_;  // forgotten by the application, not dropped
+    (void)TakeEarly(early);  // forgotten by the application, not dropped
   }
   if (auto t = tokens_.find(request_id); t != tokens_.end()) {
     // Its attempt's words are ignored from now on (the id may come again).

@@ -63,24 +63,25 @@ absl::Status PeerService::Track(uint64_t engine_id, Tracked link) {
   return RefuseFenced(engine_id);
 }
 
+void PeerService::DropClosed(std::vector<Tracked>& links) {
+  links.erase(std::remove_if(links.begin(), links.end(),
+                             [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
+              links.end());
+}
+
 // Forgets links that are gone (their peers closed them): what stays is
 // bounded by the transports' link caps.
 void PeerService::PruneClosedLinks() {
   tracked_ = 0;
   for (auto it = links_by_engine_.begin(); it != links_by_engine_.end();) {
     auto& v = it->second;
-    v.erase(std::remove_if(v.begin(), v.end(),
-                           [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
-            v.end());
+    DropClosed(v);
     tracked_ += v.size();
     it = v.empty() ? links_by_engine_.erase(it) : std::next(it);
   }
   for (auto it = by_source_.begin(); it != by_source_.end();) {
-    auto& v = it->second;
-    v.erase(std::remove_if(v.begin(), v.end(),
-                           [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
-            v.end());
-    it = v.empty() ? by_source_.erase(it) : std::next(it);
+    DropClosed(it->second);
+    it = it->second.empty() ? by_source_.erase(it) : std::next(it);
   }
   prune_at_ = std::max(kPruneAbove, 2 * tracked_);
 }
@@ -179,9 +180,7 @@ absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::Co
     auto it = by_source_.find(source);
     if (it != by_source_.end() && it->second.size() >= kMaxLinksPerSource) {
       auto& v = it->second;
-      v.erase(std::remove_if(v.begin(), v.end(),
-                             [](const Tracked& l) { return !l.transport->HasLink(l.link); }),
-              v.end());
+      DropClosed(v);
       if (v.size() >= kMaxLinksPerSource) {
         return absl::ResourceExhaustedError(
             absl::StrCat("the peers at ", source, " hold ", v.size(),

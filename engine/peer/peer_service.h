@@ -98,6 +98,8 @@ class PeerService {
   // so) if that engine was fenced meanwhile.
   absl::Status Track(uint64_t engine_id, Tracked link);
   void PruneClosedLinks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the links of `links` their transports closed.
+  static void DropClosed(std::vector<Tracked>& links);
 
   // Tracked links are pruned of closed ones when their count passes this.
   static constexpr size_t kPruneAbove = 4096;

@@ -120,7 +120,8 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     DataHeader h;
     error = ReadStream(*link->in, &h, sizeof h);
     if (!error.ok()) break;
-    link->inputs.fetch_add(1, std::memory_order_relaxed);
+    // Only this thread writes it: a plain store, no locked add per message.
+    link->inputs.store(link->inputs.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     // Reading ahead pays while payloads are small; a large one would be
     // copied out of the buffer: then only the next header is read ahead.
     const bool payload = (h.type == kWriteReq || h.type == kReadResp) && (h.flags & kViaIpc) == 0;
