@@ -464,14 +464,6 @@ std::string Snapshot(const KvPool& pool) {
   return out;
 }
 
-// Fencing on whatever transport the engines have (TCP here, verbs inside
-// the Soft-RoCE VM): once the decode fences the prefill instance, nothing
-// it sends lands, over the links it already had or new ones, and its words
-// are refused.
-// Expect(request, X's address, V's engine id): the engine answering at X
-// presents X's id, not V's. The request fails (the named instance is not
-// there), but V, which never presented itself at X, is not fenced: it still
-// delivers to this decode.
 // Words forged in the prefill's name (its engine id is public: any probe
 // of it tells) by another engine: a "done" for pages that never landed, a
 // "fail" and an "abrt" for a request expected from the prefill. The prefill,
@@ -604,6 +596,10 @@ TEST(KvCache, APrefillWhoseWritesArriveIsAliveWhileItsHandshakeIsSilent) {
   EXPECT_TRUE(PagesMatch(src, dst, {1, 2}, {5, 6}));
 }
 
+// Expect(request, X's address, V's engine id): the engine answering at X
+// presents X's id, not V's. The request fails (the named instance is not
+// there), but V, which never presented itself at X, is not fenced: it still
+// delivers to this decode.
 TEST(KvCache, AnIdTheAddressDidNotPresentIsNeverFenced) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);
@@ -626,6 +622,10 @@ TEST(KvCache, AnIdTheAddressDidNotPresentIsNeverFenced) {
   EXPECT_EQ(v->state, KvReceiver::State::kComplete);
 }
 
+// Fencing on whatever transport the engines have (TCP here, verbs inside
+// the Soft-RoCE VM): once the decode fences the prefill instance, nothing
+// it sends lands, over the links it already had or new ones, and its words
+// are refused.
 TEST(KvCache, AFencedPrefillLandsNothingMore) {
   const KvLayout l{2, false, 16, 256, 16};
   KvPool src = *KvPool::Allocate(l), dst = *KvPool::Allocate(l);

@@ -167,8 +167,6 @@ TEST(VmmFetchTest, ANonsenseReplyIsRefused) {
   ::close(pipe_fds[1]);
 }
 
-// A forked child that exits normally (running the process's exit handlers)
-// leaves the parent's server serving.
 int ConnectTo(uint64_t name) {
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
@@ -236,6 +234,8 @@ TEST_F(VmmShareTest, AnotherUserIsRefused) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "3-5: the child could not ask; 6: it was not refused";
 }
 
+// A forked child that exits normally (running the process's exit handlers)
+// leaves the parent's server serving.
 TEST_F(VmmShareTest, AChildThatExitsLeavesTheServerServing) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
