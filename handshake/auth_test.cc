@@ -108,6 +108,15 @@ struct Recorder : Network {
   }
 };
 
+// An authenticated client over a Recorder (*rec: what it sends).
+absl::StatusOr<std::unique_ptr<AuthenticatedNetwork>> RecordingClient(Recorder** rec) {
+  auto recorder = std::make_unique<Recorder>();
+  *rec = recorder.get();
+  AuthOptions o;
+  o.secret = kSecret;
+  return AuthenticatedNetwork::Create(std::move(recorder), o);
+}
+
 TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
   auto server_net = Auth();
   ASSERT_TRUE(server_net.ok());
@@ -121,11 +130,8 @@ TEST(Auth, ANonceIsGoodOnceAndATamperedRequestFails) {
   ASSERT_EQ(nonce->payload.size(), 32u);
   // A real client's authenticated request, recorded on its way out, is
   // accepted once and refused when an eavesdropper replays it.
-  auto recorder = std::make_unique<Recorder>();
-  Recorder* rec = recorder.get();
-  AuthOptions o;
-  o.secret = kSecret;
-  auto client = AuthenticatedNetwork::Create(std::move(recorder), o);
+  Recorder* rec = nullptr;
+  auto client = RecordingClient(&rec);
   ASSERT_TRUE(client.ok());
   ASSERT_TRUE((*client)->Call(addr, Frame{MessageType::kDescribe, "y"}, absl::Seconds(5)).ok());
   const Frame captured = rec->last;
@@ -151,11 +157,8 @@ TEST(Auth, ARequestAuthenticatedForOneEngineIsRefusedByAnother) {
   auto a = (*a_net)->Serve(Loopback(), KeysHandler);
   auto b = (*b_net)->Serve(Loopback(), KeysHandler);
   ASSERT_TRUE(a.ok() && b.ok());
-  auto recorder = std::make_unique<Recorder>();
-  Recorder* rec = recorder.get();
-  AuthOptions o;
-  o.secret = kSecret;
-  auto client = AuthenticatedNetwork::Create(std::move(recorder), o);
+  Recorder* rec = nullptr;
+  auto client = RecordingClient(&rec);
   ASSERT_TRUE(client.ok());
   ASSERT_TRUE(
       (*client)->Call((*a)->address(), Frame{MessageType::kDescribe, "a"}, absl::Seconds(5)).ok());
