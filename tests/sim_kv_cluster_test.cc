@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "engine/testing/sim_world.h"
 #include "gtest/gtest.h"
 #include "kv/kv_cache.h"
@@ -104,6 +105,7 @@ struct Stats {
   uint64_t requests = 0, failed_in_fault_phase = 0, restarts = 0;
   uint64_t aborted = 0, killed = 0, reported_failed = 0, corruptions_detected = 0;
   uint64_t fenced_restarts = 0;
+  uint64_t unconfirmed_after_death = 0;
 };
 
 class KvCluster {
@@ -279,10 +281,12 @@ class KvCluster {
       // Sent, but a page arrived corrupted: the checksums caught it.
       ++corruptions_detected_;
     } else if (sent.ok() && !restarted && d_alive && state == KvReceiver::State::kFailed &&
-               heard.error.code() == absl::StatusCode::kUnavailable) {
-      // Sent, but its prefill died or restarted before it confirmed its
-      // word: the decode cannot tell that word from a forged one, and
-      // fails the request (safe: the bytes are not used).
+               heard.error.code() == absl::StatusCode::kUnavailable &&
+               absl::StartsWith(heard.error.message(), "the prefill at ")) {
+      // Sent, but its prefill died, restarted or was cut off before it
+      // confirmed its word (the receiver's liveness report, nothing else):
+      // the decode cannot tell that word from a forged one, and fails the
+      // request (safe: the bytes are not used).
       ++unconfirmed_after_death_;
     } else if (sent.ok() && !restarted && d_alive) {
       ADD_FAILURE() << "request " << id << " was sent, but the receiver did not hear of it: "
@@ -408,6 +412,7 @@ class KvCluster {
     s->reported_failed += reported_failed_;
     s->corruptions_detected += corruptions_detected_;
     s->fenced_restarts += fenced_restarts_;
+    s->unconfirmed_after_death += unconfirmed_after_death_;
   }
 
  private:
@@ -499,15 +504,17 @@ TEST(SimKvCluster, FaultPhaseThenHealedPhaseAcrossSeeds) {
     total.reported_failed += s.reported_failed;
     total.corruptions_detected += s.corruptions_detected;
     total.fenced_restarts += s.fenced_restarts;
+    total.unconfirmed_after_death += s.unconfirmed_after_death;
     if (HasFailure()) break;
   }
   std::printf(
       "sweep of %zu seeds: %llu aborted and %llu killed mid-request; the decodes "
       "reported %llu failed requests in bound; %llu corrupted requests detected "
-      "(checksums); %llu prefills restarted after a decode fenced them\n",
+      "(checksums); %llu prefills restarted after a decode fenced them; %llu sent requests "
+      "failed because their prefill was gone before it confirmed its word\n",
       seeds.size(), (unsigned long long)total.aborted, (unsigned long long)total.killed,
       (unsigned long long)total.reported_failed, (unsigned long long)total.corruptions_detected,
-      (unsigned long long)total.fenced_restarts);
+      (unsigned long long)total.fenced_restarts, (unsigned long long)total.unconfirmed_after_death);
   std::printf(
       "sweep of %zu seeds: %llu KV requests, %llu failed in fault phases; %llu crashes "
       "(%llu restarts), %llu partitions, %llu NIC outages\n",
