@@ -94,6 +94,10 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     if (id.ok()) instance = *id;
     probe_now = !id.ok() && net::ConnectionRefused(id.status());
   }
+  // With real time, the watcher's first round for it is now as well: it
+  // opens the prefill's watch connection at once (a kill right after
+  // Expect is then seen at once too), off the caller's thread.
+  probe_now = probe_now || engine_->clock() == RealClock();
   const absl::Time now = engine_->clock()->Now();
   const bool presented = instance != 0 && instance != prefill_engine_id;
   // A word that came first is confirmed with this prefill before it counts.
