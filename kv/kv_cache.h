@@ -310,7 +310,15 @@ class KvReceiver {
     // Messages received on its data links so far (DataInputsFrom): growth
     // since the last probe means alive, whatever the probe said.
     uint64_t inputs = 0;
+    // Its watch connection closed: probes that fail without an answer are
+    // retried after kQuickRetry, this many more times, not a period later.
+    // (A process being killed closes its sockets one by one: the probe that
+    // the closed watch set off may meet the listener still open and be
+    // reset, a moment before the port refuses.)
+    uint32_t quick_retries = 0;
   };
+  static constexpr uint32_t kQuickRetries = 5;
+  static constexpr absl::Duration kQuickRetry = absl::Milliseconds(10);
   KvReceiver(TransferEngine* engine, KvPool pool, Options options);
   // A word that came before anyone expected its request.
   struct Early {

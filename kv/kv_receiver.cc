@@ -203,7 +203,10 @@ void KvReceiver::WaitForEvents(absl::Duration wait) {
     retired_watches_.push_back(std::move(w->second));
     watches_.erase(w);
     auto p = prefills_.find(peers[i - 1]);
-    if (p != prefills_.end()) p->second.next_probe = now;
+    if (p != prefills_.end()) {
+      p->second.next_probe = now;
+      p->second.quick_retries = kQuickRetries;
+    }
   }
   retired_watches_.clear();  // no poll on them any more
 }
@@ -292,6 +295,12 @@ void KvReceiver::CheckPrefills() {
     }
     it->second.inputs = std::max(it->second.inputs, inputs);
     it->second.next_probe = probes[i].start + period;
+    if (id.ok() || TransferEngine::PeerAnswered(id.status())) {
+      it->second.quick_retries = 0;
+    } else if (it->second.quick_retries > 0) {
+      --it->second.quick_retries;
+      it->second.next_probe = std::min(it->second.next_probe, probes[i].end + kQuickRetry);
+    }
   }
 }
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -123,7 +124,16 @@ class PeerProcess {
     (void)absl::SimpleAtoi(address_.substr(address_.rfind(':') + 1), &p);
     return static_cast<uint16_t>(p);
   }
-  void Freeze() { if (pid_ > 0) kill(pid_, SIGSTOP); }
+  // SIGSTOP, and waits until every thread of it has stopped (kill() only
+  // queues the signal: a thread may still answer a request meanwhile).
+  void Freeze() {
+    if (pid_ <= 0 || kill(pid_, SIGSTOP) != 0) return;
+    int st = 0;
+    pid_t r;
+    while ((r = waitpid(pid_, &st, WUNTRACED)) < 0 && errno == EINTR) {
+    }
+    if (r == pid_ && (WIFEXITED(st) || WIFSIGNALED(st))) pid_ = 0;  // it died first: reaped
+  }
   void Thaw() { if (pid_ > 0) kill(pid_, SIGCONT); }
   // SIGKILL and reap.
   void Kill() {
