@@ -36,7 +36,8 @@ class PeerProcess {
                                            std::vector<std::string> extra = {}) {
     const char* srcdir = std::getenv("TEST_SRCDIR");
     const char* ws = std::getenv("TEST_WORKSPACE");
-    if (srcdir == nullptr || ws == nullptr) return absl::FailedPreconditionError("not under bazel test");
+    if (srcdir == nullptr || ws == nullptr)
+      return absl::FailedPreconditionError("not under bazel test");
     const std::string bin = absl::StrCat(srcdir, "/", ws, "/tests/peer_main");
     int out[2];
     if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe");
@@ -134,7 +135,9 @@ class PeerProcess {
     }
     if (r == pid_ && (WIFEXITED(st) || WIFSIGNALED(st))) pid_ = 0;  // it died first: reaped
   }
-  void Thaw() { if (pid_ > 0) kill(pid_, SIGCONT); }
+  void Thaw() {
+    if (pid_ > 0) kill(pid_, SIGCONT);
+  }
   // SIGKILL and reap.
   void Kill() {
     if (pid_ <= 0) return;
