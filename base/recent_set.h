@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <deque>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 
 namespace kvferry {
@@ -34,6 +35,41 @@ class RecentSet {
   const size_t capacity_;
   absl::flat_hash_set<T> set_;
   std::deque<T> order_;  // oldest first
+};
+
+// The same as a map: the values of the last `capacity` keys inserted.
+template <typename K, typename V>
+class RecentMap {
+ public:
+  explicit RecentMap(size_t capacity) : capacity_(capacity) {}
+
+  // The value of `key`, inserted (value-initialized) if absent, which
+  // forgets the oldest key beyond the capacity.
+  V& operator[](const K& key) {
+    auto [it, fresh] = map_.try_emplace(key);
+    if (fresh) {
+      order_.push_back(key);
+      if (order_.size() > capacity_) {
+        const K oldest = order_.front();
+        order_.pop_front();
+        if (!(oldest == key)) {
+          map_.erase(oldest);
+          it = map_.find(key);  // erasing may move it
+        }
+      }
+    }
+    return it->second;
+  }
+  const V* Find(const K& key) const {
+    auto it = map_.find(key);
+    return it == map_.end() ? nullptr : &it->second;
+  }
+  size_t size() const { return map_.size(); }
+
+ private:
+  const size_t capacity_;
+  absl::flat_hash_map<K, V> map_;
+  std::deque<K> order_;  // oldest first
 };
 
 }  // namespace kvferry

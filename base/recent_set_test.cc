@@ -31,5 +31,20 @@ TEST(RecentSet, PairsOfStringAndNumber) {
   EXPECT_FALSE(s.Contains({"r", 1}));
 }
 
+TEST(RecentMap, KeepsTheValuesOfTheLastKeys) {
+  RecentMap<std::string, int> m(2);
+  m["a"] = 1;
+  m["b"] = 2;
+  m["a"] += 10;  // present: keeps its age and value
+  EXPECT_EQ(*m.Find("a"), 11);
+  m["c"] = 3;  // "a", the oldest, goes
+  EXPECT_EQ(m.Find("a"), nullptr);
+  ASSERT_NE(m.Find("b"), nullptr);
+  EXPECT_EQ(*m.Find("b"), 2);
+  EXPECT_EQ(*m.Find("c"), 3);
+  EXPECT_EQ(m.size(), 2u);
+  EXPECT_EQ(m["d"], 0);  // inserted value-initialized
+}
+
 }  // namespace
 }  // namespace kvferry

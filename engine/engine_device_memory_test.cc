@@ -339,11 +339,17 @@ TEST_P(EngineDeviceMemoryTest, AFencedPrefillWritesNoMoreDeviceMemory) {
   EXPECT_EQ(Get(dst, kBytes, 1), first);
   decode_->FencePeer(prefill_->engine_id());
   ASSERT_TRUE(d_->Copy(src, second.data(), kBytes, 0).ok());
+  // The batch the prefill made before it learned of the fence fails.
   const absl::Status refused = run();
   EXPECT_FALSE(refused.ok());
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
-  EXPECT_NE(refused.message().find("declared failed"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("fenced this engine off"), std::string::npos) << refused;
   EXPECT_EQ(Get(dst, kBytes, 1), first);
+  // The prefill, alive, comes back at the next epoch: its next batch lands.
+  EXPECT_EQ(prefill_->PeerEpoch(*seg).value_or(0), 1u);
+  ASSERT_TRUE(run().ok());
+  EXPECT_EQ(Get(dst, kBytes, 1), second);
+  EXPECT_FALSE(decode_->PeerFenced(prefill_->engine_id()));
 }
 
 // A TCP transport whose "NICs" cannot register GPU memory, as RDMA NICs

@@ -230,7 +230,8 @@ class TransferEngine::Impl {
   absl::StatusOr<BatchStatus> RunToEnd(SegmentId segment,
                                        const std::vector<TransferRequest>& requests,
                                        absl::Duration timeout, BatchId* running) {
-    ASSIGN_OR_RETURN(BatchId batch, pipeline_.Submit(segment, requests, 0));
+    ASSIGN_OR_RETURN(BatchId batch,
+                     pipeline_.Submit(segment, requests, engine_internal::PeerBinding{}));
     BatchStatus status;
     RETURN_IF_ERROR(pipeline_.Wait(batch, timeout, &status));
     if (!status.done()) {
@@ -427,8 +428,10 @@ absl::StatusOr<std::vector<TransferEngine::RemoteRegion>> TransferEngine::Segmen
 }
 absl::StatusOr<BatchId> TransferEngine::Submit(SegmentId segment,
                                                absl::Span<const TransferRequest> requests,
-                                               uint64_t peer_engine_id) {
-  return impl_->pipeline_.Submit(segment, requests, peer_engine_id);
+                                               uint64_t peer_engine_id,
+                                               std::optional<uint64_t> peer_epoch) {
+  return impl_->pipeline_.Submit(segment, requests,
+                                 engine_internal::PeerBinding{peer_engine_id, peer_epoch});
 }
 absl::StatusOr<BatchStatus> TransferEngine::Poll(BatchId batch) {
   return impl_->pipeline_.Poll(batch);
@@ -465,6 +468,11 @@ absl::StatusOr<uint64_t> TransferEngine::PeerEngineId(SegmentId segment) {
   ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v,
                    impl_->pipeline_.segments().View(segment));
   return v.engine_id;
+}
+absl::StatusOr<uint64_t> TransferEngine::PeerEpoch(SegmentId segment) {
+  ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView v,
+                   impl_->pipeline_.segments().View(segment));
+  return v.epoch;
 }
 absl::StatusOr<uint64_t> TransferEngine::BatchPeerEngineId(BatchId batch) {
   ASSIGN_OR_RETURN(auto target, impl_->pipeline_.Target(batch));

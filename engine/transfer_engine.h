@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -238,6 +239,11 @@ class TransferEngine {
   // The peer instance (its engine id, new on every start) as of the last
   // handshake, which FetchMetadata values also come from.
   absl::StatusOr<uint64_t> PeerEngineId(SegmentId segment);
+  // This engine's epoch with the segment's peer, as of its links: 0 until
+  // the peer fenced this engine off (declared it failed, while it was only
+  // unreachable, say), then higher after each fence this engine learned of
+  // (from the peer's refusal). See docs/reliability.md.
+  absl::StatusOr<uint64_t> PeerEpoch(SegmentId segment);
   // The peer instance a batch went to (or is going to).
   absl::StatusOr<uint64_t> BatchPeerEngineId(BatchId batch);
 
@@ -252,8 +258,17 @@ class TransferEngine {
   // some landed, or when `peer_engine_id` names the instance the addresses
   // came from (PeerEngineId), the rest fail with kUnavailable instead of
   // being split between a dead peer and its successor.
+  //
+  // With `peer_epoch` (PeerEpoch, read when the caller bound its series of
+  // batches to the peer), the batch fails with kFailedPrecondition once
+  // this engine's epoch with the peer is another: the peer fenced this
+  // engine meanwhile, took what was in flight as lost, and none of the
+  // series may land there afterwards. Without it, a batch already in
+  // flight when this engine learns of a fence fails, and later ones go at
+  // the new epoch.
   absl::StatusOr<BatchId> Submit(SegmentId segment, absl::Span<const TransferRequest> requests,
-                                 uint64_t peer_engine_id = 0);
+                                 uint64_t peer_engine_id = 0,
+                                 std::optional<uint64_t> peer_epoch = std::nullopt);
   // The batch's state now, or after waiting up to `timeout` for it to finish.
   absl::StatusOr<BatchStatus> Poll(BatchId batch);
   absl::StatusOr<BatchStatus> Wait(BatchId batch, absl::Duration timeout);

@@ -1,6 +1,8 @@
 #include "handshake/messages.h"
 
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "handshake/wire.h"
@@ -247,6 +249,7 @@ std::string Encode(const ConnectRequest& c) {
   WriteNic(w, c.requester_nic_info);
   w.U32(c.target_nic);
   w.Bytes(c.params);
+  if (c.epoch != 0) w.U64(c.epoch);
   return out;
 }
 
@@ -254,7 +257,8 @@ absl::StatusOr<ConnectRequest> DecodeConnectRequest(absl::string_view payload) {
   Reader r(payload);
   ConnectRequest c;
   if (!r.U64(&c.engine_id) || !r.U32(&c.requester_nic) || !ReadNic(r, &c.requester_nic_info) ||
-      !r.U32(&c.target_nic) || !r.Bytes(&c.params, kMaxStringBytes) || !r.AtEnd()) {
+      !r.U32(&c.target_nic) || !r.Bytes(&c.params, kMaxStringBytes) ||
+      (!r.AtEnd() && (!r.U64(&c.epoch) || c.epoch == 0 || !r.AtEnd()))) {
     return Malformed("connect");
   }
   return c;
@@ -375,6 +379,7 @@ std::string Encode(const Notify& n) {
   w.U64(n.engine_id);
   w.Bytes(n.payload);
   w.U64(n.target_engine_id);
+  if (n.epoch != 0) w.U64(n.epoch);
   return out;
 }
 
@@ -382,7 +387,8 @@ absl::StatusOr<Notify> DecodeNotify(absl::string_view payload) {
   Reader r(payload);
   Notify n;
   if (!r.U64(&n.engine_id) || !r.Bytes(&n.payload, kMaxNotifyBytes) ||
-      !r.U64(&n.target_engine_id) || !r.AtEnd()) {
+      !r.U64(&n.target_engine_id) ||
+      (!r.AtEnd() && (!r.U64(&n.epoch) || n.epoch == 0 || !r.AtEnd()))) {
     return Malformed("notify");
   }
   return n;
@@ -493,6 +499,28 @@ absl::Status DecodeError(absl::string_view payload) {
 
 bool PeerAnswered(const absl::Status& status) {
   return status.GetPayload(kAnsweredUrl).has_value();
+}
+
+namespace {
+constexpr absl::string_view kFenceMark = " [fence epoch ";
+}  // namespace
+
+absl::Status FencedError(absl::string_view message, uint64_t epoch) {
+  return absl::FailedPreconditionError(absl::StrCat(message, kFenceMark, epoch, "]"));
+}
+
+std::optional<uint64_t> FencedEpoch(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kFailedPrecondition) return std::nullopt;
+  absl::string_view m = status.message();
+  const size_t at = m.rfind(kFenceMark);
+  if (at == absl::string_view::npos || !absl::EndsWith(m, "]")) return std::nullopt;
+  m = m.substr(at + kFenceMark.size());
+  m.remove_suffix(1);
+  uint64_t epoch = 0;
+  if (m.empty() || m.size() > 20 || !absl::SimpleAtoi(m, &epoch)) return std::nullopt;
+  // The peer's client takes epoch + 1: the last one never comes.
+  if (epoch == UINT64_MAX) return std::nullopt;
+  return epoch;
 }
 
 }  // namespace handshake

@@ -160,6 +160,11 @@ struct ConnectRequest {
   transport::NicInfo requester_nic_info;
   uint32_t target_nic = 0;  // index in the target's descriptor
   std::string params;       // from Transport::CreateLink
+  // The requester's epoch with this peer: 0 until the peer fenced it, then
+  // one past the epoch the peer's refusal named (FencedEpoch). Sent only
+  // when not 0, so that peers that never fence by epoch read the frame as
+  // they always have.
+  uint64_t epoch = 0;
 };
 
 struct ConnectReply {
@@ -191,6 +196,7 @@ struct Notify {
   // that restarted has a new id and refuses notifications about data that
   // went to its predecessor.
   uint64_t target_engine_id = 0;
+  uint64_t epoch = 0;  // the sender's epoch with this peer (as ConnectRequest's)
 };
 
 struct Probe {
@@ -256,6 +262,16 @@ absl::StatusOr<Metadata> DecodeMetadata(absl::string_view payload);
 // (and of a malformed one): the peer's process was there to answer.
 absl::Status DecodeError(absl::string_view payload);
 bool PeerAnswered(const absl::Status& status);
+
+// A refusal of links or notifications from a peer instance this engine
+// fenced (declared failed) at epochs up to `epoch`: kFailedPrecondition,
+// with the epoch at the end of the message ("[fence epoch N]"), where the
+// peer's client reads it (FencedEpoch) and takes epoch N + 1 with this
+// engine. The message carries it because an error frame carries a code
+// and a message only, and every version of the protocol reads those.
+absl::Status FencedError(absl::string_view message, uint64_t epoch);
+// The epoch a refusal from FencedError names, if it is one.
+std::optional<uint64_t> FencedEpoch(const absl::Status& status);
 
 }  // namespace handshake
 }  // namespace kvferry

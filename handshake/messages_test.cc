@@ -159,6 +159,42 @@ TEST(Messages, OthersRoundTrip) {
   EXPECT_EQ(e.message(), "no region");
 }
 
+// An epoch travels only when it is not 0: a frame without one reads as it
+// always did, and one with a zero epoch written out is malformed.
+TEST(Messages, EpochsTravelWhenNotZero) {
+  ConnectRequest c{5, 1, {"lo", "127.0.0.1:9", 0, 0, 0}, 0, "params"};
+  const std::string plain = Encode(c);
+  c.epoch = 3;
+  const std::string with = Encode(c);
+  EXPECT_EQ(with.size(), plain.size() + 8);
+  EXPECT_EQ(DecodeConnectRequest(plain)->epoch, 0u);
+  EXPECT_EQ(DecodeConnectRequest(with)->epoch, 3u);
+  EXPECT_FALSE(DecodeConnectRequest(plain + std::string(8, '\0')).ok());
+  EXPECT_FALSE(DecodeConnectRequest(with + "x").ok());
+  Notify n{9, "done", 4};
+  EXPECT_EQ(DecodeNotify(Encode(n))->epoch, 0u);
+  n.epoch = 2;
+  auto back = DecodeNotify(Encode(n));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->epoch, 2u);
+  EXPECT_EQ(back->target_engine_id, 4u);
+  EXPECT_FALSE(DecodeNotify(Encode(Notify{9, "done", 4}) + std::string(8, '\0')).ok());
+}
+
+// A fence refusal names its epoch in the message, which survives an error
+// frame; nothing else is read as one.
+TEST(Messages, FencedEpochIsReadFromTheRefusal) {
+  const absl::Status refused = FencedError("engine 0x1 was declared failed", 7);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(FencedEpoch(refused), 7u);
+  EXPECT_EQ(FencedEpoch(DecodeError(EncodeError(refused))), 7u);
+  EXPECT_EQ(FencedEpoch(absl::FailedPreconditionError("no epoch here")), std::nullopt);
+  EXPECT_EQ(FencedEpoch(absl::UnavailableError("x [fence epoch 7]")), std::nullopt);
+  EXPECT_EQ(FencedEpoch(absl::FailedPreconditionError("x [fence epoch ]")), std::nullopt);
+  EXPECT_EQ(FencedEpoch(absl::FailedPreconditionError("x [fence epoch 18446744073709551615]")),
+            std::nullopt);
+}
+
 TEST(Messages, ConnectLinksRoundTripAndBounds) {
   ConnectLinksRequest batch;
   for (uint32_t i = 0; i < 3; ++i) {

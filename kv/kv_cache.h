@@ -179,6 +179,9 @@ class KvSender {
     // The decode instance whose pool `remote_buffers` describes; batches and
     // the final notification go to it or fail.
     uint64_t peer_engine_id = 0;
+    // This engine's epoch with the decode then (TransferEngine::PeerEpoch):
+    // once the decode fenced this engine, none of the request's layers go.
+    uint64_t peer_epoch = 0;
     std::vector<void*> remote_buffers;
     std::vector<PageRun> runs;
     std::vector<bool> sent;  // per layer

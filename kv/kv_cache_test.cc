@@ -658,6 +658,22 @@ TEST(KvCache, AFencedPrefillLandsNothingMore) {
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_TRUE(Snapshot(dst) == fenced) << "a fenced prefill's write landed";
   EXPECT_NE(receiver->Poll("after").state, KvReceiver::State::kComplete);
+  // The prefill, alive all along, learned of the fence from the refusals:
+  // its next request goes at the next epoch, and completes, without a
+  // restart. What it sent at the fenced epoch stays refused.
+  EXPECT_EQ(prefill->PeerEpoch(*prefill->OpenSegment(peer)).value_or(0), 1u);
+  ASSERT_TRUE(receiver->Expect("again", prefill->address()).ok());
+  ASSERT_TRUE(sender->Send("again", peer, {2, 3}, {2, 3}, "back").ok());
+  auto again = receiver->Wait("again", absl::Seconds(5));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->state, KvReceiver::State::kComplete) << again->error;
+  EXPECT_EQ(again->aux, "back");
+  EXPECT_TRUE(PagesMatch(src, dst, {2, 3}, {2, 3}));
+  EXPECT_NE(receiver->Poll("after").state, KvReceiver::State::kComplete);
+  EXPECT_FALSE(decode->PeerFenced(prefill->engine_id()));
+  // Fenced again (at epoch 1): counted again.
+  decode->FencePeer(prefill->engine_id(), "once more");
+  EXPECT_EQ(decode->GetCounters().peers_fenced, 2u);
   // Another prefill is not affected.
   auto other_engine = Engine();
   auto other = *KvSender::Create(other_engine.get(), src);

@@ -308,14 +308,8 @@ absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
                                  const absl::StatusOr<uint64_t>& id, absl::Time now,
                                  bool data_moved) const {
   const absl::Duration period = options_.peer_timeout / 4;
-  if (id.ok() && engine_->PeerFenced(*id)) {
-    // Declared failed earlier (and still running): it can deliver nothing
-    // here until it restarts.
-    return absl::UnavailableError(absl::StrFormat(
-        "the prefill at %s (engine %#x) was declared failed earlier and is fenced off this "
-        "engine; it must restart",
-        peer, *id));
-  }
+  // An instance fenced earlier that answers is alive: it comes back at a
+  // later epoch (PeerService::Fence), and its new requests count.
   if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
     if (p.presented) {
       return absl::UnavailableError(absl::StrFormat(

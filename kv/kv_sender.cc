@@ -82,6 +82,7 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
   // The instance the pool description came from (FetchMetadata matched it
   // to the segment's last handshake).
   ASSIGN_OR_RETURN(const uint64_t instance, engine_->PeerEngineId(segment));
+  ASSIGN_OR_RETURN(const uint64_t epoch, engine_->PeerEpoch(segment));
   std::pair<std::string, std::string> lines = absl::StrSplit(published, '\n');
   ASSIGN_OR_RETURN(KvLayout theirs, KvLayout::Decode(lines.first));
   if (theirs.layers != mine.layers || theirs.combined_kv != mine.combined_kv ||
@@ -110,6 +111,7 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
   r->id = request_id;
   r->segment = segment;
   r->peer_engine_id = instance;
+  r->peer_epoch = epoch;
   r->runs = std::move(runs);
   r->sent.assign(mine.layers, false);
   return r;
@@ -118,7 +120,7 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
 absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
   std::vector<TransferRequest> transfers;
   SegmentId segment;
-  uint64_t peer_engine_id;
+  uint64_t peer_engine_id, peer_epoch;
   {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Request * r, Find(h));
@@ -140,10 +142,11 @@ absl::Status KvSender::SendLayer(Handle h, uint32_t layer) {
     }
     segment = r->segment;
     peer_engine_id = r->peer_engine_id;
+    peer_epoch = r->peer_epoch;
   }
   // Bound to the decode instance whose pool the addresses describe: after a
   // restart they would land in whatever its successor keeps there.
-  absl::StatusOr<BatchId> batch = engine_->Submit(segment, transfers, peer_engine_id);
+  absl::StatusOr<BatchId> batch = engine_->Submit(segment, transfers, peer_engine_id, peer_epoch);
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Request * r, Find(h));
   if (!batch.ok()) {

@@ -169,10 +169,13 @@ Decode StartDecode(absl::Duration peer_timeout) {
   return d;
 }
 
-absl::StatusOr<PeerProcess> StartPrefill(const Decode& d, const std::string& request) {
-  return PeerProcess::Start(0, 0, absl::Seconds(20),
-                            {absl::StrCat("--kv_prefill_to=", d.engine->address()),
-                             absl::StrCat("--kv_request=", request), "--kv_layer_delay_ms=300"});
+absl::StatusOr<PeerProcess> StartPrefill(const Decode& d, const std::string& request,
+                                         std::vector<std::string> extra = {}) {
+  std::vector<std::string> flags = {absl::StrCat("--kv_prefill_to=", d.engine->address()),
+                                    absl::StrCat("--kv_request=", request),
+                                    "--kv_layer_delay_ms=300"};
+  for (std::string& f : extra) flags.push_back(std::move(f));
+  return PeerProcess::Start(0, 0, absl::Seconds(20), std::move(flags));
 }
 
 #if defined(__SANITIZE_THREAD__)
@@ -218,8 +221,9 @@ const absl::Duration kReportBound = kKvPeerTimeout + absl::Milliseconds(1500);
 // failed with kUnavailable naming the prefill, within kReportBound).
 KvReceiver::Status StopAfterLayer0(Decode& d, const std::string& id, const char* how,
                                    const std::function<void(PeerProcess&)>& stop,
-                                   absl::StatusOr<PeerProcess>* prefill) {
-  *prefill = StartPrefill(d, id);
+                                   absl::StatusOr<PeerProcess>* prefill,
+                                   std::vector<std::string> extra = {}) {
+  *prefill = StartPrefill(d, id, std::move(extra));
   EXPECT_TRUE(prefill->ok()) << prefill->status();
   if (!prefill->ok()) return {};
   EXPECT_TRUE(d.receiver->Expect(id, (*prefill)->address()).ok());
@@ -258,19 +262,35 @@ TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) 
   }
 }
 
+// The frozen prefill is fenced at its epoch (0). Thawed, it finds its
+// writes refused, learns the fence from the refusal, and sends its next
+// request (4 s after the first ended) at epoch 1: that one completes, from
+// the same process.
 TEST(PeerFailure, KvPrefillFrozenMidRequestIsFailedAndFencedBeforeItResumes) {
   Decode d = StartDecode(kKvPeerTimeout);
   absl::StatusOr<PeerProcess> prefill;
-  const KvReceiver::Status s = StopAfterLayer0(
-      d, "frozen", "frozen", [](PeerProcess& p) { p.Freeze(); }, &prefill);
+  const KvReceiver::Status s =
+      StopAfterLayer0(d, "frozen", "frozen", [](PeerProcess& p) { p.Freeze(); }, &prefill,
+                      {"--kv_then=frozen-next", "--kv_then_after_ms=4000"});
   if (HasFailure()) return;
   EXPECT_NE(s.error.message().find("has not answered"), std::string::npos) << s.error;
+  EXPECT_EQ(d.engine->GetCounters().peers_fenced, 1u);
   // Fenced: the prefill resumes and tries to send layers 1-3 (one every
   // 300 ms) and its completion; none of it lands, nor is it reported.
   const std::string at_report = Snapshot(d.pool);
   prefill->Thaw();
   absl::SleepFor(absl::Seconds(2));
   EXPECT_TRUE(Snapshot(d.pool) == at_report) << "bytes landed after the failure was reported";
+  EXPECT_EQ(d.receiver->Poll("frozen").state, KvReceiver::State::kFailed);
+  // Its next request, at the next epoch, is served.
+  ASSERT_TRUE(d.receiver->Expect("frozen-next", prefill->address()).ok());
+  auto next = d.receiver->Wait("frozen-next", absl::Seconds(20));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->state, KvReceiver::State::kComplete) << next->error;
+  EXPECT_EQ(next->aux, "aux2");
+  for (uint32_t layer = 0; layer < TestKvLayout().layers; ++layer) {
+    EXPECT_EQ(*d.pool.page(layer, 1, TestKvLayout().pages - 1), static_cast<char>(layer + 101));
+  }
   EXPECT_EQ(d.receiver->Poll("frozen").state, KvReceiver::State::kFailed);
 }
 

@@ -8,7 +8,10 @@
 // Instead acts as a prefill: sends request ID of a KV pool of TestKvLayout()
 // (every page to the same page, layer by layer, one every D ms, each byte
 // `layer + 1`) to the decode at HOST:PORT, then finishes it, and waits to be
-// killed (peer_failure_test kills or freezes it mid-request). Raises its
+// killed (peer_failure_test kills or freezes it mid-request). With
+// --kv_then=ID2, --kv_then_after_ms=T it then waits T ms and sends request
+// ID2 of every layer at once (each byte `layer + 101`), and prints
+// "FINISHED2 <status>". Raises its
 // descriptor limit to the hard limit (attack tests open many connections).
 #include <sys/resource.h>
 #include <unistd.h>
@@ -33,6 +36,8 @@ ABSL_FLAG(uint64_t, bytes, 1 << 20, "bytes of registered memory");
 ABSL_FLAG(std::string, kv_prefill_to, "", "act as a prefill sending to this decode");
 ABSL_FLAG(std::string, kv_request, "req", "the KV request id to send");
 ABSL_FLAG(int, kv_layer_delay_ms, 300, "pause before each layer");
+ABSL_FLAG(std::string, kv_then, "", "a second KV request id to send after the first");
+ABSL_FLAG(int, kv_then_after_ms, 0, "pause before the second request");
 
 namespace {
 
@@ -65,6 +70,18 @@ int Prefill(kvferry::TransferEngine* engine) {
   absl::Status done = (*sender)->Finish(*h, "aux");
   std::printf("FINISHED %s\n", done.ToString().c_str());
   std::fflush(stdout);
+  if (const std::string then = absl::GetFlag(FLAGS_kv_then); !then.empty()) {
+    absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_kv_then_after_ms)));
+    for (uint32_t layer = 0; layer < layout.layers; ++layer) {
+      for (uint32_t kv = 0; kv < layout.buffers_per_layer(); ++kv) {
+        std::memset(pool->page(layer, kv, 0), layer + 101, layout.buffer_bytes());
+      }
+    }
+    absl::Status second =
+        (*sender)->Send(then, absl::GetFlag(FLAGS_kv_prefill_to), pages, pages, "aux2");
+    std::printf("FINISHED2 %s\n", second.ToString().c_str());
+    std::fflush(stdout);
+  }
   for (;;) pause();
 }
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 
 namespace kvferry {
@@ -109,6 +110,10 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
     }
     reply = Expect(peer, sent, std::move(reply), MessageType::kConnectLinksReply);
     out->links = reply.ok() ? DecodeLinks(peer, *reply, count) : reply.status();
+    Learn(peer, out->links.status());
+    if (out->links.ok()) {
+      for (const absl::StatusOr<std::string>& link : *out->links) Learned(peer, link);
+    }
     return true;
   };
   if (here) {
@@ -121,8 +126,10 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
 
 absl::StatusOr<std::string> PeerClient::Connect(const std::string& peer,
                                                 const handshake::ConnectRequest& request) const {
-  ASSIGN_OR_RETURN(Frame reply, Call(peer, Frame{MessageType::kConnect, handshake::Encode(request)},
-                                     MessageType::kConnectReply, timeout_));
+  ASSIGN_OR_RETURN(
+      Frame reply,
+      Learned(peer, Call(peer, Frame{MessageType::kConnect, handshake::Encode(request)},
+                         MessageType::kConnectReply, timeout_)));
   ASSIGN_OR_RETURN(handshake::ConnectReply answer, handshake::DecodeConnectReply(reply.payload));
   return std::move(answer.params);
 }
@@ -137,7 +144,14 @@ absl::StatusOr<PeerClient::LinkAnswers> PeerClient::ConnectLinks(
     absl::StatusOr<Frame> reply =
         Call(peer, Frame{MessageType::kConnectLinks, handshake::Encode(batch)},
              MessageType::kConnectLinksReply, timeout_);
-    if (reply.ok()) return DecodeLinks(peer, *reply, count);
+    if (reply.ok()) {
+      absl::StatusOr<LinkAnswers> answers = DecodeLinks(peer, *reply, count);
+      if (answers.ok()) {
+        for (const absl::StatusOr<std::string>& link : *answers) Learned(peer, link);
+      }
+      return answers;
+    }
+    Learn(peer, reply.status());
     // Only a peer that states nothing may be one that does not know it.
     if (capabilities.has_value() || !RefusedAsUnknown(reply.status())) return reply.status();
   }
@@ -190,11 +204,33 @@ absl::Status PeerClient::Notify(const std::string& peer, const std::string& mess
                                                    " bytes exceeds the limit of ",
                                                    handshake::kMaxNotifyBytes));
   }
-  return Call(peer,
-              Frame{MessageType::kNotify,
-                    handshake::Encode(handshake::Notify{engine_id_, message, target})},
-              MessageType::kNotifyAck, timeout > absl::ZeroDuration() ? timeout : timeout_)
-      .status();
+  const absl::Status sent =
+      Call(peer,
+           Frame{MessageType::kNotify, handshake::Encode(handshake::Notify{
+                                           engine_id_, message, target, EpochWith(peer)})},
+           MessageType::kNotifyAck, timeout > absl::ZeroDuration() ? timeout : timeout_)
+          .status();
+  Learn(peer, sent);
+  return sent;
+}
+
+uint64_t PeerClient::EpochWith(const std::string& peer) const {
+  MutexLock lock(&epochs_mu_);
+  const uint64_t* epoch = epochs_.Find(peer);
+  return epoch == nullptr ? 0 : *epoch;
+}
+
+void PeerClient::Learn(const std::string& peer, const absl::Status& status) const {
+  const std::optional<uint64_t> fenced = handshake::FencedEpoch(status);
+  if (!fenced.has_value()) return;
+  MutexLock lock(&epochs_mu_);
+  uint64_t& epoch = epochs_[peer];
+  if (epoch <= *fenced) {
+    KVF_LOG(WARNING) << "the engine at " << peer << " fenced this engine off (epoch " << *fenced
+                     << "): what was in flight to it is lost; new requests go at epoch "
+                     << *fenced + 1;
+    epoch = *fenced + 1;
+  }
 }
 
 absl::StatusOr<handshake::Metadata> PeerClient::GetMetadata(const std::string& peer,

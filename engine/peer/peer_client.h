@@ -14,6 +14,8 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
+#include "base/recent_set.h"
 #include "handshake/hand_over.h"
 #include "handshake/messages.h"
 #include "handshake/network.h"
@@ -90,6 +92,13 @@ class PeerClient {
   // Waits up to `timeout` (0: the client's).
   absl::Status Notify(const std::string& peer, const std::string& message, uint64_t target,
                       absl::Duration timeout = {}) const;
+  // This engine's epoch with the engine at `peer` (ConnectRequest::epoch):
+  // 0 until that engine fenced this one, then one past the epoch its
+  // refusal named (handshake::FencedEpoch), which every call here that the
+  // peer refuses so teaches. Link requests carry it as their caller puts
+  // it (the pipeline reads it once per set of links), notifications as it
+  // is when they are sent.
+  uint64_t EpochWith(const std::string& peer) const ABSL_LOCKS_EXCLUDED(epochs_mu_);
   // A value the peer published, and the instance that answered.
   // Waits up to `timeout` (0: the client's).
   absl::StatusOr<handshake::Metadata> GetMetadata(const std::string& peer, const std::string& key,
@@ -113,10 +122,26 @@ class PeerClient {
       const handshake::Frame& reply);
   static absl::StatusOr<LinkAnswers> DecodeLinks(const std::string& peer,
                                                  const handshake::Frame& reply, size_t count);
+  // Takes the epoch after the one that a fence refusal from `peer` names
+  // (nothing for any other status).
+  void Learn(const std::string& peer, const absl::Status& status) const
+      ABSL_LOCKS_EXCLUDED(epochs_mu_);
+  template <typename T>
+  const absl::StatusOr<T>& Learned(const std::string& peer, const absl::StatusOr<T>& s) const {
+    if (!s.ok()) Learn(peer, s.status());
+    return s;
+  }
+
+  // Peers whose epochs are remembered (the oldest forgotten first: it is
+  // refused once more, and learns its epoch again).
+  static constexpr size_t kMaxEpochs = 4096;
+
   handshake::Network* const network_;
   handshake::HandOver* const hand_over_;  // null: the network cannot hand over
   const uint64_t engine_id_;
   const absl::Duration timeout_;
+  mutable Mutex epochs_mu_;
+  mutable RecentMap<std::string, uint64_t> epochs_ ABSL_GUARDED_BY(epochs_mu_){kMaxEpochs};
 };
 
 }  // namespace engine_internal

@@ -36,23 +36,40 @@ absl::StatusOr<handshake::EngineDescriptor> PeerService::Describe(absl::string_v
   return absl::NotFoundError(absl::StrCat("this engine has no ", kind, " transport"));
 }
 
-absl::Status PeerService::RefuseFenced(uint64_t engine_id) const {
-  if (!Fenced(engine_id)) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrFormat(
-      "engine %#x was declared failed by engine %#x, which no longer accepts its links or "
-      "notifications (a restarted process gets a new engine id)",
-      engine_id, engine_id_));
+absl::Status PeerService::RefuseFenced(uint64_t engine_id, uint64_t epoch) const {
+  MutexLock lock(&mu_);
+  return RefuseFencedLocked(engine_id, epoch);
+}
+
+absl::Status PeerService::RefuseFencedLocked(uint64_t engine_id, uint64_t epoch) const {
+  const Epochs* e = epochs_.Find(engine_id);
+  if (e == nullptr || !e->fenced || epoch > e->fenced_at) return absl::OkStatus();
+  return handshake::FencedError(
+      absl::StrFormat("engine %#x was declared failed by engine %#x, which refuses its links and "
+                      "notifications of that time (what it had in flight here is lost; it may "
+                      "come back at a later epoch)",
+                      engine_id, engine_id_),
+      e->fenced_at);
+}
+
+void PeerService::SawEpoch(uint64_t engine_id, uint64_t epoch) {
+  if (epoch == 0 && epochs_.Find(engine_id) == nullptr) return;  // the common case: nothing kept
+  Epochs& e = epochs_[engine_id];
+  e.highest = std::max(e.highest, epoch);
 }
 
 bool PeerService::Fenced(uint64_t engine_id) const {
   MutexLock lock(&mu_);
-  return fenced_.Contains(engine_id);
+  const Epochs* e = epochs_.Find(engine_id);
+  return e != nullptr && e->fenced && e->highest <= e->fenced_at;
 }
 
 absl::Status PeerService::Track(uint64_t engine_id, Tracked link) {
   {
     MutexLock lock(&mu_);
-    if (!fenced_.Contains(engine_id)) {
+    absl::Status refused = RefuseFencedLocked(engine_id, link.epoch);
+    if (refused.ok()) {
+      SawEpoch(engine_id, link.epoch);
       links_by_engine_[engine_id].push_back(std::move(link));
       if (++tracked_ > prune_at_) PruneClosedLinks();
       return absl::OkStatus();
@@ -60,7 +77,7 @@ absl::Status PeerService::Track(uint64_t engine_id, Tracked link) {
   }
   // Fenced while its link was being accepted.
   (void)link.transport->CloseLink(link.link);
-  return RefuseFenced(engine_id);
+  return RefuseFenced(engine_id, link.epoch);
 }
 
 void PeerService::DropClosed(std::vector<Tracked>& links) {
@@ -87,17 +104,22 @@ void PeerService::PruneClosedLinks() {
 }
 
 void PeerService::Fence(uint64_t engine_id, absl::string_view reason) {
+  // Its links are all of its highest epoch here or earlier ones.
+  uint64_t epoch = 0;
   {
     MutexLock lock(&mu_);
-    if (!fenced_.Contains(engine_id)) {
+    if (const Epochs* e = epochs_.Find(engine_id)) epoch = std::max(e->highest, e->fenced_at);
+    Epochs& e = epochs_[engine_id];
+    if (!e.fenced || e.fenced_at < epoch) {
       ++fences_;
-      KVF_LOG(WARNING) << absl::StrFormat("fencing engine %#x off this engine (%#x): ", engine_id,
-                                          engine_id_)
+      KVF_LOG(WARNING) << absl::StrFormat("fencing engine %#x (epoch %d) off this engine (%#x): ",
+                                          engine_id, epoch, engine_id_)
                        << (reason.empty() ? "declared failed" : reason);
     }
-    fenced_.Insert(engine_id);
+    e.fenced = true;
+    e.fenced_at = epoch;
   }
-  CloseLinksOf(engine_id);
+  CloseLinksOf(engine_id, "", epoch);
 }
 
 uint64_t PeerService::fences() const {
@@ -124,7 +146,7 @@ uint64_t PeerService::InputsFrom(uint64_t engine_id) const {
   return n;
 }
 
-void PeerService::CloseLinksOf(uint64_t engine_id, absl::string_view source) {
+void PeerService::CloseLinksOf(uint64_t engine_id, absl::string_view source, uint64_t up_to_epoch) {
   std::vector<Tracked> links;
   {
     MutexLock lock(&mu_);
@@ -132,7 +154,7 @@ void PeerService::CloseLinksOf(uint64_t engine_id, absl::string_view source) {
     if (it != links_by_engine_.end()) {
       auto& v = it->second;
       auto doomed = std::stable_partition(v.begin(), v.end(), [&](const Tracked& l) {
-        return !source.empty() && l.source != source;
+        return (!source.empty() && l.source != source) || l.epoch > up_to_epoch;
       });
       links.assign(std::make_move_iterator(doomed), std::make_move_iterator(v.end()));
       v.erase(doomed, v.end());
@@ -174,7 +196,7 @@ absl::StatusOr<std::string> PeerService::Accept(const handshake::ConnectRequest&
 }
 
 absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::ConnectRequest& c) {
-  RETURN_IF_ERROR(RefuseFenced(c.engine_id));
+  RETURN_IF_ERROR(RefuseFenced(c.engine_id, c.epoch));
   if (const absl::string_view source = handshake::RequestSource(); !source.empty()) {
     MutexLock lock(&mu_);
     auto it = by_source_.find(source);
@@ -197,7 +219,8 @@ absl::StatusOr<PeerService::Tracked> PeerService::AcceptLink(const handshake::Co
     absl::StatusOr<transport::LinkOffer> offer =
         t->AcceptLink(c.target_nic, c.requester_nic_info, c.params);
     if (!offer.ok()) return offer.status();
-    Tracked link{t, offer->link, std::move(offer->params), std::string(handshake::RequestSource())};
+    Tracked link{t, offer->link, std::move(offer->params), std::string(handshake::RequestSource()),
+                 c.epoch};
     RETURN_IF_ERROR(Track(c.engine_id, link));
     if (const absl::string_view source = handshake::RequestSource(); !source.empty()) {
       MutexLock lock(&mu_);
@@ -262,7 +285,13 @@ handshake::Answer PeerService::ConnectLinks(const Frame& request) {
 Frame PeerService::Notify(const Frame& request) {
   absl::StatusOr<handshake::Notify> n = handshake::DecodeNotify(request.payload);
   if (!n.ok()) return ErrorFrame(n.status());
-  if (absl::Status fenced = RefuseFenced(n->engine_id); !fenced.ok()) return ErrorFrame(fenced);
+  {
+    MutexLock lock(&mu_);
+    if (absl::Status fenced = RefuseFencedLocked(n->engine_id, n->epoch); !fenced.ok()) {
+      return ErrorFrame(fenced);
+    }
+    SawEpoch(n->engine_id, n->epoch);
+  }
   if (n->target_engine_id != 0 && n->target_engine_id != engine_id_) {
     return ErrorFrame(absl::FailedPreconditionError(absl::StrFormat(
         "notification meant for engine %#x, but this is engine %#x (the peer restarted; "

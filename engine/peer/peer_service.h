@@ -59,20 +59,28 @@ class PeerService {
   // (handshake::HandOver); a network that cannot hand over keeps it.
   handshake::Answer Handle(const handshake::Frame& request);
 
-  // Fences the peer instance `engine_id` (declared failed): closes every
-  // link it opened to this engine and refuses its links and notifications
-  // from then on. Returns once nothing it sends on those links can land in
-  // this engine's memory (the transports' CloseLink). Idempotent. Logged
-  // (once per instance) with `reason`, and counted.
+  // Fences the peer instance `engine_id` (declared failed) at its current
+  // epoch: closes every link it opened to this engine, and refuses its
+  // links and notifications of that epoch or an earlier one from then on
+  // (handshake::FencedError names the epoch). Returns once nothing it sent
+  // on those links can land in this engine's memory (the transports'
+  // CloseLink). The instance, if it is alive, learns the epoch from the
+  // refusal, fails what it had in flight here, and comes back at a later
+  // epoch (handshake::ConnectRequest::epoch): its new links and
+  // notifications are taken. Idempotent while it stays at that epoch.
+  // Logged (once per epoch) with `reason`, and counted.
   void Fence(uint64_t engine_id, absl::string_view reason);
   uint64_t fences() const;
   // Closes the links `engine_id` opened (without fencing it); with a
-  // `source`, only those asked for from that address.
-  void CloseLinksOf(uint64_t engine_id, absl::string_view source = "");
+  // `source`, only those asked for from that address; only those of
+  // `up_to_epoch` or an earlier epoch.
+  void CloseLinksOf(uint64_t engine_id, absl::string_view source = "",
+                    uint64_t up_to_epoch = UINT64_MAX);
   bool HasLinksOf(uint64_t engine_id, absl::string_view source) const;
   // Messages received so far on the links `engine_id` opened (the
   // transports' InputCount): growth means it is alive.
   uint64_t InputsFrom(uint64_t engine_id) const;
+  // Whether `engine_id` is fenced at the latest epoch it used here.
   bool Fenced(uint64_t engine_id) const;
 
  private:
@@ -83,6 +91,15 @@ class PeerService {
     transport::LinkId link;
     std::string params;
     std::string source;  // the address it was asked for from (RequestSource)
+    uint64_t epoch = 0;  // the requester's (ConnectRequest::epoch)
+  };
+  // What is known of an instance's epochs here: kept for instances that
+  // were fenced, or that came at an epoch above 0 (which only a fence
+  // elsewhere, or here before a restart, gives).
+  struct Epochs {
+    bool fenced = false;
+    uint64_t fenced_at = 0;  // refused at this epoch and below
+    uint64_t highest = 0;    // the highest epoch it used here
   };
   // One link: the accepting transport's parameters.
   absl::StatusOr<std::string> Accept(const handshake::ConnectRequest& c);
@@ -93,9 +110,14 @@ class PeerService {
   handshake::Frame Notify(const handshake::Frame& request);
   // Closes the named links of the requesting engine (kCloseLinks).
   handshake::Frame CloseLinks(const handshake::Frame& request);
-  absl::Status RefuseFenced(uint64_t engine_id) const;
+  // The refusal for `engine_id` at `epoch`, if it is fenced there.
+  absl::Status RefuseFenced(uint64_t engine_id, uint64_t epoch) const;
+  absl::Status RefuseFencedLocked(uint64_t engine_id, uint64_t epoch) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Notes that `engine_id` used `epoch` here.
+  void SawEpoch(uint64_t engine_id, uint64_t epoch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Remembers that `engine_id` opened `link`; closes it at once (and says
-  // so) if that engine was fenced meanwhile.
+  // so) if that engine was fenced at the link's epoch meanwhile.
   absl::Status Track(uint64_t engine_id, Tracked link);
   void PruneClosedLinks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the links of `links` their transports closed.
@@ -112,7 +134,7 @@ class PeerService {
   static constexpr size_t kMaxLinksPerSource = 128;
 
  private:
-  // Fenced instances remembered (the oldest forgotten first).
+  // Instances whose epochs are remembered (the oldest forgotten first).
   static constexpr size_t kMaxFenced = 65536;
 
   const uint64_t engine_id_;
@@ -126,7 +148,7 @@ class PeerService {
   std::map<uint64_t, std::vector<Tracked>> links_by_engine_ ABSL_GUARDED_BY(mu_);
   size_t tracked_ ABSL_GUARDED_BY(mu_) = 0;
   size_t prune_at_ ABSL_GUARDED_BY(mu_) = kPruneAbove;
-  RecentSet<uint64_t> fenced_ ABSL_GUARDED_BY(mu_){kMaxFenced};
+  RecentMap<uint64_t, Epochs> epochs_ ABSL_GUARDED_BY(mu_){kMaxFenced};
   // Each source's links, pruned of closed ones when it reaches its share.
   std::map<std::string, std::vector<Tracked>, std::less<>> by_source_ ABSL_GUARDED_BY(mu_);
   uint64_t fences_ ABSL_GUARDED_BY(mu_) = 0;

@@ -62,7 +62,7 @@ class BatchPipeline {
   // Thread-safe, any thread; none blocks while holding a lock. Submit may
   // handshake (a segment not ready); Wait blocks up to `timeout`.
   absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests,
-                                 uint64_t peer_engine_id);
+                                 const PeerBinding& bound);
   absl::StatusOr<BatchStatus> Poll(BatchId id);
   absl::Status Wait(BatchId id, absl::Duration timeout, BatchStatus* out);
   absl::Status Release(BatchId id) { return lanes_.Release(id); }
@@ -84,7 +84,7 @@ class BatchPipeline {
   // again (and the segment refreshed) when it is out of date.
   absl::StatusOr<BatchId> CreateOnLane(Lane& lane, SegmentId id,
                                        absl::Span<const TransferRequest> requests,
-                                       absl::Span<const LocalUse> local, uint64_t peer_engine_id,
+                                       absl::Span<const LocalUse> local, const PeerBinding& bound,
                                        Submission* out);
   // The same while `ls` holds the segment's current view `seg`: plans,
   // creates the batch, and assigns links when the segment has room and no
@@ -92,13 +92,13 @@ class BatchPipeline {
   // view's regions.
   absl::StatusOr<BatchId> SubmitOnLane(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
                                        SegmentId id, absl::Span<const TransferRequest> requests,
-                                       absl::Span<const LocalUse> local, uint64_t peer_engine_id,
+                                       absl::Span<const LocalUse> local, const PeerBinding& bound,
                                        SliceCheck* why, Submission* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Commits the slices `reserved` (in `lane`'s table, see
   // BatchTable::AddSlice) to a new batch of `requests`.
   BatchId CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
-                      absl::Span<const TransferRequest> requests, uint64_t peer_engine_id,
+                      absl::Span<const TransferRequest> requests, const PeerBinding& bound,
                       absl::Span<const uint64_t> reserved, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Submit's path for a lone request that fits one slice, on a segment
@@ -108,7 +108,7 @@ class BatchPipeline {
   // caller's batch). nullopt, nothing changed, when anything is unusual
   // (the general path then decides).
   std::optional<absl::StatusOr<BatchId>> SubmitOne(SegmentId id, const TransferRequest& r,
-                                                   const LocalUse& local, uint64_t peer_engine_id);
+                                                   const LocalUse& local, const PeerBinding& bound);
   // Waits in the transports up to `timeout` and delivers what completed
   // (the pump's driver).
   void Pump(absl::Duration timeout);

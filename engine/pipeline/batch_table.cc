@@ -8,6 +8,7 @@ namespace engine_internal {
 void Batch::Reset() {
   segment = 0;
   peer_engine_id = 0;
+  epoch = 0;
   bound = false;
   landed = 0;
   submitted = absl::Time();

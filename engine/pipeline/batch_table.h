@@ -7,6 +7,7 @@
 #define KVFERRY_ENGINE_PIPELINE_BATCH_TABLE_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -42,13 +43,25 @@ struct Slice {
   absl::Status last_error;
 };
 
+// What a batch is bound to (TransferEngine::Submit): the peer instance its
+// addresses came from (0: any), and this engine's epoch with that peer
+// then (none: any; see SegmentCore::epoch).
+struct PeerBinding {
+  uint64_t engine_id = 0;
+  std::optional<uint64_t> epoch;
+};
+
 struct Batch {
   SegmentId segment = 0;
   // The peer instance (engine id) the batch writes to or reads from. A
   // slice is never retried on another instance: its bytes would be split
   // between a dead peer and its successor.
   uint64_t peer_engine_id = 0;
-  bool bound = false;   // the caller named the instance
+  bool bound = false;  // the caller named the instance
+  // The segment's epoch when the batch was made (SegmentCore::epoch): a
+  // peer that fenced this engine took everything of that epoch as lost,
+  // and none of it goes to the peer at a later one.
+  uint64_t epoch = 0;
   uint64_t landed = 0;  // slices completed OK
   absl::Time submitted;
   std::vector<transport::Opcode> op;  // per request

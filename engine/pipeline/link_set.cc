@@ -32,7 +32,7 @@ absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClie
                    transport->CreateLink(link.local_nic, peer_nic_info));
   absl::StatusOr<std::string> params =
       client.Connect(peer, handshake::ConnectRequest{engine_id, link.local_nic, local_nic_info,
-                                                     link.remote_nic, offer.params});
+                                                     link.remote_nic, offer.params, link.epoch});
   absl::Status done = params.ok() ? transport->CompleteLink(offer.link, *params) : params.status();
   if (!done.ok()) {
     (void)transport->CloseLink(offer.link);
@@ -122,8 +122,10 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
   std::vector<absl::Status> outcome(count);
   std::vector<handshake::ConnectRequest> requests;
   std::vector<uint32_t> asked;  // index in `links` of each request
+  const uint64_t epoch = client.EpochWith(peer);
   for (uint32_t k = 0; k < count; ++k) {
     Link& link = links.emplace_back(PlanLink(transport, local, d, k, now));
+    link.epoch = epoch;
     absl::StatusOr<transport::LinkOffer> offer =
         transport->CreateLink(link.local_nic, d.nics[link.remote_nic]);
     if (!offer.ok()) {
@@ -133,7 +135,7 @@ absl::StatusOr<std::vector<Link>> ConnectLinks(transport::Transport* transport,
     link.id = offer->link;
     requests.push_back(handshake::ConnectRequest{engine_id, link.local_nic,
                                                  local.nics[link.local_nic], link.remote_nic,
-                                                 std::move(offer->params)});
+                                                 std::move(offer->params), epoch});
     asked.push_back(k);
   }
   if (!requests.empty()) {
@@ -182,8 +184,9 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
                              : absl::UnimplementedError("several local NICs");
   RETURN_IF_ERROR(offers.status());  // kUnimplemented: the usual way
   std::vector<handshake::ConnectRequest> requests;
+  const uint64_t epoch = client.EpochWith(peer);
   for (const transport::LinkOffer& o : *offers) {
-    requests.push_back(handshake::ConnectRequest{engine_id, 0, local.nics[0], 0, o.params});
+    requests.push_back(handshake::ConnectRequest{engine_id, 0, local.nics[0], 0, o.params, epoch});
   }
   std::vector<Link> links;
   std::vector<absl::Status> outcome;
@@ -197,6 +200,7 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
         for (uint32_t k = 0; k < offers->size(); ++k) {
           Link& link = links.emplace_back(PlanLink(transport, local, d, k, now));
           link.id = (*offers)[k].link;
+          link.epoch = epoch;
           outcome.push_back(k == 0 && ride ? absl::OkStatus()
                                            : streams->ConnectOffered(link.id, d.nics[0]));
         }

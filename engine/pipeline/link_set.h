@@ -74,6 +74,9 @@ struct Link {
   // The peer closed its half (after the link failed): nothing posted on it
   // can land any more.
   bool peer_closed = false;
+  // This engine's epoch with the peer when the link was asked for
+  // (PeerClient::EpochWith); a repair asks at the same epoch.
+  uint64_t epoch = 0;
 };
 
 // Builds links to the engine at `peer` described by `d`: at least
@@ -102,9 +105,9 @@ absl::StatusOr<DescribedLinks> DescribeWithLinks(transport::Transport* transport
                                                  const std::string& peer, const std::string& kind,
                                                  uint32_t links_per_peer, absl::Time now);
 
-// One link from `link.local_nic` to the peer's `link.remote_nic` (the other
-// fields of `link` are kept); kUnavailable etc. from the handshake or the
-// transport, nothing left open on failure.
+// One link from `link.local_nic` to the peer's `link.remote_nic`, asked for
+// at `link.epoch` (the other fields of `link` are kept); kUnavailable etc. from the handshake or
+// the transport, nothing left open on failure.
 absl::StatusOr<Link> ConnectLink(transport::Transport* transport, const PeerClient& client,
                                  uint64_t engine_id, const std::string& peer,
                                  const transport::NicInfo& local_nic_info,

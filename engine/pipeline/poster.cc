@@ -117,6 +117,15 @@ bool Poster::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time 
       }
       b->peer_engine_id = seg.descriptor.engine_id;  // nothing landed: move it whole
     }
+    if (b != nullptr && b->epoch != seg.epoch) {
+      lanes_->Finish(lane, sid,
+                     absl::FailedPreconditionError(absl::StrCat(
+                         "peer ", seg.peer,
+                         " fenced this engine off during the batch (declared it failed): what "
+                         "was in flight to it then is lost, and is not sent again")),
+                     now);
+      continue;
+    }
     // Checked against this descriptor when planned; again after a refresh.
     if (s->checked != seg.generation + 1) {
       const handshake::RegionDescriptor* reg;

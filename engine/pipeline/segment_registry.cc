@@ -59,9 +59,22 @@ absl::StatusOr<std::optional<SegmentRegistry::Path>> SegmentRegistry::OneRoundTr
   return Path{via, std::move(quick->descriptor), std::move(*quick->links), ""};
 }
 
+uint64_t SegmentRegistry::Path::epoch() const {
+  uint64_t e = 0;
+  for (const Link& l : links) e = std::max(e, l.epoch);
+  return e;
+}
+
+absl::StatusOr<SegmentRegistry::Path> SegmentRegistry::FindPath(const std::string& peer) const {
+  const uint64_t epoch = client_->EpochWith(peer);
+  absl::StatusOr<Path> p = FindPathOnce(peer);
+  if (!p.ok() && client_->EpochWith(peer) != epoch) p = FindPathOnce(peer);
+  return p;
+}
+
 // Runs the steps ChoosePath (path_choice.h) gives until one succeeds or it
 // says no: describing the peer and connecting links are the only I/O.
-absl::StatusOr<SegmentRegistry::Path> SegmentRegistry::FindPath(const std::string& peer) const {
+absl::StatusOr<SegmentRegistry::Path> SegmentRegistry::FindPathOnce(const std::string& peer) const {
   PeerFacts theirs;
   theirs.address = peer;
   absl::StatusOr<net::HostPort> hp = net::ParseHostPort(peer);
@@ -139,6 +152,7 @@ absl::StatusOr<SegmentId> SegmentRegistry::Open(const std::string& peer) {
   seg.metrics.transport_reason = path.why;
   seg.via = path.via;
   seg.descriptor = std::move(path.descriptor);
+  seg.epoch = path.epoch();
   seg.links = std::move(path.links);
   seg.last_used = now;
   const SegmentId id = table_.Add(std::move(seg));
@@ -221,7 +235,7 @@ absl::StatusOr<SegmentRegistry::PeerView> SegmentRegistry::View(SegmentId id) co
   MutexLock lock(&mu_);
   const Segment* seg = table_.Find(id);
   if (seg == nullptr) return absl::NotFoundError(absl::StrCat("unknown segment ", id));
-  return PeerView{seg->peer, seg->descriptor.engine_id, seg->generation};
+  return PeerView{seg->peer, seg->descriptor.engine_id, seg->generation, seg->epoch};
 }
 
 // Re-reads the peer's descriptor and rebuilds the links. One refresh per
@@ -276,6 +290,7 @@ absl::Status SegmentRegistry::Refresh(SegmentId id, bool* changed, uint64_t seen
   seg.metrics.transport = vias_[path->via].kind;
   seg.metrics.transport_reason = path->why;
   seg.descriptor = std::move(path->descriptor);
+  seg.epoch = path->epoch();
   seg.links = std::move(path->links);
   seg.state = SegmentState::kReady;
   seg.dead = absl::OkStatus();

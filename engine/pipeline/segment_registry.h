@@ -47,6 +47,7 @@ class SegmentRegistry {
     std::string peer;
     uint64_t engine_id = 0;
     uint64_t generation = 0;
+    uint64_t epoch = 0;  // SegmentCore::epoch
   };
   absl::StatusOr<PeerView> View(SegmentId id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Re-reads the peer's descriptor and rebuilds the links. One refresh per
@@ -90,9 +91,13 @@ class SegmentRegistry {
     handshake::EngineDescriptor descriptor;
     std::vector<Link> links;
     std::string why;
+    uint64_t epoch() const;  // the links' (the latest of them)
   };
-  // Runs the steps ChoosePath gives until one succeeds or it says no.
+  // Runs the steps ChoosePath gives until one succeeds or it says no; once
+  // more if the peer's refusal taught this engine a new epoch with it (it
+  // had fenced this engine: PeerClient::EpochWith).
   absl::StatusOr<Path> FindPath(const std::string& peer) const;
+  absl::StatusOr<Path> FindPathOnce(const std::string& peer) const;
   // Links offered with the request for the peer's descriptor of transport
   // `via`'s kind: one round trip for both (DescribeWithLinks). Nullopt when
   // the usual choice must be made.

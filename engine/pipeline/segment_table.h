@@ -39,6 +39,11 @@ struct SegmentCore {
   std::vector<Link> links;
   size_t via = 0;           // the engine's transport it goes over (vias.h)
   uint64_t generation = 0;  // bumped by every refresh
+  // This engine's epoch with the peer when the links were made (theirs,
+  // Link::epoch). After the peer fenced this engine, the links of the
+  // next refresh are of a later epoch, and slices of batches from before
+  // it fail instead of going on them (Poster).
+  uint64_t epoch = 0;
 
   // The peer region containing `addr`, if any.
   const handshake::RegionDescriptor* FindRemote(uint64_t addr) const;

@@ -16,17 +16,25 @@ using transport::WorkRequest;
 namespace {
 // Rounds of Submit that find the segment's view changed before it gives up.
 constexpr int kMaxSubmitRounds = 64;
+absl::Status FencedSince(const SegmentCore& seg) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "peer ", seg.peer,
+      " fenced this engine off (declared it failed) after the batch's peer instance was "
+      "bound: what was in flight to it then is lost, and nothing more of it is sent"));
+}
+
 }  // namespace
 
 BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
                                    absl::Span<const TransferRequest> requests,
-                                   uint64_t peer_engine_id, absl::Span<const uint64_t> reserved,
+                                   const PeerBinding& bound, absl::Span<const uint64_t> reserved,
                                    absl::Time now) {
   Batch* b;
   const BatchId batch_id = lane.batches.Create(&b);
   b->segment = id;
   b->peer_engine_id = ls.view->descriptor.engine_id;
-  b->bound = peer_engine_id != 0;
+  b->epoch = ls.view->epoch;
+  b->bound = bound.engine_id != 0;
   b->slices_left.assign(requests.size(), 0);
   b->submitted = now;
   for (const TransferRequest& r : requests) {
@@ -50,21 +58,21 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
                                                     const SegmentCore& seg, SegmentId id,
                                                     absl::Span<const TransferRequest> requests,
                                                     absl::Span<const LocalUse> local,
-                                                    uint64_t peer_engine_id, SliceCheck* why,
+                                                    const PeerBinding& bound, SliceCheck* why,
                                                     Submission* out) {
   Scratch<Slice> planned_scratch;
   std::vector<Slice>& planned = *planned_scratch;
   RETURN_IF_ERROR(planner_.Plan(seg, id, requests, local, &planned, why));
-  if (peer_engine_id != 0 && peer_engine_id != seg.descriptor.engine_id) {
+  if (bound.engine_id != 0 && bound.engine_id != seg.descriptor.engine_id) {
     return absl::UnavailableError(absl::StrCat(
         "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
   }
+  if (bound.epoch.has_value() && *bound.epoch != seg.epoch) return FencedSince(seg);
   out->now = clock_->Now();
   out->via = seg.via;
   out->slice_ids->clear();
   for (const Slice& s : planned) out->slice_ids->push_back(lane.batches.AddSlice(s));
-  const BatchId batch =
-      CreateBatch(lane, ls, id, requests, peer_engine_id, *out->slice_ids, out->now);
+  const BatchId batch = CreateBatch(lane, ls, id, requests, bound, *out->slice_ids, out->now);
   // Slices waiting in a backlog go first (PostSlices).
   out->assigned = !poster_.MaybeBacklog() &&
                   poster_.AssignNow(lane, ls, seg, *out->slice_ids, out->now, out->wrs);
@@ -74,7 +82,7 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
 absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
                                                     absl::Span<const TransferRequest> requests,
                                                     absl::Span<const LocalUse> local,
-                                                    uint64_t peer_engine_id, Submission* out) {
+                                                    const PeerBinding& bound, Submission* out) {
   bool looked_again = false;  // refreshed once for a request outside the regions
   // Each round either submits on the lane's view of the segment, or finds
   // that view out of date and reads it again (refreshing the segment first
@@ -86,7 +94,7 @@ absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
       auto it = lane.segments.find(id);
       if (const SegmentCore* seg = it == lane.segments.end() ? nullptr : it->second.Current()) {
         absl::StatusOr<BatchId> batch =
-            SubmitOnLane(lane, it->second, *seg, id, requests, local, peer_engine_id, &why, out);
+            SubmitOnLane(lane, it->second, *seg, id, requests, local, bound, &why, out);
         // A request outside the cached descriptor: the peer may have
         // registered more memory since; look once more before refusing.
         if (batch.ok() || why != SliceCheck::kOutsideRegions || looked_again) return batch;
@@ -110,14 +118,14 @@ absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
 
 absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
                                               absl::Span<const TransferRequest> requests,
-                                              uint64_t peer_engine_id) {
+                                              const PeerBinding& bound) {
   // Local buffers first (under the regions' own lock, or a thread's last piece).
   LocalUse one;
   std::optional<Scratch<LocalUse>> local_scratch;  // for more than one
   absl::Span<const LocalUse> local;
   if (requests.size() == 1) {
     RETURN_IF_ERROR(regions_->FindOne(requests[0], &one));
-    if (auto done = SubmitOne(id, requests[0], one, peer_engine_id)) return *std::move(done);
+    if (auto done = SubmitOne(id, requests[0], one, bound)) return *std::move(done);
     local = {&one, 1};
   } else {
     std::vector<LocalUse>& all = *local_scratch.emplace();
@@ -128,8 +136,7 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
   Scratch<WorkRequest> wrs_scratch;
   Submission sub{&*ids_scratch, &*wrs_scratch};
   Lane& lane = lanes_.Mine();
-  ASSIGN_OR_RETURN(const BatchId batch,
-                   CreateOnLane(lane, id, requests, local, peer_engine_id, &sub));
+  ASSIGN_OR_RETURN(const BatchId batch, CreateOnLane(lane, id, requests, local, bound, &sub));
   absl::Status posted =
       poster_.Post(id, *sub.slice_ids, sub.now, sub.assigned ? sub.wrs : nullptr, sub.via);
   if (!posted.ok()) {
@@ -143,7 +150,7 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
 std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
                                                                 const TransferRequest& r,
                                                                 const LocalUse& local,
-                                                                uint64_t peer_engine_id) {
+                                                                const PeerBinding& bound) {
   Lane& lane = lanes_.Mine();
   WorkRequest wr;
   size_t via;
@@ -158,7 +165,8 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
     const SegmentCore* seg = ls.Current();
     Slice slice;
     if (seg == nullptr || poster_.MaybeBacklog() ||
-        (peer_engine_id != 0 && peer_engine_id != seg->descriptor.engine_id) ||
+        (bound.engine_id != 0 && bound.engine_id != seg->descriptor.engine_id) ||
+        (bound.epoch.has_value() && *bound.epoch != seg->epoch) ||
         !planner_.PlanLone(*seg, id, r, local, &slice)) {
       return std::nullopt;
     }
@@ -173,7 +181,7 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
     // delivered before they are kept, as delivery takes the lane's lock.
     // (A transport's Post takes its own lock and never the pipeline's.)
     posted = vias_[via].transport->Post({&wr, 1});
-    batch = CreateBatch(lane, ls, id, {&r, 1}, peer_engine_id, {&wr.cookie, 1}, now);
+    batch = CreateBatch(lane, ls, id, {&r, 1}, bound, {&wr.cookie, 1}, now);
   }
   if (!posted.ok()) {
     // As the general path handles a refused post (the place given back,
