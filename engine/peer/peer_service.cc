@@ -42,26 +42,27 @@ absl::Status PeerService::RefuseFenced(uint64_t engine_id, uint64_t epoch) const
 }
 
 absl::Status PeerService::RefuseFencedLocked(uint64_t engine_id, uint64_t epoch) const {
-  const Epochs* e = epochs_.Find(engine_id);
-  if (e == nullptr || !e->fenced || epoch > e->fenced_at) return absl::OkStatus();
+  const uint64_t* fenced_at = fenced_.Find(engine_id);
+  if (fenced_at == nullptr || epoch > *fenced_at) return absl::OkStatus();
   return handshake::FencedError(
       absl::StrFormat("engine %#x was declared failed by engine %#x, which refuses its links and "
                       "notifications of that time (what it had in flight here is lost; it may "
                       "come back at a later epoch)",
                       engine_id, engine_id_),
-      e->fenced_at);
+      *fenced_at);
 }
 
 void PeerService::SawEpoch(uint64_t engine_id, uint64_t epoch) {
-  if (epoch == 0 && epochs_.Find(engine_id) == nullptr) return;  // the common case: nothing kept
-  Epochs& e = epochs_[engine_id];
-  e.highest = std::max(e.highest, epoch);
+  if (epoch == 0) return;  // the common case: nothing kept
+  uint64_t& highest = highest_epoch_[engine_id];
+  highest = std::max(highest, epoch);
 }
 
 bool PeerService::Fenced(uint64_t engine_id) const {
   MutexLock lock(&mu_);
-  const Epochs* e = epochs_.Find(engine_id);
-  return e != nullptr && e->fenced && e->highest <= e->fenced_at;
+  const uint64_t* fenced_at = fenced_.Find(engine_id);
+  const uint64_t* highest = highest_epoch_.Find(engine_id);
+  return fenced_at != nullptr && (highest == nullptr || *highest <= *fenced_at);
 }
 
 absl::Status PeerService::Track(uint64_t engine_id, Tracked link) {
@@ -108,16 +109,19 @@ void PeerService::Fence(uint64_t engine_id, absl::string_view reason) {
   uint64_t epoch = 0;
   {
     MutexLock lock(&mu_);
-    if (const Epochs* e = epochs_.Find(engine_id)) epoch = std::max(e->highest, e->fenced_at);
-    Epochs& e = epochs_[engine_id];
-    if (!e.fenced || e.fenced_at < epoch) {
+    const uint64_t* before = fenced_.Find(engine_id);
+    if (before != nullptr) epoch = *before;
+    if (const uint64_t* highest = highest_epoch_.Find(engine_id)) epoch = std::max(epoch, *highest);
+    if (auto it = links_by_engine_.find(engine_id); it != links_by_engine_.end()) {
+      for (const Tracked& l : it->second) epoch = std::max(epoch, l.epoch);
+    }
+    if (before == nullptr || *before < epoch) {
       ++fences_;
       KVF_LOG(WARNING) << absl::StrFormat("fencing engine %#x (epoch %d) off this engine (%#x): ",
                                           engine_id, epoch, engine_id_)
                        << (reason.empty() ? "declared failed" : reason);
     }
-    e.fenced = true;
-    e.fenced_at = epoch;
+    fenced_[engine_id] = epoch;
   }
   CloseLinksOf(engine_id, "", epoch);
 }

@@ -93,14 +93,7 @@ class PeerService {
     std::string source;  // the address it was asked for from (RequestSource)
     uint64_t epoch = 0;  // the requester's (ConnectRequest::epoch)
   };
-  // What is known of an instance's epochs here: kept for instances that
-  // were fenced, or that came at an epoch above 0 (which only a fence
-  // elsewhere, or here before a restart, gives).
-  struct Epochs {
-    bool fenced = false;
-    uint64_t fenced_at = 0;  // refused at this epoch and below
-    uint64_t highest = 0;    // the highest epoch it used here
-  };
+
   // One link: the accepting transport's parameters.
   absl::StatusOr<std::string> Accept(const handshake::ConnectRequest& c);
   // The same, with the link (tracked as the requester's).
@@ -148,7 +141,13 @@ class PeerService {
   std::map<uint64_t, std::vector<Tracked>> links_by_engine_ ABSL_GUARDED_BY(mu_);
   size_t tracked_ ABSL_GUARDED_BY(mu_) = 0;
   size_t prune_at_ ABSL_GUARDED_BY(mu_) = kPruneAbove;
-  RecentMap<uint64_t, Epochs> epochs_ ABSL_GUARDED_BY(mu_){kMaxFenced};
+  // Fenced instances: refused at this epoch and below. Only this engine's
+  // own fences fill it.
+  RecentMap<uint64_t, uint64_t> fenced_ ABSL_GUARDED_BY(mu_){kMaxFenced};
+  // The highest epoch above 0 each instance used here (a link request or a
+  // notification), for the next fence of it to cover. Anyone may fill it:
+  // a forgotten entry only leaves a fence to the epochs of its links.
+  RecentMap<uint64_t, uint64_t> highest_epoch_ ABSL_GUARDED_BY(mu_){kMaxFenced};
   // Each source's links, pruned of closed ones when it reaches its share.
   std::map<std::string, std::vector<Tracked>, std::less<>> by_source_ ABSL_GUARDED_BY(mu_);
   uint64_t fences_ ABSL_GUARDED_BY(mu_) = 0;
