@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -108,7 +109,7 @@ struct HelloAcceptor::State {
 
   std::atomic<uint64_t> arriving_count{0};
   std::atomic<uint64_t> accepted{0}, bad{0}, duplicates{0}, evicted{0}, expired{0}, pauses{0},
-      claims_expired{0};
+      claims_expired{0}, claims_evicted{0};
   LogLimiter log_limit;
 
   void Warn(const std::string& what) {
@@ -337,17 +338,30 @@ absl::StatusOr<net::Fd> HelloAcceptor::Claim(uint64_t token, absl::Time deadline
 absl::StatusOr<net::Fd> HelloAcceptor::ClaimOrAwait(uint64_t token, absl::Time deadline,
                                                     Delivery deliver) {
   State* st = state_.get();
-  MutexLock lock(&st->mu);
-  if (auto node = st->waiting.extract(token)) return std::move(node.mapped().fd);
-  if (st->refused.Contains(token)) return RefusedError();
-  if (st->awaited.contains(token)) {
-    return absl::AlreadyExistsError("a link already waits for this connection");
+  Delivery evicted;
+  {
+    MutexLock lock(&st->mu);
+    if (auto node = st->waiting.extract(token)) return std::move(node.mapped().fd);
+    if (st->refused.Contains(token)) return RefusedError();
+    if (st->awaited.contains(token)) {
+      return absl::AlreadyExistsError("a link already waits for this connection");
+    }
+    if (st->awaited.size() >= st->options.max_pending) {
+      // The oldest claim goes (its connection is the least likely to come).
+      auto oldest = std::min_element(
+          st->awaited.begin(), st->awaited.end(),
+          [](const auto& a, const auto& b) { return a.second.deadline < b.second.deadline; });
+      evicted = std::move(oldest->second.deliver);
+      st->awaited.erase(oldest);
+      ++st->claims_evicted;
+    }
+    deadline = std::min(deadline, absl::Now() + st->options.claim_wait);
+    st->awaited.emplace(token, State::Awaited{deadline, std::move(deliver)});
   }
-  if (st->awaited.size() >= st->options.max_pending) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(st->options.max_pending, " links wait for their data connections already"));
+  if (evicted) {
+    evicted(absl::ResourceExhaustedError(absl::StrCat(
+        st->options.max_pending, " links waited for their data connections: the oldest went")));
   }
-  st->awaited.emplace(token, State::Awaited{deadline, std::move(deliver)});
   return net::Fd();
 }
 
@@ -372,6 +386,7 @@ HelloAcceptorStats HelloAcceptor::stats() const {
   s.evicted = st->evicted;
   s.expired = st->expired;
   s.claims_expired = st->claims_expired;
+  s.claims_evicted = st->claims_evicted;
   s.accept_pauses = st->pauses;
   MutexLock lock(&st->mu);
   s.pending = st->waiting.size() + st->arriving_count;

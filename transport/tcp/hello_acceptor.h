@@ -62,6 +62,12 @@ struct HelloAcceptorOptions {
   size_t max_pending = 256;
   absl::Duration hello_timeout = absl::Seconds(2);
   absl::Duration claim_timeout = absl::Seconds(30);
+  // A claim made before its connection arrived waits at most this long
+  // (the requester sends its hello before it asks for the link: one later
+  // than this is not coming), and at `max_pending` claims the oldest is
+  // failed to make room: claims with made-up tokens neither last nor lock
+  // other peers out.
+  absl::Duration claim_wait = absl::Seconds(1);
 };
 
 struct HelloAcceptorStats {
@@ -74,6 +80,7 @@ struct HelloAcceptorStats {
   uint64_t unclaimed = 0;       // connections whose hello is in, not yet claimed
   uint64_t claims = 0;          // claims waiting for their connection now
   uint64_t claims_expired = 0;  // claims whose connection never came
+  uint64_t claims_evicted = 0;  // claims failed at the cap to make room
   uint64_t accept_pauses = 0;
 };
 

@@ -192,28 +192,39 @@ TEST(HelloAcceptorTest, AClaimBeforeTheHelloGetsTheConnectionWhenItArrives) {
   EXPECT_FALSE(unused.Await(absl::Milliseconds(100)));
 }
 
-// Claims whose connection never comes end at their deadline (counted);
-// at most max_pending wait; an acceptor destroyed delivers nothing.
-TEST(HelloAcceptorTest, AwaitedClaimsExpireAndAreCapped) {
+// Claims whose connection never comes end at their deadline, or after
+// claim_wait if that is sooner (counted); at max_pending the oldest claim
+// is failed to make room for a new one (counted); an acceptor destroyed
+// delivers nothing.
+TEST(HelloAcceptorTest, AwaitedClaimsExpireSoonAndTheOldestMakesRoom) {
   HelloAcceptorOptions o;
   o.max_pending = 2;
+  o.claim_wait = absl::Milliseconds(500);
   Port p = Open(o);
   Delivered one, two, three;
-  ASSERT_TRUE(p.acceptor->ClaimOrAwait(1, absl::Now() + absl::Seconds(1), one.Sink()).ok());
-  ASSERT_TRUE(p.acceptor->ClaimOrAwait(2, absl::Now() + absl::Seconds(1), two.Sink()).ok());
-  EXPECT_EQ(
-      p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink()).status().code(),
-      absl::StatusCode::kResourceExhausted);
-  for (Delivered* d : {&one, &two}) {
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(1, absl::Now() + absl::Seconds(10), one.Sink()).ok());
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(2, absl::Now() + absl::Seconds(10), two.Sink()).ok());
+  // The cap: the oldest, one, goes; three waits.
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink()).ok());
+  ASSERT_TRUE(one.Await(absl::Seconds(1)));
+  EXPECT_EQ(one.fd.status().code(), absl::StatusCode::kResourceExhausted) << one.fd.status();
+  EXPECT_EQ(p.acceptor->stats().claims_evicted, 1u);
+  EXPECT_EQ(p.acceptor->stats().claims, 2u);
+  for (Delivered* d : {&two, &three}) {
     ASSERT_TRUE(d->Await(absl::Seconds(5)));
     EXPECT_EQ(d->fd.status().code(), absl::StatusCode::kUnavailable) << d->fd.status();
   }
+  // Within claim_wait and a sweep, not their 10 s deadlines.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   EXPECT_EQ(p.acceptor->stats().claims_expired, 2u);
   EXPECT_EQ(p.acceptor->stats().claims, 0u);
-  // Room again; then the acceptor goes away with the claim waiting.
-  ASSERT_TRUE(p.acceptor->ClaimOrAwait(3, absl::Now() + absl::Seconds(10), three.Sink()).ok());
+  // Then the acceptor goes away with a claim waiting.
+  Delivered four;
+  ASSERT_TRUE(p.acceptor->ClaimOrAwait(4, absl::Now() + absl::Seconds(10), four.Sink()).ok());
   p.acceptor.reset();
-  EXPECT_FALSE(three.Await(absl::Milliseconds(100)));
+  EXPECT_FALSE(four.Await(absl::Milliseconds(100)));
 }
 
 // A hello refused for its secret fails the claim for its token, whether

@@ -142,6 +142,7 @@ class TcpTransport final : public Transport, public StreamLinks {
             {"data_connection_evicted", s.evicted},
             {"data_connection_expired", s.expired},
             {"data_connection_never_came", s.claims_expired},
+            {"data_claim_evicted", s.claims_evicted},
             {"data_accept_paused", s.accept_pauses},
             {"data_request_refused", refused_requests_.load()},
             {"data_peer_dropped_unread_answers", dropped_readers_.load()}};
