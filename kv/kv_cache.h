@@ -182,6 +182,7 @@ class KvSender {
     // This engine's epoch with the decode then (TransferEngine::PeerEpoch):
     // once the decode fenced this engine, none of the request's layers go.
     uint64_t peer_epoch = 0;
+    bool announce = false;  // the decode reads "begn" words (kv_words.h)
     std::vector<void*> remote_buffers;
     std::vector<PageRun> runs;
     std::vector<bool> sent;  // per layer
@@ -202,6 +203,9 @@ class KvSender {
                                                    absl::Span<const uint32_t> src_pages,
                                                    absl::Span<const uint32_t> dst_pages);
   absl::Status Tell(const Request& r, const std::string& message);
+  // Tells the decode the request began, and where this engine answers
+  // (a "begn" word), once.
+  void Announce(const Request& r);
   // Delivers `message` over segment(), retrying passing failures.
   absl::Status Say(const std::function<absl::StatusOr<SegmentId>()>& segment, uint64_t instance,
                    const std::string& message);
@@ -371,6 +375,23 @@ class KvReceiver {
   // forger on another host cannot cut an innocent engine's links).
   Status Resolve(const std::string& id, const kv_internal::Word& w, uint64_t from,
                  absl::string_view source, bool confirmed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A prefill's word that it began a request nobody expects (Expect) yet,
+  // confirmed by the engine at the address it names: a Poll or Wait
+  // without Expect watches that prefill from then on (Adopt).
+  struct Begun {
+    std::string prefill;  // its handshake address
+    uint64_t engine_id = 0;
+    absl::Time arrived;
+  };
+  // "begn": kept (bounded as early words are); true when a Poll or Wait
+  // asks for the request already (the caller adopts it then).
+  bool Announced(const std::string& id, const Vetted& v, absl::string_view prefill)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Expects `id` from the prefill a begn word named, if one did and
+  // nothing expects the request yet (an Expect's binding without a call).
+  void Adopt(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts the watcher thread if it is not running (real time only).
+  absl::Status StartWatcher() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Probes the prefills that are due, at once (at most kMaxProbesAtOnce at
   // a time); fences and fails those that are dead.
   void CheckPrefills();
@@ -411,6 +432,9 @@ class KvReceiver {
   uint64_t unconfirmed_ ABSL_GUARDED_BY(mu_) = 0;
   // Words about expected requests whose prefill could not be asked yet.
   std::vector<Notification> unasked_ ABSL_GUARDED_BY(mu_);
+  // Begin words not adopted yet (at most kMaxEarlyWords, none longer than
+  // early_word_ttl).
+  std::map<std::string, Begun> begun_ ABSL_GUARDED_BY(mu_);
   // The attempt whose word finished each request, and the attempts of
   // requests forgotten since (their words are ignored; the oldest of more
   // than kMaxRetired are forgotten in turn).

@@ -681,6 +681,47 @@ TEST(KvCache, AFencedPrefillLandsNothingMore) {
   EXPECT_EQ(receiver->Wait("other", absl::Seconds(5))->state, KvReceiver::State::kComplete);
 }
 
+// A decode that only waits (no Expect) learns its prefill from the begin
+// word, confirmed by the engine at the address the word names, and is told
+// of its death within peer_timeout. A begin word forged in that prefill's
+// name by another engine is not confirmed there, and adopts nothing.
+TEST(KvCache, ADecodeThatOnlyWaitsWatchesThePrefillItsBeginWordNamed) {
+  const KvLayout l{2, false, 16, 256, 16};
+  KvReceiver::Options ro;
+  ro.peer_timeout = absl::Seconds(1);
+  Pair p(*KvPool::Allocate(l), *KvPool::Allocate(l), {}, ro);
+  const std::string peer = p.decode_engine->address();
+  // Forged: "begn" for "f" in the prefill's name, naming its address.
+  const std::string sep(1, '\0');
+  const std::string forged = absl::StrCat("kv2", sep, "begn", sep, "f", sep, "00000000000000f1",
+                                          sep, p.prefill_engine->address());
+  auto reply = handshake::NewTcpNetwork()->Call(
+      peer,
+      handshake::Frame{
+          handshake::MessageType::kNotify,
+          handshake::Encode(handshake::Notify{p.prefill_engine->engine_id(), forged, 0})},
+      absl::Seconds(5));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(p.receiver->Poll("f").state, KvReceiver::State::kPending);
+  EXPECT_EQ(p.receiver->unconfirmed_words(), 1u);
+
+  auto h = p.sender->Begin("w", peer, {1}, {1});
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(p.sender->SendLayer(*h, 0).ok());
+  EXPECT_EQ(p.receiver->Poll("w").state, KvReceiver::State::kPending);  // adopted
+  p.sender.reset();
+  p.prefill_engine.reset();  // dies without a word
+  const absl::Time died = absl::Now();
+  auto st = p.receiver->Wait("w", absl::Seconds(10));
+  const absl::Duration took = absl::Now() - died;
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->state, KvReceiver::State::kFailed);
+  EXPECT_EQ(st->error.code(), absl::StatusCode::kUnavailable) << st->error;
+  EXPECT_LT(took, absl::Seconds(1) + absl::Milliseconds(1500));
+  // The forged one's request stays as it was: nothing watched it.
+  EXPECT_EQ(p.receiver->Poll("f").state, KvReceiver::State::kPending);
+}
+
 // The time from a prefill's death (its engine gone) to the decode's report
 // of an expected request, on this transport; printed for the record.
 TEST(KvCache, AnExpectedRequestFailsWhenItsPrefillDies) {

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/clock.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
 #include "kv/kv_cache.h"
@@ -27,6 +28,7 @@ namespace kvferry {
 
 using kv_internal::CheckRequestId;
 using kv_internal::GetU32;
+using kv_internal::kReadsBeginWords;
 using kv_internal::PageCrcs;
 using kv_internal::ParseWord;
 using kv_internal::Word;
@@ -50,7 +52,8 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* e
     addrs.push_back(absl::StrFormat("%x", reinterpret_cast<uintptr_t>(pool.buffer(b))));
   }
   RETURN_IF_ERROR(engine->PublishMetadata(
-      kKvPoolMetadataKey, absl::StrCat(pool.layout().Encode(), "\n", absl::StrJoin(addrs, ","))));
+      kKvPoolMetadataKey, absl::StrCat(pool.layout().Encode(), "\n", absl::StrJoin(addrs, ","),
+                                       "\n", kReadsBeginWords)));
   return std::unique_ptr<KvReceiver>(new KvReceiver(engine, std::move(pool), options));
 }
 
@@ -119,6 +122,7 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   {
     MutexLock lock(&mu_);
     ClaimEarly(request_id, instance, /*expected=*/true, confirmed);
+    begun_.erase(request_id);  // Expect names the prefill itself
     Status& s = requests_[request_id];
     // Its word came first (the prefill was quicker than this call): there
     // is nothing left to watch.
@@ -386,6 +390,13 @@ std::vector<KvReceiver::Vetted> KvReceiver::Vet(std::vector<Notification> notes)
           (p->second.engine_id == 0 || p->second.engine_id == v.n.engine_id)) {
         prefill = p->first;
       }
+      // A begin word about a request nobody expects is asked about at the
+      // address it names (the engine there must be its sender); one about
+      // an expected request is not needed.
+      if (w->kind == "begn") {
+        const auto hp = net::ParseHostPort(w->body);
+        prefill = e == expected_.end() && hp.ok() ? hp->ToString() : "";
+      }
     }
     if (!prefill.empty()) {
       if (unreachable.contains(prefill)) {
@@ -415,6 +426,9 @@ void KvReceiver::TakeWords() {
 }
 
 void KvReceiver::Absorb(std::vector<Vetted> words) {
+  // Begin words adopted after the batch: the other words in it were vetted
+  // without the expectation, and are taken as such.
+  std::vector<std::string> adopt;
   for (Vetted& v : words) {
     const Notification& n = v.n;
     const std::optional<Word> w = ParseWord(n.message);
@@ -424,6 +438,10 @@ void KvReceiver::Absorb(std::vector<Vetted> words) {
     // again after a lost reply, or late): not about what is expected now.
     if (w->token != 0 && retired_.Contains({id, w->token})) {
       ++ignored_words_;
+      continue;
+    }
+    if (w->kind == "begn") {
+      if (Announced(id, v, w->body)) adopt.push_back(id);
       continue;
     }
     // A word for a request expected from another prefill instance (one
@@ -469,7 +487,65 @@ void KvReceiver::Absorb(std::vector<Vetted> words) {
     if (w->token != 0) tokens_[id] = w->token;
     s = Resolve(id, *w, n.engine_id, n.source, v.confirmed);
   }
+  for (const std::string& id : adopt) Adopt(id);
   ExpireEarly();
+}
+
+bool KvReceiver::Announced(const std::string& id, const Vetted& v, absl::string_view prefill) {
+  if (expected_.count(id) != 0) return false;  // Expect named its prefill
+  auto r = requests_.find(id);
+  if (r != requests_.end() && r->second.state != State::kPending) return false;
+  if (!v.confirmed) {
+    if (v.unasked) return false;  // its sender did not answer: the request's own words still count
+    ++unconfirmed_;               // the engine at the address it names did not send it
+    return false;
+  }
+  const absl::StatusOr<net::HostPort> hp = net::ParseHostPort(prefill);
+  if (!hp.ok()) return false;
+  if (begun_.size() >= kMaxEarlyWords) {
+    auto oldest = std::min_element(begun_.begin(), begun_.end(), [](const auto& a, const auto& b) {
+      return a.second.arrived < b.second.arrived;
+    });
+    begun_.erase(oldest);
+    ++dropped_early_;
+  }
+  begun_[id] = Begun{hp->ToString(), v.n.engine_id, engine_->clock()->Now()};
+  return r != requests_.end();  // a Poll or Wait asks for it already
+}
+
+void KvReceiver::Adopt(const std::string& id) {
+  auto b = begun_.find(id);
+  if (b == begun_.end()) return;
+  const Begun begun = std::move(b->second);
+  begun_.erase(b);
+  if (expected_.count(id) != 0) return;
+  if (engine_->clock()->Now() - begun.arrived >= options_.early_word_ttl) return;
+  const Status& s = requests_[id];
+  if (s.state != State::kPending) return;
+  // As Expect(id, prefill, engine id) would, the id presented by the
+  // engine at that address (it confirmed the word): probed from now on.
+  const absl::Time now = engine_->clock()->Now();
+  auto [known, fresh] =
+      prefills_.try_emplace(begun.prefill, Prefill{begun.engine_id, /*presented=*/true, now, now});
+  if (!fresh && known->second.engine_id == 0) known->second.engine_id = begun.engine_id;
+  ++known->second.expected;
+  expected_[id] = begun.prefill;
+  changed_.SignalAll();
+  Wake();
+  if (absl::Status started = StartWatcher(); !started.ok()) {
+    KVF_LOG(WARNING) << "KV request " << id << " is not watched: " << started;
+    Unexpect(expected_.find(id));
+  }
+}
+
+absl::Status KvReceiver::StartWatcher() {
+  if (watcher_started_ || engine_->clock() != RealClock()) return absl::OkStatus();
+  absl::StatusOr<std::thread> t =
+      StartThread("a KV receiver's prefill watcher", [this] { Watch(); });
+  if (!t.ok()) return t.status();
+  watcher_started_ = true;
+  watcher_ = std::move(*t);
+  return absl::OkStatus();
 }
 
 KvReceiver::Status KvReceiver::Resolve(const std::string& id, const Word& w, uint64_t from,
@@ -568,6 +644,11 @@ KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
   TakeWords();
   if (requests_.find(request_id) == requests_.end()) ClaimEarly(request_id, 0, false, false);
   auto it = requests_.find(request_id);
+  if (it == requests_.end() && begun_.count(request_id) != 0) {
+    requests_.try_emplace(request_id);  // a Poll asks for it: its prefill is watched
+    Adopt(request_id);
+    it = requests_.find(request_id);
+  }
   return it == requests_.end() ? Status{} : it->second;
 }
 
@@ -584,6 +665,7 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
   // A waiter expects the request: its words are kept from now on.
   ClaimEarly(request_id, 0, false, false);
   requests_.try_emplace(request_id);
+  Adopt(request_id);
   for (;;) {
     TakeWords();
     auto it = requests_.find(request_id);
@@ -682,6 +764,7 @@ uint64_t KvReceiver::checksum_failures() const {
 void KvReceiver::Forget(const std::string& request_id) {
   MutexLock lock(&mu_);
   requests_.erase(request_id);
+  begun_.erase(request_id);
   if (auto early = early_.find(request_id); early != early_.end()) {
     (void)TakeEarly(early);  // forgotten by the application, not dropped
   }

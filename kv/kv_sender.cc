@@ -4,6 +4,7 @@
 #include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -11,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/clock.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
 #include "kv/kv_cache.h"
@@ -22,6 +24,7 @@ namespace kvferry {
 using kv_internal::CheckRequestId;
 using kv_internal::ChecksummedBody;
 using kv_internal::kMaxAuxBytes;
+using kv_internal::kReadsBeginWords;
 using kv_internal::KvMessage;
 using kv_internal::NewToken;
 
@@ -60,10 +63,26 @@ absl::StatusOr<KvSender::Handle> KvSender::Begin(const std::string& request_id,
     return r.status();
   }
   (*r)->token = NewToken();
+  if ((*r)->announce) Announce(**r);
   MutexLock lock(&mu_);
   const Handle h = ++last_;
   requests_[h] = std::move(*r);
   return h;
+}
+
+void KvSender::Announce(const Request& r) {
+  // One attempt, within peer_timeout: a decode that calls Expect does not
+  // need it, and one that cannot be told now hears of the request from its
+  // last word.
+  TransferEngine::NotifyOptions o;
+  o.peer_engine_id = r.peer_engine_id;
+  o.timeout = options_.peer_timeout;
+  o.confirmable = true;  // a decode that waits without Expect confirms it first
+  const absl::Status told =
+      engine_->Notify(r.segment, KvMessage("begn", r.id, r.token, engine_->address()), o);
+  if (!told.ok()) {
+    KVF_LOG(INFO) << "KV request " << r.id << ": the decode was not told it began (" << told << ")";
+  }
 }
 
 absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
@@ -83,8 +102,9 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
   // to the segment's last handshake).
   ASSIGN_OR_RETURN(const uint64_t instance, engine_->PeerEngineId(segment));
   ASSIGN_OR_RETURN(const uint64_t epoch, engine_->PeerEpoch(segment));
-  std::pair<std::string, std::string> lines = absl::StrSplit(published, '\n');
-  ASSIGN_OR_RETURN(KvLayout theirs, KvLayout::Decode(lines.first));
+  const std::vector<std::string> lines = absl::StrSplit(published, '\n');
+  if (lines.size() < 2) return absl::DataLossError("malformed KV pool description");
+  ASSIGN_OR_RETURN(KvLayout theirs, KvLayout::Decode(lines[0]));
   if (theirs.layers != mine.layers || theirs.combined_kv != mine.combined_kv ||
       theirs.page_bytes() != mine.page_bytes()) {
     return absl::FailedPreconditionError(
@@ -92,7 +112,8 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
                      mine.Encode(), ")"));
   }
   auto r = std::make_unique<Request>();
-  for (absl::string_view a : absl::StrSplit(lines.second, ',', absl::SkipEmpty())) {
+  r->announce = lines.size() > 2 && lines[2] == kReadsBeginWords;
+  for (absl::string_view a : absl::StrSplit(lines[1], ',', absl::SkipEmpty())) {
     uint64_t addr;
     if (!absl::SimpleHexAtoi(a, &addr)) return absl::DataLossError("malformed KV pool buffers");
     r->remote_buffers.push_back(reinterpret_cast<void*>(addr));

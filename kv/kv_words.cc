@@ -42,7 +42,8 @@ std::optional<Word> ParseWord(absl::string_view message) {
     }
     w.body.remove_prefix(17);
   }
-  if (w.kind != "done" && w.kind != "donc" && w.kind != "fail" && w.kind != "abrt") {
+  if (w.kind != "done" && w.kind != "donc" && w.kind != "fail" && w.kind != "abrt" &&
+      w.kind != "begn") {
     return std::nullopt;
   }
   return w;

@@ -17,13 +17,19 @@ namespace kvferry {
 namespace kv_internal {
 
 constexpr size_t kMaxAuxBytes = 512 << 10;
+// The third line of a receiver's published pool when it reads "begn" words
+// (an older receiver would leave it to the application as a notification
+// of its own).
+constexpr char kReadsBeginWords[] = "begn";
 constexpr char kSep = '\0';
 
-// KV-layer notifications, "kv2\0<kind>\0<id>\0<token>\0<body>": done
-// (body: aux), donc (done with per-page checksums), fail (failed before any
-// write was posted; body: the reason) and abrt (failed after writes were
-// posted: the receiver drops the sender's links before it reports the
-// failure, so that no late copy of them lands afterwards). <token> (16 hex
+// KV-layer notifications, "kv2\0<kind>\0<id>\0<token>\0<body>": begn
+// (begun; body: the sender's handshake address, so that a decode that
+// waits without Expect knows whom to watch), done (body: aux), donc (done
+// with per-page checksums), fail (failed before any write was posted;
+// body: the reason) and abrt (failed after writes were posted: the
+// receiver drops the sender's links before it reports the failure, so that
+// no late copy of them lands afterwards). <token> (16 hex
 // digits) names the attempt: a word said again, or one from an earlier
 // attempt at a request id the decode has since forgotten and expects again,
 // is recognised and ignored. Receivers still read "kv1" words (no token).

@@ -243,6 +243,29 @@ KvReceiver::Status StopAfterLayer0(Decode& d, const std::string& id, const char*
   return *s;
 }
 
+// Serving code that forgets Expect: the decode only waits. It learned its
+// prefill from the sender's begin word (confirmed with the engine at the
+// address the word names) and watches it: the kill is reported within
+// peer_timeout, not when the Wait times out.
+TEST(PeerFailure, AKilledPrefillIsReportedToADecodeThatOnlyWaits) {
+  Decode d = StartDecode(kKvPeerTimeout);
+  auto prefill = StartPrefill(d, "wait-only");
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  ASSERT_TRUE(LayerLanded(d, 0, absl::Seconds(10)));
+  // Its word is in: a Poll asks for the request (and adopts its prefill).
+  EXPECT_EQ(d.receiver->Poll("wait-only").state, KvReceiver::State::kPending);
+  prefill->Kill();
+  const absl::Time killed = absl::Now();
+  auto s = d.receiver->Wait("wait-only", absl::Seconds(15));
+  const absl::Duration took = absl::Now() - killed;
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->state, KvReceiver::State::kFailed);
+  EXPECT_NE(s->error.message().find(prefill->address()), std::string::npos) << s->error;
+  EXPECT_LT(took, kReportBound) << "took " << took;
+  std::printf("killed prefill, decode without Expect: reported %s after the kill\n",
+              absl::FormatDuration(took).c_str());
+}
+
 TEST(PeerFailure, KvPrefillKilledMidRequestFailsItAtTheDecodeWithinPeerTimeout) {
   Decode d = StartDecode(kKvPeerTimeout);
   absl::StatusOr<PeerProcess> prefill;
