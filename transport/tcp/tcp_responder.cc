@@ -101,6 +101,14 @@ void TcpTransport::CloseImport(const Link::Import& imp) {
 
 absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, bool vmm,
                                               uint64_t length, int device) {
+  // Only a peer on this host, over a link that agreed to CUDA IPC, sends
+  // references; anything else is served the ordinary way (the requester
+  // sends it again, staged), never opened here.
+  if (!link.same_host || cuda::Driver::Get() == nullptr) {
+    return absl::UnavailableError(
+        "this end takes no CUDA IPC references on this link (not the same host, or no CUDA "
+        "driver)");
+  }
   std::string key(ref.handle.reserved, vmm ? sizeof(uint64_t) : sizeof ref.handle.reserved);
   if (vmm) key.insert(0, "vmm:");
   auto it = link.ipc_imports.find(key);

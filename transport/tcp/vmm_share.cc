@@ -359,6 +359,11 @@ absl::Status ReceiveReply(int fd, Reply* reply, std::vector<uint64_t>* sizes,
 
 }  // namespace
 
+absl::Status ReadVmmReply(int fd, std::vector<uint64_t>* sizes, std::vector<int>* fds) {
+  Reply reply;
+  return ReceiveReply(fd, &reply, sizes, fds);
+}
+
 absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
   const cuda::Driver* driver = cuda::Driver::Get();
   if (driver == nullptr) return absl::UnavailableError("no CUDA driver");

@@ -25,6 +25,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -92,6 +93,10 @@ struct VmmMapping {
 // kInvalidArgument (the transport reserves that for bad requests).
 absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal);
 void UnmapVmm(const VmmMapping& m);
+// Reads a VMM server's reply on the connected socket `fd` as FetchVmm does:
+// the chunks' sizes, and their descriptors into `fds` (which the caller
+// closes, also on error). For the fuzzer of what a peer's server may send.
+absl::Status ReadVmmReply(int fd, std::vector<uint64_t>* sizes, std::vector<int>* fds);
 
 }  // namespace transport
 }  // namespace kvferry
