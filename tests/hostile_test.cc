@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -38,6 +39,7 @@
 #include "handshake/tcp_network.h"
 #include "net/socket.h"
 #include "tests/peer_process.h"
+#include "transport/tcp/hello_acceptor.h"
 #include "transport/tcp/wire.h"
 
 namespace kvferry {
@@ -51,19 +53,25 @@ void RaiseDescriptorLimit() {
   }
 }
 
-// The resident set of `pid` in KiB (0 when unreadable).
-uint64_t RssKiB(pid_t pid) {
+// The number in /proc/<pid>/status's line `field` (0 when unreadable).
+uint64_t StatusField(pid_t pid, const std::string& field) {
   std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
   while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) {
-      uint64_t kib = 0;
-      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(6, line.size() - 9)), &kib);
-      return kib;
+    if (line.rfind(field, 0) == 0) {
+      std::string value = line.substr(field.size());
+      if (absl::EndsWith(value, "kB")) value.resize(value.size() - 2);
+      uint64_t n = 0;
+      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(value), &n);
+      return n;
     }
   }
   return 0;
 }
+
+// The resident set of `pid` in KiB (0 when unreadable).
+uint64_t RssKiB(pid_t pid) { return StatusField(pid, "VmRSS:"); }
+uint64_t Threads(pid_t pid) { return StatusField(pid, "Threads:"); }
 
 // A fresh client engine's handshake and first 4 KiB WRITE to `peer`;
 // returns how long they took (infinite on failure).
@@ -201,6 +209,10 @@ TEST(Hostile, PreAuthStarvationLeavesAPeerWithTheSecretServed) {
 
 // A connection to `peer` from source address `from` (another loopback
 // address: a second host, as the engine's per-source shares see it).
+// PeerService::kMaxLinksPerSource (engine/peer/peer_service.h), which this
+// test cannot include: the links one source address may hold.
+constexpr size_t PeerServiceShare() { return 128; }
+
 net::Fd ConnectFrom(const std::string& from, const std::string& peer) {
   auto hp = net::ParseHostPort(peer);
   if (!hp.ok()) return net::Fd();
@@ -298,6 +310,57 @@ TEST(Hostile, AClaimFloodFromOneSourceLeavesOthersTheirLinks) {
   }
   std::printf("claim flood, 1.5 s later: %zu of 128 links accepted\n", again);
   EXPECT_EQ(again, 128u);
+}
+
+// A link flood from one source: 512 real links (each with its data
+// connection and hello, no secret needed) asked for from 127.0.0.3. Before
+// the per-source share, 512 links took the victim to 1,029 threads and
+// refused everyone else. Now the source gets its share
+// (PeerService::kMaxLinksPerSource, 128 links: 256 link threads), the
+// rest are refused, and a peer from another address is served.
+TEST(Hostile, ALinkFloodFromOneSourceGetsItsShareAndThreadsStayBounded) {
+  RaiseDescriptorLimit();
+  ::unsetenv("KVFERRY_SECRET");
+  auto peer = PeerProcess::Start(0, 1 << 20);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::string data = DataAddress(peer->address());
+  ASSERT_FALSE(data.empty());
+  const uint64_t threads_before = Threads(peer->pid());
+  std::vector<net::Fd> held;  // every connection stays open
+  size_t accepted = 0, refused = 0;
+  for (uint64_t r = 0; r < 8; ++r) {
+    handshake::ConnectLinksRequest request;
+    for (uint64_t i = 0; i < 64; ++i) {
+      const uint64_t token = 0x5000000 + r * 64 + i;
+      net::Fd c = ConnectFrom("127.0.0.3", data);
+      ASSERT_TRUE(c.valid()) << "cannot connect from 127.0.0.3";
+      const std::string hello = transport::EncodeHello(token, "");
+      ASSERT_TRUE(
+          net::WriteFull(c.get(), hello.data(), hello.size(), absl::Now() + absl::Seconds(5)).ok());
+      held.push_back(std::move(c));
+      request.links.push_back(
+          handshake::ConnectRequest{0xf100d,
+                                    0,
+                                    {"lo", "127.0.0.3:1", 0, 0, 0},
+                                    0,
+                                    transport::tcp_wire::EncodeLinkParams(token, 0, 0)});
+    }
+    net::Fd h;
+    auto answers = ConnectLinksFrom("127.0.0.3", peer->address(), request, &h);
+    ASSERT_TRUE(answers.ok()) << answers.status();
+    for (const auto& a : answers->links) (a.ok() ? accepted : refused)++;
+    held.push_back(std::move(h));
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // every accepted link's threads are up
+  const uint64_t threads = Threads(peer->pid());
+  std::printf("link flood: %zu links accepted, %zu refused; victim threads %d -> %d\n", accepted,
+              refused, static_cast<int>(threads_before), static_cast<int>(threads));
+  EXPECT_EQ(accepted + refused, 512u);
+  EXPECT_LE(accepted, PeerServiceShare());
+  EXPECT_GE(accepted, 64u);  // the share is given, not refused outright
+  EXPECT_LE(threads, threads_before + 2 * PeerServiceShare() + 16);
+  // A peer from another address is served meanwhile.
+  EXPECT_LT(LegitimateFirstTransfer(peer->address()), absl::Seconds(5));
 }
 
 TEST(Hostile, CombinedAttackLeavesLegitimateTrafficAndMemoryBounded) {
