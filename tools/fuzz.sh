@@ -24,7 +24,7 @@ for a in "$@"; do
   esac
 done
 [[ "$seconds" =~ ^[1-9][0-9]*$ ]] || { echo "fuzz.sh: --seconds must be a positive number" >&2; exit 2; }
-fuzzers=(frame descriptor auth hello data vmm_reply)
+fuzzers=(frame descriptor auth hello data vmm_reply vmm_request)
 targets=()
 for f in "${fuzzers[@]}"; do targets+=("//handshake/fuzz:${f}_fuzzer"); done
 if ! ./bazelw build --config=fuzz "${targets[@]}" --color=no --curses=no; then

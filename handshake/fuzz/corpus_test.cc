@@ -30,7 +30,8 @@ std::vector<Input> ListInputs() {
   if (srcdir == nullptr || workspace == nullptr) return out;
   const std::string root = std::string(srcdir) + "/" + workspace + "/handshake/fuzz/";
   for (const char* kind : {"corpus", "regressions"}) {
-    for (const char* fuzzer : {"frame", "descriptor", "auth", "hello", "data", "vmm_reply"}) {
+    for (const char* fuzzer :
+         {"frame", "descriptor", "auth", "hello", "data", "vmm_reply", "vmm_request"}) {
       const std::string dir = root + kind + "/" + fuzzer;
       DIR* d = opendir(dir.c_str());
       if (d == nullptr) continue;
@@ -66,6 +67,8 @@ TEST_P(CorpusTest, DecodesWithoutCrashing) {
     FuzzDataStream(data, bytes.size());
   } else if (GetParam().fuzzer == "vmm_reply") {
     FuzzVmmReply(data, bytes.size());
+  } else if (GetParam().fuzzer == "vmm_request") {
+    FuzzVmmRequest(data, bytes.size());
   } else {
     FuzzDescriptor(data, bytes.size());
   }
@@ -78,18 +81,20 @@ INSTANTIATE_TEST_SUITE_P(Inputs, CorpusTest, ::testing::ValuesIn(ListInputs()),
 
 // The corpus must be there: an empty list would pass vacuously.
 TEST(Corpus, IsPresent) {
-  size_t frames = 0, descriptors = 0, auth = 0, hello = 0, data = 0, vmm = 0;
+  size_t frames = 0, descriptors = 0, auth = 0, hello = 0, data = 0, vmm = 0, vmm_request = 0;
   for (const Input& i : ListInputs()) {
-    ++(i.fuzzer == "frame"       ? frames
-       : i.fuzzer == "auth"      ? auth
-       : i.fuzzer == "hello"     ? hello
-       : i.fuzzer == "data"      ? data
-       : i.fuzzer == "vmm_reply" ? vmm
-                                 : descriptors);
+    ++(i.fuzzer == "frame"         ? frames
+       : i.fuzzer == "auth"        ? auth
+       : i.fuzzer == "hello"       ? hello
+       : i.fuzzer == "data"        ? data
+       : i.fuzzer == "vmm_reply"   ? vmm
+       : i.fuzzer == "vmm_request" ? vmm_request
+                                   : descriptors);
   }
   EXPECT_GE(hello, 3u);
   EXPECT_GE(data, 8u);
   EXPECT_GE(vmm, 5u);
+  EXPECT_GE(vmm_request, 4u);
   EXPECT_GE(frames, 10u);
   EXPECT_GE(descriptors, 4u);
   EXPECT_GE(auth, 4u);

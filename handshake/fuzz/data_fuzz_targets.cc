@@ -155,5 +155,21 @@ void FuzzVmmReply(const uint8_t* data, size_t size) {
   Check(!read.ok(), "a VMM reply without descriptors was accepted");
 }
 
+void FuzzVmmRequest(const uint8_t* data, size_t size) {
+  transport::VmmServer* server = transport::VmmServer::Get();
+  Check(server != nullptr, "the VMM server did not start");
+  absl::StatusOr<net::Fd> fd = transport::ConnectVmmServer(server->name());
+  Check(fd.ok(), "the VMM server does not take connections");
+  if (size > 0) {
+    (void)::send(fd->get(), data, size, MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+  ::shutdown(fd->get(), SHUT_WR);
+  std::vector<uint64_t> sizes;
+  std::vector<int> fds;
+  const absl::Status read = transport::ReadVmmReply(fd->get(), &sizes, &fds);
+  for (int d : fds) ::close(d);
+  Check(!read.ok(), "the VMM server answered with chunks for an export it does not have");
+}
+
 }  // namespace handshake
 }  // namespace kvferry

@@ -20,8 +20,11 @@ namespace handshake {
 // the read-only one, changes.
 void FuzzDataStream(const uint8_t* data, size_t size);
 // The bytes as a VMM server's reply to a fetch (transport::ReadVmmReply).
-// Aborts if it accepts a reply whose chunk count and descriptors differ.
+// Aborts if it accepts a reply (none carries descriptors here).
 void FuzzVmmReply(const uint8_t* data, size_t size);
+// The bytes as a request to this process's VMM server, which exports
+// nothing. Aborts if it ever answers with chunks, or stops answering.
+void FuzzVmmRequest(const uint8_t* data, size_t size);
 
 }  // namespace handshake
 }  // namespace kvferry

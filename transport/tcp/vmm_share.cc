@@ -364,9 +364,7 @@ absl::Status ReadVmmReply(int fd, std::vector<uint64_t>* sizes, std::vector<int>
   return ReceiveReply(fd, &reply, sizes, fds);
 }
 
-absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
-  const cuda::Driver* driver = cuda::Driver::Get();
-  if (driver == nullptr) return absl::UnavailableError("no CUDA driver");
+absl::StatusOr<net::Fd> ConnectVmmServer(uint64_t name) {
   net::Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
   SetTimeouts(fd.get());
@@ -376,6 +374,13 @@ absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
     return absl::UnavailableError(absl::StrCat(
         "cannot reach the peer's VMM server (another network namespace?): ", std::strerror(errno)));
   }
+  return fd;
+}
+
+absl::StatusOr<VmmMapping> FetchVmm(uint64_t name, uint64_t id, int ordinal) {
+  const cuda::Driver* driver = cuda::Driver::Get();
+  if (driver == nullptr) return absl::UnavailableError("no CUDA driver");
+  ASSIGN_OR_RETURN(net::Fd fd, ConnectVmmServer(name));
   const Request req{kMagic, id};
   RETURN_IF_ERROR(SendMsg(fd.get(), &req, sizeof req, nullptr, 0));
   Reply reply{};

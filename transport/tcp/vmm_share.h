@@ -97,6 +97,9 @@ void UnmapVmm(const VmmMapping& m);
 // the chunks' sizes, and their descriptors into `fds` (which the caller
 // closes, also on error). For the fuzzer of what a peer's server may send.
 absl::Status ReadVmmReply(int fd, std::vector<uint64_t>* sizes, std::vector<int>* fds);
+// A connection to the VMM server `name` on this host, with FetchVmm's
+// timeouts (for the fuzzer of what a client may send).
+absl::StatusOr<net::Fd> ConnectVmmServer(uint64_t name);
 
 }  // namespace transport
 }  // namespace kvferry
