@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "handshake/fuzz/check.h"
 #include "net/socket.h"
 #include "transport/tcp/hello_acceptor.h"
 #include "transport/tcp/tcp_transport.h"
@@ -21,13 +22,6 @@
 namespace kvferry {
 namespace handshake {
 namespace {
-
-void Check(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "fuzz: %s\n", what);
-    std::abort();
-  }
-}
 
 constexpr size_t kRegion = 64 << 10;
 constexpr char kGuard = static_cast<char>(0xa5);

@@ -6,19 +6,13 @@
 
 #include "absl/strings/string_view.h"
 #include "handshake/auth.h"
+#include "handshake/fuzz/check.h"
 #include "handshake/messages.h"
 #include "transport/tcp/hello_acceptor.h"
 
 namespace kvferry {
 namespace handshake {
 namespace {
-
-void Check(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "fuzz: %s\n", what);
-    std::abort();
-  }
-}
 
 bool SameNic(const transport::NicInfo& a, const transport::NicInfo& b) {
   return a.name == b.name && a.address == b.address && a.numa_node == b.numa_node &&
