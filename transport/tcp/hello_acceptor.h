@@ -63,11 +63,13 @@ struct HelloAcceptorOptions {
   absl::Duration hello_timeout = absl::Seconds(2);
   absl::Duration claim_timeout = absl::Seconds(30);
   // A claim made before its connection arrived waits at most this long
-  // (the requester sends its hello before it asks for the link: one later
-  // than this is not coming), and at `max_pending` claims the oldest is
-  // failed to make room: claims with made-up tokens neither last nor lock
-  // other peers out.
-  absl::Duration claim_wait = absl::Seconds(1);
+  // (the requester connects before it asks for the link, or as soon as the
+  // peer's descriptor is in when both travel in one round trip: one round
+  // trip and a connect, with a lost SYN sent again after 1 s, is well
+  // within it), and at `max_pending` claims the oldest is failed to make
+  // room: claims with made-up tokens neither last long nor lock other
+  // peers out.
+  absl::Duration claim_wait = absl::Seconds(2);
 };
 
 struct HelloAcceptorStats {
