@@ -31,6 +31,13 @@ engine() {
   v=$(timeout 150 $B --transport=rdma "$@" 2>/tmp/engine.log | sed -n 's/^RESULT .*value=\([0-9.]*\).*/\1/p')
   [ -n "$v" ] || { echo "bench: $name failed:"; tail -5 /tmp/engine.log; }
   echo "BENCH $r $name ${v:-nan}"
+  # Another build's binary (bench.sh --against), right after: side by side.
+  if [ -x /t/transfer_bench_ref ]; then
+    v=$(timeout 150 /t/transfer_bench_ref --transport=rdma "$@" 2>/tmp/engine.log |
+      sed -n 's/^RESULT .*value=\([0-9.]*\).*/\1/p')
+    [ -n "$v" ] || { echo "bench: ${name}_ref failed:"; tail -5 /tmp/engine.log; }
+    echo "BENCH $r ${name}_ref ${v:-nan}"
+  fi
 }
 
 # The engine's bw runs use --scatter: one work request per block, as
