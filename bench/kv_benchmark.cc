@@ -52,7 +52,7 @@ std::unique_ptr<TransferEngine> Engine() {
 // Both engines and pools for one shape, built once.
 struct Setup {
   std::unique_ptr<TransferEngine> prefill, decode;
-  std::unique_ptr<KvSender> sender;
+  std::unique_ptr<KvSender> sender, quiet;  // quiet: KvSender::Options::announce off
   std::unique_ptr<KvReceiver> receiver;
   std::vector<char> raw_src, raw_dst;  // for the one-block reference
   uint64_t request_bytes = 0;
@@ -72,6 +72,12 @@ Setup& Get(int shape) {
     std::memset(dst.buffer(b), 0, l.buffer_bytes());
   }
   s->sender = *KvSender::Create(s->prefill.get(), src);
+  KvSender::Options quiet;
+  quiet.announce = false;
+  KvPool quiet_src = *KvPool::Allocate(l);  // a pool registers once per engine
+  for (uint32_t b = 0; b < l.buffer_count(); ++b)
+    std::memset(quiet_src.buffer(b), 1, l.buffer_bytes());
+  s->quiet = *KvSender::Create(s->prefill.get(), quiet_src, quiet);
   s->receiver = *KvReceiver::Create(s->decode.get(), dst);
   s->request_bytes = uint64_t{kRequestPages} * l.page_bytes() * l.buffer_count();
   s->raw_src.assign(s->request_bytes, 1);
@@ -84,7 +90,9 @@ Setup& Get(int shape) {
 void BM_KvRequest(benchmark::State& state) {
   const int shape = state.range(0);
   const bool scattered = state.range(1) != 0;
+  const bool announce = state.range(2) != 0;
   Setup& s = Get(shape);
+  KvSender& sender = announce ? *s.sender : *s.quiet;
   std::vector<uint32_t> src(kRequestPages), dst(kRequestPages);
   sim::Prng prng(42);
   for (uint32_t i = 0; i < kRequestPages; ++i) {
@@ -95,7 +103,7 @@ void BM_KvRequest(benchmark::State& state) {
   uint64_t n = 0;
   for (auto _ : state) {
     const std::string id = "bench-" + std::to_string(n++);
-    if (!s.sender->Send(id, peer, src, dst, "").ok()) {
+    if (!sender.Send(id, peer, src, dst, "").ok()) {
       state.SkipWithError("request failed");
       break;
     }
@@ -108,7 +116,32 @@ void BM_KvRequest(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(state.iterations()) * s.request_bytes);
   state.counters["pages_per_sec"] = benchmark::Counter(
       double(kRequestPages) * l.buffer_count() * state.iterations(), benchmark::Counter::kIsRate);
-  state.SetLabel(std::string(kShapes[shape].name) + (scattered ? " scattered" : " contiguous"));
+  state.SetLabel(std::string(kShapes[shape].name) + (scattered ? " scattered" : " contiguous") +
+                 (announce ? "" : ", no begin word"));
+}
+
+// KvSender::Begin of a one-page request alone, with the begin word
+// (announce) and without: what telling a decode that only waits costs.
+void BM_KvBegin(benchmark::State& state) {
+  const bool announce = state.range(0) != 0;
+  Setup& s = Get(0);
+  KvSender& sender = announce ? *s.sender : *s.quiet;
+  const std::string peer = s.decode->address();
+  uint64_t n = 0;
+  for (auto _ : state) {
+    const std::string id = "begin-" + std::to_string(n++);
+    auto h = sender.Begin(id, peer, {0}, {0});
+    if (!h.ok()) {
+      state.SkipWithError("Begin failed");
+      break;
+    }
+    state.PauseTiming();
+    (void)sender.Cancel(*h, "benchmark");
+    (void)s.receiver->Poll(id);
+    s.receiver->Forget(id);
+    state.ResumeTiming();
+  }
+  state.SetLabel(announce ? "with the begin word" : "no begin word");
 }
 
 void BM_RawOneBlock(benchmark::State& state) {
@@ -159,11 +192,13 @@ void Register() {
           ->UseRealTime();
     }
   }
+  benchmark::RegisterBenchmark("BM_KvBegin", BM_KvBegin)->Arg(1)->Arg(0)->UseRealTime();
   for (int shape = 0; shape < 3; ++shape) {
     benchmark::RegisterBenchmark("BM_RawOneBlock", BM_RawOneBlock)->Arg(shape)->UseRealTime();
     benchmark::RegisterBenchmark("BM_KvRequest", BM_KvRequest)
-        ->Args({shape, 0})
-        ->Args({shape, 1})
+        ->Args({shape, 0, 1})
+        ->Args({shape, 1, 1})
+        ->Args({shape, 0, 0})
         ->UseRealTime();
   }
 }

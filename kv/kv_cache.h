@@ -131,6 +131,11 @@ class KvSender {
     // after the engine's handshake_timeout. The first contact with a decode
     // (its handshake) still takes up to handshake_timeout.
     absl::Duration peer_timeout = absl::Seconds(4);
+    // Begin tells the decode the request began and where this engine
+    // answers (one notification round trip), so that a decode that waits
+    // without Expect still learns of this engine's death. Off saves that
+    // round trip where every decode calls Expect.
+    bool announce = true;
   };
   static constexpr uint32_t kMaxChecksumPages = 32768;
   // `pool` is registered with `engine` (local access only) and stays

@@ -112,7 +112,7 @@ absl::StatusOr<std::unique_ptr<KvSender::Request>> KvSender::Prepare(
                      mine.Encode(), ")"));
   }
   auto r = std::make_unique<Request>();
-  r->announce = lines.size() > 2 && lines[2] == kReadsBeginWords;
+  r->announce = options_.announce && lines.size() > 2 && lines[2] == kReadsBeginWords;
   for (absl::string_view a : absl::StrSplit(lines[1], ',', absl::SkipEmpty())) {
     uint64_t addr;
     if (!absl::SimpleHexAtoi(a, &addr)) return absl::DataLossError("malformed KV pool buffers");
