@@ -22,6 +22,7 @@
 #include "cuda/driver.h"
 #include "engine/engine_options.h"
 #include "engine/memory/local_regions.h"
+#include "engine/memory/memory_location.h"
 #include "engine/metrics/metrics_server.h"
 #include "engine/peer/notifications.h"
 #include "engine/peer/peer_client.h"
@@ -35,7 +36,10 @@
 
 namespace kvferry {
 
+using engine_internal::CheckLocation;
+using engine_internal::MemoryLocation;
 using engine_internal::NicMask;
+using engine_internal::SameNumaNode;
 using transport::Access;
 using transport::NicIndex;
 
@@ -49,75 +53,6 @@ engine_internal::PipelineConfig ConfigOf(const EngineOptions& o) {
   c.peer_timeout = o.peer_timeout;
   c.idle_segment_timeout = o.idle_segment_timeout;
   return c;
-}
-
-// For "cpu:N": the NICs on NUMA node N (EngineParts::near_nics's default).
-std::vector<NicIndex> SameNumaNode(const transport::Transport& t, const std::string& location) {
-  std::vector<NicIndex> out;
-  absl::StatusOr<topology::Location> l = topology::ParseLocation(location);
-  if (l.ok() && l->kind == topology::Location::Kind::kCpu) {
-    const std::vector<transport::NicInfo> nics = t.LocalEndpoint().nics;
-    for (NicIndex i = 0; i < nics.size(); ++i) {
-      if (nics[i].numa_node == l->index) out.push_back(i);
-    }
-  }
-  return out;
-}
-
-// Where [addr, +length) lives, as near_nics takes it. With a CUDA driver
-// the memory itself says: device memory is "pci:<the GPU's PCI address>"
-// (the CUDA ordinal mapped by the driver, right under CUDA_VISIBLE_DEVICES),
-// and a `location` that contradicts the memory is an error. Without one,
-// `location` as given. *derived: the location came from the memory;
-// *device: the memory is GPU memory.
-absl::StatusOr<std::string> MemoryLocation(void* addr, uint64_t length, const std::string& location,
-                                           bool* derived, bool* device) {
-  if (addr == nullptr || length == 0) return location;
-  const cuda::Driver* driver = cuda::Driver::Get();
-  if (driver == nullptr) {
-    // No CUDA here: the memory must be host memory the CPU can read (GPU
-    // memory, or a freed buffer, would crash the transport later).
-    absl::Status readable = cuda::CheckHostReadable(addr, length);
-    if (!readable.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterMemory: ", readable.message(),
-          " (GPU memory needs the CUDA driver: ", cuda::Driver::LoadError().message(), ")"));
-    }
-    return location;
-  }
-  absl::StatusOr<cuda::MemoryInfo> info = driver->Classify(addr, length);
-  if (!info.ok()) return Annotate(info.status(), "RegisterMemory");
-  absl::StatusOr<topology::Location> said = topology::ParseLocation(location);
-  const bool says_cuda = said.ok() && said->kind == topology::Location::Kind::kCuda;
-  if (!info->device) {
-    if (says_cuda) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterMemory: location '", location, "' but the buffer is host memory"));
-    }
-    return location;
-  }
-  const std::string mine = topology::Location::Cuda(info->ordinal).ToString();
-  if (!location.empty() && location != mine) {
-    return absl::InvalidArgumentError(absl::StrCat("RegisterMemory: location '", location,
-                                                   "' but the buffer is memory of ", mine));
-  }
-  *derived = location.empty();
-  *device = true;
-  absl::StatusOr<std::string> bus = driver->PciBusId(info->ordinal);
-  if (!bus.ok()) return mine;
-  return topology::Location::Pci(*bus).ToString();
-}
-
-// What a caller may name: "cpu:N" or "cuda:N" (pci: is what the engine
-// derives from device memory).
-absl::Status CheckLocation(const std::string& location) {
-  absl::StatusOr<topology::Location> l = topology::ParseLocation(location);
-  if (!l.ok() ||
-      (l->kind != topology::Location::Kind::kCpu && l->kind != topology::Location::Kind::kCuda)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RegisterMemory: bad location '", location, "' (expected cpu:N or cuda:N)"));
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace

@@ -1,8 +1,6 @@
 #include "handshake/messages.h"
 
 #include "absl/strings/cord.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "handshake/wire.h"
@@ -42,79 +40,6 @@ bool ReadStatus(absl::string_view payload, absl::Status* status) {
 }
 
 }  // namespace
-
-const char* MessageTypeName(MessageType type) {
-  switch (type) {
-    case MessageType::kDescribe:
-      return "describe";
-    case MessageType::kDescriptor:
-      return "descriptor";
-    case MessageType::kConnect:
-      return "connect";
-    case MessageType::kConnectReply:
-      return "connect-reply";
-    case MessageType::kNotify:
-      return "notify";
-    case MessageType::kNotifyAck:
-      return "notify-ack";
-    case MessageType::kProbe:
-      return "probe";
-    case MessageType::kProbeReply:
-      return "probe-reply";
-    case MessageType::kError:
-      return "error";
-    case MessageType::kGetMetadata:
-      return "get-metadata";
-    case MessageType::kChallenge:
-      return "challenge";
-    case MessageType::kChallengeReply:
-      return "challenge-reply";
-    case MessageType::kAuthenticated:
-      return "authenticated";
-    case MessageType::kAuthenticatedReply:
-      return "authenticated-reply";
-    case MessageType::kConnectLinksHere:
-      return "connect-links-here";
-    case MessageType::kMetadata:
-      return "metadata";
-    case MessageType::kConnectLinks:
-      return "connect-links";
-    case MessageType::kConnectLinksReply:
-      return "connect-links-reply";
-    case MessageType::kCloseLinks:
-      return "close-links";
-    case MessageType::kCloseLinksReply:
-      return "close-links-reply";
-    case MessageType::kDescribeV2:
-      return "describe-v2";
-    case MessageType::kDescriptorV2:
-      return "descriptor-v2";
-    case MessageType::kConfirm:
-      return "confirm";
-    case MessageType::kConfirmReply:
-      return "confirm-reply";
-  }
-  return "unknown";
-}
-
-uint32_t MaxRequestPayloadBytes(MessageType type) {
-  constexpr uint32_t kSmall = kMaxStringBytes + 64;  // a string and fixed fields
-  switch (type) {
-    case MessageType::kConnect:
-      return kMaxConnectRequestBytes;
-    case MessageType::kConnectLinks:
-    case MessageType::kConnectLinksHere:
-      return 64 + kMaxLinksPerConnect * (4 + kMaxConnectRequestBytes);
-    case MessageType::kCloseLinks:
-      return 64 + kMaxLinksPerConnect * (4 + kMaxStringBytes);
-    case MessageType::kNotify:
-      return kMaxNotifyBytes + kSmall;
-    case MessageType::kAuthenticated:
-      return kMaxNotifyBytes + (64 << 10);  // the envelope around any request
-    default:
-      return kSmall;
-  }
-}
 
 std::string EncodeFrame(MessageType type, absl::string_view payload) {
   std::string out;
@@ -499,28 +424,6 @@ absl::Status DecodeError(absl::string_view payload) {
 
 bool PeerAnswered(const absl::Status& status) {
   return status.GetPayload(kAnsweredUrl).has_value();
-}
-
-namespace {
-constexpr absl::string_view kFenceMark = " [fence epoch ";
-}  // namespace
-
-absl::Status FencedError(absl::string_view message, uint64_t epoch) {
-  return absl::FailedPreconditionError(absl::StrCat(message, kFenceMark, epoch, "]"));
-}
-
-std::optional<uint64_t> FencedEpoch(const absl::Status& status) {
-  if (status.code() != absl::StatusCode::kFailedPrecondition) return std::nullopt;
-  absl::string_view m = status.message();
-  const size_t at = m.rfind(kFenceMark);
-  if (at == absl::string_view::npos || !absl::EndsWith(m, "]")) return std::nullopt;
-  m = m.substr(at + kFenceMark.size());
-  m.remove_suffix(1);
-  uint64_t epoch = 0;
-  if (m.empty() || m.size() > 20 || !absl::SimpleAtoi(m, &epoch)) return std::nullopt;
-  // The peer's client takes epoch + 1: the last one never comes.
-  if (epoch == UINT64_MAX) return std::nullopt;
-  return epoch;
 }
 
 }  // namespace handshake
