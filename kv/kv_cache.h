@@ -28,6 +28,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -360,6 +361,11 @@ class KvReceiver {
   // entry and exit, released while vetting.
   void TakeWords() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Absorb(std::vector<Vetted> words) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A word about the expected request `e`: true when it counts (confirmed,
+  // from the instance expected; the request is no longer expected then),
+  // false when it is ignored, counted as forged, or kept to ask again.
+  bool TakeExpected(Vetted& v, std::map<std::string, std::string>::iterator e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a resolved early word within the bounds, dropping the oldest.
   void KeepEarly(const std::string& id, Early e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves `id`'s early word, if any, to requests_: for an Expect
@@ -395,11 +401,28 @@ class KvReceiver {
   // Expects `id` from the prefill a begn word named, if one did and
   // nothing expects the request yet (an Expect's binding without a call).
   void Adopt(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the prefill at `peer` confirms it sent the early word about
+  // `request_id` (from `instance`, when known), if one is kept unconfirmed.
+  bool ConfirmEarly(const std::string& request_id, uint64_t instance, const std::string& peer)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Starts the watcher thread if it is not running (real time only).
   absl::Status StartWatcher() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Probes the prefills that are due, at once (at most kMaxProbesAtOnce at
   // a time); fences and fails those that are dead.
   void CheckPrefills();
+  // One prefill's probe: when it ran, its answer, and a watch connection
+  // opened after it answered (if it had none).
+  struct Probe {
+    absl::Time start, end;
+    absl::StatusOr<uint64_t> id = absl::UnknownError("not probed");
+    bool watched = false;  // it has a watch connection
+    net::Fd watch;         // one opened now
+  };
+  std::vector<Probe> ProbeAll(const std::vector<std::pair<std::string, Prefill>>& due)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // What `probe` says of the prefill `p` at `peer`: dead (fenced, its
+  // requests failed) or alive (its next probe planned, its watch kept).
+  void Judge(const std::string& peer, const Prefill& p, Probe& probe) ABSL_LOCKS_EXCLUDED(mu_);
   static constexpr size_t kMaxProbesAtOnce = 16;
   // Why the prefill `p` at `peer` counts as dead after probe result `id`
   // (OK when it does not).

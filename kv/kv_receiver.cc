@@ -103,21 +103,7 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   const absl::Time now = engine_->clock()->Now();
   const bool presented = instance != 0 && instance != prefill_engine_id;
   // A word that came first is confirmed with this prefill before it counts.
-  std::optional<std::pair<uint64_t, uint64_t>> early;  // its sender and digest
-  {
-    MutexLock lock(&mu_);
-    auto e = early_.find(request_id);
-    if (e != early_.end() && !e->second.confirmed &&
-        (instance == 0 || e->second.engine_id == instance)) {
-      early.emplace(e->second.engine_id, e->second.digest);
-    }
-  }
-  bool confirmed = false;
-  if (early.has_value()) {
-    confirmed = engine_->ConfirmSent(peer, early->first, early->second, options_.peer_timeout / 4)
-                    .value_or(false);
-  }
-  bool start = false;
+  const bool confirmed = ConfirmEarly(request_id, instance, peer);
   {
     MutexLock lock(&mu_);
     ClaimEarly(request_id, instance, /*expected=*/true, confirmed);
@@ -134,23 +120,30 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     }
     ++known->second.expected;
     expected_[request_id] = peer;
-    start = !watcher_started_ && engine_->clock() == RealClock();
-    watcher_started_ = watcher_started_ || start;
     changed_.SignalAll();
     Wake();
-  }
-  if (start) {
-    absl::StatusOr<std::thread> t =
-        StartThread("a KV receiver's prefill watcher", [this] { Watch(); });
-    if (!t.ok()) {
-      MutexLock lock(&mu_);
-      watcher_started_ = false;
-      if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);
-      return t.status();
+    if (absl::Status started = StartWatcher(); !started.ok()) {
+      Unexpect(expected_.find(request_id));
+      return started;
     }
-    watcher_ = std::move(*t);
   }
   return absl::OkStatus();
+}
+
+bool KvReceiver::ConfirmEarly(const std::string& request_id, uint64_t instance,
+                              const std::string& peer) {
+  std::optional<std::pair<uint64_t, uint64_t>> early;  // its sender and digest
+  {
+    MutexLock lock(&mu_);
+    auto e = early_.find(request_id);
+    if (e != early_.end() && !e->second.confirmed &&
+        (instance == 0 || e->second.engine_id == instance)) {
+      early.emplace(e->second.engine_id, e->second.digest);
+    }
+  }
+  if (!early.has_value()) return false;
+  return engine_->ConfirmSent(peer, early->first, early->second, options_.peer_timeout / 4)
+      .value_or(false);
 }
 
 KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {

@@ -95,25 +95,25 @@ void KvReceiver::WaitForEvents(absl::Duration wait) {
 }
 
 void KvReceiver::CheckPrefills() {
-  Clock* clock = engine_->clock();
-  const absl::Duration period = options_.peer_timeout / 4;
   std::vector<std::pair<std::string, Prefill>> due;
   {
     MutexLock lock(&mu_);
-    const absl::Time now = clock->Now();
+    const absl::Time now = engine_->clock()->Now();
     for (const auto& [peer, p] : prefills_) {
       if (p.next_probe <= now) due.emplace_back(peer, p);
     }
   }
   if (due.empty()) return;
+  std::vector<Probe> probes = ProbeAll(due);
+  for (size_t i = 0; i < due.size(); ++i) Judge(due[i].first, due[i].second, probes[i]);
+}
+
+std::vector<KvReceiver::Probe> KvReceiver::ProbeAll(
+    const std::vector<std::pair<std::string, Prefill>>& due) {
   // All due prefills are probed at once, so that many frozen ones (each
   // probe waiting out `period`) do not push the others past their bound.
-  struct Probe {
-    absl::Time start, end;
-    absl::StatusOr<uint64_t> id = absl::UnknownError("not probed");
-    bool watched = false;  // it has a watch connection
-    net::Fd watch;         // one opened now
-  };
+  Clock* clock = engine_->clock();
+  const absl::Duration period = options_.peer_timeout / 4;
   std::vector<Probe> probes(due.size());
   if (clock == RealClock()) {
     MutexLock lock(&mu_);
@@ -141,49 +141,50 @@ void KvReceiver::CheckPrefills() {
   }
   work();
   for (std::thread& t : helpers) t.join();
+  return probes;
+}
 
-  for (size_t i = 0; i < due.size(); ++i) {
-    const auto& [peer, p] = due[i];
-    const absl::StatusOr<uint64_t>& id = probes[i].id;
-    // Silent handshake, busy data links: alive (its probes may be starved
-    // or lost; its writes are not). Only for an instance that presented
-    // itself: links claiming a merely named id prove nothing.
-    const uint64_t inputs = p.presented ? engine_->DataInputsFrom(p.engine_id) : 0;
-    const bool data_moved = inputs > p.inputs;
-    const absl::Status dead = DeathOf(peer, p, id, probes[i].end, data_moved);
-    // Fenced before anyone is told: nothing of it lands afterwards. Only an
-    // id the prefill presented itself: never one a caller merely named.
-    if (!dead.ok() && p.engine_id != 0 && p.presented) {
-      engine_->FencePeer(p.engine_id, dead.message());
-    }
-    MutexLock lock(&mu_);
-    auto it = prefills_.find(peer);
-    if (it == prefills_.end()) continue;
-    if (!dead.ok()) {
-      FailFrom(peer, dead);  // forgets the prefill with its last request
-      continue;
-    }
-    if (id.ok()) {
-      it->second.engine_id = *id;
-      it->second.presented = true;
-    }
-    if (probes[i].watch.valid()) {
-      watches_.emplace(peer, std::move(probes[i].watch));
-      Wake();  // the watcher polls it from now on
-    }
-    // An answer, even a refusal (an overloaded or fencing engine), means
-    // its process is alive.
-    if (id.ok() || TransferEngine::PeerAnswered(id.status()) || data_moved) {
-      it->second.last_answer = probes[i].end;
-    }
-    it->second.inputs = std::max(it->second.inputs, inputs);
-    it->second.next_probe = probes[i].start + period;
-    if (id.ok() || TransferEngine::PeerAnswered(id.status())) {
-      it->second.quick_retries = 0;
-    } else if (it->second.quick_retries > 0) {
-      --it->second.quick_retries;
-      it->second.next_probe = std::min(it->second.next_probe, probes[i].end + kQuickRetry);
-    }
+void KvReceiver::Judge(const std::string& peer, const Prefill& p, Probe& probe) {
+  const absl::Duration period = options_.peer_timeout / 4;
+  const absl::StatusOr<uint64_t>& id = probe.id;
+  // Silent handshake, busy data links: alive (its probes may be starved
+  // or lost; its writes are not). Only for an instance that presented
+  // itself: links claiming a merely named id prove nothing.
+  const uint64_t inputs = p.presented ? engine_->DataInputsFrom(p.engine_id) : 0;
+  const bool data_moved = inputs > p.inputs;
+  const absl::Status dead = DeathOf(peer, p, id, probe.end, data_moved);
+  // Fenced before anyone is told: nothing of it lands afterwards. Only an
+  // id the prefill presented itself: never one a caller merely named.
+  if (!dead.ok() && p.engine_id != 0 && p.presented) {
+    engine_->FencePeer(p.engine_id, dead.message());
+  }
+  MutexLock lock(&mu_);
+  auto it = prefills_.find(peer);
+  if (it == prefills_.end()) return;
+  if (!dead.ok()) {
+    FailFrom(peer, dead);  // forgets the prefill with its last request
+    return;
+  }
+  Prefill& now = it->second;
+  if (id.ok()) {
+    now.engine_id = *id;
+    now.presented = true;
+  }
+  if (probe.watch.valid()) {
+    watches_.emplace(peer, std::move(probe.watch));
+    Wake();  // the watcher polls it from now on
+  }
+  // An answer, even a refusal (an overloaded or fencing engine), means its
+  // process is alive.
+  const bool answered = id.ok() || TransferEngine::PeerAnswered(id.status());
+  if (answered || data_moved) now.last_answer = probe.end;
+  now.inputs = std::max(now.inputs, inputs);
+  now.next_probe = probe.start + period;
+  if (answered) {
+    now.quick_retries = 0;
+  } else if (now.quick_retries > 0) {
+    --now.quick_retries;
+    now.next_probe = std::min(now.next_probe, probe.end + kQuickRetry);
   }
 }
 

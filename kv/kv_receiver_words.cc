@@ -105,31 +105,8 @@ void KvReceiver::Absorb(std::vector<Vetted> words) {
       if (Announced(id, v, w->body)) adopt.push_back(id);
       continue;
     }
-    // A word for a request expected from another prefill instance (one
-    // that died, or its successor) is not about this request: ignored.
     if (auto e = expected_.find(id); e != expected_.end()) {
-      auto from = prefills_.find(e->second);
-      if (from != prefills_.end() && from->second.engine_id != 0 &&
-          from->second.engine_id != n.engine_id) {
-        ++ignored_words_;
-        continue;
-      }
-      if (!v.confirmed && v.unasked) {
-        // Its prefill could not be asked now: asked again by the next
-        // Poll or Wait (until the prefill is declared dead, and its
-        // request failed). Bounded: the oldest go first.
-        if (unasked_.size() >= kMaxEarlyWords) {
-          unasked_.erase(unasked_.begin());
-          ++dropped_early_;
-        }
-        unasked_.push_back(std::move(v.n));
-        continue;
-      }
-      if (!v.confirmed) {
-        ++unconfirmed_;  // the engine it names said it did not send it: forged
-        continue;
-      }
-      Unexpect(e);
+      if (!TakeExpected(v, e)) continue;
     } else if (requests_.find(id) == requests_.end()) {
       // Nobody expects it or waits for it (yet): kept a while, bounded.
       if (early_.count(id) != 0) continue;  // first word wins
@@ -150,6 +127,34 @@ void KvReceiver::Absorb(std::vector<Vetted> words) {
   }
   for (const std::string& id : adopt) Adopt(id);
   ExpireEarly();
+}
+
+bool KvReceiver::TakeExpected(Vetted& v, std::map<std::string, std::string>::iterator e) {
+  // A word for a request expected from another prefill instance (one that
+  // died, or its successor) is not about this request: ignored.
+  auto from = prefills_.find(e->second);
+  if (from != prefills_.end() && from->second.engine_id != 0 &&
+      from->second.engine_id != v.n.engine_id) {
+    ++ignored_words_;
+    return false;
+  }
+  if (!v.confirmed && v.unasked) {
+    // Its prefill could not be asked now: asked again by the next Poll or
+    // Wait (until the prefill is declared dead, and its request failed).
+    // Bounded: the oldest go first.
+    if (unasked_.size() >= kMaxEarlyWords) {
+      unasked_.erase(unasked_.begin());
+      ++dropped_early_;
+    }
+    unasked_.push_back(std::move(v.n));
+    return false;
+  }
+  if (!v.confirmed) {
+    ++unconfirmed_;  // the engine it names said it did not send it: forged
+    return false;
+  }
+  Unexpect(e);
+  return true;
 }
 
 bool KvReceiver::Announced(const std::string& id, const Vetted& v, absl::string_view prefill) {

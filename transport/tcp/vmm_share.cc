@@ -205,17 +205,20 @@ void Refuse(int fd, absl::StatusCode code, const std::string& why) {
 
 }  // namespace
 
+// A connection whose request is still arriving.
+struct VmmServer::Pending {
+  net::Fd fd;
+  Request req{};
+  size_t got = 0;
+  absl::Time deadline;
+};
+
 // One poll loop over the listener and the connections whose request is
 // still arriving: a client that trickles its request (or sends none) holds
 // only its own connection, for at most kVmmRequestTime, and never delays
 // another's answer. Another user's connection is refused at accept.
+
 void VmmServer::Serve() {
-  struct Pending {
-    net::Fd fd;
-    Request req{};
-    size_t got = 0;
-    absl::Time deadline;
-  };
   // Fixed arrays, no heap: a forked child (which has no server thread)
   // inherits nothing of this loop that looks leaked.
   std::array<Pending, kMaxVmmPending> pending;
@@ -236,57 +239,66 @@ void VmmServer::Serve() {
     const absl::Time now = absl::Now();
     size_t kept = 0;
     for (size_t i = 0; i < count; ++i) {
-      Pending& p = pending[i];
-      bool done = now > p.deadline;
-      if (done) {
-        Refuse(p.fd.get(), absl::StatusCode::kDeadlineExceeded, "the VMM request came too slowly");
-      } else if ((fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
-        const ssize_t n = ::recv(p.fd.get(), reinterpret_cast<char*>(&p.req) + p.got,
-                                 sizeof p.req - p.got, MSG_DONTWAIT);
-        done = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
-        if (done && p.got > 0) {
-          Refuse(p.fd.get(), absl::StatusCode::kInvalidArgument, "not a VMM request (cut short)");
-        }
-        if (n > 0 && (p.got += static_cast<size_t>(n)) == sizeof p.req) {
-          // The answer is sent blocking, each message within kVmmTimeout.
-          (void)::fcntl(p.fd.get(), F_SETFL, ::fcntl(p.fd.get(), F_GETFL) & ~O_NONBLOCK);
-          SetTimeouts(p.fd.get());
-          Answer(p.fd.get(), p.req.magic, p.req.id);
-          done = true;
-        }
-      }
-      if (done) {
-        p.fd.Reset();
+      if (Progress(pending[i], fds[i + 2].revents, now)) {
+        pending[i].fd.Reset();
       } else {
-        if (kept != i) pending[kept] = std::move(p);
+        if (kept != i) pending[kept] = std::move(pending[i]);
         ++kept;
       }
     }
     count = kept;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    net::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (!fd.valid()) {
-      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-        ::usleep(10000);  // out of descriptors: later
-      }
-      continue;
-    }
-    ucred peer{};
-    socklen_t peer_len = sizeof peer;
-    if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
-        peer.uid != ::geteuid()) {
-      // Root included: a root server shares with root's processes only.
-      SetTimeouts(fd.get());
-      Refuse(fd.get(), absl::StatusCode::kPermissionDenied,
-             "VMM memory is shared with the same user only");
-      continue;
-    }
-    if (count == kMaxVmmPending) {  // the oldest goes
-      std::move(pending.begin() + 1, pending.begin() + count, pending.begin());
-      --count;
-    }
-    pending[count++] = Pending{std::move(fd), Request{}, 0, now + kVmmRequestTime};
+    if ((fds[0].revents & POLLIN) != 0) AcceptOne(pending.data(), &count, now);
   }
+}
+
+bool VmmServer::Progress(Pending& p, short revents, absl::Time now) {
+  if (now > p.deadline) {
+    Refuse(p.fd.get(), absl::StatusCode::kDeadlineExceeded, "the VMM request came too slowly");
+    return true;
+  }
+  if ((revents & (POLLIN | POLLHUP | POLLERR)) == 0) return false;
+  const ssize_t n = ::recv(p.fd.get(), reinterpret_cast<char*>(&p.req) + p.got,
+                           sizeof p.req - p.got, MSG_DONTWAIT);
+  const bool gone = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
+  if (gone) {
+    if (p.got > 0) {
+      Refuse(p.fd.get(), absl::StatusCode::kInvalidArgument, "not a VMM request (cut short)");
+    }
+    return true;
+  }
+  if (n > 0 && (p.got += static_cast<size_t>(n)) == sizeof p.req) {
+    // The answer is sent blocking, each message within kVmmTimeout.
+    (void)::fcntl(p.fd.get(), F_SETFL, ::fcntl(p.fd.get(), F_GETFL) & ~O_NONBLOCK);
+    SetTimeouts(p.fd.get());
+    Answer(p.fd.get(), p.req.magic, p.req.id);
+    return true;
+  }
+  return false;
+}
+
+void VmmServer::AcceptOne(Pending* pending, size_t* count, absl::Time now) {
+  net::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (!fd.valid()) {
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      ::usleep(10000);  // out of descriptors: later
+    }
+    return;
+  }
+  ucred peer{};
+  socklen_t peer_len = sizeof peer;
+  if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
+      peer.uid != ::geteuid()) {
+    // Root included: a root server shares with root's processes only.
+    SetTimeouts(fd.get());
+    Refuse(fd.get(), absl::StatusCode::kPermissionDenied,
+           "VMM memory is shared with the same user only");
+    return;
+  }
+  if (*count == kMaxVmmPending) {  // the oldest goes
+    std::move(pending + 1, pending + *count, pending);
+    --*count;
+  }
+  pending[(*count)++] = Pending{std::move(fd), Request{}, 0, now + kVmmRequestTime};
 }
 
 void VmmServer::Answer(int fd, uint64_t magic, uint64_t id) {

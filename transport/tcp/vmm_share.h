@@ -58,6 +58,13 @@ class VmmServer {
   VmmServer() = default;
   absl::Status Start();
   void Serve();
+  struct Pending;
+  // Reads more of `p`'s request (`revents`: its poll events) and answers it
+  // once whole; true when `p` is done with (answered, refused or gone).
+  bool Progress(Pending& p, short revents, absl::Time now);
+  // Accepts a connection into pending[0, *count) (same user only; at the
+  // cap the oldest goes).
+  void AcceptOne(Pending* pending, size_t* count, absl::Time now);
   void Answer(int fd, uint64_t magic, uint64_t id);
   // At exit: the thread ends (joined, so that no thread is left inside the
   // driver while the process goes).
