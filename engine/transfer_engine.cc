@@ -78,6 +78,9 @@ class TransferEngine::Impl {
                         absl::Duration timeout,
                         BatchId* running) { return RunToEnd(segment, requests, timeout, running); },
                  [this](BatchId batch) { return pipeline_.Release(batch); }) {
+    client_.OnFenced([this](const std::string& peer, uint64_t epoch) {
+      pipeline_.segments().FencedBy(peer, epoch);
+    });
     if (!near_nics_) {
       near_nics_ = [t = transport_.get()](const std::string& location) {
         return absl::StatusOr<std::vector<NicIndex>>(SameNumaNode(*t, location));

@@ -223,14 +223,16 @@ uint64_t PeerClient::EpochWith(const std::string& peer) const {
 void PeerClient::Learn(const std::string& peer, const absl::Status& status) const {
   const std::optional<uint64_t> fenced = handshake::FencedEpoch(status);
   if (!fenced.has_value()) return;
-  MutexLock lock(&epochs_mu_);
-  uint64_t& epoch = epochs_[peer];
-  if (epoch <= *fenced) {
+  {
+    MutexLock lock(&epochs_mu_);
+    uint64_t& epoch = epochs_[peer];
+    if (epoch > *fenced) return;  // learned already
     KVF_LOG(WARNING) << "the engine at " << peer << " fenced this engine off (epoch " << *fenced
                      << "): what was in flight to it is lost; new requests go at epoch "
                      << *fenced + 1;
     epoch = *fenced + 1;
   }
+  if (on_fenced_) on_fenced_(peer, *fenced + 1);
 }
 
 absl::StatusOr<handshake::Metadata> PeerClient::GetMetadata(const std::string& peer,

@@ -99,6 +99,13 @@ class PeerClient {
   // it (the pipeline reads it once per set of links), notifications as it
   // is when they are sent.
   uint64_t EpochWith(const std::string& peer) const ABSL_LOCKS_EXCLUDED(epochs_mu_);
+  // Called (on the thread whose call was refused, no lock held) each time
+  // a peer's refusal moves this engine's epoch with it to `epoch`: the
+  // pipeline marks that peer's segment for a refresh, so that its links
+  // are rebuilt at the new epoch at once (over verbs nothing else would
+  // tell it the peer closed them). Set once, before any call.
+  using FenceListener = std::function<void(const std::string& peer, uint64_t epoch)>;
+  void OnFenced(FenceListener listener) { on_fenced_ = std::move(listener); }
   // A value the peer published, and the instance that answered.
   // Waits up to `timeout` (0: the client's).
   absl::StatusOr<handshake::Metadata> GetMetadata(const std::string& peer, const std::string& key,
@@ -140,6 +147,7 @@ class PeerClient {
   handshake::HandOver* const hand_over_;  // null: the network cannot hand over
   const uint64_t engine_id_;
   const absl::Duration timeout_;
+  FenceListener on_fenced_;
   mutable Mutex epochs_mu_;
   mutable RecentMap<std::string, uint64_t> epochs_ ABSL_GUARDED_BY(epochs_mu_){kMaxEpochs};
 };

@@ -231,6 +231,15 @@ absl::StatusOr<std::vector<RemoteRegion>> SegmentRegistry::Regions(SegmentId id)
   return out;
 }
 
+void SegmentRegistry::FencedBy(const std::string& peer, uint64_t epoch) {
+  MutexLock lock(&mu_);
+  const SegmentId id = table_.ByPeer(peer);
+  Segment* seg = id == 0 ? nullptr : table_.Find(id);
+  if (seg == nullptr || seg->state != SegmentState::kReady || seg->epoch >= epoch) return;
+  seg->state = SegmentState::kStale;
+  seg->Publish();
+}
+
 absl::StatusOr<SegmentRegistry::PeerView> SegmentRegistry::View(SegmentId id) const {
   MutexLock lock(&mu_);
   const Segment* seg = table_.Find(id);

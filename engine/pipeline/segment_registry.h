@@ -49,6 +49,10 @@ class SegmentRegistry {
     uint64_t generation = 0;
     uint64_t epoch = 0;  // SegmentCore::epoch
   };
+  // The peer at `peer` fenced this engine, which goes at `epoch` with it
+  // now: its segment, if ready at an earlier epoch, is refreshed before
+  // its next slice (the peer closed its links).
+  void FencedBy(const std::string& peer, uint64_t epoch) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<PeerView> View(SegmentId id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Re-reads the peer's descriptor and rebuilds the links. One refresh per
   // segment at a time; callers that arrive meanwhile wait for it, and there
