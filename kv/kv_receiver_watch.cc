@@ -27,12 +27,6 @@
 
 namespace kvferry {
 
-using kv_internal::CheckRequestId;
-using kv_internal::GetU32;
-using kv_internal::kReadsBeginWords;
-using kv_internal::PageCrcs;
-using kv_internal::ParseWord;
-using kv_internal::Word;
 void KvReceiver::Watch() {
   mu_.Lock();
   while (!stopping_) {
