@@ -405,6 +405,11 @@ class KvReceiver {
   // `request_id` (from `instance`, when known), if one is kept unconfirmed.
   bool ConfirmEarly(const std::string& request_id, uint64_t instance, const std::string& peer)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Expects `request_id` from the prefill at `peer`: its entry is `first`
+  // if it is new, else it takes the `named` instance if none is known yet;
+  // the watcher runs from then on (its start failing undoes this).
+  absl::Status ExpectFrom(const std::string& request_id, const std::string& peer, Prefill first,
+                          uint64_t named) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts the watcher thread if it is not running (real time only).
   absl::Status StartWatcher() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Probes the prefills that are due, at once (at most kMaxProbesAtOnce at

@@ -110,21 +110,24 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     // is nothing left to watch.
     if (s.state != State::kPending) return absl::OkStatus();
     if (auto again = expected_.find(request_id); again != expected_.end()) Unexpect(again);
-    auto [known, fresh] = prefills_.try_emplace(
-        peer, Prefill{instance, presented, now, probe_now ? now : now + options_.peer_timeout / 4});
-    if (!fresh && prefill_engine_id != 0 && known->second.engine_id == 0) {
-      known->second.engine_id = prefill_engine_id;
-    }
-    ++known->second.expected;
-    expected_[request_id] = peer;
-    changed_.SignalAll();
-    Wake();
-    if (absl::Status started = StartWatcher(); !started.ok()) {
-      Unexpect(expected_.find(request_id));
-      return started;
-    }
+    return ExpectFrom(
+        request_id, peer,
+        Prefill{instance, presented, now, probe_now ? now : now + options_.peer_timeout / 4},
+        prefill_engine_id);
   }
-  return absl::OkStatus();
+}
+
+absl::Status KvReceiver::ExpectFrom(const std::string& request_id, const std::string& peer,
+                                    Prefill first, uint64_t named) {
+  auto [known, fresh] = prefills_.try_emplace(peer, first);
+  if (!fresh && named != 0 && known->second.engine_id == 0) known->second.engine_id = named;
+  ++known->second.expected;
+  expected_[request_id] = peer;
+  changed_.SignalAll();
+  Wake();
+  absl::Status started = StartWatcher();
+  if (!started.ok()) Unexpect(expected_.find(request_id));
+  return started;
 }
 
 bool KvReceiver::ConfirmEarly(const std::string& request_id, uint64_t instance,

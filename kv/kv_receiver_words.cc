@@ -189,17 +189,9 @@ void KvReceiver::Adopt(const std::string& id) {
   // As Expect(id, prefill, engine id) would, the id presented by the
   // engine at that address (it confirmed the word): probed from now on.
   const absl::Time now = engine_->clock()->Now();
-  auto [known, fresh] =
-      prefills_.try_emplace(begun.prefill, Prefill{begun.engine_id, /*presented=*/true, now, now});
-  if (!fresh && known->second.engine_id == 0) known->second.engine_id = begun.engine_id;
-  ++known->second.expected;
-  expected_[id] = begun.prefill;
-  changed_.SignalAll();
-  Wake();
-  if (absl::Status started = StartWatcher(); !started.ok()) {
-    KVF_LOG(WARNING) << "KV request " << id << " is not watched: " << started;
-    Unexpect(expected_.find(id));
-  }
+  absl::Status watched = ExpectFrom(
+      id, begun.prefill, Prefill{begun.engine_id, /*presented=*/true, now, now}, begun.engine_id);
+  if (!watched.ok()) KVF_LOG(WARNING) << "KV request " << id << " is not watched: " << watched;
 }
 
 KvReceiver::Status KvReceiver::Resolve(const std::string& id, const Word& w, uint64_t from,

@@ -110,10 +110,7 @@ absl::StatusOr<PeerClient::Described> PeerClient::DescribeAndConnect(
     }
     reply = Expect(peer, sent, std::move(reply), MessageType::kConnectLinksReply);
     out->links = reply.ok() ? DecodeLinks(peer, *reply, count) : reply.status();
-    Learn(peer, out->links.status());
-    if (out->links.ok()) {
-      for (const absl::StatusOr<std::string>& link : *out->links) Learned(peer, link);
-    }
+    LearnFrom(peer, out->links);
     return true;
   };
   if (here) {
@@ -146,9 +143,7 @@ absl::StatusOr<PeerClient::LinkAnswers> PeerClient::ConnectLinks(
              MessageType::kConnectLinksReply, timeout_);
     if (reply.ok()) {
       absl::StatusOr<LinkAnswers> answers = DecodeLinks(peer, *reply, count);
-      if (answers.ok()) {
-        for (const absl::StatusOr<std::string>& link : *answers) Learned(peer, link);
-      }
+      LearnFrom(peer, answers);
       return answers;
     }
     Learn(peer, reply.status());
@@ -212,6 +207,12 @@ absl::Status PeerClient::Notify(const std::string& peer, const std::string& mess
           .status();
   Learn(peer, sent);
   return sent;
+}
+
+void PeerClient::LearnFrom(const std::string& peer,
+                           const absl::StatusOr<LinkAnswers>& answers) const {
+  if (!answers.ok()) return Learn(peer, answers.status());
+  for (const absl::StatusOr<std::string>& link : *answers) Learned(peer, link);
 }
 
 uint64_t PeerClient::EpochWith(const std::string& peer) const {

@@ -133,6 +133,9 @@ class PeerClient {
   // (nothing for any other status).
   void Learn(const std::string& peer, const absl::Status& status) const
       ABSL_LOCKS_EXCLUDED(epochs_mu_);
+  // The same for every refused link of a connect-links answer (or the call).
+  void LearnFrom(const std::string& peer, const absl::StatusOr<LinkAnswers>& answers) const
+      ABSL_LOCKS_EXCLUDED(epochs_mu_);
   template <typename T>
   const absl::StatusOr<T>& Learned(const std::string& peer, const absl::StatusOr<T>& s) const {
     if (!s.ok()) Learn(peer, s.status());
