@@ -17,6 +17,7 @@
 #include "engine/transfer_engine.h"
 #include "handshake/tcp_network.h"
 #include "net/interfaces.h"
+#include "transport/cuda_ipc/cuda_share.h"
 #include "transport/tcp/tcp_transport.h"
 #include "transport/verbs/discovery.h"
 #include "transport/verbs/ibv.h"
@@ -181,6 +182,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOpt
     t.advertise_host = d.host;
     t.connect_timeout = options.connect_timeout;
     t.secret = options.secret;
+    t.host_share = transport::NewCudaShare();  // null without a CUDA driver
     return transport::CreateTcpTransport(t);
   };
   EngineParts parts;

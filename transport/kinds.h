@@ -11,6 +11,8 @@ namespace kind {
 inline constexpr char kVerbs[] = "verbs";  // transport/verbs: libibverbs RC
 inline constexpr char kTcp[] = "tcp";      // transport/tcp: sockets
 inline constexpr char kSim[] = "sim";      // transport/sim: the simulated fabric
+// transport/cuda_ipc: peers on this host, device memory copied GPU to GPU
+inline constexpr char kCudaIpc[] = "cuda_ipc";
 
 }  // namespace kind
 }  // namespace transport

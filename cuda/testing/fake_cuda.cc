@@ -43,7 +43,10 @@
 // the addresses handed out, so that an RDMA NIC can pin it, as
 // nvidia-peermem lets ibv_reg_mr pin GPU memory; kvferry_fake_cuda_hide()
 // makes it PROT_NONE again once registered: the NIC keeps its pinned pages,
-// the CPU loses access).
+// the CPU loses access), KVFERRY_FAKE_CUDA_IPC_IN_PROCESS=1 (a process may
+// open its own IPC handles, as another process would: the real driver
+// refuses with CUDA_ERROR_INVALID_CONTEXT, as this fake does without it; for
+// tests that stand two processes' transports in one).
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -661,7 +664,11 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, IpcHandle h, unsigned flags) {
   KVF_FAKE_READY();
   if (current == nullptr) return kInvalidContext;
   if (h.magic != kIpcMagic || flags != 1) return kInvalidValue;
-  if (h.pid == static_cast<uint64_t>(getpid())) return kInvalidContext;  // as the driver: not in-process
+  const char* in_process = getenv("KVFERRY_FAKE_CUDA_IPC_IN_PROCESS");
+  if (h.pid == static_cast<uint64_t>(getpid()) &&
+      (in_process == nullptr || strcmp(in_process, "1") != 0)) {
+    return kInvalidContext;  // as the driver: not in-process
+  }
   const std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
   const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) return kInvalidValue;

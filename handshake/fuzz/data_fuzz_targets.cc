@@ -16,7 +16,7 @@
 #include "net/socket.h"
 #include "transport/tcp/hello_acceptor.h"
 #include "transport/tcp/tcp_transport.h"
-#include "transport/tcp/vmm_share.h"
+#include "transport/cuda_ipc/vmm_share.h"
 #include "transport/tcp/wire.h"
 
 namespace kvferry {
@@ -43,7 +43,6 @@ Target& The() {
     transport::TcpTransportOptions o;
     o.bind_host = "127.0.0.1";
     o.in_process_shortcut = false;
-    o.cuda_ipc = false;
     o.connect_timeout = absl::Seconds(2);
     auto t = transport::CreateTcpTransport(o);
     Check(t.ok(), "cannot make the TCP transport");

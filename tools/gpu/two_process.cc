@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "handshake/tcp_network.h"
+#include "transport/cuda_ipc/cuda_share.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
@@ -15,7 +16,7 @@ std::unique_ptr<TransferEngine> LoopbackEngine(bool cuda_ipc, uint32_t links,
                                                uint64_t slice_bytes) {
   transport::TcpTransportOptions t;
   t.bind_host = "127.0.0.1";
-  t.cuda_ipc = cuda_ipc;
+  if (cuda_ipc) t.host_share = transport::NewCudaShare();
   t.in_process_shortcut = false;
   auto tcp = transport::CreateTcpTransport(t);
   if (!tcp.ok()) return nullptr;

@@ -25,7 +25,6 @@ class TcpDeviceHarness : public testing::TransportHarness {
     TcpTransportOptions o;
     o.bind_host = "127.0.0.1";
     o.in_process_shortcut = shortcut_;
-    o.cuda_ipc = false;  // one process: IPC handles cannot be opened here
     o.max_outstanding_per_link = 1024;
     return CreateTcpTransport(o);
   }

@@ -3,8 +3,6 @@
 // CPU, so a byte of it read or written anywhere but through the driver's
 // copies crashes the test. Over sockets (bytes staged through pinned
 // buffers) and through the in-process shortcut (the driver's copies).
-#include <dlfcn.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -77,9 +75,6 @@ class TcpDeviceMemoryTest : public ::testing::TestWithParam<Case> {
     ASSERT_NE(d_, nullptr);
     TcpTransportOptions o;
     o.in_process_shortcut = GetParam().shortcut;
-    // Staging under test: with IPC on, device memory would go as an IPC
-    // handle first (which one process cannot open; cuda_ipc_test covers it).
-    o.cuda_ipc = false;
     auto a = CreateTcpTransport(o);
     auto b = CreateTcpTransport(o);
     ASSERT_TRUE(a.ok() && b.ok());
@@ -177,65 +172,6 @@ TEST(TcpDeviceRegistrationTest, ARangePastTheAllocationIsRefused) {
   auto r = (*t)->RegisterMemory(*p, (1 << 20) + 4096, Access::kRemoteReadWrite);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_TRUE((*t)->RegisterMemory(*p, 1 << 20, Access::kRemoteReadWrite).ok());
-}
-
-// VMM memory between two transports of one process (the fake driver maps a
-// process's own exported fds again, as another process would): the
-// responder maps the requester's regions, keeps at most max_ipc_imports of
-// them per link, and maps one it dropped again when it comes back.
-TEST(TcpVmmImportsTest, ALinkKeepsAtMostMaxIpcImportsMapped) {
-  const cuda::Driver* d = cuda::UseFakeDriver();
-  ASSERT_NE(d, nullptr);
-  void* lib = ::dlopen(std::getenv("KVFERRY_CUDA_LIBRARY"), RTLD_NOW | RTLD_NOLOAD);
-  auto imports =
-      lib == nullptr
-          ? nullptr
-          : reinterpret_cast<uint64_t (*)()>(::dlsym(lib, "kvferry_fake_cuda_vmm_imports"));
-  ASSERT_NE(imports, nullptr);
-  TcpTransportOptions o;
-  o.in_process_shortcut = false;  // through the socket, as between processes
-  o.max_ipc_imports = 1;
-  auto a = CreateTcpTransport(o);
-  auto b = CreateTcpTransport(o);
-  ASSERT_TRUE(a.ok() && b.ok());
-  auto links = ConnectInProcess(**a, **b, 0, 0);
-  ASSERT_TRUE(links.ok()) << links.status();
-  const uint64_t chunk = d->VmmGranularity(0).value_or(0);
-  ASSERT_GT(chunk, 0u);
-  void* one = d->AllocVmm(0, chunk, 1).value_or(nullptr);
-  void* two = d->AllocVmm(0, chunk, 1).value_or(nullptr);
-  Buffer dst(d, 1, 8192);
-  ASSERT_TRUE(one != nullptr && two != nullptr);
-  auto r1 = (*a)->RegisterMemory(one, chunk, Access::kRemoteReadWrite);
-  auto r2 = (*a)->RegisterMemory(two, chunk, Access::kRemoteReadWrite);
-  auto rd = (*b)->RegisterMemory(dst.data(), 8192, Access::kRemoteReadWrite);
-  ASSERT_TRUE(r1.ok() && r2.ok() && rd.ok());
-  auto write = [&](const Region& from) {
-    WorkRequest wr;
-    wr.opcode = Opcode::kWrite;
-    wr.link = links->first;
-    wr.local_region = from.id;
-    wr.local_addr = reinterpret_cast<void*>(from.addr);
-    wr.length = 4096;
-    wr.remote_addr = rd->addr;
-    wr.remote_key = rd->keys[0];
-    EXPECT_TRUE((*a)->Post({&wr, 1}).ok());
-    Completion c;
-    EXPECT_EQ((*a)->WaitCompletions({&c, 1}, absl::Seconds(10)), 1u);
-    EXPECT_TRUE(c.status.ok()) << c.status;
-  };
-  const uint64_t before = imports();
-  write(*r1);
-  write(*r1);  // kept
-  EXPECT_EQ(imports() - before, 1u);
-  write(*r2);  // r1 dropped to make room
-  write(*r1);  // mapped again
-  EXPECT_EQ(imports() - before, 3u);
-  ASSERT_TRUE((*a)->UnregisterMemory(r1->id).ok());
-  ASSERT_TRUE((*a)->UnregisterMemory(r2->id).ok());
-  ASSERT_TRUE((*b)->UnregisterMemory(rd->id).ok());
-  EXPECT_TRUE(d->FreeVmm(one, chunk, 1, 0).ok());
-  EXPECT_TRUE(d->FreeVmm(two, chunk, 1, 0).ok());
 }
 
 }  // namespace

@@ -85,7 +85,7 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
       job.header.text_len = static_cast<uint32_t>(job.text.size());
       iov[n++] = {&job.header, sizeof job.header};
       if (!job.text.empty()) iov[n++] = {job.text.data(), job.text.size()};
-      if (job.ipc) iov[n++] = {&job.ipc_ref, sizeof job.ipc_ref};
+      if (job.by_ref) iov[n++] = {&job.ref, sizeof job.ref};
       if (job.data != nullptr && job.header.length > 0 && job.device >= 0) {
         // Device memory: what is gathered goes first, then the bytes
         // through the staging buffer. (Never in an inline rest: skip
@@ -124,7 +124,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     link->inputs.store(link->inputs.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     // Reading ahead pays while payloads are small; a large one would be
     // copied out of the buffer: then only the next header is read ahead.
-    const bool payload = (h.type == kWriteReq || h.type == kReadResp) && (h.flags & kViaIpc) == 0;
+    const bool payload = (h.type == kWriteReq || h.type == kReadResp) && (h.flags & kViaRef) == 0;
     link->in->ReadAhead(payload && h.length >= StreamReader::kDirect ? sizeof h
                                                                      : StreamReader::kCapacity);
     if (h.type == kWriteReq || h.type == kReadReq) {
@@ -135,8 +135,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
       error = absl::DataLossError(absl::StrCat("unknown message type ", h.type));
     }
   }
-  for (const auto& [handle, imp] : link->ipc_imports) CloseImport(imp);
-  link->ipc_imports.clear();
+  link->imports.reset();
   MutexLock lock(&mu_);
   link->reader_done = true;
   // Closed here (CloseLink, destruction) or already failed: nothing to do.

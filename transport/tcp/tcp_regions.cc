@@ -18,36 +18,16 @@ absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
   // Device memory is never touched by the CPU: its bytes go through pinned
   // staging buffers (see Staging).
   int device = -1;
-  uint64_t vmm_id = 0;
-  absl::StatusOr<cuda::Driver::IpcExport> ipc = absl::UnavailableError("host memory");
   if (const cuda::Driver* driver = cuda::Driver::Get()) {
     ASSIGN_OR_RETURN(cuda::MemoryInfo where, driver->Classify(addr, length));
-    if (where.device) {
-      device = where.ordinal;
-      if (IpcHost() != 0) ipc = driver->IpcExportOf(addr, device);
-      if (IpcHost() != 0 && !ipc.ok() && driver->IsVmm(addr, device)) {
-        // VMM memory: peers on this host fetch its chunks as fds, if they
-        // can be exported (tried once here).
-        absl::StatusOr<cuda::Driver::VmmExport> trial = driver->ExportVmm(addr, length, device);
-        if (trial.ok()) {
-          for (const cuda::Driver::VmmChunk& c : trial->chunks) ::close(c.fd);
-          if (VmmServer* server = VmmServer::Get()) vmm_id = server->Add(addr, length, device);
-        } else {
-          KVF_LOG(INFO) << "tcp: VMM device memory at " << addr << " cannot be shared ("
-                        << trial.status().message() << "): peers on this host get it staged";
-        }
-      } else if (IpcHost() != 0 && !ipc.ok()) {
-        KVF_LOG(INFO) << "tcp: device memory at " << addr << " has no CUDA IPC handle ("
-                      << ipc.status().message() << "): peers on this host get it staged";
-      }
-    }
+    if (where.device) device = where.ordinal;
   }
+  std::unique_ptr<HostShare::Export> share =
+      options_.host_share != nullptr ? options_.host_share->Share(addr, length, device) : nullptr;
   WriterMutexLock lock(&regions_mu_);
   auto entry = std::make_shared<RegionEntry>();
   entry->device = device;
-  entry->has_ipc = ipc.ok();
-  if (ipc.ok()) entry->ipc = *ipc;
-  entry->vmm_id = vmm_id;
+  entry->share = std::move(share);
   Region& r = entry->region;
   r.id = ++last_region_;
   r.addr = base;
@@ -78,7 +58,7 @@ absl::Status TcpTransport::UnregisterMemory(RegionId region) {
     entry = std::move(it->second);
     regions_.erase(it);
   }
-  if (entry->vmm_id != 0) VmmServer::Get()->Remove(entry->vmm_id);
+  entry->share.reset();  // peers on this host can open it no more
   RevokeAndDrain(*entry);
   return absl::OkStatus();
 }

@@ -29,25 +29,16 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   return absl::OkStatus();
 }
 
-bool TcpTransport::ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr,
-                          Job* job) {
-  if (!link.same_host || !link.ipc_ok || wr.length == 0) return false;
+bool TcpTransport::ByReference(const Link& link, const RegionEntry& local, const WorkRequest& wr,
+                               Job* job) const {
+  if (!link.same_host || !link.share_ok || wr.length == 0 || local.share == nullptr) return false;
+  ShareRef ref;
   const uint64_t offset = reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr;
-  if (local.has_ipc) {
-    // cudaMalloc memory: the peer opens the allocation's IPC handle.
-    job->ipc_ref.handle = local.ipc.handle;
-    job->ipc_ref.offset = local.ipc.offset + offset;
-    job->header.flags |= kViaIpc;
-  } else if (local.vmm_id != 0 && link.peer_vmm != 0) {
-    // VMM memory: the peer maps it from this process's VMM server.
-    job->ipc_ref = IpcRef{};
-    std::memcpy(job->ipc_ref.handle.reserved, &local.vmm_id, sizeof local.vmm_id);
-    job->ipc_ref.offset = offset;
-    job->header.flags |= kViaIpc | kViaVmm;
-  } else {
-    return false;
-  }
-  job->ipc = true;
+  if (!options_.host_share->Name(*local.share, offset, link.peer_word, &ref)) return false;
+  std::memcpy(job->ref.bytes, ref.bytes, sizeof ref.bytes);
+  job->ref.offset = ref.offset;
+  job->header.flags |= ref.second_kind ? kViaRef | kRefSecondKind : kViaRef;
+  job->by_ref = true;
   return true;
 }
 
@@ -79,7 +70,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     job.header.remote_addr = wr.remote_addr;
     job.header.rkey = wr.remote_key;
     job.header.length = wr.length;
-    if (!ViaIpc(link, local, wr, &job) && wr.opcode == Opcode::kWrite) {
+    if (!ByReference(link, local, wr, &job) && wr.opcode == Opcode::kWrite) {
       job.data = wr.local_addr;
       job.device = local.device;
     }
@@ -116,7 +107,7 @@ bool TcpTransport::ClaimInline(Link& link, uint64_t post) {
   }
   uint64_t bytes = 0;
   for (const Job& job : link.jobs) {
-    if (job.device >= 0 || job.ipc) return false;  // staged, or with an IpcRef: the writer
+    if (job.device >= 0 || job.by_ref) return false;  // staged, or a reference: the writer
     bytes += sizeof job.header + (job.data ? job.header.length : 0);
   }
   // Small Posts only: a large one is better copied into the socket by the
@@ -335,14 +326,14 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
     std::string text(std::min(h.text_len, kMaxErrorText), '\0');
     RETURN_IF_ERROR(ReadStream(*link.in, text.data(), text.size()));
     MutexLock lock(&mu_);
-    if ((h.flags & kViaIpc) != 0) return ResendStaged(link, wr, h.id, text);
+    if ((h.flags & kViaRef) != 0) return ResendStaged(link, wr, h.id, text);
     FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
     return absl::OkStatus();
   }
   if (h.length != wr.length) {
     return absl::DataLossError("READ answer of the wrong length");
   }
-  if ((h.flags & kViaIpc) != 0) {  // the peer copied into our device memory
+  if ((h.flags & kViaRef) != 0) {  // the peer copied into our memory itself
     MutexLock lock(&mu_);
     if (link.outstanding.Erase(h.id)) {
       CompleteLocked(wr, absl::OkStatus());
@@ -371,11 +362,11 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
 
 absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint64_t id,
                                         const std::string& why) {
-  if (link.ipc_ok) {
-    KVF_LOG(WARNING) << "tcp: link " << link.id << ": the peer cannot open this process's CUDA "
-                     << "IPC handles (" << why << "); device memory goes staged over the socket";
+  if (link.share_ok) {
+    KVF_LOG(WARNING) << "tcp: link " << link.id << ": the peer cannot open this process's "
+                     << "shared memory (" << why << "); its bytes go over the socket";
   }
-  link.ipc_ok = false;
+  link.share_ok = false;
   if (link.stopping) return absl::OkStatus();
   Job job;
   job.header.type = wr.opcode == Opcode::kWrite ? kWriteReq : kReadReq;

@@ -1,5 +1,6 @@
 // The TCP transport, responder side: checking and executing a peer's
-// requests (CUDA IPC imports included) and queueing their answers.
+// requests (those by reference through the host share) and queueing their
+// answers.
 #include "transport/tcp/tcp_transport_internal.h"
 
 namespace kvferry {
@@ -17,24 +18,30 @@ absl::Status TcpTransport::CheckRemote(const DataHeader& h, bool write, char** t
   return absl::OkStatus();
 }
 
-absl::Status TcpTransport::ServeViaIpc(Link& link, const DataHeader& h, const IpcRef& ipc,
-                                       char* target, int device, Job* answer, bool* unserved) {
-  const bool write = h.type == kWriteReq;
-  absl::StatusOr<char*> theirs = ImportIpc(link, ipc, (h.flags & kViaVmm) != 0, h.length, device);
-  if (theirs.status().code() == absl::StatusCode::kInvalidArgument) {
-    return theirs.status();  // a bad request: refused like one out of bounds
+absl::Status TcpTransport::ServeByReference(Link& link, const DataHeader& h,
+                                            const tcp_wire::WireRef& ref, char* target, int device,
+                                            Job* answer, bool* unserved) {
+  // Only a peer on this host, over a link whose ends both have a host
+  // share, sends references; anything else is served the ordinary way (the
+  // requester sends it again with its bytes), never opened here.
+  absl::Status copied = absl::UnavailableError(
+      "this end takes no references on this link (not the same host, or no host share)");
+  if (link.imports != nullptr) {
+    ShareRef named;
+    std::memcpy(named.bytes, ref.bytes, sizeof named.bytes);
+    named.offset = ref.offset;
+    named.second_kind = (h.flags & kRefSecondKind) != 0;
+    copied = options_.host_share->Copy(*link.imports, named, h.type == kWriteReq, target, device,
+                                       h.length);
   }
-  if (!theirs.ok()) {
-    // Not served here: the requester sends it again, staged.
-    *unserved = true;
-    answer->header.flags = kViaIpc;
-    answer->header.status = static_cast<uint8_t>(absl::StatusCode::kUnimplemented);
-    answer->text = std::string(theirs.status().message().substr(0, kMaxErrorText));
-    return absl::OkStatus();
+  if (copied.ok() || copied.code() == absl::StatusCode::kInvalidArgument) {
+    return copied;  // a bad reference is refused like a range out of bounds
   }
-  // Device to device on the GPUs (NVLink or PCIe); the CPU copies nothing.
-  return cuda::Driver::Get()->Copy(write ? target : *theirs, write ? *theirs : target, h.length,
-                                   device >= 0 ? device : 0);
+  *unserved = true;
+  answer->header.flags = kViaRef;
+  answer->header.status = static_cast<uint8_t>(absl::StatusCode::kUnimplemented);
+  answer->text = std::string(copied.message().substr(0, kMaxErrorText));
+  return absl::OkStatus();
 }
 
 TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
@@ -43,10 +50,10 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   Job answer;
   answer.header.type = write ? kWriteAck : kReadResp;
   answer.header.id = h.id;
-  IpcRef ipc;
-  const bool via_ipc = (h.flags & kViaIpc) != 0;
-  if (via_ipc) {
-    *stream_error = ReadStream(*link.in, &ipc, sizeof ipc);
+  tcp_wire::WireRef ref;
+  const bool via_ref = (h.flags & kViaRef) != 0;
+  if (via_ref) {
+    *stream_error = ReadStream(*link.in, &ref, sizeof ref);
     if (!stream_error->ok()) return answer;
   }
   absl::Status refused;
@@ -61,9 +68,9 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     refused = use.status();
     if (h.length == 0) {
       // Nothing to move.
-    } else if (refused.ok() && via_ipc) {
+    } else if (refused.ok() && via_ref) {
       bool unserved = false;
-      refused = ServeViaIpc(link, h, ipc, target, device, &answer, &unserved);
+      refused = ServeByReference(link, h, ref, target, device, &answer, &unserved);
       if (unserved) return answer;
     } else if (refused.ok() && write) {
       // Straight into a host region: no intermediate buffer.
@@ -73,14 +80,14 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   }
   if (!refused.ok()) {
     ++refused_requests_;
-    if (write && !via_ipc) *stream_error = link.in->Skip(h.length);
+    if (write && !via_ref) *stream_error = link.in->Skip(h.length);
     answer.header.status = static_cast<uint8_t>(refused.code());
     answer.text = std::string(refused.message().substr(0, kMaxErrorText));
     answer.close_after = true;  // like an RC responder entering the error state
     return answer;
   }
-  if (!write && via_ipc) {
-    answer.header.flags = kViaIpc;  // copied already: no bytes follow
+  if (!write && via_ref) {
+    answer.header.flags = kViaRef;  // copied already: no bytes follow
     answer.header.length = h.length;
   } else if (!write) {
     answer.read_answer = true;
@@ -91,63 +98,6 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   return answer;
 }
 
-void TcpTransport::CloseImport(const Link::Import& imp) {
-  if (imp.vmm.base != nullptr) {
-    UnmapVmm(imp.vmm);
-  } else {
-    cuda::Driver::Get()->IpcClose(imp.mapped, imp.ordinal);
-  }
-}
-
-absl::StatusOr<char*> TcpTransport::ImportIpc(Link& link, const IpcRef& ref, bool vmm,
-                                              uint64_t length, int device) {
-  // Only a peer on this host, over a link that agreed to CUDA IPC, sends
-  // references; anything else is served the ordinary way (the requester
-  // sends it again, staged), never opened here.
-  if (!link.same_host || cuda::Driver::Get() == nullptr) {
-    return absl::UnavailableError(
-        "this end takes no CUDA IPC references on this link (not the same host, or no CUDA "
-        "driver)");
-  }
-  std::string key(ref.handle.reserved, vmm ? sizeof(uint64_t) : sizeof ref.handle.reserved);
-  if (vmm) key.insert(0, "vmm:");
-  auto it = link.ipc_imports.find(key);
-  if (it == link.ipc_imports.end()) {
-    // Opened through this end's device when the target is device memory,
-    // else through device 0 (any context maps it).
-    const int ordinal = device >= 0 ? device : 0;
-    Link::Import imp{};
-    imp.ordinal = ordinal;
-    if (vmm) {
-      if (link.peer_vmm == 0) return absl::UnavailableError("the peer has no VMM server");
-      uint64_t id;
-      std::memcpy(&id, ref.handle.reserved, sizeof id);
-      ASSIGN_OR_RETURN(imp.vmm, FetchVmm(link.peer_vmm, id, ordinal));
-      imp.mapped = imp.vmm.start;
-      imp.size = imp.vmm.length;
-    } else {
-      ASSIGN_OR_RETURN(imp.mapped, cuda::Driver::Get()->IpcOpen(ref.handle, ordinal, &imp.size));
-    }
-    if (link.ipc_imports.size() >= std::max<size_t>(options_.max_ipc_imports, 1)) {
-      // The least recently used makes room (the reader is the only user).
-      auto lru = std::min_element(
-          link.ipc_imports.begin(), link.ipc_imports.end(),
-          [](const auto& a, const auto& b) { return a.second.used < b.second.used; });
-      CloseImport(lru->second);
-      link.ipc_imports.erase(lru);
-    }
-    it = link.ipc_imports.emplace(key, imp).first;
-  }
-  it->second.used = ++link.imports_used;
-  const Link::Import& imp = it->second;
-  if (ref.offset > imp.size || length > imp.size - ref.offset) {
-    return absl::InvalidArgumentError(absl::StrCat("IPC reference [", ref.offset, ", +", length,
-                                                   ") outside its allocation of ", imp.size,
-                                                   " bytes"));
-  }
-  return static_cast<char*>(imp.mapped) + ref.offset;
-}
-
 absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
   // Sent by the writer thread while requests keep coming: the reader is the
   // responder's busy thread, and answering from it measured slower than
@@ -156,7 +106,7 @@ absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
   // itself, without blocking (a rest goes to the writer): one thread
   // hand-off less for a lone request.
   const bool lone = link.in->Buffered() == 0 && !job.read_answer && job.text.empty() &&
-                    !job.close_after && !job.ipc && job.device < 0;
+                    !job.close_after && !job.by_ref && job.device < 0;
   {
     MutexLock lock(&mu_);
     if (link.stopping) return absl::CancelledError("the link is closing");
@@ -201,8 +151,8 @@ absl::Status TcpTransport::Serve(Link& link, const DataHeader& h, AckRun& run, b
     // (like an RC responder in the error state): requests behind it are
     // read off the stream and never executed, so none of them lands after
     // the requester saw it flushed.
-    if ((h.flags & kViaIpc) != 0) {
-      IpcRef skipped;
+    if ((h.flags & kViaRef) != 0) {
+      tcp_wire::WireRef skipped;
       return ReadStream(*link.in, &skipped, sizeof skipped);
     }
     return h.type == kWriteReq ? link.in->Skip(h.length) : absl::OkStatus();

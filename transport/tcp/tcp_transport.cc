@@ -77,9 +77,9 @@ TcpTransport::~TcpTransport() {
 
 EndpointDescription TcpTransport::LocalEndpoint() const {
   EndpointDescription d;
-  d.kind = kind::kTcp;
+  d.kind = options_.kind;
   NicInfo nic;
-  nic.name = kind::kTcp;
+  nic.name = options_.kind;
   nic.address = advertised_;
   d.nics.push_back(nic);
   return d;
@@ -119,7 +119,7 @@ absl::StatusOr<LinkOffer> TcpTransport::OfferLink(NicIndex local_nic) {
   if (links_.size() >= options_.max_links) return TooManyLinks();
   link->id = ++last_link_;
   links_[link->id] = link;
-  return LinkOffer{link->id, EncodeLinkParams(link->token, key_, IpcHost(), VmmName())};
+  return LinkOffer{link->id, EncodeLinkParams(link->token, key_, ShareHost(), ShareWord(), options_.kind)};
 }
 
 absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
@@ -183,8 +183,9 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
   if (local_nic != 0) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", local_nic));
   }
-  absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
+  absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params, options_.kind);
   if (!params.ok()) return Annotate(params.status(), "AcceptLink");
+  RETURN_IF_ERROR(Annotate(CheckPeerHost(*params), "AcceptLink"));
   const uint64_t token = params->token;
   ReapDeadPassiveLinks();
   auto link = std::make_shared<Link>();
@@ -200,8 +201,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
     link->id = ++last_link_;
     link->state = Link::State::kReady;
     link->passive = true;
-    link->same_host = IpcHost() != 0 && params->host == IpcHost();
-    if (link->same_host) link->peer_vmm = params->vmm;
+    LearnPeer(*link, *params);
     links_[link->id] = link;
   }
   // Never waits: the requester sent its hello before asking, so the
@@ -220,7 +220,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
     links_.erase(link->id);
     return Annotate(attached, "AcceptLink");
   }
-  return LinkOffer{link->id, EncodeLinkParams(token, key_, IpcHost(), VmmName())};
+  return LinkOffer{link->id, EncodeLinkParams(token, key_, ShareHost(), ShareWord(), options_.kind)};
 }
 
 absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::StatusOr<net::Fd> fd) {
@@ -268,8 +268,9 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     MutexLock lock(&mu_);
     RETURN_IF_ERROR(usable().status());
   }
-  absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params);
+  absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params, options_.kind);
   if (!params.ok()) return Annotate(params.status(), "CompleteLink");
+  RETURN_IF_ERROR(Annotate(CheckPeerHost(*params), "CompleteLink"));
   std::shared_ptr<DirectGate> peer_gate =
       key_ != 0 ? PeerGate(params->key, params->token, /*passive=*/true) : nullptr;
   std::shared_ptr<Link> link;
@@ -284,8 +285,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
       link->peer_key = params->key;
       link->peer_gate = std::move(peer_gate);
     }
-    link->same_host = IpcHost() != 0 && params->host == IpcHost();
-    if (link->same_host) link->peer_vmm = params->vmm;
+    LearnPeer(*link, *params);
   }
   if (absl::Status started = StartLinkThreads(link); !started.ok()) {
     MutexLock lock(&mu_);
@@ -293,6 +293,19 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     return started;
   }
   return absl::OkStatus();
+}
+
+absl::Status TcpTransport::CheckPeerHost(const PeerParams& params) const {
+  if (!options_.same_host_only || params.host == HostId()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(options_.kind, " links join two engines on one host; the peer is on another"));
+}
+
+void TcpTransport::LearnPeer(Link& link, const PeerParams& params) const {
+  link.same_host = ShareHost() != 0 && params.host == ShareHost();
+  if (!link.same_host) return;
+  link.peer_word = params.share;
+  link.imports = options_.host_share->NewImports(params.share);
 }
 
 absl::Status TcpTransport::StartLinkThreads(const std::shared_ptr<Link>& link) {
@@ -415,6 +428,9 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(TcpTransportOption
   if (options.max_outstanding_per_link == 0 || options.max_request_bytes == 0 ||
       options.max_region_bytes == 0) {
     return absl::InvalidArgumentError("TCP transport limits must be positive");
+  }
+  if (options.same_host_only && options.host_share == nullptr) {
+    return absl::InvalidArgumentError("TcpTransportOptions::same_host_only needs a host_share");
   }
   auto t = std::make_unique<tcp_internal::TcpTransport>(std::move(options));
   RETURN_IF_ERROR(t->Start());

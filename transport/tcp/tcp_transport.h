@@ -34,6 +34,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "net/socket.h"
+#include "transport/host_share.h"
+#include "transport/kinds.h"
 #include "transport/transport.h"
 
 namespace kvferry {
@@ -58,18 +60,24 @@ struct TcpTransportOptions {
   // (with the same key, bounds and access checks) and completes at once.
   // The connection stays, to notice the peer closing the link.
   bool in_process_shortcut = true;
-  // When both ends of a link are on this host and have a CUDA driver, a
-  // request from device memory with a CUDA IPC handle (cudaMalloc memory)
-  // carries the handle instead of its bytes: the responder maps it and the
-  // GPUs copy (NVLink or PCIe), nothing crosses the socket. A responder that
-  // cannot open the handle says so; the link then stages device memory
-  // over the socket, and the reason is logged.
-  bool cuda_ipc = true;
-  // Another process's allocations (IPC handles, VMM regions) a link keeps
-  // mapped at most; past that the least recently used is unmapped (so a
-  // peer that registers and frees memory over and over pins at most this
-  // many of its allocations here).
-  size_t max_ipc_imports = 64;
+  // Memory peers on this host may copy themselves (transport/host_share.h;
+  // transport/cuda_ipc's NewCudaShare: CUDA IPC and VMM device memory). When
+  // both ends of a link are on this host and each has one, a request whose
+  // local buffer the share names carries the reference instead of its
+  // bytes, and the responder copies (for CUDA, GPU to GPU): nothing crosses
+  // the socket. A responder that cannot open a reference says so; the link
+  // then sends the bytes, and the reason is logged. Null: every request
+  // carries its bytes.
+  std::shared_ptr<HostShare> host_share;
+  // The kind this transport reports (EndpointDescription::kind) and its
+  // link parameters carry: kind::kTcp, or the kind of a transport built on
+  // this stream (transport/cuda_ipc), so that peers route its links to
+  // their transport of that kind.
+  std::string kind = kind::kTcp;
+  // Links only between two transports on this host (same HostId): a link
+  // to a peer on another host is refused at setup with kFailedPrecondition.
+  // Needs host_share.
+  bool same_host_only = false;
   // Threads started with the transport for the first links' readers and
   // writers (two per link), so that a new peer's first transfer does not
   // wait for threads to start. Threads of closed links are kept for the

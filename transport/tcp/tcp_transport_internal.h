@@ -38,6 +38,7 @@
 #include "base/thread_cache.h"
 #include "cuda/driver.h"
 #include "transport/checks.h"
+#include "transport/host_share.h"
 #include "transport/completion_queue.h"
 #include "transport/id_window.h"
 #include "transport/link_params.h"
@@ -46,7 +47,6 @@
 #include "transport/tcp/stream_reader.h"
 #include "transport/tcp/tcp_io.h"
 #include "transport/tcp/tcp_transport.h"
-#include "transport/tcp/vmm_share.h"
 #include "transport/tcp/wire.h"
 
 namespace kvferry {
@@ -59,8 +59,8 @@ using tcp_wire::EncodeLinkParams;
 using tcp_wire::kAckNow;
 using tcp_wire::kReadReq;
 using tcp_wire::kReadResp;
-using tcp_wire::kViaIpc;
-using tcp_wire::kViaVmm;
+using tcp_wire::kRefSecondKind;
+using tcp_wire::kViaRef;
 using tcp_wire::kWriteAck;
 using tcp_wire::kWriteReq;
 using tcp_wire::PeerParams;
@@ -79,18 +79,11 @@ constexpr uint64_t kMaxAckRunBytes = 1 << 20;
 // not read them, in units of max_outstanding_per_link.
 constexpr uint32_t kAnswerQueueFactor = 2;
 
-// The requester's device memory of a kViaIpc request: its allocation's IPC
-// handle and the offset of the request's bytes in it.
-struct IpcRef {
-  cuda::api::CUipcMemHandle handle;
-  uint64_t offset = 0;
-};
-static_assert(sizeof(IpcRef) == 72, "wire IPC reference size");
-
 // The CPUs this process may run on (its affinity mask: taskset, cpusets).
 uint32_t UsableCpus();
 // This host's identity (its kernel's boot id, which the containers on a
-// host share): links between two transports on one host may use CUDA IPC.
+// host share): links between two transports on one host may share memory
+// (TcpTransportOptions::host_share).
 uint64_t HostId();
 
 constexpr uint64_t kPreferredRequestBytes = 1 << 20;
@@ -165,14 +158,8 @@ class TcpTransport final : public Transport, public StreamLinks {
     bool revoked ABSL_GUARDED_BY(use_mu) = false;
     std::vector<int> using_fds ABSL_GUARDED_BY(use_mu);
     int device = -1;  // the CUDA device it lies on; -1: host memory
-    // Device memory with a CUDA IPC handle (cudaMalloc memory): a peer on
-    // this host copies it through IPC. `ipc.offset`: the region's start in
-    // its allocation.
-    bool has_ipc = false;
-    cuda::Driver::IpcExport ipc{};
-    // VMM device memory (no IPC handle): its export id on this process's
-    // VmmServer, which peers on this host fetch it from; 0: none.
-    uint64_t vmm_id = 0;
+    // What lets peers on this host copy it themselves; null: nothing.
+    std::unique_ptr<HostShare::Export> share;
   };
   // One connection's use of a region for a peer's request (see RegionEntry);
   // ends when destroyed.
@@ -202,8 +189,8 @@ class TcpTransport final : public Transport, public StreamLinks {
     bool read_answer = false;    // send region bytes, re-checked under the lock
     bool close_after = false;    // the responder refused: close the connection
     int device = -1;             // data lies on this CUDA device: sent through a staging buffer
-    bool ipc = false;            // header.flags has kViaIpc: ipc_ref follows the header
-    IpcRef ipc_ref;
+    bool by_ref = false;         // header.flags has kViaRef: `ref` follows the header
+    tcp_wire::WireRef ref;
   };
   // What lets the other end of a link, when it lives in this process, copy
   // straight into this end's regions (the shortcut): open while this end's
@@ -284,22 +271,14 @@ class TcpTransport final : public Transport, public StreamLinks {
     Staging recv_stage;
     // What the reader thread receives comes through here (made with fd).
     std::unique_ptr<StreamReader> in;
-    // Both ends on this host with a CUDA driver: device memory may go
-    // through CUDA IPC (until the peer says it cannot open a handle).
+    // Both ends on this host, each with a host share: requests may carry
+    // references (until the peer says it cannot open one).
     bool same_host = false;
-    bool ipc_ok = true;
-    uint64_t peer_vmm = 0;  // the peer's VMM server (same host only); 0: none
-    // The requesters' allocations this end opened (reader thread only), by
-    // handle bytes; closed when the reader ends.
-    struct Import {
-      void* mapped;
-      uint64_t size;      // of the allocation: requests must stay inside
-      int ordinal;        // opened through this device's context
-      VmmMapping vmm{};   // VMM memory: unmapped, not IpcClose'd
-      uint64_t used = 0;  // when last used (imports_used below)
-    };
-    uint64_t imports_used = 0;  // a counter: the reader's requests served by IPC
-    std::map<std::string, Import> ipc_imports;
+    bool share_ok = true;
+    uint64_t peer_word = 0;  // the peer's HostShare::LinkWord (same host only)
+    // The references this end opened for the peer's requests (reader thread
+    // only; same host only), closed when the reader ends.
+    std::unique_ptr<HostShare::Imports> imports;
   };
 
   // An offered link's connection, once connected (ConnectOffered,
@@ -398,37 +377,28 @@ class TcpTransport final : public Transport, public StreamLinks {
   absl::Status SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after, size_t skip = 0);
   // Responder side: executes a peer's request; returns the answer to send.
   Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
-  // The host identity links advertise for CUDA IPC; 0: IPC off (no CUDA
-  // driver, or TcpTransportOptions::cuda_ipc false).
-  uint64_t IpcHost() const {
-    return options_.cuda_ipc && cuda::Driver::Get() != nullptr ? HostId() : 0;
+  // The host identity links advertise for sharing; 0: no host share.
+  uint64_t ShareHost() const { return options_.host_share != nullptr ? HostId() : 0; }
+  uint64_t ShareWord() const {
+    return options_.host_share != nullptr ? options_.host_share->LinkWord() : 0;
   }
-  // The requester's allocation `ref` names, opened on first use (reader).
-  // The requester's bytes [ref.offset, +length) in it; kInvalidArgument when
-  // they are not inside the allocation.
-  // `vmm`: the reference names VMM memory, fetched from the peer's
-  // VmmServer.
-  // A request whose bytes are in the requester's device memory (kViaIpc),
-  // copied GPU to GPU into or out of `target` (on `device`): OK when
+  // kFailedPrecondition when links must stay on this host
+  // (TcpTransportOptions::same_host_only) and the peer's are elsewhere.
+  absl::Status CheckPeerHost(const PeerParams& params) const;
+  // Sets a link's same-host facts from the peer's link parameters.
+  void LearnPeer(Link& link, const PeerParams& params) const;
+  // A request whose bytes are in the requester's memory (kViaRef), copied
+  // by the host share into or out of `target` (on `device`): OK when
   // copied, the error that refuses it, or OK with *unserved when this end
-  // cannot map the requester's memory (`answer` then asks for it staged).
-  absl::Status ServeViaIpc(Link& link, const DataHeader& h, const IpcRef& ipc, char* target,
-                           int device, Job* answer, bool* unserved);
-  absl::StatusOr<char*> ImportIpc(Link& link, const IpcRef& ref, bool vmm, uint64_t length,
-                                  int device);
-  static void CloseImport(const Link::Import& imp);
-  // Device to device on this host: fills in the IpcRef (and flags) of
-  // `job` when the peer can copy `wr`'s bytes through CUDA itself.
-  static bool ViaIpc(const Link& link, const RegionEntry& local, const WorkRequest& wr, Job* job);
-  // The VMM server links advertise; 0: none (IPC off, or no VMM in the
-  // driver).
-  uint64_t VmmName() const {
-    if (IpcHost() == 0 || !cuda::Driver::Get()->HasVmm()) return 0;
-    VmmServer* server = VmmServer::Get();
-    return server != nullptr ? server->name() : 0;
-  }
-  // The peer could not serve request `id` through IPC: send it again with
-  // its bytes, and no more IPC on this link.
+  // cannot open the reference (`answer` then asks for the bytes).
+  absl::Status ServeByReference(Link& link, const DataHeader& h, const tcp_wire::WireRef& ref,
+                                char* target, int device, Job* answer, bool* unserved);
+  // Fills in the reference (and flags) of `job` when the peer can copy
+  // `wr`'s bytes itself through the host share.
+  bool ByReference(const Link& link, const RegionEntry& local, const WorkRequest& wr,
+                   Job* job) const;
+  // The peer could not serve request `id` by reference: send it again with
+  // its bytes, and no more references on this link.
   absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckRemote(const DataHeader& h, bool write, char** target, int* device = nullptr)

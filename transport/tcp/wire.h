@@ -23,16 +23,22 @@ namespace tcp_wire {
 enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp = 4 };
 // DataHeader::flags of a request.
 constexpr uint16_t kAckNow = 1;  // the last of its Post on the link: answer now
-// Requests: no data follows but an IpcRef, the requester's device memory
-// for the responder to copy from (WRITE) or into (READ) through CUDA IPC.
-// Answers: a READ done that way (no data follows), or an IPC request the
-// responder could not serve (status set: the requester sends it again the
-// ordinary way).
-constexpr uint16_t kViaIpc = 2;
-// With kViaIpc: the IpcRef names VMM memory (no IPC memory handle; its
-// first 8 bytes are an export id of the requester's VMM server, see
-// transport/tcp/vmm_share.h) and its offset is from the region's start.
-constexpr uint16_t kViaVmm = 4;
+// Requests: no data follows but a WireRef naming the requester's memory
+// (transport/host_share.h), for the responder to copy from (WRITE) or into
+// (READ) itself. Answers: a READ done that way (no data follows), or a
+// request by reference the responder could not serve (status set: the
+// requester sends it again with its bytes).
+constexpr uint16_t kViaRef = 2;
+// With kViaRef: the reference is of the share's second kind
+// (ShareRef::second_kind).
+constexpr uint16_t kRefSecondKind = 4;
+
+// A reference on the wire: ShareRef's bytes and offset.
+struct WireRef {
+  uint8_t bytes[64] = {};
+  uint64_t offset = 0;
+};
+static_assert(sizeof(WireRef) == 72, "wire reference size");
 
 // A kWriteAck answers a run of WRITEs: ids `id` .. `id + remote_addr - 1`
 // (consecutive on the link, so no READ among them) all landed. An ack that
@@ -51,28 +57,31 @@ static_assert(sizeof(DataHeader) == 40, "wire header size");
 
 // Link parameters (transport/link_params.h): the pairing token, the
 // transport's in-process key (0: no shortcut), the host's identity (HostId:
-// 0 when CUDA IPC is off), and the name of the process's VMM server
-// (optional; absent or 0: none, as older peers send).
-enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3, kVmmField = 4 };
-inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host, uint64_t vmm = 0) {
-  LinkParams p(kind::kTcp);
+// 0 without a host share), and the share's link word (optional; absent or
+// 0: none, as older peers send).
+enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3, kShareField = 4 };
+// `kind`: TcpTransportOptions::kind.
+inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host,
+                                    uint64_t share = 0, absl::string_view kind = kind::kTcp) {
+  LinkParams p{std::string(kind)};
   p.Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host);
-  if (vmm != 0) p.Put(kVmmField, vmm);
+  if (share != 0) p.Put(kShareField, share);
   return p.Encode();
 }
 struct PeerParams {
   uint64_t token = 0;
   uint64_t key = 0;
   uint64_t host = 0;
-  uint64_t vmm = 0;
+  uint64_t share = 0;
 };
-inline absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes) {
-  ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, kind::kTcp));
+inline absl::StatusOr<PeerParams> DecodeLinkParams(absl::string_view bytes,
+                                                   absl::string_view kind = kind::kTcp) {
+  ASSIGN_OR_RETURN(LinkParams p, LinkParams::Decode(bytes, kind));
   PeerParams out;
   ASSIGN_OR_RETURN(out.token, p.Get(kTokenField, "pairing token"));
   ASSIGN_OR_RETURN(out.key, p.Get(kKeyField, "in-process key"));
   ASSIGN_OR_RETURN(out.host, p.Get(kHostField, "host identity"));
-  out.vmm = p.Get(kVmmField, "VMM server").value_or(0);
+  out.share = p.Get(kShareField, "host share word").value_or(0);
   return out;
 }
 

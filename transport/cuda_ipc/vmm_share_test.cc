@@ -1,6 +1,6 @@
 // The VMM server and FetchVmm through the fake CUDA driver (a process may
 // import its own exports, as another process on the host would).
-#include "transport/tcp/vmm_share.h"
+#include "transport/cuda_ipc/vmm_share.h"
 
 #include <dirent.h>
 #include <sys/socket.h>

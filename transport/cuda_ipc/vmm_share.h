@@ -17,8 +17,8 @@
 //
 // The importer maps the chunks back to back (cuMemImportFromShareableHandle,
 // cuMemAddressReserve, cuMemMap, cuMemSetAccess) and closes the fds.
-#ifndef KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_
-#define KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_
+#ifndef KVFERRY_TRANSPORT_CUDA_IPC_VMM_SHARE_H_
+#define KVFERRY_TRANSPORT_CUDA_IPC_VMM_SHARE_H_
 
 #include <atomic>
 #include <cstdint>
@@ -111,4 +111,4 @@ absl::StatusOr<net::Fd> ConnectVmmServer(uint64_t name);
 }  // namespace transport
 }  // namespace kvferry
 
-#endif  // KVFERRY_TRANSPORT_TCP_VMM_SHARE_H_
+#endif  // KVFERRY_TRANSPORT_CUDA_IPC_VMM_SHARE_H_

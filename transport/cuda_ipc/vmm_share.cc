@@ -1,4 +1,4 @@
-#include "transport/tcp/vmm_share.h"
+#include "transport/cuda_ipc/vmm_share.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -131,7 +131,7 @@ VmmServer* VmmServer::Get() {
   static VmmServer* server = [] {
     auto* s = new VmmServer();
     if (absl::Status started = s->Start(); !started.ok()) {
-      KVF_LOG(WARNING) << "tcp: cannot serve VMM device memory to peers on this host ("
+      KVF_LOG(WARNING) << "cuda_ipc: cannot serve VMM device memory to peers on this host ("
                        << started.message() << "): they get it staged";
       delete s;
       return static_cast<VmmServer*>(nullptr);
