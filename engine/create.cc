@@ -17,7 +17,8 @@
 #include "engine/transfer_engine.h"
 #include "handshake/tcp_network.h"
 #include "net/interfaces.h"
-#include "transport/cuda_ipc/cuda_share.h"
+#include "cuda/driver.h"
+#include "transport/cuda_ipc/cuda_ipc_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #include "transport/verbs/discovery.h"
 #include "transport/verbs/ibv.h"
@@ -176,15 +177,12 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOpt
   Detection& d = decision.detection;
   KVF_LOG(INFO) << "advertising " << d.host << " (" << d.host_reason << ")";
   KVF_LOG(INFO) << "transport " << d.transport << " (" << d.transport_reason << ")";
-  auto tcp = [&]() {
-    transport::TcpTransportOptions t;
-    t.bind_host = d.bind_host;
-    t.advertise_host = d.host;
-    t.connect_timeout = options.connect_timeout;
-    t.secret = options.secret;
-    t.host_share = transport::NewCudaShare();  // null without a CUDA driver
-    return transport::CreateTcpTransport(t);
-  };
+  transport::TcpTransportOptions stream;
+  stream.bind_host = d.bind_host;
+  stream.advertise_host = d.host;
+  stream.connect_timeout = options.connect_timeout;
+  stream.secret = options.secret;
+  auto tcp = [&]() { return transport::CreateTcpTransport(stream); };
   EngineParts parts;
   if (d.transport == "rdma") {
     transport::VerbsTransportOptions v;
@@ -198,6 +196,13 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOpt
     }
   } else {
     ASSIGN_OR_RETURN(parts.transport, tcp());
+  }
+  if (cuda::Driver::Get() != nullptr) {
+    // Peers on this host: device memory GPU to GPU (transport/cuda_ipc).
+    transport::CudaIpcTransportOptions ipc;
+    ipc.stream = stream;
+    ASSIGN_OR_RETURN(parts.same_host, transport::CreateCudaIpcTransport(std::move(ipc)));
+    absl::StrAppend(&d.transport_reason, "; cuda_ipc for peers on this host");
   }
   parts.network = handshake::NewTcpNetwork();
   parts.detection = std::move(d);

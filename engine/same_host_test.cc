@@ -1,8 +1,10 @@
-// On a host with RDMA and a CUDA driver (the fake one, //cuda/testing), an
-// engine reaches a peer on the same host over TCP, whose links move device
-// memory GPU to GPU through CUDA IPC (tests/cuda_ipc_test.cc), rather than
-// through the NIC; and says why in its metrics. Runs where there is an RDMA port (inside
-// tools/softroce/vm.sh), skipped elsewhere.
+// On a host with a CUDA driver (the fake one, //cuda/testing), an engine
+// reaches a peer on the same host over the cuda_ipc transport, whose links
+// move device memory GPU to GPU (tests/cuda_ipc_test.cc between processes),
+// rather than through the NIC or TCP, and says why in its metrics; host
+// memory moves over the same links. With TCP as the primary transport
+// everywhere, and with RDMA where there is an RDMA port (inside
+// tools/softroce/vm.sh; skipped elsewhere).
 #include <cstring>
 #include <vector>
 
@@ -15,18 +17,22 @@
 namespace kvferry {
 namespace {
 
-TEST(SameHostTest, APeerOnThisHostGoesOverTcpWithCudaIpc) {
+class SameHostTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SameHostTest, APeerOnThisHostGoesOverCudaIpc) {
+  const bool rdma = GetParam() == "auto";
   transport::verbs::TestPorts ports;
-  if (!ports.SkipReason().empty()) GTEST_SKIP() << ports.SkipReason();
+  if (rdma && !ports.SkipReason().empty()) GTEST_SKIP() << ports.SkipReason();
   const cuda::Driver* d = cuda::UseFakeDriver();
   ASSERT_NE(d, nullptr);
   EngineOptions o;
-  o.local_host = "127.0.0.1";  // transport "auto": RDMA, and TCP beside it
+  o.local_host = "127.0.0.1";
+  o.transport = GetParam();  // "auto": RDMA, and TCP beside it
   auto a = TransferEngine::Create(o);
   auto b = TransferEngine::Create(o);
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(b.ok()) << b.status();
-  ASSERT_EQ((*a)->detection().transport, "rdma");
+  ASSERT_EQ((*a)->detection().transport, rdma ? "rdma" : "tcp");
   std::vector<char> src(1 << 20), dst(1 << 20, 0);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 7 + 1);
   ASSERT_TRUE((*a)->RegisterMemory(src.data(), src.size()).ok());
@@ -35,7 +41,7 @@ TEST(SameHostTest, APeerOnThisHostGoesOverTcpWithCudaIpc) {
   ASSERT_TRUE(seg.ok()) << seg.status();
   const EngineMetrics m = (*a)->GetMetrics();
   ASSERT_EQ(m.peers.size(), 1u);
-  EXPECT_EQ(m.peers[0].transport, "tcp");
+  EXPECT_EQ(m.peers[0].transport, "cuda_ipc");
   EXPECT_NE(m.peers[0].transport_reason.find("on this host"), std::string::npos)
       << m.peers[0].transport_reason;
   // And the segment works.
@@ -46,8 +52,8 @@ TEST(SameHostTest, APeerOnThisHostGoesOverTcpWithCudaIpc) {
   auto st = (*a)->Wait(*batch, absl::Seconds(20));
   ASSERT_TRUE(st.ok() && st->ok());
   EXPECT_TRUE(src == dst);
-  // GPU memory the NICs cannot register (the fake has neither dma-buf nor
-  // peermem) stays registered on TCP, and moves to this peer.
+  // GPU memory (with RDMA: which the NICs cannot register, the fake having
+  // neither dma-buf nor peermem) moves to this peer.
   constexpr size_t kBytes = 1 << 20;
   auto dev_src = d->AllocDevice(0, kBytes);
   auto dev_dst = d->AllocDevice(1, kBytes);
@@ -65,6 +71,9 @@ TEST(SameHostTest, APeerOnThisHostGoesOverTcpWithCudaIpc) {
   ASSERT_TRUE(d->Copy(got.data(), *dev_dst, kBytes, 1).ok());
   EXPECT_TRUE(got == src);
 }
+
+INSTANTIATE_TEST_SUITE_P(Primary, SameHostTest, ::testing::Values("tcp", "auto"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace
 }  // namespace kvferry

@@ -63,6 +63,7 @@ class TransferEngine::Impl {
       : options_(std::move(options)),
         transport_(std::move(parts.transport)),
         fallback_(std::move(parts.fallback)),
+        same_host_(std::move(parts.same_host)),
         network_(std::move(parts.network)),
         detection_(std::move(parts.detection)),
         clock_(parts.clock != nullptr ? parts.clock : RealClock()),
@@ -215,6 +216,7 @@ class TransferEngine::Impl {
   std::vector<transport::Transport*> Transports() const {
     std::vector<transport::Transport*> out = {transport_.get()};
     if (fallback_ != nullptr) out.push_back(fallback_.get());
+    if (same_host_ != nullptr) out.push_back(same_host_.get());
     return out;
   }
   std::vector<transport::NicInfo> LocalNics() const {
@@ -230,7 +232,8 @@ class TransferEngine::Impl {
 
   const EngineOptions options_;
   const std::unique_ptr<transport::Transport> transport_;
-  const std::unique_ptr<transport::Transport> fallback_;  // may be null
+  const std::unique_ptr<transport::Transport> fallback_;   // may be null
+  const std::unique_ptr<transport::Transport> same_host_;  // may be null
   const std::unique_ptr<handshake::Network> network_;
   Detection detection_;
   Clock* const clock_;
@@ -312,8 +315,10 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::CreateWith(Engin
   serve.port = options.port;
   serve.first_port = options.first_port;
   serve.last_port = options.last_port;
-  const bool accept_waits = parts.transport->GetLimits().accept_waits ||
-                            (parts.fallback != nullptr && parts.fallback->GetLimits().accept_waits);
+  bool accept_waits = false;
+  for (const auto* t : {&parts.transport, &parts.fallback, &parts.same_host}) {
+    accept_waits = accept_waits || (*t != nullptr && (*t)->GetLimits().accept_waits);
+  }
   serve.may_block = [accept_waits](const handshake::Frame& f) {
     return engine_internal::PeerService::MayBlock(f.type, accept_waits);
   };

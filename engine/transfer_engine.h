@@ -164,6 +164,11 @@ struct EngineParts {
   // ends have: `transport` if the peer's primary is of its kind and links
   // come up, else this one (the choice and why: log and GetMetrics()).
   std::unique_ptr<transport::Transport> fallback;
+  // The same-host transport (transport/cuda_ipc; Create makes one where a
+  // CUDA driver loads); null: none. Peers on this host that have one too go
+  // over it, and device memory is copied GPU to GPU; it is never used for
+  // a peer elsewhere (engine/pipeline/path_choice.h).
+  std::unique_ptr<transport::Transport> same_host;
   std::unique_ptr<handshake::Network> network;
   Detection detection;
   // The engine's id in descriptors and notifications; 0: a random one.
@@ -377,7 +382,7 @@ class TransferEngine {
   uint64_t DataInputsFrom(uint64_t engine_id) const;
 
   // Per local NIC: the primary transport's in its order, then the
-  // fallback's (EngineParts::fallback).
+  // fallback's and the same-host transport's (EngineParts).
   std::vector<NicCounters> GetNicCounters() const;
   EngineCounters GetCounters() const;
   // Counters per peer and per NIC, latency histograms (metrics.h).

@@ -1,6 +1,6 @@
 // The engine's registered memory: which local ranges requests may use, their
-// regions on each of the engine's transports (the primary one and a TCP
-// fallback, see EngineParts::fallback), and which local NICs of the primary
+// regions on each of the engine's transports (the primary one, a TCP
+// fallback and the same-host one, see EngineParts), and which local NICs of the primary
 // transport are near each of them. Owns its state and its lock; the
 // transports register outside the lock.
 #ifndef KVFERRY_ENGINE_MEMORY_LOCAL_REGIONS_H_
@@ -27,8 +27,9 @@ namespace engine_internal {
 // the 64th are never preferred).
 using NicMask = uint64_t;
 
-// Transports an engine holds at most: the primary and a fallback.
-constexpr size_t kMaxTransports = 2;
+// Transports an engine holds at most: the primary, a fallback and the
+// same-host one (EngineParts).
+constexpr size_t kMaxTransports = 3;
 
 // A local buffer as a request uses it: the piece of registered memory
 // holding its first byte (see LocalRegions), which ends at `until`.

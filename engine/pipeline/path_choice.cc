@@ -12,6 +12,7 @@ namespace engine_internal {
 
 namespace {
 
+using transport::kind::kCudaIpc;
 using transport::kind::kTcp;
 
 // The first transport after the primary of `kind`; mine.size() if none.
@@ -50,6 +51,7 @@ PathStep AfterDescribe(absl::Span<const std::string> mine, const PeerFacts& thei
   }
   for (size_t via = same_primary ? 1 : 0; via < mine.size(); ++via) {
     if (theirs.lacks.contains(mine[via]) || (primary_failed && mine[via] == mine[0])) continue;
+    if (mine[via] == kCudaIpc) continue;  // same-host peers only: step 1
     std::string why = same_primary ? absl::StrCat(mine[0], " links to the peer failed (",
                                                   theirs.failed[0].second.message(),
                                                   "); fell back to ", mine[via])
@@ -76,14 +78,15 @@ HostFacts HostFacts::OfThisHost() {
 PathStep ChoosePath(absl::Span<const std::string> mine, const PeerFacts& theirs,
                     const HostFacts& facts) {
   if (mine.empty()) return Fail(absl::FailedPreconditionError("this engine has no transport"));
-  const size_t tcp = FallbackOf(mine, kTcp);
-  if (mine[0] != kTcp && tcp < mine.size() && facts.cuda && !theirs.same_host_tried &&
+  const size_t same_host = FallbackOf(mine, kCudaIpc);
+  if (same_host < mine.size() && facts.cuda && !theirs.same_host_tried &&
       theirs.primary.empty() && net::IsThisHost(theirs.host, facts.addresses)) {
-    return Step(PathStep::Action::kConnect, tcp, kTcp,
-                "the peer is on this host: tcp, with CUDA IPC for device memory");
+    return Step(PathStep::Action::kConnect, same_host, kCudaIpc,
+                "the peer is on this host: cuda_ipc, device memory copied GPU to GPU");
   }
-  if (mine.size() == 1 && mine[0] == kTcp && !theirs.one_round_trip_tried &&
-      theirs.primary.empty()) {
+  const bool tcp_only =
+      mine[0] == kTcp && (mine.size() == 1 || (mine.size() == 2 && mine[1] == kCudaIpc));
+  if (tcp_only && !theirs.one_round_trip_tried && theirs.primary.empty()) {
     return Step(PathStep::Action::kOneRoundTrip, 0, kTcp,
                 "this engine has only tcp; the peer has it too");
   }

@@ -6,15 +6,16 @@
 // network, no CUDA driver, no clock: tests drive it with facts alone.
 //
 // The order of preference:
-//   1. a peer on this host of a GPU host with RDMA and TCP: TCP, whose
-//      links copy device memory GPU to GPU through CUDA IPC;
-//   2. an engine with TCP alone: the peer's TCP descriptor and the links in
-//      one round trip (link_set.h, DescribeWithLinks), where the transport
-//      can offer links early;
+//   1. a peer on this host, from an engine with a CUDA driver and the
+//      same-host transport (cuda_ipc, beside its primary): over cuda_ipc,
+//      whose links copy device memory GPU to GPU, if the peer has it too;
+//   2. an engine with TCP alone (and maybe cuda_ipc): the peer's TCP
+//      descriptor and the links in one round trip (link_set.h,
+//      DescribeWithLinks), where the transport can offer links early;
 //   3. the peer's primary transport, if this engine's primary is of its
 //      kind and the links come up;
 //   4. another transport of this engine that the peer also has (a failed
-//      primary falls back to it).
+//      primary falls back to it); never cuda_ipc, which is step 1's.
 #ifndef KVFERRY_ENGINE_PIPELINE_PATH_CHOICE_H_
 #define KVFERRY_ENGINE_PIPELINE_PATH_CHOICE_H_
 

@@ -12,11 +12,15 @@ namespace engine_internal {
 namespace {
 
 using Action = PathStep::Action;
+using transport::kind::kCudaIpc;
 using transport::kind::kTcp;
 using transport::kind::kVerbs;
 
 const std::vector<std::string> kRdmaHost = {kVerbs, kTcp};
 const std::vector<std::string> kTcpHost = {kTcp};
+// What Create makes where a CUDA driver loads.
+const std::vector<std::string> kRdmaGpuHost = {kVerbs, kTcp, kCudaIpc};
+const std::vector<std::string> kTcpGpuHost = {kTcp, kCudaIpc};
 
 HostFacts GpuHost() {
   HostFacts f;
@@ -31,23 +35,41 @@ PeerFacts Peer(std::string host) {
   return p;
 }
 
-TEST(ChoosePath, APeerOnThisGpuHostGoesOverTcpFirstThenTheUsualWay) {
-  for (const std::string& host : {"10.0.0.5", "127.0.0.1"}) {
-    PeerFacts peer = Peer(host);
-    PathStep s = ChoosePath(kRdmaHost, peer, GpuHost());
-    EXPECT_EQ(s.action, Action::kConnect) << host;
-    EXPECT_EQ(s.via, 1u);
-    EXPECT_EQ(s.kind, kTcp);
-    EXPECT_NE(s.why.find("on this host"), std::string::npos) << s.why;
-    peer.same_host_tried = true;  // it failed: the usual choice
-    EXPECT_EQ(ChoosePath(kRdmaHost, peer, GpuHost()).action, Action::kDescribe);
+TEST(ChoosePath, APeerOnThisGpuHostGoesOverCudaIpcFirstThenTheUsualWay) {
+  for (const auto& mine : {kRdmaGpuHost, kTcpGpuHost}) {
+    for (const std::string& host : {"10.0.0.5", "127.0.0.1"}) {
+      PeerFacts peer = Peer(host);
+      PathStep s = ChoosePath(mine, peer, GpuHost());
+      EXPECT_EQ(s.action, Action::kConnect) << host;
+      EXPECT_EQ(s.via, mine.size() - 1);
+      EXPECT_EQ(s.kind, kCudaIpc);
+      EXPECT_NE(s.why.find("on this host"), std::string::npos) << s.why;
+      peer.same_host_tried = true;  // it failed (or the peer lacks it): the usual choice
+      EXPECT_EQ(ChoosePath(mine, peer, GpuHost()).action,
+                mine == kTcpGpuHost ? Action::kOneRoundTrip : Action::kDescribe);
+    }
   }
-  // Another host, no driver, or no TCP beside RDMA: the usual choice.
-  EXPECT_EQ(ChoosePath(kRdmaHost, Peer("10.0.0.6"), GpuHost()).action, Action::kDescribe);
+  // Another host, no driver, or no cuda_ipc transport: the usual choice.
+  EXPECT_EQ(ChoosePath(kRdmaGpuHost, Peer("10.0.0.6"), GpuHost()).action, Action::kDescribe);
   HostFacts no_gpu = GpuHost();
   no_gpu.cuda = false;
-  EXPECT_EQ(ChoosePath(kRdmaHost, Peer("10.0.0.5"), no_gpu).action, Action::kDescribe);
-  EXPECT_EQ(ChoosePath({kVerbs}, Peer("10.0.0.5"), GpuHost()).action, Action::kDescribe);
+  EXPECT_EQ(ChoosePath(kRdmaGpuHost, Peer("10.0.0.5"), no_gpu).action, Action::kDescribe);
+  EXPECT_EQ(ChoosePath(kRdmaHost, Peer("10.0.0.5"), GpuHost()).action, Action::kDescribe);
+  EXPECT_EQ(ChoosePath(kTcpHost, Peer("10.0.0.5"), GpuHost()).action, Action::kOneRoundTrip);
+}
+
+TEST(ChoosePath, CudaIpcIsNeverAFallbackForAPeerElsewhere) {
+  // A peer on another host whose primary is sim, and that lacks verbs.
+  PeerFacts peer = Peer("10.0.0.6");
+  peer.primary = "sim";
+  peer.lacks.insert(kVerbs);
+  PathStep s = ChoosePath(kRdmaGpuHost, peer, GpuHost());
+  EXPECT_EQ(s.action, Action::kConnect);
+  EXPECT_EQ(s.kind, kTcp);
+  peer.lacks.insert(kTcp);
+  s = ChoosePath(kRdmaGpuHost, peer, GpuHost());
+  EXPECT_EQ(s.action, Action::kFail);
+  EXPECT_EQ(s.error.code(), absl::StatusCode::kFailedPrecondition) << s.error;
 }
 
 TEST(ChoosePath, ATcpOnlyEngineTriesOneRoundTripThenDescribes) {

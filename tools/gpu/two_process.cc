@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "handshake/tcp_network.h"
-#include "transport/cuda_ipc/cuda_share.h"
+#include "transport/cuda_ipc/cuda_ipc_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
@@ -16,12 +16,20 @@ std::unique_ptr<TransferEngine> LoopbackEngine(bool cuda_ipc, uint32_t links,
                                                uint64_t slice_bytes) {
   transport::TcpTransportOptions t;
   t.bind_host = "127.0.0.1";
-  if (cuda_ipc) t.host_share = transport::NewCudaShare();
   t.in_process_shortcut = false;
   auto tcp = transport::CreateTcpTransport(t);
   if (!tcp.ok()) return nullptr;
   EngineParts parts;
   parts.transport = std::move(*tcp);
+  if (cuda_ipc) {
+    // Beside TCP, as Create makes it where a CUDA driver loads: the path
+    // choice sends the peer on this host over it.
+    transport::CudaIpcTransportOptions ipc;
+    ipc.stream = t;
+    auto same_host = transport::CreateCudaIpcTransport(ipc);
+    if (!same_host.ok()) return nullptr;
+    parts.same_host = std::move(*same_host);
+  }
   parts.network = handshake::NewTcpNetwork();
   parts.detection.host = "127.0.0.1";
   parts.detection.transport = "tcp";

@@ -15,8 +15,9 @@ namespace kvferry {
 namespace gpu {
 
 // An engine on 127.0.0.1 over the TCP transport (sockets, never the
-// in-process shortcut), with CUDA IPC on or off, `links` links per peer and
-// slices of `slice_bytes`; null if it cannot start.
+// in-process shortcut), with the same-host cuda_ipc transport beside it or
+// not (then device memory goes staged over TCP), `links` links per peer
+// and slices of `slice_bytes`; null if it cannot start.
 std::unique_ptr<TransferEngine> LoopbackEngine(bool cuda_ipc, uint32_t links = 2,
                                                uint64_t slice_bytes = 64 << 10);
 
