@@ -45,8 +45,8 @@ TEST_P(SameHostTest, APeerOnThisHostGoesOverCudaIpc) {
   EXPECT_NE(m.peers[0].transport_reason.find("on this host"), std::string::npos)
       << m.peers[0].transport_reason;
   // And the segment works.
-  TransferRequest w{transport::Opcode::kWrite, src.data(),
-                    reinterpret_cast<uintptr_t>(dst.data()), src.size()};
+  TransferRequest w{transport::Opcode::kWrite, src.data(), reinterpret_cast<uintptr_t>(dst.data()),
+                    src.size()};
   auto batch = (*a)->Submit(*seg, {&w, 1});
   ASSERT_TRUE(batch.ok()) << batch.status();
   auto st = (*a)->Wait(*batch, absl::Seconds(20));

@@ -43,6 +43,7 @@
 namespace kvferry {
 namespace kv_internal {
 struct Word;
+class EarlyWords;
 }  // namespace kv_internal
 
 // How a KV pool is laid out in memory.
@@ -333,17 +334,6 @@ class KvReceiver {
   static constexpr uint32_t kQuickRetries = 5;
   static constexpr absl::Duration kQuickRetry = absl::Milliseconds(10);
   KvReceiver(TransferEngine* engine, KvPool pool, Options options);
-  // A word that came before anyone expected its request.
-  struct Early {
-    Status status;
-    uint64_t engine_id = 0;  // its sender, as it claims
-    uint64_t token = 0;
-    uint64_t digest = 0;  // TransferEngine::NotificationDigest, to confirm it later
-    bool confirmed = false;
-    std::string source;  // where it came from (Notification::source)
-    absl::Time arrived;
-    uint64_t seq = 0;  // its place in early_order_
-  };
   // A word taken from the engine, and whether the engine it names, asked
   // at the address its request is expected from, said it sent it
   // (TransferEngine::ConfirmSent). Only a confirmed word fails, completes
@@ -366,19 +356,12 @@ class KvReceiver {
   // false when it is ignored, counted as forged, or kept to ask again.
   bool TakeExpected(Vetted& v, std::map<std::string, std::string>::iterator e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Keeps a resolved early word within the bounds, dropping the oldest.
-  void KeepEarly(const std::string& id, Early e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves `id`'s early word, if any, to requests_: for an Expect
   // (`expected`), only one from `instance` (when known) that was confirmed
   // (at arrival, or by the caller: `confirmed`); for a Poll or Wait without
   // an Expect, any (nothing names its prefill to ask).
   void ClaimEarly(const std::string& id, uint64_t instance, bool expected, bool confirmed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes `it` from the early words (and their bounds' counts).
-  Early TakeEarly(std::map<std::string, Early>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The same, counted as dropped.
-  void DropEarly(std::map<std::string, Early>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ExpireEarly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a word says about its request (checksums verified; the sender's
   // links dropped for an aborted one).
   // An abort drops the sender's links first: all of them when it confirmed
@@ -389,11 +372,6 @@ class KvReceiver {
   // A prefill's word that it began a request nobody expects (Expect) yet,
   // confirmed by the engine at the address it names: a Poll or Wait
   // without Expect watches that prefill from then on (Adopt).
-  struct Begun {
-    std::string prefill;  // its handshake address
-    uint64_t engine_id = 0;
-    absl::Time arrived;
-  };
   // "begn": kept (bounded as early words are); true when a Poll or Wait
   // asks for the request already (the caller adopts it then).
   bool Announced(const std::string& id, const Vetted& v, absl::string_view prefill)
@@ -457,17 +435,11 @@ class KvReceiver {
   std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ignored_words_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, Early> early_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, std::string> early_order_ ABSL_GUARDED_BY(mu_);  // seq -> id, oldest first
-  uint64_t early_seq_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t early_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t dropped_early_ ABSL_GUARDED_BY(mu_) = 0;
+  // Early and begin words (kv/early_words.h).
+  const std::unique_ptr<kv_internal::EarlyWords> early_ ABSL_PT_GUARDED_BY(mu_);
   uint64_t unconfirmed_ ABSL_GUARDED_BY(mu_) = 0;
   // Words about expected requests whose prefill could not be asked yet.
   std::vector<Notification> unasked_ ABSL_GUARDED_BY(mu_);
-  // Begin words not adopted yet (at most kMaxEarlyWords, none longer than
-  // early_word_ttl).
-  std::map<std::string, Begun> begun_ ABSL_GUARDED_BY(mu_);
   // The attempt whose word finished each request, and the attempts of
   // requests forgotten since (their words are ignored; the oldest of more
   // than kMaxRetired are forgotten in turn).

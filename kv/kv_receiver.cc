@@ -20,6 +20,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
+#include "kv/early_words.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_words.h"
 #include "net/socket.h"
@@ -57,6 +58,7 @@ KvReceiver::KvReceiver(TransferEngine* engine, KvPool pool, Options options)
     : engine_(engine),
       pool_(std::move(pool)),
       options_(options),
+      early_(std::make_unique<kv_internal::EarlyWords>(engine->clock(), options.early_word_ttl)),
       wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
 
 KvReceiver::~KvReceiver() {
@@ -104,7 +106,7 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   {
     MutexLock lock(&mu_);
     ClaimEarly(request_id, instance, /*expected=*/true, confirmed);
-    begun_.erase(request_id);  // Expect names the prefill itself
+    (void)early_->TakeBegun(request_id);  // Expect names the prefill itself
     Status& s = requests_[request_id];
     // Its word came first (the prefill was quicker than this call): there
     // is nothing left to watch.
@@ -135,10 +137,9 @@ bool KvReceiver::ConfirmEarly(const std::string& request_id, uint64_t instance,
   std::optional<std::pair<uint64_t, uint64_t>> early;  // its sender and digest
   {
     MutexLock lock(&mu_);
-    auto e = early_.find(request_id);
-    if (e != early_.end() && !e->second.confirmed &&
-        (instance == 0 || e->second.engine_id == instance)) {
-      early.emplace(e->second.engine_id, e->second.digest);
+    const kv_internal::EarlyWord* e = early_->Find(request_id);
+    if (e != nullptr && !e->confirmed && (instance == 0 || e->engine_id == instance)) {
+      early.emplace(e->engine_id, e->digest);
     }
   }
   if (!early.has_value()) return false;
@@ -151,7 +152,7 @@ KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
   TakeWords();
   if (requests_.find(request_id) == requests_.end()) ClaimEarly(request_id, 0, false, false);
   auto it = requests_.find(request_id);
-  if (it == requests_.end() && begun_.count(request_id) != 0) {
+  if (it == requests_.end() && early_->Announced(request_id)) {
     requests_.try_emplace(request_id);  // a Poll asks for it: its prefill is watched
     Adopt(request_id);
     it = requests_.find(request_id);
@@ -216,7 +217,7 @@ uint64_t KvReceiver::unconfirmed_words() const {
 
 uint64_t KvReceiver::dropped_early_words() const {
   MutexLock lock(&mu_);
-  return dropped_early_;
+  return early_->dropped();
 }
 
 uint64_t KvReceiver::checksum_failures() const {
@@ -227,10 +228,7 @@ uint64_t KvReceiver::checksum_failures() const {
 void KvReceiver::Forget(const std::string& request_id) {
   MutexLock lock(&mu_);
   requests_.erase(request_id);
-  begun_.erase(request_id);
-  if (auto early = early_.find(request_id); early != early_.end()) {
-    (void)TakeEarly(early);  // forgotten by the application, not dropped
-  }
+  early_->Forget(request_id);  // forgotten by the application, not dropped
   if (auto t = tokens_.find(request_id); t != tokens_.end()) {
     // Its attempt's words are ignored from now on (the id may come again).
     retired_.Insert({request_id, t->second});

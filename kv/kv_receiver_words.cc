@@ -22,6 +22,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "base/thread.h"
+#include "kv/early_words.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_words.h"
 #include "net/socket.h"
@@ -107,15 +108,15 @@ void KvReceiver::Absorb(std::vector<Vetted> words) {
       if (!TakeExpected(v, e)) continue;
     } else if (requests_.find(id) == requests_.end()) {
       // Nobody expects it or waits for it (yet): kept a while, bounded.
-      if (early_.count(id) != 0) continue;  // first word wins
-      Early early;
+      if (early_->Find(id) != nullptr) continue;  // first word wins
+      kv_internal::EarlyWord early;
       early.status = Resolve(id, *w, n.engine_id, n.source, v.confirmed);
       early.engine_id = n.engine_id;
       early.token = w->token;
       early.digest = TransferEngine::NotificationDigest(n.message);
       early.confirmed = v.confirmed;
       early.source = n.source;
-      KeepEarly(id, std::move(early));
+      early_->Keep(id, std::move(early));
       continue;
     }
     Status& s = requests_[id];
@@ -124,7 +125,7 @@ void KvReceiver::Absorb(std::vector<Vetted> words) {
     s = Resolve(id, *w, n.engine_id, n.source, v.confirmed);
   }
   for (const std::string& id : adopt) Adopt(id);
-  ExpireEarly();
+  early_->Expire();
 }
 
 bool KvReceiver::TakeExpected(Vetted& v, std::map<std::string, std::string>::iterator e) {
@@ -142,7 +143,7 @@ bool KvReceiver::TakeExpected(Vetted& v, std::map<std::string, std::string>::ite
     // Bounded: the oldest go first.
     if (unasked_.size() >= kMaxEarlyWords) {
       unasked_.erase(unasked_.begin());
-      ++dropped_early_;
+      early_->CountDrop();
     }
     unasked_.push_back(std::move(v.n));
     return false;
@@ -166,31 +167,21 @@ bool KvReceiver::Announced(const std::string& id, const Vetted& v, absl::string_
   }
   const absl::StatusOr<net::HostPort> hp = net::ParseHostPort(prefill);
   if (!hp.ok()) return false;
-  if (begun_.size() >= kMaxEarlyWords) {
-    auto oldest = std::min_element(begun_.begin(), begun_.end(), [](const auto& a, const auto& b) {
-      return a.second.arrived < b.second.arrived;
-    });
-    begun_.erase(oldest);
-    ++dropped_early_;
-  }
-  begun_[id] = Begun{hp->ToString(), v.n.engine_id, engine_->clock()->Now()};
+  early_->Announce(id, kv_internal::BegunWord{hp->ToString(), v.n.engine_id, absl::Time()});
   return r != requests_.end();  // a Poll or Wait asks for it already
 }
 
 void KvReceiver::Adopt(const std::string& id) {
-  auto b = begun_.find(id);
-  if (b == begun_.end()) return;
-  const Begun begun = std::move(b->second);
-  begun_.erase(b);
-  if (expected_.count(id) != 0) return;
-  if (engine_->clock()->Now() - begun.arrived >= options_.early_word_ttl) return;
+  const std::optional<kv_internal::BegunWord> begun = early_->TakeBegun(id);  // if not too old
+  if (!begun.has_value() || expected_.count(id) != 0) return;
   const Status& s = requests_[id];
   if (s.state != State::kPending) return;
   // As Expect(id, prefill, engine id) would, the id presented by the
   // engine at that address (it confirmed the word): probed from now on.
   const absl::Time now = engine_->clock()->Now();
-  absl::Status watched = ExpectFrom(
-      id, begun.prefill, Prefill{begun.engine_id, /*presented=*/true, now, now}, begun.engine_id);
+  absl::Status watched =
+      ExpectFrom(id, begun->prefill, Prefill{begun->engine_id, /*presented=*/true, now, now},
+                 begun->engine_id);
   if (!watched.ok()) KVF_LOG(WARNING) << "KV request " << id << " is not watched: " << watched;
 }
 
@@ -220,69 +211,29 @@ KvReceiver::Status KvReceiver::Resolve(const std::string& id, const Word& w, uin
   return s;
 }
 
-void KvReceiver::KeepEarly(const std::string& id, Early e) {
-  const size_t bytes = e.status.aux.size() + id.size();
-  if (bytes > kMaxEarlyBytes) {
-    ++dropped_early_;
-    return;
-  }
-  while (!early_.empty() &&
-         (early_.size() >= kMaxEarlyWords || early_bytes_ + bytes > kMaxEarlyBytes)) {
-    DropEarly(early_.find(early_order_.begin()->second));
-  }
-  e.arrived = engine_->clock()->Now();
-  e.seq = ++early_seq_;
-  early_order_.emplace(e.seq, id);
-  early_bytes_ += bytes;
-  early_.emplace(id, std::move(e));
-}
-
-KvReceiver::Early KvReceiver::TakeEarly(std::map<std::string, Early>::iterator it) {
-  Early e = std::move(it->second);
-  early_bytes_ -= e.status.aux.size() + it->first.size();
-  early_order_.erase(e.seq);
-  early_.erase(it);
-  return e;
-}
-
-void KvReceiver::DropEarly(std::map<std::string, Early>::iterator it) {
-  ++dropped_early_;
-  (void)TakeEarly(it);
-}
-
-void KvReceiver::ExpireEarly() {
-  const absl::Time now = engine_->clock()->Now();
-  while (!early_order_.empty()) {
-    auto it = early_.find(early_order_.begin()->second);
-    if (now - it->second.arrived < options_.early_word_ttl) return;
-    DropEarly(it);
-  }
-}
-
 void KvReceiver::ClaimEarly(const std::string& id, uint64_t instance, bool expected,
                             bool confirmed) {
-  auto it = early_.find(id);
-  if (it == early_.end()) return;
-  Early e = TakeEarly(it);
-  if (instance != 0 && e.engine_id != instance) {
+  std::optional<kv_internal::EarlyWord> e = early_->Take(id);
+  if (!e.has_value()) return;
+  if (instance != 0 && e->engine_id != instance) {
     ++ignored_words_;  // from another engine than the one expected
     return;
   }
-  if (expected && !e.confirmed && !confirmed) {
+  if (expected && !e->confirmed && !confirmed) {
     ++unconfirmed_;  // the prefill did not say it sent it
     return;
   }
   // Without an Expect nothing names the prefill to ask: the word must at
   // least come from where the engine it names opened its links here from.
-  if (!expected && !e.confirmed && !e.source.empty() &&
-      !engine_->HasLinksFrom(e.engine_id, e.source)) {
+  if (!expected && !e->confirmed && !e->source.empty() &&
+      !engine_->HasLinksFrom(e->engine_id, e->source)) {
     ++unconfirmed_;
     return;
   }
   Status& s = requests_[id];
   if (s.state != State::kPending) return;
-  if (e.token != 0) tokens_[id] = e.token;
-  s = std::move(e.status);
+  if (e->token != 0) tokens_[id] = e->token;
+  s = std::move(e->status);
 }
 
 absl::StatusOr<std::string> KvReceiver::Verify(const std::string& request_id,

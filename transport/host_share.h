@@ -70,7 +70,8 @@ class HostShare {
   // Names the bytes from `offset` in the region `exp` was made for, for a
   // peer whose link word is `peer_word`; false when that peer cannot open
   // them (the request then carries its bytes).
-  virtual bool Name(const Export& exp, uint64_t offset, uint64_t peer_word, ShareRef* ref) const = 0;
+  virtual bool Name(const Export& exp, uint64_t offset, uint64_t peer_word,
+                    ShareRef* ref) const = 0;
   // A link's responder-side table of opened references, for a peer whose
   // link word is `peer_word`.
   virtual std::unique_ptr<Imports> NewImports(uint64_t peer_word) = 0;

@@ -53,14 +53,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cstdint>
-#include <iterator>
-#include <cstdio>
-#include <cstdlib>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -76,8 +76,7 @@ using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int)
 
 constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kNotInitialized = 3,
                    kInvalidDevice = 101, kInvalidContext = 201, kInvalidHandle = 400,
-                   kNotFound = 500, kNotReady = 600, kIllegalAddress = 700,
-                   kNotSupported = 801;
+                   kNotFound = 500, kNotReady = 600, kIllegalAddress = 700, kNotSupported = 801;
 constexpr size_t kAlign = 64 << 10;
 
 struct Context {
@@ -123,25 +122,25 @@ struct State {
     size_t size;
     int device;
   };
-  std::map<size_t, Allocation> allocations;  // by offset in the arena
-  std::map<uintptr_t, size_t> pinned;  // cuMemHostAlloc'd, by address
+  std::map<size_t, Allocation> allocations;    // by offset in the arena
+  std::map<uintptr_t, size_t> pinned;          // cuMemHostAlloc'd, by address
   std::vector<std::shared_ptr<Queue>> queues;  // every stream's, legacy ones first
-  std::condition_variable cv;  // work queued or finished
-  bool gpu_running = false;    // the thread that plays the GPU
+  std::condition_variable cv;                  // work queued or finished
+  bool gpu_running = false;                    // the thread that plays the GPU
   bool latency_never = false;
   Clock::duration latency = std::chrono::milliseconds(300);
   uint64_t deferred = 0;  // copies queued to land later (tests)
-  int fd = -1;  // the arena's memfd, kept for other processes' IPC imports
+  int fd = -1;            // the arena's memfd, kept for other processes' IPC imports
   struct Import {
     size_t size;
     char* alias;
     int device;
-    uint64_t handle = 0;      // a VMM mapping of this allocation handle; 0: IPC
-    bool accessible = true;   // VMM: cuMemSetAccess was called
+    uint64_t handle = 0;     // a VMM mapping of this allocation handle; 0: IPC
+    bool accessible = true;  // VMM: cuMemSetAccess was called
   };
   // Another process's allocation (IPC) or a VMM mapping, by address.
   std::map<uintptr_t, Import> imports;
-  uint64_t ipc_opens = 0;               // successful cuIpcOpenMemHandle calls
+  uint64_t ipc_opens = 0;  // successful cuIpcOpenMemHandle calls
   // VMM allocations by handle; each holds a reference per mapping.
   struct Physical {
     int fd;
@@ -334,7 +333,7 @@ void DrainAll(State& s, std::unique_lock<std::mutex>& lock) {
 
 void Enqueue(State& s, Queue& q, Op op) {
   op.seq = ++q.queued;
-  op.due = op.fn != nullptr ? Clock::now()
+  op.due = op.fn != nullptr  ? Clock::now()
            : s.latency_never ? Clock::time_point::max()
                              : Clock::now() + s.latency;
   if (op.fn == nullptr) ++s.deferred;
@@ -449,9 +448,9 @@ CUresult cuInit(unsigned flags) {
   return kSuccess;
 }
 
-#define KVF_FAKE_READY()                        \
-  State& s = S();                               \
-  std::unique_lock<std::mutex> lock(s.mu);      \
+#define KVF_FAKE_READY()                   \
+  State& s = S();                          \
+  std::unique_lock<std::mutex> lock(s.mu); \
   if (!s.initialized) return kNotInitialized
 
 CUresult cuDriverGetVersion(int* v) {
@@ -522,7 +521,8 @@ CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
   const bool pinned = !InArena(s, p) && IsPinned(s, p);
   State::Allocation imported{0, 0};
   auto imp = s.imports.upper_bound(p);
-  if (a == nullptr && imp != s.imports.begin() && p - std::prev(imp)->first < std::prev(imp)->second.size) {
+  if (a == nullptr && imp != s.imports.begin() &&
+      p - std::prev(imp)->first < std::prev(imp)->second.size) {
     imported.device = std::prev(imp)->second.device;
     a = &imported;
   }
@@ -655,8 +655,13 @@ CUresult cuIpcGetMemHandle(IpcHandle* h, CUdeviceptr ptr) {
   if (!InArena(s, ptr)) return kInvalidValue;
   auto it = s.allocations.find(ptr - reinterpret_cast<uintptr_t>(s.arena));
   if (it == s.allocations.end()) return kInvalidValue;  // not an allocation's base
-  *h = IpcHandle{kIpcMagic, static_cast<uint64_t>(getpid()), static_cast<uint64_t>(s.fd),
-                 it->first, it->second.size, static_cast<uint64_t>(it->second.device), {}};
+  *h = IpcHandle{kIpcMagic,
+                 static_cast<uint64_t>(getpid()),
+                 static_cast<uint64_t>(s.fd),
+                 it->first,
+                 it->second.size,
+                 static_cast<uint64_t>(it->second.device),
+                 {}};
   return kSuccess;
 }
 
@@ -674,8 +679,8 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, IpcHandle h, unsigned flags) {
   if (fd < 0) return kInvalidValue;
   const size_t size = (h.size + 4095) / 4096 * 4096;
   void* va = mmap(nullptr, size, PROT_NONE, MAP_SHARED, fd, static_cast<off_t>(h.offset));
-  void* alias = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                     static_cast<off_t>(h.offset));
+  void* alias =
+      mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(h.offset));
   close(fd);
   if (va == MAP_FAILED || alias == MAP_FAILED) return kOutOfMemory;
   s.imports[reinterpret_cast<uintptr_t>(va)] =
@@ -859,7 +864,6 @@ CUresult cuGetErrorName(CUresult error, const char** name) {
   return kSuccess;
 }
 
-
 }  // extern "C"
 
 // Virtual memory management. These need no current context (their docs
@@ -947,11 +951,12 @@ CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CU
   }
   // Aligned to the granularity (or more): reserve extra and trim.
   const size_t align = alignment > kGranularity ? alignment : kGranularity;
-  void* raw = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+  void* raw =
+      mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) return kOutOfMemory;
   const uintptr_t start = (reinterpret_cast<uintptr_t>(raw) + align - 1) / align * align;
-  if (start > reinterpret_cast<uintptr_t>(raw)) munmap(raw, start - reinterpret_cast<uintptr_t>(raw));
+  if (start > reinterpret_cast<uintptr_t>(raw))
+    munmap(raw, start - reinterpret_cast<uintptr_t>(raw));
   const uintptr_t end = reinterpret_cast<uintptr_t>(raw) + size + align;
   if (end > start + size) munmap(reinterpret_cast<void*>(start + size), end - start - size);
   s.reservations[start] = size;
@@ -1086,8 +1091,11 @@ CUresult cuMemImportFromShareableHandle(uint64_t* handle, void* os_handle, int t
   const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (own < 0) return kOutOfMemory;
   *handle = ++s.last_handle;
-  s.physical[*handle] = State::Physical{own, static_cast<size_t>(st.st_size),
-                                        std::atoi(tag + std::strlen("kvferry-fake-vmm-")), 1, 1,
+  s.physical[*handle] = State::Physical{own,
+                                        static_cast<size_t>(st.st_size),
+                                        std::atoi(tag + std::strlen("kvferry-fake-vmm-")),
+                                        1,
+                                        1,
                                         /*imported=*/true};
   ++s.vmm_imports;
   return kSuccess;
@@ -1140,10 +1148,10 @@ uint64_t kvferry_fake_cuda_ipc_opens() {
 }
 
 // The legacy 32-bit ABI: using one is a bug in the caller.
-#define KVF_FAKE_LEGACY(name)                                                       \
-  CUresult name() {                                                                 \
-    std::fprintf(stderr, "fake libcuda: legacy entry point %s called\n", #name);   \
-    std::abort();                                                                   \
+#define KVF_FAKE_LEGACY(name)                                                    \
+  CUresult name() {                                                              \
+    std::fprintf(stderr, "fake libcuda: legacy entry point %s called\n", #name); \
+    std::abort();                                                                \
   }
 KVF_FAKE_LEGACY(cuMemAlloc)
 KVF_FAKE_LEGACY(cuMemFree)

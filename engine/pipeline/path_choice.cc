@@ -79,8 +79,8 @@ PathStep ChoosePath(absl::Span<const std::string> mine, const PeerFacts& theirs,
                     const HostFacts& facts) {
   if (mine.empty()) return Fail(absl::FailedPreconditionError("this engine has no transport"));
   const size_t same_host = FallbackOf(mine, kCudaIpc);
-  if (same_host < mine.size() && facts.cuda && !theirs.same_host_tried &&
-      theirs.primary.empty() && net::IsThisHost(theirs.host, facts.addresses)) {
+  if (same_host < mine.size() && facts.cuda && !theirs.same_host_tried && theirs.primary.empty() &&
+      net::IsThisHost(theirs.host, facts.addresses)) {
     return Step(PathStep::Action::kConnect, same_host, kCudaIpc,
                 "the peer is on this host: cuda_ipc, device memory copied GPU to GPU");
   }

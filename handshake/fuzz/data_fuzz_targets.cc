@@ -14,9 +14,9 @@
 #include "absl/time/clock.h"
 #include "handshake/fuzz/check.h"
 #include "net/socket.h"
+#include "transport/cuda_ipc/vmm_share.h"
 #include "transport/tcp/hello_acceptor.h"
 #include "transport/tcp/tcp_transport.h"
-#include "transport/cuda_ipc/vmm_share.h"
 #include "transport/tcp/wire.h"
 
 namespace kvferry {

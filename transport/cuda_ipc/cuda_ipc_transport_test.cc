@@ -83,11 +83,10 @@ TEST_F(CudaIpcTransportTest, ItsKindIsItsOwn) {
 TEST_F(CudaIpcTransportTest, ALinkToAnotherHostIsRefused) {
   auto t = Make();
   ASSERT_NE(t, nullptr);
-  auto offer = t->AcceptLink(
-      0, NicInfo{}, tcp_wire::EncodeLinkParams(1, 0, /*host=*/0x1234, 0, kind::kCudaIpc));
+  auto offer = t->AcceptLink(0, NicInfo{},
+                             tcp_wire::EncodeLinkParams(1, 0, /*host=*/0x1234, 0, kind::kCudaIpc));
   EXPECT_EQ(offer.status().code(), absl::StatusCode::kFailedPrecondition) << offer.status();
-  EXPECT_NE(offer.status().message().find("one host"), absl::string_view::npos)
-      << offer.status();
+  EXPECT_NE(offer.status().message().find("one host"), absl::string_view::npos) << offer.status();
 }
 
 TEST_F(CudaIpcTransportTest, DeviceMemoryGoesByReferenceAndLands) {

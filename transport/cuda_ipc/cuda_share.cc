@@ -127,8 +127,7 @@ class CudaShare final : public HostShare {
 
   std::unique_ptr<Export> Share(void* addr, uint64_t length, int device) override;
 
-  bool Name(const Export& exp, uint64_t offset, uint64_t peer_word,
-            ShareRef* ref) const override {
+  bool Name(const Export& exp, uint64_t offset, uint64_t peer_word, ShareRef* ref) const override {
     const auto& e = static_cast<const CudaExport&>(exp);
     if (e.has_ipc) {
       // cudaMalloc memory: the peer opens the allocation's IPC handle.

@@ -119,7 +119,8 @@ absl::StatusOr<LinkOffer> TcpTransport::OfferLink(NicIndex local_nic) {
   if (links_.size() >= options_.max_links) return TooManyLinks();
   link->id = ++last_link_;
   links_[link->id] = link;
-  return LinkOffer{link->id, EncodeLinkParams(link->token, key_, ShareHost(), ShareWord(), options_.kind)};
+  return LinkOffer{link->id,
+                   EncodeLinkParams(link->token, key_, ShareHost(), ShareWord(), options_.kind)};
 }
 
 absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
@@ -220,7 +221,8 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
     links_.erase(link->id);
     return Annotate(attached, "AcceptLink");
   }
-  return LinkOffer{link->id, EncodeLinkParams(token, key_, ShareHost(), ShareWord(), options_.kind)};
+  return LinkOffer{link->id,
+                   EncodeLinkParams(token, key_, ShareHost(), ShareWord(), options_.kind)};
 }
 
 absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::StatusOr<net::Fd> fd) {

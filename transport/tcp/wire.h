@@ -61,8 +61,8 @@ static_assert(sizeof(DataHeader) == 40, "wire header size");
 // 0: none, as older peers send).
 enum : uint8_t { kTokenField = 1, kKeyField = 2, kHostField = 3, kShareField = 4 };
 // `kind`: TcpTransportOptions::kind.
-inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host,
-                                    uint64_t share = 0, absl::string_view kind = kind::kTcp) {
+inline std::string EncodeLinkParams(uint64_t token, uint64_t key, uint64_t host, uint64_t share = 0,
+                                    absl::string_view kind = kind::kTcp) {
   LinkParams p{std::string(kind)};
   p.Put(kTokenField, token).Put(kKeyField, key).Put(kHostField, host);
   if (share != 0) p.Put(kShareField, share);
