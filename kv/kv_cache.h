@@ -38,6 +38,8 @@
 #include "base/mutex.h"
 #include "base/recent_set.h"
 #include "engine/transfer_engine.h"
+#include "kv/prefill_probe.h"
+#include "kv/watch_set.h"
 #include "net/socket.h"
 
 namespace kvferry {
@@ -312,27 +314,7 @@ class KvReceiver {
   uint64_t unconfirmed_words() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  // A prefill that expected requests come from.
-  struct Prefill {
-    uint64_t engine_id = 0;  // as its first probe answered, or Expect named (0: not yet)
-    // The prefill at that address presented engine_id itself (a probe's
-    // answer): only such an id is ever fenced.
-    bool presented = false;
-    absl::Time last_answer;  // or when it was first expected
-    absl::Time next_probe;
-    uint32_t expected = 0;  // pending requests expected from it (> 0)
-    // Messages received on its data links so far (DataInputsFrom): growth
-    // since the last probe means alive, whatever the probe said.
-    uint64_t inputs = 0;
-    // Its watch connection closed: probes that fail without an answer are
-    // retried after kQuickRetry, this many more times, not a period later.
-    // (A process being killed closes its sockets one by one: the probe that
-    // the closed watch set off may meet the listener still open and be
-    // reset, a moment before the port refuses.)
-    uint32_t quick_retries = 0;
-  };
-  static constexpr uint32_t kQuickRetries = 5;
-  static constexpr absl::Duration kQuickRetry = absl::Milliseconds(10);
+  using Prefill = kv_internal::PrefillState;  // kv/prefill_probe.h
   KvReceiver(TransferEngine* engine, KvPool pool, Options options);
   // A word taken from the engine, and whether the engine it names, asked
   // at the address its request is expected from, said it sent it
@@ -393,25 +375,10 @@ class KvReceiver {
   // Probes the prefills that are due, at once (at most kMaxProbesAtOnce at
   // a time); fences and fails those that are dead.
   void CheckPrefills();
-  // One prefill's probe: when it ran, its answer, and a watch connection
-  // opened after it answered (if it had none).
-  struct Probe {
-    absl::Time start, end;
-    absl::StatusOr<uint64_t> id = absl::UnknownError("not probed");
-    bool watched = false;  // it has a watch connection
-    net::Fd watch;         // one opened now
-  };
-  std::vector<Probe> ProbeAll(const std::vector<std::pair<std::string, Prefill>>& due)
-      ABSL_LOCKS_EXCLUDED(mu_);
   // What `probe` says of the prefill `p` at `peer`: dead (fenced, its
   // requests failed) or alive (its next probe planned, its watch kept).
-  void Judge(const std::string& peer, const Prefill& p, Probe& probe) ABSL_LOCKS_EXCLUDED(mu_);
-  static constexpr size_t kMaxProbesAtOnce = 16;
-  // Why the prefill `p` at `peer` counts as dead after probe result `id`
-  // (OK when it does not).
-  // `data_moved`: its data links received something since the last probe.
-  absl::Status DeathOf(const std::string& peer, const Prefill& p,
-                       const absl::StatusOr<uint64_t>& id, absl::Time now, bool data_moved) const;
+  void Judge(const std::string& peer, const Prefill& p, kv_internal::Probe& probe)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void Watch();
   void FailFrom(const std::string& prefill, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -447,19 +414,8 @@ class KvReceiver {
   std::map<std::string, uint64_t> tokens_ ABSL_GUARDED_BY(mu_);
   RecentSet<std::pair<std::string, uint64_t>> retired_ ABSL_GUARDED_BY(mu_){kMaxRetired};
   std::thread watcher_;  // with the real clock; simulations check from Wait
-  // The watcher's wake-up (an eventfd: Expect and the destructor write it).
-  net::Fd wake_;
-  // An idle connection to each watched prefill's handshake port, opened
-  // after a probe it answered: its process's death closes it at once (the
-  // kernel's FIN), and the watcher probes that prefill then instead of at
-  // its turn. Closed ones wait in `retired_watches_` for the watcher to
-  // finish polling them.
-  std::map<std::string, net::Fd> watches_ ABSL_GUARDED_BY(mu_);
-  std::vector<net::Fd> retired_watches_ ABSL_GUARDED_BY(mu_);
-  void Wake();
-  // Polls the wake-up and the watch connections until `wait` passes or
-  // something happens; a closed watch makes its prefill due now.
-  void WaitForEvents(absl::Duration wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The watcher's wake-up and its watch connections (kv/watch_set.h).
+  kv_internal::WatchSet watches_ ABSL_GUARDED_BY(mu_);
 };
 
 // The metadata key under which a receiver publishes its pool.

@@ -58,15 +58,14 @@ KvReceiver::KvReceiver(TransferEngine* engine, KvPool pool, Options options)
     : engine_(engine),
       pool_(std::move(pool)),
       options_(options),
-      early_(std::make_unique<kv_internal::EarlyWords>(engine->clock(), options.early_word_ttl)),
-      wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+      early_(std::make_unique<kv_internal::EarlyWords>(engine->clock(), options.early_word_ttl)) {}
 
 KvReceiver::~KvReceiver() {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
     changed_.SignalAll();
-    Wake();
+    watches_.Wake();
   }
   if (watcher_.joinable()) watcher_.join();
 }
@@ -126,7 +125,7 @@ absl::Status KvReceiver::ExpectFrom(const std::string& request_id, const std::st
   ++known->second.expected;
   expected_[request_id] = peer;
   changed_.SignalAll();
-  Wake();
+  watches_.Wake();
   absl::Status started = StartWatcher();
   if (!started.ok()) Unexpect(expected_.find(request_id));
   return started;

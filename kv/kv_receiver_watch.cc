@@ -34,7 +34,16 @@ void KvReceiver::Watch() {
     for (const auto& [peer, p] : prefills_) next = std::min(next, p.next_probe);
     const absl::Duration wait = next - absl::Now();
     if (wait > absl::ZeroDuration()) {
-      WaitForEvents(std::min(wait, absl::Hours(1)));
+      // A closed watch makes its prefill due now.
+      const std::vector<std::string> ended =
+          watches_.Wait(&mu_, &changed_, std::min(wait, absl::Hours(1)));
+      const absl::Time now = absl::Now();
+      for (const std::string& peer : ended) {
+        auto p = prefills_.find(peer);
+        if (p == prefills_.end()) continue;
+        p->second.next_probe = now;
+        p->second.quick_retries = kv_internal::kQuickRetries;
+      }
       continue;
     }
     mu_.Unlock();
@@ -42,50 +51,6 @@ void KvReceiver::Watch() {
     mu_.Lock();
   }
   mu_.Unlock();
-}
-
-void KvReceiver::Wake() {
-  if (!wake_.valid()) return;
-  const uint64_t one = 1;
-  (void)!::write(wake_.get(), &one, sizeof one);
-}
-
-void KvReceiver::WaitForEvents(absl::Duration wait) {
-  std::vector<pollfd> fds;
-  std::vector<std::string> peers;
-  if (wake_.valid()) fds.push_back(pollfd{wake_.get(), POLLIN, 0});
-  for (const auto& [peer, fd] : watches_) {
-    fds.push_back(pollfd{fd.get(), POLLIN | POLLRDHUP, 0});
-    peers.push_back(peer);
-  }
-  if (!wake_.valid()) {  // no eventfd: the condition variable, without watches
-    changed_.WaitWithTimeout(&mu_, wait);
-    return;
-  }
-  mu_.Unlock();
-  const int ms = static_cast<int>(std::min<int64_t>(
-      absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))), 1 << 30));
-  (void)::poll(fds.data(), fds.size(), ms);
-  if (fds[0].revents != 0) {
-    uint64_t n;
-    (void)!::read(wake_.get(), &n, sizeof n);
-  }
-  mu_.Lock();
-  const absl::Time now = absl::Now();
-  for (size_t i = 1; i < fds.size(); ++i) {
-    if (fds[i].revents == 0) continue;
-    // The peer sends nothing on a watch: any event is its end (or reset).
-    auto w = watches_.find(peers[i - 1]);
-    if (w == watches_.end() || w->second.get() != fds[i].fd) continue;
-    retired_watches_.push_back(std::move(w->second));
-    watches_.erase(w);
-    auto p = prefills_.find(peers[i - 1]);
-    if (p != prefills_.end()) {
-      p->second.next_probe = now;
-      p->second.quick_retries = kQuickRetries;
-    }
-  }
-  retired_watches_.clear();  // no poll on them any more
 }
 
 void KvReceiver::CheckPrefills() {
@@ -98,47 +63,21 @@ void KvReceiver::CheckPrefills() {
     }
   }
   if (due.empty()) return;
-  std::vector<Probe> probes = ProbeAll(due);
+  std::vector<std::string> peers;
+  std::vector<bool> watched;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [peer, p] : due) {
+      peers.push_back(peer);
+      watched.push_back(watches_.Has(peer));
+    }
+  }
+  std::vector<kv_internal::Probe> probes =
+      kv_internal::ProbeAll(*engine_, peers, watched, options_.peer_timeout / 4);
   for (size_t i = 0; i < due.size(); ++i) Judge(due[i].first, due[i].second, probes[i]);
 }
 
-std::vector<KvReceiver::Probe> KvReceiver::ProbeAll(
-    const std::vector<std::pair<std::string, Prefill>>& due) {
-  // All due prefills are probed at once, so that many frozen ones (each
-  // probe waiting out `period`) do not push the others past their bound.
-  Clock* clock = engine_->clock();
-  const absl::Duration period = options_.peer_timeout / 4;
-  std::vector<Probe> probes(due.size());
-  if (clock == RealClock()) {
-    MutexLock lock(&mu_);
-    for (size_t i = 0; i < due.size(); ++i) probes[i].watched = watches_.count(due[i].first) != 0;
-  }
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next++) < due.size();) {
-      probes[i].start = clock->Now();
-      probes[i].id = engine_->ProbePeer(due[i].first, period);
-      probes[i].end = clock->Now();
-      if (probes[i].id.ok() && !probes[i].watched && clock == RealClock()) {
-        absl::StatusOr<net::HostPort> hp = net::ParseHostPort(due[i].first);
-        absl::StatusOr<net::Fd> fd = hp.ok() ? net::Connect(*hp, period) : hp.status();
-        if (fd.ok()) probes[i].watch = std::move(*fd);
-      }
-    }
-  };
-  std::vector<std::thread> helpers;
-  const size_t threads = std::min(due.size(), kMaxProbesAtOnce);
-  for (size_t t = 1; t < threads && clock == RealClock(); ++t) {
-    absl::StatusOr<std::thread> helper = StartThread("a KV receiver's probe", work);
-    if (!helper.ok()) break;  // fewer at once, never none: this thread probes too
-    helpers.push_back(std::move(*helper));
-  }
-  work();
-  for (std::thread& t : helpers) t.join();
-  return probes;
-}
-
-void KvReceiver::Judge(const std::string& peer, const Prefill& p, Probe& probe) {
+void KvReceiver::Judge(const std::string& peer, const Prefill& p, kv_internal::Probe& probe) {
   const absl::Duration period = options_.peer_timeout / 4;
   const absl::StatusOr<uint64_t>& id = probe.id;
   // Silent handshake, busy data links: alive (its probes may be starved
@@ -146,7 +85,8 @@ void KvReceiver::Judge(const std::string& peer, const Prefill& p, Probe& probe) 
   // itself: links claiming a merely named id prove nothing.
   const uint64_t inputs = p.presented ? engine_->DataInputsFrom(p.engine_id) : 0;
   const bool data_moved = inputs > p.inputs;
-  const absl::Status dead = DeathOf(peer, p, id, probe.end, data_moved);
+  const absl::Status dead =
+      kv_internal::DeathOf(peer, p, id, probe.end, data_moved, options_.peer_timeout);
   // Fenced before anyone is told: nothing of it lands afterwards. Only an
   // id the prefill presented itself: never one a caller merely named.
   if (!dead.ok() && p.engine_id != 0 && p.presented) {
@@ -164,10 +104,7 @@ void KvReceiver::Judge(const std::string& peer, const Prefill& p, Probe& probe) 
     now.engine_id = *id;
     now.presented = true;
   }
-  if (probe.watch.valid()) {
-    watches_.emplace(peer, std::move(probe.watch));
-    Wake();  // the watcher polls it from now on
-  }
+  if (probe.watch.valid()) watches_.Add(peer, std::move(probe.watch));  // polled from now on
   // An answer, even a refusal (an overloaded or fencing engine), means its
   // process is alive.
   const bool answered = id.ok() || TransferEngine::PeerAnswered(id.status());
@@ -178,41 +115,8 @@ void KvReceiver::Judge(const std::string& peer, const Prefill& p, Probe& probe) 
     now.quick_retries = 0;
   } else if (now.quick_retries > 0) {
     --now.quick_retries;
-    now.next_probe = std::min(now.next_probe, probe.end + kQuickRetry);
+    now.next_probe = std::min(now.next_probe, probe.end + kv_internal::kQuickRetry);
   }
-}
-
-absl::Status KvReceiver::DeathOf(const std::string& peer, const Prefill& p,
-                                 const absl::StatusOr<uint64_t>& id, absl::Time now,
-                                 bool data_moved) const {
-  const absl::Duration period = options_.peer_timeout / 4;
-  // An instance fenced earlier that answers is alive: it comes back at a
-  // later epoch (PeerService::Fence), and its new requests count.
-  if (id.ok() && p.engine_id != 0 && *id != p.engine_id) {
-    if (p.presented) {
-      return absl::UnavailableError(absl::StrFormat(
-          "the prefill at %s restarted (engine %#x, now %#x): its requests were lost", peer,
-          p.engine_id, *id));
-    }
-    return absl::UnavailableError(absl::StrFormat(
-        "the prefill at %s is not the engine named for its requests (%#x, it answers as %#x): "
-        "it restarted, or the name was wrong",
-        peer, p.engine_id, *id));
-  }
-  if (id.ok() || TransferEngine::PeerAnswered(id.status())) return absl::OkStatus();
-  if (net::ConnectionRefused(id.status())) {
-    // Nothing listens at its port: the process is gone (no need to wait).
-    return absl::UnavailableError(absl::StrCat("the prefill at ", peer,
-                                               " is gone: its port refuses connections (",
-                                               id.status().message(), ")"));
-  }
-  if (!data_moved && now - p.last_answer >= options_.peer_timeout - period) {
-    return absl::UnavailableError(
-        absl::StrCat("the prefill at ", peer, " has not answered for ",
-                     absl::FormatDuration(absl::Trunc(now - p.last_answer, absl::Milliseconds(1))),
-                     " (", id.status().message(), ")"));
-  }
-  return absl::OkStatus();
 }
 
 void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
@@ -237,11 +141,7 @@ void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
 void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
   auto p = prefills_.find(e->second);
   if (p != prefills_.end() && --p->second.expected == 0) {
-    if (auto w = watches_.find(p->first); w != watches_.end()) {
-      retired_watches_.push_back(std::move(w->second));  // the watcher may be polling it
-      watches_.erase(w);
-      Wake();
-    }
+    watches_.Remove(p->first);
     prefills_.erase(p);
   }
   expected_.erase(e);
