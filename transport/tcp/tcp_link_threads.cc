@@ -65,7 +65,7 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
         DataHeader request = job.header;
         request.type = kReadReq;
         absl::StatusOr<RegionUse> use =
-            UseRemote(request, /*write=*/false, link.fd.get(), &source, &job.device);
+            regions_.UseRemote(request, /*write=*/false, link.fd.get(), &source, &job.device);
         if (!use.ok()) {
           job.header.status = static_cast<uint8_t>(use.status().code());
           job.header.length = 0;

@@ -10,11 +10,11 @@ namespace tcp_internal {
 absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
   auto link = links_.find(wr.link);
   RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
-  auto region = regions_.find(wr.local_region);
-  if (region == regions_.end()) {
+  const RegionEntry* region = regions_.Find(wr.local_region);
+  if (region == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
   }
-  return CheckLocal(wr, region->second->region, options_.max_request_bytes);
+  return CheckLocal(wr, region->region, options_.max_request_bytes);
 }
 
 absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
@@ -46,7 +46,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
                                       std::vector<Direct>& direct,
                                       std::vector<std::shared_ptr<Link>>& inline_links) {
   MutexLock lock(&mu_);
-  ReaderMutexLock regions(&regions_mu_);
+  ReaderMutexLock regions(&regions_.mu());
   for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr));
   RETURN_IF_ERROR(CheckLinkCapacity(
       batch,
@@ -57,7 +57,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
   const uint64_t post = ++last_post_;
   for (const WorkRequest& wr : batch) {
     Link& link = *links_.at(wr.link);
-    RegionEntry& local = *regions_.at(wr.local_region);
+    RegionEntry& local = *regions_.Find(wr.local_region);  // validated above
     local.local_uses.fetch_add(1);
     const uint64_t rid = link.outstanding.Add(wr);
     if (link.peer_key != 0) {
@@ -156,7 +156,7 @@ absl::Status TcpTransport::CopyDirect(TcpTransport& peer, const Direct& d) {
   char* remote = nullptr;
   const bool write = d.wr.opcode == Opcode::kWrite;
   int remote_device = -1;
-  RETURN_IF_ERROR(peer.CheckRemote(h, write, &remote, &remote_device));
+  RETURN_IF_ERROR(peer.regions_.CheckRemote(h, write, &remote, &remote_device));
   void* dst = write ? static_cast<void*>(remote) : d.wr.local_addr;
   const void* src = write ? static_cast<const void*>(d.wr.local_addr) : remote;
   if (d.local_device < 0 && remote_device < 0) {
@@ -224,11 +224,11 @@ void TcpTransport::CopyAll(std::vector<Direct>& direct) {
       continue;
     }
     if (d.link->peer_key != peer_key || peer == nullptr) {
-      if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
+      if (peer != nullptr) peer->regions_.mu().ReaderUnlock();
       auto it = r.by_key.find(d.link->peer_key);
       peer = it == r.by_key.end() ? nullptr : it->second.transport;
       peer_key = d.link->peer_key;
-      if (peer != nullptr) peer->regions_mu_.ReaderLock();
+      if (peer != nullptr) peer->regions_.mu().ReaderLock();
     }
     if (peer == nullptr) {
       d.status = absl::UnavailableError("the peer transport in this process is gone");
@@ -237,7 +237,7 @@ void TcpTransport::CopyAll(std::vector<Direct>& direct) {
     d.status = CopyDirect(*peer, d);  // its regions' lock is held
   }
   if (entered != nullptr) entered->Exit();
-  if (peer != nullptr) peer->regions_mu_.ReaderUnlock();
+  if (peer != nullptr) peer->regions_.mu().ReaderUnlock();
 }
 
 std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_key, uint64_t token,
@@ -344,12 +344,7 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   // Straight into the caller's buffer, which stays registered until
   // completion; device memory through the staging buffer.
   // (Without a CUDA driver no region is device memory: no lookup.)
-  int device = -1;
-  if (cuda::Driver::Get() != nullptr) {
-    ReaderMutexLock lock(&regions_mu_);
-    auto it = regions_.find(wr.local_region);
-    if (it != regions_.end()) device = it->second->device;
-  }
+  const int device = cuda::Driver::Get() != nullptr ? regions_.DeviceOf(wr.local_region) : -1;
   RETURN_IF_ERROR(device >= 0 ? link.recv_stage.Recv(*link.in, wr.local_addr, h.length, device)
                               : ReadStream(*link.in, wr.local_addr, h.length));
   MutexLock lock(&mu_);
@@ -377,9 +372,7 @@ absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint6
   job.header.length = wr.length;
   if (wr.opcode == Opcode::kWrite) {
     job.data = wr.local_addr;
-    ReaderMutexLock regions(&regions_mu_);
-    auto it = regions_.find(wr.local_region);
-    job.device = it == regions_.end() ? -1 : it->second->device;
+    job.device = regions_.DeviceOf(wr.local_region);
   }
   if (link.jobs.empty()) link.jobs_from = 0;
   link.jobs.push_back(std::move(job));

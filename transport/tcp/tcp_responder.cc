@@ -7,17 +7,6 @@ namespace kvferry {
 namespace transport {
 namespace tcp_internal {
 
-absl::Status TcpTransport::CheckRemote(const DataHeader& h, bool write, char** target,
-                                       int* device) {
-  auto it = by_key_.find(h.rkey);
-  if (it == by_key_.end()) return UnknownKeyError(h.rkey);
-  RETURN_IF_ERROR(CheckRemoteAccess(it->second->region, write ? Opcode::kWrite : Opcode::kRead,
-                                    h.remote_addr, h.length));
-  *target = reinterpret_cast<char*>(h.remote_addr);
-  if (device != nullptr) *device = it->second->device;
-  return absl::OkStatus();
-}
-
 absl::Status TcpTransport::ServeByReference(Link& link, const DataHeader& h,
                                             const tcp_wire::WireRef& ref, char* target, int device,
                                             Job* answer, bool* unserved) {
@@ -64,7 +53,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     int device = -1;
     // No lock is held while the bytes cross the network: the region stays
     // registered through `use` (UnregisterMemory waits for it).
-    absl::StatusOr<RegionUse> use = UseRemote(h, write, link.fd.get(), &target, &device);
+    absl::StatusOr<RegionUse> use = regions_.UseRemote(h, write, link.fd.get(), &target, &device);
     refused = use.status();
     if (h.length == 0) {
       // Nothing to move.

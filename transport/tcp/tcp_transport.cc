@@ -400,10 +400,9 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
 
 size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
   MutexLock lock(&mu_);
-  ReaderMutexLock regions(&regions_mu_);
+  ReaderMutexLock regions(&regions_.mu());
   return cq_.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    auto region = regions_.find(id);
-    if (region != regions_.end()) region->second->local_uses.fetch_sub(1);
+    if (RegionEntry* region = regions_.Find(id)) region->local_uses.fetch_sub(1);
   });
 }
 

@@ -44,6 +44,7 @@
 #include "transport/link_params.h"
 #include "transport/stream_links.h"
 #include "transport/tcp/hello_acceptor.h"
+#include "transport/tcp/region_table.h"
 #include "transport/tcp/stream_reader.h"
 #include "transport/tcp/tcp_io.h"
 #include "transport/tcp/tcp_transport.h"
@@ -147,40 +148,8 @@ class TcpTransport final : public Transport, public StreamLinks {
   }
 
  private:
-  struct RegionEntry : std::enable_shared_from_this<RegionEntry> {
-    Region region;
-    std::atomic<uint64_t> local_uses{0};
-    // Connections moving a peer's request's bytes into or out of the region
-    // now (no regions lock is held across that network I/O), and whether
-    // it was unregistered: UnregisterMemory waits for them (RevokeAndDrain).
-    Mutex use_mu;
-    CondVar use_cv;
-    bool revoked ABSL_GUARDED_BY(use_mu) = false;
-    std::vector<int> using_fds ABSL_GUARDED_BY(use_mu);
-    int device = -1;  // the CUDA device it lies on; -1: host memory
-    // What lets peers on this host copy it themselves; null: nothing.
-    std::unique_ptr<HostShare::Export> share;
-  };
-  // One connection's use of a region for a peer's request (see RegionEntry);
-  // ends when destroyed.
-  class RegionUse {
-   public:
-    RegionUse() = default;
-    RegionUse(std::shared_ptr<RegionEntry> entry, int fd) : entry_(std::move(entry)), fd_(fd) {}
-    RegionUse(RegionUse&& o) noexcept : entry_(std::move(o.entry_)), fd_(o.fd_) {}
-    RegionUse& operator=(RegionUse&&) = delete;
-    ~RegionUse() {
-      if (entry_ == nullptr) return;
-      MutexLock lock(&entry_->use_mu);
-      auto& fds = entry_->using_fds;
-      fds.erase(std::find(fds.begin(), fds.end(), fd_));
-      if (fds.empty()) entry_->use_cv.SignalAll();
-    }
-
-   private:
-    std::shared_ptr<RegionEntry> entry_;
-    int fd_ = -1;
-  };
+  using RegionEntry = RegionTable::Entry;
+  using RegionUse = RegionTable::Use;
   // Something for a link's writer to send.
   struct Job {
     DataHeader header;
@@ -333,7 +302,7 @@ class TcpTransport final : public Transport, public StreamLinks {
   // One of them: checked against `peer`'s regions (whose lock the caller
   // holds for reading) and copied.
   static absl::Status CopyDirect(TcpTransport& peer, const Direct& d)
-      ABSL_SHARED_LOCKS_REQUIRED(peer.regions_mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(peer.regions_.mu());
   // Waits until no shortcut copy or send uses the link's requests.
   void WaitLinkIdle(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ++link.idle_waiters;
@@ -401,16 +370,6 @@ class TcpTransport final : public Transport, public StreamLinks {
   // its bytes, and no more references on this link.
   absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckRemote(const DataHeader& h, bool write, char** target, int* device = nullptr)
-      ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
-  // CheckRemote, and marks connection `fd` as using the region until the
-  // returned RegionUse ends; refused once the region is unregistered.
-  absl::StatusOr<RegionUse> UseRemote(const DataHeader& h, bool write, int fd, char** target,
-                                      int* device);
-  // After a region left the tables: waits for the peers' requests moving
-  // its bytes; past a grace period it shuts their connections down (a
-  // stalled peer fails its own link, never blocks the caller for long).
-  static void RevokeAndDrain(RegionEntry& entry);
   // Requester side: an answer to one of our requests.
   absl::Status OnAnswer(Link& link, const DataHeader& h);
   absl::Status OnWriteAcks(Link& link, const DataHeader& h);  // a run of landed WRITEs
@@ -428,7 +387,7 @@ class TcpTransport final : public Transport, public StreamLinks {
   void CompleteLocked(const WorkRequest& wr, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateLocked(const WorkRequest& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
-      ABSL_SHARED_LOCKS_REQUIRED(regions_mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(regions_.mu());
 
   const TcpTransportOptions options_;
   net::ListeningSocket listener_;
@@ -442,10 +401,7 @@ class TcpTransport final : public Transport, public StreamLinks {
   std::atomic<bool> stopping_{false};
   uint64_t key_ = 0;  // in-process key, 0 without the shortcut
 
-  SharedMutex regions_mu_;
-  RegionId last_region_ ABSL_GUARDED_BY(regions_mu_) = 0;
-  absl::flat_hash_map<RegionId, std::shared_ptr<RegionEntry>> regions_ ABSL_GUARDED_BY(regions_mu_);
-  absl::flat_hash_map<RemoteKey, RegionEntry*> by_key_ ABSL_GUARDED_BY(regions_mu_);
+  RegionTable regions_;  // its own lock, taken after mu_ where both are held
 
   Mutex mu_;
   CondVar cq_cv_;
