@@ -6,25 +6,19 @@
 // references and copy GPU to GPU instead of taking the in-process shortcut
 // or falling back to bytes. Buffers on both ends on devices, and on one
 // end only (host memory goes as bytes over the same links).
-#include <cstdlib>
 #include <memory>
-#include <string>
 
-#include "base/clock.h"
-#include "cuda/testing/fake_driver.h"
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
 #include "transport/testing/conformance.h"
+#include "transport/testing/fake_device_harness.h"
 
 namespace kvferry {
 namespace transport {
 namespace {
 
-class CudaIpcHarness : public testing::TransportHarness {
+class CudaIpcHarness : public testing::FakeDeviceHarness {
  public:
-  explicit CudaIpcHarness(bool both) : both_(both) {
-    ::setenv("KVFERRY_FAKE_CUDA_IPC_IN_PROCESS", "1", 1);
-    driver_ = cuda::UseFakeDriver();
-  }
+  explicit CudaIpcHarness(bool both) : FakeDeviceHarness(both, /*ipc_in_process=*/true) {}
   absl::StatusOr<std::unique_ptr<Transport>> NewTransport() override {
     CudaIpcTransportOptions o;
     o.stream.bind_host = "127.0.0.1";
@@ -32,18 +26,6 @@ class CudaIpcHarness : public testing::TransportHarness {
     o.stream.max_outstanding_per_link = 1024;
     return CreateCudaIpcTransport(o);
   }
-  Clock* clock() override { return RealClock(); }
-  absl::Duration PeerLossBound() override { return absl::Seconds(5); }
-  std::string SkipReason() override {
-    return driver_ == nullptr ? "the fake CUDA driver did not load" : "";
-  }
-  // The first transport's buffers on device 0 (both) or the host (one
-  // end); the second's on device 1.
-  int BufferDevice(int n) override { return n == 0 ? (both_ ? 0 : -1) : 1; }
-
- private:
-  const bool both_;
-  const cuda::Driver* driver_ = nullptr;
 };
 
 using testing::TransportConformanceTest;
