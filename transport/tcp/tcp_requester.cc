@@ -61,7 +61,14 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     local.local_uses.fetch_add(1);
     const uint64_t rid = link.outstanding.Add(wr);
     if (link.peer_key != 0) {
-      direct.push_back(Direct{links_.at(wr.link), rid, wr, local.device});
+      Direct& d = direct.emplace_back();
+      d.link = links_.at(wr.link);
+      d.rid = rid;
+      d.copy.link = d.link.get();
+      d.copy.gate = d.link->peer_gate.get();
+      d.copy.peer_key = d.link->peer_key;
+      d.copy.wr = wr;
+      d.copy.local_device = local.device;
       continue;
     }
     Job job;
@@ -148,112 +155,39 @@ void TcpTransport::SendInline(Link& link) {
   link.cv.SignalAll();  // the writer (rest, jobs queued meanwhile) and idle waiters
 }
 
-absl::Status TcpTransport::CopyDirect(TcpTransport& peer, const Direct& d) {
-  DataHeader h;
-  h.remote_addr = d.wr.remote_addr;
-  h.rkey = d.wr.remote_key;
-  h.length = d.wr.length;
-  char* remote = nullptr;
-  const bool write = d.wr.opcode == Opcode::kWrite;
-  int remote_device = -1;
-  RETURN_IF_ERROR(peer.regions_.CheckRemote(h, write, &remote, &remote_device));
-  void* dst = write ? static_cast<void*>(remote) : d.wr.local_addr;
-  const void* src = write ? static_cast<const void*>(d.wr.local_addr) : remote;
-  if (d.local_device < 0 && remote_device < 0) {
-    std::memcpy(dst, src, d.wr.length);
-    return absl::OkStatus();
-  }
-  // Device memory on either end: the driver's copy (device to device stays
-  // on the GPUs).
-  return cuda::Driver::Get()->Copy(dst, src, d.wr.length,
-                                   d.local_device >= 0 ? d.local_device : remote_device);
-}
-
 void TcpTransport::RunDirect(std::vector<Direct>& direct) {
   {
     MutexLock lock(&mu_);
     for (Direct& d : direct) {
       // Failed or closed since Post: already completed.
       Link& link = *d.link;
-      d.run = link.state != Link::State::kError && link.outstanding.Find(d.rid) != nullptr;
-      if (d.run) ++link.direct_busy;
+      d.copy.run = link.state != Link::State::kError && link.outstanding.Find(d.rid) != nullptr;
+      if (d.copy.run) ++link.direct_busy;
     }
   }
-  CopyAll(direct);
+  Scratch<Shortcuts::Copy*> copies;
+  for (Direct& d : direct) copies->push_back(&d.copy);
+  Shortcuts::Get().CopyAll(*copies);
   MutexLock lock(&mu_);
   bool completed = false;
   for (Direct& d : direct) {
-    if (!d.run) continue;
+    if (!d.copy.run) continue;
     Link& link = *d.link;
     --link.direct_busy;
     if (link.idle_waiters > 0) link.cv.SignalAll();
   }
   for (Direct& d : direct) {
-    if (!d.run) continue;
+    if (!d.copy.run) continue;
     Link& link = *d.link;
-    if (!d.status.ok()) {
+    if (!d.copy.status.ok()) {
       // Like a refused request on the wire: the link enters the error state.
-      FailLink(link, std::move(d.status), d.rid);
+      FailLink(link, std::move(d.copy.status), d.rid);
     } else if (link.outstanding.Erase(d.rid)) {
-      CompleteLocked(d.wr, absl::OkStatus());
+      CompleteLocked(d.copy.wr, absl::OkStatus());
       completed = true;
     }
   }
   if (completed) WakeWaiters();
-}
-
-void TcpTransport::CopyAll(std::vector<Direct>& direct) {
-  Registry& r = registry();
-  ReaderMutexLock registered(&r.mu);
-  TcpTransport* peer = nullptr;
-  uint64_t peer_key = 0;
-  // The peer end's gate, entered once for a run of requests on one link.
-  DirectGate* entered = nullptr;
-  const Link* gated = nullptr;
-  for (Direct& d : direct) {
-    if (!d.run || d.wr.length == 0) continue;
-    if (d.link.get() != gated) {
-      if (entered != nullptr) entered->Exit();
-      gated = d.link.get();
-      DirectGate* gate = d.link->peer_gate.get();
-      entered = gate != nullptr && gate->Enter() ? gate : nullptr;
-    }
-    if (entered == nullptr) {
-      // The peer closed its end (a fence, say): nothing more lands there.
-      d.status = absl::UnavailableError("the peer closed the link");
-      continue;
-    }
-    if (d.link->peer_key != peer_key || peer == nullptr) {
-      if (peer != nullptr) peer->regions_.mu().ReaderUnlock();
-      auto it = r.by_key.find(d.link->peer_key);
-      peer = it == r.by_key.end() ? nullptr : it->second.transport;
-      peer_key = d.link->peer_key;
-      if (peer != nullptr) peer->regions_.mu().ReaderLock();
-    }
-    if (peer == nullptr) {
-      d.status = absl::UnavailableError("the peer transport in this process is gone");
-      continue;
-    }
-    d.status = CopyDirect(*peer, d);  // its regions' lock is held
-  }
-  if (entered != nullptr) entered->Exit();
-  if (peer != nullptr) peer->regions_.mu().ReaderUnlock();
-}
-
-std::shared_ptr<TcpTransport::DirectGate> TcpTransport::PeerGate(uint64_t peer_key, uint64_t token,
-                                                                 bool passive) {
-  if (peer_key == 0) return nullptr;
-  Registry& r = registry();
-  ReaderMutexLock registered(&r.mu);
-  auto it = r.by_key.find(peer_key);
-  // (A child made by fork() inherits entries that are not its own.)
-  if (it == r.by_key.end() || it->second.pid != ::getpid()) return nullptr;
-  TcpTransport& peer = *it->second.transport;
-  MutexLock lock(&peer.mu_);
-  for (const auto& [id, link] : peer.links_) {
-    if (link->token == token && link->passive == passive && !link->stopping) return link->gate;
-  }
-  return nullptr;
 }
 
 void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {

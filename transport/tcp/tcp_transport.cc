@@ -40,12 +40,16 @@ absl::Status TcpTransport::Start() {
   }
   advertised_ = net::HostPort{host, listener_.address.port()}.ToString();
   if (options_.in_process_shortcut) {
-    Registry& r = registry();
-    WriterMutexLock lock(&r.mu);
-    do {
-      key_ = net::RandomU64();
-    } while (key_ == 0 || r.by_key.contains(key_));
-    r.by_key[key_] = Registry::Entry{this, ::getpid()};
+    Shortcuts::Member m;
+    m.regions = &regions_;
+    m.gate = [this](uint64_t token, bool passive) -> std::shared_ptr<DirectGate> {
+      MutexLock lock(&mu_);
+      for (const auto& [id, link] : links_) {
+        if (link->token == token && link->passive == passive && !link->stopping) return link->gate;
+      }
+      return nullptr;
+    };
+    key_ = Shortcuts::Get().Join(std::move(m));
   }
   HelloAcceptorOptions hello;
   hello.secret = options_.secret;
@@ -58,12 +62,8 @@ absl::Status TcpTransport::Start() {
 }
 
 TcpTransport::~TcpTransport() {
-  if (key_ != 0) {
-    // Waits for peers' shortcut copies into this transport's regions.
-    Registry& r = registry();
-    WriterMutexLock lock(&r.mu);
-    r.by_key.erase(key_);
-  }
+  // Waits for peers' shortcut copies into this transport's regions.
+  if (key_ != 0) Shortcuts::Get().Leave(key_);
   stopping_ = true;
   acceptor_.reset();
   std::vector<std::shared_ptr<Link>> links;
@@ -192,7 +192,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
   auto link = std::make_shared<Link>();
   if (key_ != 0) {
     link->gate = std::make_shared<DirectGate>();
-    link->peer_gate = PeerGate(params->key, token, /*passive=*/false);
+    link->peer_gate = Shortcuts::Get().GateOf(params->key, token, /*passive=*/false);
     if (link->peer_gate != nullptr) link->peer_key = params->key;
   }
   {
@@ -252,7 +252,7 @@ absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::Statu
 
 absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
   // The link's state is checked before and again after the parameters are
-  // read and the peer's gate looked up (PeerGate takes a peer's mu_, maybe
+  // read and the peer's gate looked up (GateOf takes a peer's mu_, maybe
   // this one's, so not under mu_).
   auto usable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<std::shared_ptr<Link>> {
     auto it = links_.find(id);
@@ -274,7 +274,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
   if (!params.ok()) return Annotate(params.status(), "CompleteLink");
   RETURN_IF_ERROR(Annotate(CheckPeerHost(*params), "CompleteLink"));
   std::shared_ptr<DirectGate> peer_gate =
-      key_ != 0 ? PeerGate(params->key, params->token, /*passive=*/true) : nullptr;
+      key_ != 0 ? Shortcuts::Get().GateOf(params->key, params->token, /*passive=*/true) : nullptr;
   std::shared_ptr<Link> link;
   {
     MutexLock lock(&mu_);

@@ -45,6 +45,7 @@
 #include "transport/stream_links.h"
 #include "transport/tcp/hello_acceptor.h"
 #include "transport/tcp/region_table.h"
+#include "transport/tcp/shortcut.h"
 #include "transport/tcp/stream_reader.h"
 #include "transport/tcp/tcp_io.h"
 #include "transport/tcp/tcp_transport.h"
@@ -161,41 +162,6 @@ class TcpTransport final : public Transport, public StreamLinks {
     bool by_ref = false;         // header.flags has kViaRef: `ref` follows the header
     tcp_wire::WireRef ref;
   };
-  // What lets the other end of a link, when it lives in this process, copy
-  // straight into this end's regions (the shortcut): open while this end's
-  // link is, and closing it waits for the copies under way, so that once
-  // CloseLink returns nothing sent on the link lands (a fenced peer's
-  // shortcut copies included).
-  class DirectGate {
-   public:
-    // False once closed; else the caller copies, then calls Exit.
-    bool Enter() {
-      MutexLock lock(&mu_);
-      if (!open_) return false;
-      ++users_;
-      entries_.fetch_add(1, std::memory_order_relaxed);
-      return true;
-    }
-    // Runs of copies the peer made through it: its input (InputCount).
-    uint64_t entries() const { return entries_.load(std::memory_order_relaxed); }
-    void Exit() {
-      MutexLock lock(&mu_);
-      if (--users_ == 0) cv_.SignalAll();
-    }
-    // No copy starts after this; with `wait`, none is running when it returns.
-    void Close(bool wait) {
-      MutexLock lock(&mu_);
-      open_ = false;
-      while (wait && users_ > 0) cv_.Wait(&mu_);
-    }
-
-   private:
-    Mutex mu_;
-    bool open_ ABSL_GUARDED_BY(mu_) = true;
-    uint32_t users_ ABSL_GUARDED_BY(mu_) = 0;
-    std::atomic<uint64_t> entries_{0};
-    CondVar cv_;
-  };
   struct Link {
     using State = LinkState;  // transport/checks.h
     LinkId id = 0;
@@ -254,34 +220,11 @@ class TcpTransport final : public Transport, public StreamLinks {
   // AdoptConnection).
   absl::Status Install(LinkId id, net::Fd fd);
 
-  // The process's TCP transports by in-process key. Held shared while a
-  // shortcut copy runs, so a transport is not destroyed under it.
-  struct Registry {
-    SharedMutex mu;
-    struct Entry {
-      TcpTransport* transport;
-      pid_t pid;  // a child made by fork() inherits entries that are not its own
-    };
-    absl::flat_hash_map<uint64_t, Entry> by_key ABSL_GUARDED_BY(mu);
-  };
-  static Registry& registry() {
-    static Registry* r = new Registry;
-    return *r;
-  }
-  // The gate of the link with `token` made by AcceptLink (`passive`) or
-  // OfferLink on the transport of this process with in-process key
-  // `peer_key`; null if there is none (no shortcut: the link's requests go
-  // over its socket). Takes the registry's lock, then that transport's mu_:
-  // never call it holding mu_.
-  static std::shared_ptr<DirectGate> PeerGate(uint64_t peer_key, uint64_t token, bool passive);
-  // A request on a link whose peer is in this process.
+  // A request on a link whose peer is in this process (shortcut.h).
   struct Direct {
     std::shared_ptr<Link> link;
     uint64_t rid = 0;
-    WorkRequest wr;
-    int local_device = -1;  // the local buffer's CUDA device, -1: host
-    bool run = false;       // still outstanding when the copies began
-    absl::Status status;
+    Shortcuts::Copy copy;
   };
   absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct,
                           std::vector<std::shared_ptr<Link>>& inline_links);
@@ -291,18 +234,9 @@ class TcpTransport final : public Transport, public StreamLinks {
   // Sends a claimed link's inline_jobs without blocking; a rest goes to
   // the writer. Clears writer_busy.
   void SendInline(Link& link);
-  // Copies the bytes of each request (CopyAll) and completes it, taking
-  // each lock once for the lot.
+  // Copies the bytes of each request (Shortcuts::CopyAll) and completes
+  // it, taking each lock once for the lot.
   void RunDirect(std::vector<Direct>& direct);
-  // The copies of RunDirect, through each peer end's gate. It holds the
-  // regions lock of whichever peer the current request goes to, switching
-  // as the peer changes: beyond what the thread-safety analysis can
-  // follow, so it is not analysed.
-  void CopyAll(std::vector<Direct>& direct) ABSL_NO_THREAD_SAFETY_ANALYSIS;
-  // One of them: checked against `peer`'s regions (whose lock the caller
-  // holds for reading) and copied.
-  static absl::Status CopyDirect(TcpTransport& peer, const Direct& d)
-      ABSL_SHARED_LOCKS_REQUIRED(peer.regions_.mu());
   // Waits until no shortcut copy or send uses the link's requests.
   void WaitLinkIdle(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ++link.idle_waiters;
