@@ -135,7 +135,7 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
       error = absl::DataLossError(absl::StrCat("unknown message type ", h.type));
     }
   }
-  link->imports.reset();
+  link->share.imports.reset();
   MutexLock lock(&mu_);
   link->reader_done = true;
   // Closed here (CloseLink, destruction) or already failed: nothing to do.

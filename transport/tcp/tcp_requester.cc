@@ -29,19 +29,6 @@ absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
   return absl::OkStatus();
 }
 
-bool TcpTransport::ByReference(const Link& link, const RegionEntry& local, const WorkRequest& wr,
-                               Job* job) const {
-  if (!link.same_host || !link.share_ok || wr.length == 0 || local.share == nullptr) return false;
-  ShareRef ref;
-  const uint64_t offset = reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr;
-  if (!options_.host_share->Name(*local.share, offset, link.peer_word, &ref)) return false;
-  std::memcpy(job->ref.bytes, ref.bytes, sizeof ref.bytes);
-  job->ref.offset = ref.offset;
-  job->header.flags |= ref.second_kind ? kViaRef | kRefSecondKind : kViaRef;
-  job->by_ref = true;
-  return true;
-}
-
 absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
                                       std::vector<Direct>& direct,
                                       std::vector<std::shared_ptr<Link>>& inline_links) {
@@ -77,7 +64,12 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     job.header.remote_addr = wr.remote_addr;
     job.header.rkey = wr.remote_key;
     job.header.length = wr.length;
-    if (!ByReference(link, local, wr, &job) && wr.opcode == Opcode::kWrite) {
+    const uint16_t by_ref = refs_.Name(
+        link.share, local.share.get(),
+        reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr, wr.length, &job.ref);
+    job.header.flags |= by_ref;
+    job.by_ref = by_ref != 0;
+    if (!job.by_ref && wr.opcode == Opcode::kWrite) {
       job.data = wr.local_addr;
       job.device = local.device;
     }
@@ -291,11 +283,11 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
 
 absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint64_t id,
                                         const std::string& why) {
-  if (link.share_ok) {
+  if (link.share.ok) {
     KVF_LOG(WARNING) << "tcp: link " << link.id << ": the peer cannot open this process's "
                      << "shared memory (" << why << "); its bytes go over the socket";
   }
-  link.share_ok = false;
+  link.share.ok = false;
   if (link.stopping) return absl::OkStatus();
   Job job;
   job.header.type = wr.opcode == Opcode::kWrite ? kWriteReq : kReadReq;

@@ -10,19 +10,8 @@ namespace tcp_internal {
 absl::Status TcpTransport::ServeByReference(Link& link, const DataHeader& h,
                                             const tcp_wire::WireRef& ref, char* target, int device,
                                             Job* answer, bool* unserved) {
-  // Only a peer on this host, over a link whose ends both have a host
-  // share, sends references; anything else is served the ordinary way (the
-  // requester sends it again with its bytes), never opened here.
-  absl::Status copied = absl::UnavailableError(
-      "this end takes no references on this link (not the same host, or no host share)");
-  if (link.imports != nullptr) {
-    ShareRef named;
-    std::memcpy(named.bytes, ref.bytes, sizeof named.bytes);
-    named.offset = ref.offset;
-    named.second_kind = (h.flags & kRefSecondKind) != 0;
-    copied = options_.host_share->Copy(*link.imports, named, h.type == kWriteReq, target, device,
-                                       h.length);
-  }
+  const absl::Status copied =
+      refs_.Copy(link.share, h.flags, ref, h.type == kWriteReq, target, device, h.length);
   if (copied.ok() || copied.code() == absl::StatusCode::kInvalidArgument) {
     return copied;  // a bad reference is refused like a range out of bounds
   }

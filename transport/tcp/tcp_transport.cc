@@ -13,20 +13,6 @@ uint32_t UsableCpus() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-uint64_t HostId() {
-  static const uint64_t id = [] {
-    FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f == nullptr) return uint64_t{0};
-    char buf[64] = {};
-    const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-    std::fclose(f);
-    uint64_t h = 1469598103934665603ull;  // FNV-1a
-    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(buf[i])) * 1099511628211ull;
-    return n > 0 ? h : 0;
-  }();
-  return id;
-}
-
 absl::Status TcpTransport::Start() {
   ASSIGN_OR_RETURN(listener_, net::Listen(options_.bind_host, options_.port, options_.port_range));
   std::string host = options_.advertise_host;
@@ -120,7 +106,7 @@ absl::StatusOr<LinkOffer> TcpTransport::OfferLink(NicIndex local_nic) {
   link->id = ++last_link_;
   links_[link->id] = link;
   return LinkOffer{link->id,
-                   EncodeLinkParams(link->token, key_, ShareHost(), ShareWord(), options_.kind)};
+                   EncodeLinkParams(link->token, key_, refs_.host(), refs_.word(), options_.kind)};
 }
 
 absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
@@ -186,7 +172,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
   }
   absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params, options_.kind);
   if (!params.ok()) return Annotate(params.status(), "AcceptLink");
-  RETURN_IF_ERROR(Annotate(CheckPeerHost(*params), "AcceptLink"));
+  RETURN_IF_ERROR(Annotate(refs_.CheckPeer(params->host), "AcceptLink"));
   const uint64_t token = params->token;
   ReapDeadPassiveLinks();
   auto link = std::make_shared<Link>();
@@ -202,7 +188,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
     link->id = ++last_link_;
     link->state = Link::State::kReady;
     link->passive = true;
-    LearnPeer(*link, *params);
+    link->share = refs_.Learn(params->host, params->share);
     links_[link->id] = link;
   }
   // Never waits: the requester sent its hello before asking, so the
@@ -222,7 +208,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
     return Annotate(attached, "AcceptLink");
   }
   return LinkOffer{link->id,
-                   EncodeLinkParams(token, key_, ShareHost(), ShareWord(), options_.kind)};
+                   EncodeLinkParams(token, key_, refs_.host(), refs_.word(), options_.kind)};
 }
 
 absl::Status TcpTransport::Attach(const std::shared_ptr<Link>& link, absl::StatusOr<net::Fd> fd) {
@@ -272,7 +258,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
   }
   absl::StatusOr<PeerParams> params = DecodeLinkParams(peer_params, options_.kind);
   if (!params.ok()) return Annotate(params.status(), "CompleteLink");
-  RETURN_IF_ERROR(Annotate(CheckPeerHost(*params), "CompleteLink"));
+  RETURN_IF_ERROR(Annotate(refs_.CheckPeer(params->host), "CompleteLink"));
   std::shared_ptr<DirectGate> peer_gate =
       key_ != 0 ? Shortcuts::Get().GateOf(params->key, params->token, /*passive=*/true) : nullptr;
   std::shared_ptr<Link> link;
@@ -287,7 +273,7 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
       link->peer_key = params->key;
       link->peer_gate = std::move(peer_gate);
     }
-    LearnPeer(*link, *params);
+    link->share = refs_.Learn(params->host, params->share);
   }
   if (absl::Status started = StartLinkThreads(link); !started.ok()) {
     MutexLock lock(&mu_);
@@ -295,19 +281,6 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     return started;
   }
   return absl::OkStatus();
-}
-
-absl::Status TcpTransport::CheckPeerHost(const PeerParams& params) const {
-  if (!options_.same_host_only || params.host == HostId()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat(options_.kind, " links join two engines on one host; the peer is on another"));
-}
-
-void TcpTransport::LearnPeer(Link& link, const PeerParams& params) const {
-  link.same_host = ShareHost() != 0 && params.host == ShareHost();
-  if (!link.same_host) return;
-  link.peer_word = params.share;
-  link.imports = options_.host_share->NewImports(params.share);
 }
 
 absl::Status TcpTransport::StartLinkThreads(const std::shared_ptr<Link>& link) {

@@ -44,6 +44,7 @@
 #include "transport/link_params.h"
 #include "transport/stream_links.h"
 #include "transport/tcp/hello_acceptor.h"
+#include "transport/tcp/ref_carrier.h"
 #include "transport/tcp/region_table.h"
 #include "transport/tcp/shortcut.h"
 #include "transport/tcp/stream_reader.h"
@@ -83,16 +84,14 @@ constexpr uint32_t kAnswerQueueFactor = 2;
 
 // The CPUs this process may run on (its affinity mask: taskset, cpusets).
 uint32_t UsableCpus();
-// This host's identity (its kernel's boot id, which the containers on a
-// host share): links between two transports on one host may share memory
-// (TcpTransportOptions::host_share).
-uint64_t HostId();
 
 constexpr uint64_t kPreferredRequestBytes = 1 << 20;
 
 class TcpTransport final : public Transport, public StreamLinks {
  public:
-  explicit TcpTransport(TcpTransportOptions options) : options_(std::move(options)) {}
+  explicit TcpTransport(TcpTransportOptions options)
+      : options_(std::move(options)),
+        refs_(options_.host_share, options_.same_host_only, options_.kind) {}
   ~TcpTransport() override;
 
   absl::Status Start();
@@ -206,14 +205,9 @@ class TcpTransport final : public Transport, public StreamLinks {
     Staging recv_stage;
     // What the reader thread receives comes through here (made with fd).
     std::unique_ptr<StreamReader> in;
-    // Both ends on this host, each with a host share: requests may carry
-    // references (until the peer says it cannot open one).
-    bool same_host = false;
-    bool share_ok = true;
-    uint64_t peer_word = 0;  // the peer's HostShare::LinkWord (same host only)
-    // The references this end opened for the peer's requests (reader thread
-    // only; same host only), closed when the reader ends.
-    std::unique_ptr<HostShare::Imports> imports;
+    // Same-host sharing (ref_carrier.h); its imports are closed when the
+    // reader ends.
+    LinkShare share;
   };
 
   // An offered link's connection, once connected (ConnectOffered,
@@ -280,26 +274,12 @@ class TcpTransport final : public Transport, public StreamLinks {
   absl::Status SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after, size_t skip = 0);
   // Responder side: executes a peer's request; returns the answer to send.
   Job Execute(Link& link, const DataHeader& h, absl::Status* stream_error);
-  // The host identity links advertise for sharing; 0: no host share.
-  uint64_t ShareHost() const { return options_.host_share != nullptr ? HostId() : 0; }
-  uint64_t ShareWord() const {
-    return options_.host_share != nullptr ? options_.host_share->LinkWord() : 0;
-  }
-  // kFailedPrecondition when links must stay on this host
-  // (TcpTransportOptions::same_host_only) and the peer's are elsewhere.
-  absl::Status CheckPeerHost(const PeerParams& params) const;
-  // Sets a link's same-host facts from the peer's link parameters.
-  void LearnPeer(Link& link, const PeerParams& params) const;
   // A request whose bytes are in the requester's memory (kViaRef), copied
   // by the host share into or out of `target` (on `device`): OK when
   // copied, the error that refuses it, or OK with *unserved when this end
   // cannot open the reference (`answer` then asks for the bytes).
   absl::Status ServeByReference(Link& link, const DataHeader& h, const tcp_wire::WireRef& ref,
                                 char* target, int device, Job* answer, bool* unserved);
-  // Fills in the reference (and flags) of `job` when the peer can copy
-  // `wr`'s bytes itself through the host share.
-  bool ByReference(const Link& link, const RegionEntry& local, const WorkRequest& wr,
-                   Job* job) const;
   // The peer could not serve request `id` by reference: send it again with
   // its bytes, and no more references on this link.
   absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)
@@ -324,6 +304,7 @@ class TcpTransport final : public Transport, public StreamLinks {
       ABSL_SHARED_LOCKS_REQUIRED(regions_.mu());
 
   const TcpTransportOptions options_;
+  const RefCarrier refs_;  // references of options_.host_share
   net::ListeningSocket listener_;
   std::string advertised_;
   std::unique_ptr<HelloAcceptor> acceptor_;
