@@ -27,114 +27,17 @@ namespace kvferry {
 namespace transport {
 namespace verbs_internal {
 
-int MtuBytes(ibv_mtu mtu) {
-  switch (mtu) {
-    case IBV_MTU_256:
-      return 256;
-    case IBV_MTU_512:
-      return 512;
-    case IBV_MTU_1024:
-      return 1024;
-    case IBV_MTU_2048:
-      return 2048;
-    case IBV_MTU_4096:
-      return 4096;
-  }
-  return 0;
-}
-
-std::string GidText(const ibv_gid& g) {
-  std::string out;
-  for (int i = 0; i < 16; i += 2) {
-    absl::StrAppendFormat(&out, "%s%02x%02x", i ? ":" : "", g.raw[i], g.raw[i + 1]);
-  }
-  return out;
-}
-
-absl::StatusCode CodeOf(ibv_wc_status s) {
-  switch (s) {
-    case IBV_WC_SUCCESS:
-      return absl::StatusCode::kOk;
-    case IBV_WC_REM_ACCESS_ERR:
-      return absl::StatusCode::kPermissionDenied;
-    case IBV_WC_WR_FLUSH_ERR:
-      return absl::StatusCode::kAborted;
-    default:
-      return absl::StatusCode::kUnavailable;
-  }
-}
-
-// As transport/link_params.h encodes them.
-enum : uint8_t { kQpnField = 1, kPsnField = 2, kLidField = 3, kGidField = 4, kMtuField = 5 };
-
-std::string EncodeParams(const Params& p) {
-  return LinkParams(kind::kVerbs)
-      .Put(kQpnField, p.qpn)
-      .Put(kPsnField, p.psn)
-      .Put(kLidField, p.lid)
-      .PutBytes(kGidField, absl::string_view(reinterpret_cast<const char*>(p.gid), 16))
-      .Put(kMtuField, p.mtu)
-      .Encode();
-}
-
-absl::StatusOr<Params> DecodeParams(absl::string_view bytes) {
-  ASSIGN_OR_RETURN(LinkParams in, LinkParams::Decode(bytes, kind::kVerbs));
-  Params p;
-  ASSIGN_OR_RETURN(uint64_t qpn, in.Get(kQpnField, "QP number"));
-  ASSIGN_OR_RETURN(uint64_t psn, in.Get(kPsnField, "PSN"));
-  ASSIGN_OR_RETURN(uint64_t lid, in.Get(kLidField, "LID"));
-  ASSIGN_OR_RETURN(std::string gid, in.GetBytes(kGidField, 16, "GID"));
-  ASSIGN_OR_RETURN(uint64_t mtu, in.Get(kMtuField, "MTU"));
-  if (qpn == 0 || qpn > 0xffffff || psn > 0xffffff || lid > 0xffff || mtu < IBV_MTU_256 ||
-      mtu > IBV_MTU_4096) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "link parameters out of range: QP %#x, PSN %#x, LID %u, MTU enum %u", qpn, psn, lid, mtu));
-  }
-  p.qpn = static_cast<uint32_t>(qpn);
-  p.psn = static_cast<uint32_t>(psn);
-  p.lid = static_cast<uint16_t>(lid);
-  std::memcpy(p.gid, gid.data(), 16);
-  p.mtu = static_cast<uint32_t>(mtu);
-  return p;
-}
-
-absl::Status VerbsTransport::OpenNic(Nic& nic) {
-  ASSIGN_OR_RETURN(nic.context, ibv::OpenDevice(nic.port.device));
-  const std::string where = absl::StrCat(nic.port.device, ":", nic.port.port);
-  ibv_context* c = nic.context.get();
-  RETURN_IF_ERROR(ibv::QueryPort(c, nic.port.port, &nic.attr, where));
-  if (nic.attr.state != IBV_PORT_ACTIVE) {
-    return absl::UnavailableError(
-        absl::StrCat(where, " is not ACTIVE (state ", ibv::PortStateStr(nic.attr.state), ")"));
-  }
-  RETURN_IF_ERROR(ibv::QueryGid(c, nic.port.port, nic.port.gid_index, &nic.gid, where));
-  ibv_device_attr dev{};
-  RETURN_IF_ERROR(ibv::QueryDevice(c, &dev, nic.port.device));
-  nic.max_rd_atomic = std::max(1, std::min(16, dev.max_qp_rd_atom));
-  nic.max_cqe = dev.max_cqe;
-  nic.max_mr_size = dev.max_mr_size;
-  if (dev.max_mr_size > 0)
-    max_region_bytes_ = std::min<uint64_t>(max_region_bytes_, dev.max_mr_size);
-  max_request_bytes_ = max_request_bytes_ == 0
-                           ? std::min<uint64_t>(options_.max_request_bytes, nic.attr.max_msg_sz)
-                           : std::min<uint64_t>(max_request_bytes_, nic.attr.max_msg_sz);
-  ASSIGN_OR_RETURN(nic.pd, ibv::AllocPd(c, where));
-  ASSIGN_OR_RETURN(nic.channel, ibv::CreateCompChannel(c, where));
-  ASSIGN_OR_RETURN(
-      nic.cq, ibv::CreateCq(c, std::min(8192, std::max(dev.max_cqe, 1)), nic.channel.get(), where));
-  nic.cq_capacity = static_cast<uint32_t>(nic.cq->cqe);
-  RETURN_IF_ERROR(ibv::ReqNotifyCq(nic.cq.get(), where));
-  KVF_LOG(INFO) << "verbs: " << where << " GID " << nic.port.gid_index << " " << GidText(nic.gid)
-                << ", active MTU " << MtuBytes(nic.attr.active_mtu) << " (" << nic.port.why << ")";
-  return absl::OkStatus();
-}
-
 absl::Status VerbsTransport::Open() {
   if (options_.ports.empty()) return absl::InvalidArgumentError("no RDMA ports to use");
   nics_.resize(options_.ports.size());
   for (size_t i = 0; i < nics_.size(); ++i) {
-    nics_[i].port = options_.ports[i];
-    RETURN_IF_ERROR(OpenNic(nics_[i]));
+    Nic& nic = nics_[i];
+    nic.port = options_.ports[i];
+    RETURN_IF_ERROR(OpenNic(nic));
+    if (nic.max_mr_size > 0) max_region_bytes_ = std::min(max_region_bytes_, nic.max_mr_size);
+    max_request_bytes_ = std::min<uint64_t>(
+        max_request_bytes_ == 0 ? options_.max_request_bytes : max_request_bytes_,
+        nic.attr.max_msg_sz);
   }
   ASSIGN_OR_RETURN(poller_, StartThread("the verbs completion poller", [this] { PollerLoop(); }));
   return absl::OkStatus();
@@ -165,53 +68,6 @@ EndpointDescription VerbsTransport::LocalEndpoint() const {
   return d;
 }
 
-absl::StatusOr<ibv::Mr> VerbsTransport::RegisterOn(size_t i, const Registration& r) const {
-  const std::string& name = nics_[i].port.device;
-  if (r.device < 0) return ibv::RegMr(nics_[i].pd.get(), r.addr, r.length, r.flags, name);
-  absl::Status by_dmabuf = r.dmabuf->status();
-  if (r.dmabuf->ok()) {
-    absl::StatusOr<ibv::Mr> mr =
-        ibv::RegDmaBufMr(nics_[i].pd.get(), (*r.dmabuf)->offset, r.length,
-                         reinterpret_cast<uintptr_t>(r.addr), (*r.dmabuf)->fd, r.flags, name);
-    if (mr.ok()) return mr;
-    by_dmabuf = mr.status();
-  }
-  absl::StatusOr<ibv::Mr> mr = ibv::RegMr(nics_[i].pd.get(), r.addr, r.length, r.flags, name);
-  if (mr.ok()) return mr;
-  return absl::FailedPreconditionError(absl::StrCat(
-      "cannot register memory of CUDA device ", r.device, " on ", name,
-      ": by dma-buf: ", by_dmabuf.message(), "; by ibv_reg_mr: ", mr.status().message(),
-      ". Enable one: dma-buf (CUDA driver 11.7+, Linux 5.12+, rdma-core 34+, a GPU and NIC "
-      "that support it) or the nvidia-peermem kernel module"));
-}
-
-std::vector<absl::StatusOr<ibv::Mr>> VerbsTransport::RegisterOnEveryNic(const Registration& r) {
-  // One registration per NIC. Registering pins and maps every page once per
-  // NIC, which for a large buffer takes long: with several NICs they
-  // register in parallel, one thread each.
-  std::vector<absl::StatusOr<ibv::Mr>> mrs;
-  for (size_t i = 0; i < nics_.size(); ++i) mrs.emplace_back(absl::UnknownError("not registered"));
-  if (nics_.size() > 1 && r.length >= options_.parallel_registration_bytes) {
-    std::vector<std::thread> threads;
-    for (size_t i = 1; i < nics_.size(); ++i) {
-      absl::StatusOr<std::thread> t =
-          StartThread("a registration", [this, &mrs, &r, i] { mrs[i] = RegisterOn(i, r); });
-      if (t.ok()) {
-        threads.push_back(std::move(*t));
-      } else {
-        mrs[i] = RegisterOn(i, r);  // no thread to spare: this one does it
-      }
-    }
-    mrs[0] = RegisterOn(0, r);
-    for (std::thread& t : threads) t.join();
-  } else {
-    for (size_t i = 0; i < nics_.size() && (i == 0 || mrs[i - 1].ok()); ++i) {
-      mrs[i] = RegisterOn(i, r);
-    }
-  }
-  return mrs;
-}
-
 absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t length, Access access) {
   if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
   if (length == 0) return absl::InvalidArgumentError("RegisterMemory: zero length");
@@ -236,7 +92,8 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
     }
   }
   const Registration what{addr, length, flags, device, dmabuf.has_value() ? &*dmabuf : nullptr};
-  std::vector<absl::StatusOr<ibv::Mr>> mrs = RegisterOnEveryNic(what);
+  std::vector<absl::StatusOr<ibv::Mr>> mrs =
+      RegisterOnEveryNic(nics_, what, options_.parallel_registration_bytes);
   // The MRs hold their own reference to the dma-buf.
   if (dmabuf.has_value() && dmabuf->ok()) ::close((*dmabuf)->fd);
   // Any failure: the others deregister as `mrs` goes.

@@ -1,7 +1,8 @@
 // The verbs transport's class, shared by its files: verbs_transport.cc
-// (opening the NICs, registering memory, the link-parameter codec),
-// verbs_links.cc (queue pairs: creating, connecting, closing links, routes),
-// verbs_post.cc (posting work requests, completions, expiry). Internal to
+// (opening the NICs, registering memory), verbs_links.cc (links: creating,
+// connecting, closing, routes), verbs_nic.cc (one NIC's parts: opening,
+// registering on it, its CQ's entries, QP transitions, the link-parameter
+// codec) and verbs_post.cc (posting work requests, completions, expiry). Internal to
 // //transport/verbs:verbs_transport; users call CreateVerbsTransport.
 #ifndef KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_INTERNAL_H_
 #define KVFERRY_TRANSPORT_VERBS_VERBS_TRANSPORT_INTERNAL_H_
@@ -28,28 +29,12 @@
 #include "transport/transport.h"
 #include "transport/verbs/ibv.h"
 #include "transport/verbs/route.h"
+#include "transport/verbs/verbs_nic.h"
 #include "transport/verbs/verbs_transport.h"
 
 namespace kvferry {
 namespace transport {
 namespace verbs_internal {
-
-int MtuBytes(ibv_mtu mtu);
-std::string GidText(const ibv_gid& g);
-// A work completion's status as a Status code.
-absl::StatusCode CodeOf(ibv_wc_status s);
-
-// Link parameters exchanged through the handshake (little-endian hosts).
-struct Params {
-  uint32_t qpn = 0;
-  uint32_t psn = 0;
-  uint16_t lid = 0;
-  uint8_t gid[16] = {};
-  uint32_t mtu = 0;  // enum ibv_mtu
-};
-// As transport/link_params.h encodes them.
-std::string EncodeParams(const Params& p);
-absl::StatusOr<Params> DecodeParams(absl::string_view bytes);
 
 class VerbsTransport final : public Transport {
  public:
@@ -93,24 +78,6 @@ class VerbsTransport final : public Transport {
   }
 
  private:
-  struct Nic {
-    verbs::SelectedPort port;
-    // Owners, released in reverse: the CQ, the channel, the PD, the device.
-    ibv::Context context;
-    ibv::Pd pd;
-    ibv::CompChannel channel;
-    ibv::Cq cq;
-    // CQ depth accounting: every work request outstanding on the NIC's QPs
-    // may come back as a completion (an error flushes even unsignaled
-    // ones), so the CQ holds at least the sum of its QPs' send queues.
-    uint32_t cq_capacity = 0;
-    uint32_t cq_reserved = 0;
-    int max_cqe = 0;
-    uint64_t max_mr_size = 0;  // the device's largest registration
-    ibv_port_attr attr{};
-    ibv_gid gid{};
-    int max_rd_atomic = 1;
-  };
   struct RegionState {
     Region region;
     std::vector<ibv::Mr> mrs;  // per NIC
@@ -162,27 +129,15 @@ class VerbsTransport final : public Transport {
     }
   };
 
-  absl::Status OpenNic(Nic& nic);
+  // A link on NIC `nic`: its QP in INIT, its CQ entries reserved.
   absl::StatusOr<Link*> NewLink(NicIndex nic) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ToRtr(Link& link, const Params& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ToRts(Link& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Params LocalParams(const Link& link) const;
+  // Moves the link's QP to RTR toward `peer`, then RTS: ready.
+  absl::Status Connect(Link& link, const Params& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PollerLoop();
   // Delivers what NIC `nic`'s CQ holds; false if it held nothing.
   bool Drain(size_t nic);
   // Fails requests older than request_timeout (see the options).
   void ExpireOld();
-  // RegisterMemory's parts: one NIC's registration of [addr, +length)
-  // (device memory by dma-buf first, then plain), and every NIC's.
-  struct Registration {
-    void* addr = nullptr;
-    uint64_t length = 0;
-    int flags = 0;
-    int device = -1;  // CUDA device ordinal; -1: host memory
-    const absl::StatusOr<cuda::Driver::DmaBuf>* dmabuf = nullptr;  // device memory only
-  };
-  absl::StatusOr<ibv::Mr> RegisterOn(size_t nic, const Registration& r) const;
-  std::vector<absl::StatusOr<ibv::Mr>> RegisterOnEveryNic(const Registration& r);
   // Post's parts: the batch checked whole; one link's chain of work
   // requests (`chain`: indices of `batch`) built and accounted; a chain the
   // QP refused (from `bad` on) failed, and the QP put in error.
@@ -219,10 +174,6 @@ class VerbsTransport final : public Transport {
   void DeliverLocked(size_t nic, const ibv_wc& wc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // by_qp_'s key for QP number `qpn` on NIC `nic` (QP numbers are per device).
   static uint64_t QpKey(size_t nic, uint32_t qpn) { return uint64_t{nic} << 32 | qpn; }
-  // Makes room in the NIC's CQ for `entries` more completions (resizing
-  // it up to the device's limit), or kResourceExhausted.
-  absl::Status ReserveCq(Nic& nic, uint32_t entries) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   const VerbsTransportOptions options_;
   std::vector<Nic> nics_;
   uint64_t max_request_bytes_ = 0;
