@@ -197,8 +197,9 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(EngineOpt
   } else {
     ASSIGN_OR_RETURN(parts.transport, tcp());
   }
-  if (cuda::Driver::Get() != nullptr) {
+  if (cuda::Driver::Get() != nullptr && options.transport != "rdma") {
     // Peers on this host: device memory GPU to GPU (transport/cuda_ipc).
+    // "rdma" keeps verbs alone, for same-host peers too.
     transport::CudaIpcTransportOptions ipc;
     ipc.stream = stream;
     ASSIGN_OR_RETURN(parts.same_host, transport::CreateCudaIpcTransport(std::move(ipc)));

@@ -79,7 +79,10 @@ struct EngineOptions {
   uint16_t port = 0;
   uint16_t first_port = 15000;
   uint16_t last_port = 17000;
-  // "auto", "tcp", "rdma" or "sim" (sim needs CreateWith).
+  // "auto", "tcp", "rdma" or "sim" (sim needs CreateWith). Where a CUDA
+  // driver loads, "auto" and "tcp" also make the same-host transport
+  // (EngineParts::same_host); "rdma" keeps verbs alone, peers on this host
+  // included.
   std::string transport = "auto";
   // RDMA devices to use (allow-list), e.g. {"mlx5_0", "mlx5_1"}; empty: all.
   std::vector<std::string> devices;
