@@ -48,14 +48,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     local.local_uses.fetch_add(1);
     const uint64_t rid = link.outstanding.Add(wr);
     if (link.peer_key != 0) {
-      Direct& d = direct.emplace_back();
-      d.link = links_.at(wr.link);
-      d.rid = rid;
-      d.copy.link = d.link.get();
-      d.copy.gate = d.link->peer_gate.get();
-      d.copy.peer_key = d.link->peer_key;
-      d.copy.wr = wr;
-      d.copy.local_device = local.device;
+      direct.emplace_back(links_.at(wr.link), rid, wr, local.device);
       continue;
     }
     Job job;

@@ -216,6 +216,14 @@ class TcpTransport final : public Transport, public StreamLinks {
 
   // A request on a link whose peer is in this process (shortcut.h).
   struct Direct {
+    Direct(std::shared_ptr<Link> on, uint64_t id, const WorkRequest& wr, int local_device)
+        : link(std::move(on)), rid(id) {
+      copy.link = link.get();
+      copy.gate = link->peer_gate.get();
+      copy.peer_key = link->peer_key;
+      copy.wr = wr;
+      copy.local_device = local_device;
+    }
     std::shared_ptr<Link> link;
     uint64_t rid = 0;
     Shortcuts::Copy copy;
