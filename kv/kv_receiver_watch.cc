@@ -54,27 +54,25 @@ void KvReceiver::Watch() {
 }
 
 void KvReceiver::CheckPrefills() {
-  std::vector<std::pair<std::string, Prefill>> due;
+  // The due prefills, their states and whether each is watched, in one
+  // look under the lock; probed and judged outside it.
+  std::vector<std::string> peers;
+  std::vector<Prefill> states;
+  std::vector<bool> watched;
   {
     MutexLock lock(&mu_);
     const absl::Time now = engine_->clock()->Now();
     for (const auto& [peer, p] : prefills_) {
-      if (p.next_probe <= now) due.emplace_back(peer, p);
-    }
-  }
-  if (due.empty()) return;
-  std::vector<std::string> peers;
-  std::vector<bool> watched;
-  {
-    MutexLock lock(&mu_);
-    for (const auto& [peer, p] : due) {
+      if (p.next_probe > now) continue;
       peers.push_back(peer);
+      states.push_back(p);
       watched.push_back(watches_.Has(peer));
     }
   }
+  if (peers.empty()) return;
   std::vector<kv_internal::Probe> probes =
       kv_internal::ProbeAll(*engine_, peers, watched, options_.peer_timeout / 4);
-  for (size_t i = 0; i < due.size(); ++i) Judge(due[i].first, due[i].second, probes[i]);
+  for (size_t i = 0; i < peers.size(); ++i) Judge(peers[i], states[i], probes[i]);
 }
 
 void KvReceiver::Judge(const std::string& peer, const Prefill& p, kv_internal::Probe& probe) {
