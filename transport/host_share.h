@@ -36,14 +36,14 @@
 namespace kvferry {
 namespace transport {
 
-// A reference as it crosses the wire: 72 bytes.
+// A reference, as it crosses the wire (72 bytes, host byte order). Which of
+// an implementation's two kinds it is travels beside it (`second_kind`
+// below; a header flag on the TCP wire).
 struct ShareRef {
   uint8_t bytes[64] = {};  // what the implementation needs to open the memory
   uint64_t offset = 0;     // of the request's bytes in what `bytes` opens
-  // Which of an implementation's two kinds of reference this is (carried
-  // in a header flag, not in the 72 bytes).
-  bool second_kind = false;
 };
+static_assert(sizeof(ShareRef) == 72, "a reference's wire size");
 
 class HostShare {
  public:
@@ -68,21 +68,23 @@ class HostShare {
   // memory then goes as bytes).
   virtual std::unique_ptr<Export> Share(void* addr, uint64_t length, int device) = 0;
   // Names the bytes from `offset` in the region `exp` was made for, for a
-  // peer whose link word is `peer_word`; false when that peer cannot open
-  // them (the request then carries its bytes).
-  virtual bool Name(const Export& exp, uint64_t offset, uint64_t peer_word,
-                    ShareRef* ref) const = 0;
+  // peer whose link word is `peer_word` (*second_kind: which kind of
+  // reference); false when that peer cannot open them (the request then
+  // carries its bytes).
+  virtual bool Name(const Export& exp, uint64_t offset, uint64_t peer_word, ShareRef* ref,
+                    bool* second_kind) const = 0;
   // A link's responder-side table of opened references, for a peer whose
   // link word is `peer_word`.
   virtual std::unique_ptr<Imports> NewImports(uint64_t peer_word) = 0;
   // Copies `length` bytes between `target` (this process's memory, on CUDA
   // device `device` or -1 for host memory) and the requester's memory `ref`
-  // names: into `target` when `write`, out of it otherwise. OK once every
+  // names (of the kind `second_kind` says): into `target` when `write`, out
+  // of it otherwise. OK once every
   // byte is in place; kInvalidArgument for a reference that is wrong (past
   // its allocation): the request is refused; any other error: not served
   // here, the requester sends its bytes instead.
-  virtual absl::Status Copy(Imports& imports, const ShareRef& ref, bool write, char* target,
-                            int device, uint64_t length) = 0;
+  virtual absl::Status Copy(Imports& imports, const ShareRef& ref, bool second_kind, bool write,
+                            char* target, int device, uint64_t length) = 0;
 };
 
 }  // namespace transport

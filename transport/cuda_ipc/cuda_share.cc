@@ -57,10 +57,10 @@ class CudaImports final : public HostShare::Imports {
   }
   // The requester's bytes [ref.offset, +length) in the allocation `ref`
   // names, opened on first use through device `device`'s context.
-  absl::StatusOr<char*> Open(const ShareRef& ref, uint64_t length, int device);
+  absl::StatusOr<char*> Open(const ShareRef& ref, bool vmm, uint64_t length, int device);
 
  private:
-  absl::StatusOr<Import> OpenNew(const ShareRef& ref, int ordinal);
+  absl::StatusOr<Import> OpenNew(const ShareRef& ref, bool vmm, int ordinal);
 
   const uint64_t peer_server_;  // the peer's VMM server; 0: none
   const size_t max_;
@@ -68,10 +68,10 @@ class CudaImports final : public HostShare::Imports {
   std::map<std::string, Import> open_;  // by reference bytes
 };
 
-absl::StatusOr<Import> CudaImports::OpenNew(const ShareRef& ref, int ordinal) {
+absl::StatusOr<Import> CudaImports::OpenNew(const ShareRef& ref, bool vmm, int ordinal) {
   Import imp;
   imp.ordinal = ordinal;
-  if (ref.second_kind) {
+  if (vmm) {
     if (peer_server_ == 0) return absl::UnavailableError("the peer has no VMM server");
     uint64_t id;
     std::memcpy(&id, ref.bytes, sizeof id);
@@ -86,15 +86,16 @@ absl::StatusOr<Import> CudaImports::OpenNew(const ShareRef& ref, int ordinal) {
   return imp;
 }
 
-absl::StatusOr<char*> CudaImports::Open(const ShareRef& ref, uint64_t length, int device) {
+absl::StatusOr<char*> CudaImports::Open(const ShareRef& ref, bool vmm, uint64_t length,
+                                        int device) {
   const char* bytes = reinterpret_cast<const char*>(ref.bytes);
-  std::string key = ref.second_kind ? absl::StrCat("vmm:", absl::string_view(bytes, 8))
-                                    : std::string(bytes, sizeof ref.bytes);
+  std::string key = vmm ? absl::StrCat("vmm:", absl::string_view(bytes, 8))
+                        : std::string(bytes, sizeof ref.bytes);
   auto it = open_.find(key);
   if (it == open_.end()) {
     // Through this end's device when the target is device memory, else
     // through device 0 (any context maps it).
-    ASSIGN_OR_RETURN(Import imp, OpenNew(ref, device >= 0 ? device : 0));
+    ASSIGN_OR_RETURN(Import imp, OpenNew(ref, vmm, device >= 0 ? device : 0));
     if (open_.size() >= std::max<size_t>(max_, 1)) {
       // The least recently used makes room (one thread uses the table).
       auto lru = std::min_element(open_.begin(), open_.end(), [](const auto& a, const auto& b) {
@@ -127,13 +128,15 @@ class CudaShare final : public HostShare {
 
   std::unique_ptr<Export> Share(void* addr, uint64_t length, int device) override;
 
-  bool Name(const Export& exp, uint64_t offset, uint64_t peer_word, ShareRef* ref) const override {
+  // The second kind: VMM memory, named by its export id.
+  bool Name(const Export& exp, uint64_t offset, uint64_t peer_word, ShareRef* ref,
+            bool* second_kind) const override {
     const auto& e = static_cast<const CudaExport&>(exp);
     if (e.has_ipc) {
       // cudaMalloc memory: the peer opens the allocation's IPC handle.
       std::memcpy(ref->bytes, e.ipc.handle.reserved, sizeof ref->bytes);
       ref->offset = e.ipc.offset + offset;
-      ref->second_kind = false;
+      *second_kind = false;
       return true;
     }
     if (e.vmm_id == 0 || peer_word == 0) return false;
@@ -141,7 +144,7 @@ class CudaShare final : public HostShare {
     *ref = ShareRef{};
     std::memcpy(ref->bytes, &e.vmm_id, sizeof e.vmm_id);
     ref->offset = offset;
-    ref->second_kind = true;
+    *second_kind = true;
     return true;
   }
 
@@ -149,9 +152,10 @@ class CudaShare final : public HostShare {
     return std::make_unique<CudaImports>(peer_word, options_.max_imports);
   }
 
-  absl::Status Copy(Imports& imports, const ShareRef& ref, bool write, char* target, int device,
-                    uint64_t length) override {
-    ASSIGN_OR_RETURN(char* theirs, static_cast<CudaImports&>(imports).Open(ref, length, device));
+  absl::Status Copy(Imports& imports, const ShareRef& ref, bool second_kind, bool write,
+                    char* target, int device, uint64_t length) override {
+    ASSIGN_OR_RETURN(char* theirs,
+                     static_cast<CudaImports&>(imports).Open(ref, second_kind, length, device));
     // Device to device on the GPUs (NVLink or PCIe); the CPU copies
     // nothing. Copy returns once the bytes have landed.
     return cuda::Driver::Get()->Copy(write ? target : theirs, write ? theirs : target, length,

@@ -1,7 +1,6 @@
 #include "transport/tcp/ref_carrier.h"
 
 #include <cstdio>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 
@@ -39,17 +38,15 @@ LinkShare RefCarrier::Learn(uint64_t peer_host, uint64_t peer_word) const {
 }
 
 uint16_t RefCarrier::Name(const LinkShare& link, const HostShare::Export* local, uint64_t offset,
-                          uint64_t length, tcp_wire::WireRef* ref) const {
+                          uint64_t length, ShareRef* ref) const {
   if (!link.same_host || !link.ok || length == 0 || local == nullptr) return 0;
-  ShareRef named;
-  if (!share_->Name(*local, offset, link.peer_word, &named)) return 0;
-  std::memcpy(ref->bytes, named.bytes, sizeof named.bytes);
-  ref->offset = named.offset;
-  return named.second_kind ? tcp_wire::kViaRef | tcp_wire::kRefSecondKind : tcp_wire::kViaRef;
+  bool second_kind = false;
+  if (!share_->Name(*local, offset, link.peer_word, ref, &second_kind)) return 0;
+  return second_kind ? tcp_wire::kViaRef | tcp_wire::kRefSecondKind : tcp_wire::kViaRef;
 }
 
-absl::Status RefCarrier::Copy(LinkShare& link, uint16_t flags, const tcp_wire::WireRef& ref,
-                              bool write, char* target, int device, uint64_t length) const {
+absl::Status RefCarrier::Copy(LinkShare& link, uint16_t flags, const ShareRef& ref, bool write,
+                              char* target, int device, uint64_t length) const {
   // Only a peer on this host, over a link whose ends both have a host
   // share, sends references; anything else is served the ordinary way (the
   // requester sends it again with its bytes), never opened here.
@@ -57,11 +54,8 @@ absl::Status RefCarrier::Copy(LinkShare& link, uint16_t flags, const tcp_wire::W
     return absl::UnavailableError(
         "this end takes no references on this link (not the same host, or no host share)");
   }
-  ShareRef named;
-  std::memcpy(named.bytes, ref.bytes, sizeof named.bytes);
-  named.offset = ref.offset;
-  named.second_kind = (flags & tcp_wire::kRefSecondKind) != 0;
-  return share_->Copy(*link.imports, named, write, target, device, length);
+  return share_->Copy(*link.imports, ref, (flags & tcp_wire::kRefSecondKind) != 0, write, target,
+                      device, length);
 }
 
 }  // namespace tcp_internal

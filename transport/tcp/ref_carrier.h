@@ -59,14 +59,14 @@ class RefCarrier {
   // link's peer: fills `ref` and returns the request's flags (kViaRef, and
   // kRefSecondKind); 0 when the bytes must travel instead.
   uint16_t Name(const LinkShare& link, const HostShare::Export* local, uint64_t offset,
-                uint64_t length, tcp_wire::WireRef* ref) const;
+                uint64_t length, ShareRef* ref) const;
   // Serves a peer's request by reference (`flags` its header's): copies
   // `length` bytes between `target` (on CUDA device `device`, -1: host) and
   // the peer's memory, into `target` when `write`. OK once in place;
   // kInvalidArgument for a bad reference (refused); any other error: not
   // served here (the requester sends the bytes).
-  absl::Status Copy(LinkShare& link, uint16_t flags, const tcp_wire::WireRef& ref, bool write,
-                    char* target, int device, uint64_t length) const;
+  absl::Status Copy(LinkShare& link, uint16_t flags, const ShareRef& ref, bool write, char* target,
+                    int device, uint64_t length) const;
 
  private:
   const std::shared_ptr<HostShare> share_;

@@ -7,9 +7,8 @@ namespace kvferry {
 namespace transport {
 namespace tcp_internal {
 
-absl::Status TcpTransport::ServeByReference(Link& link, const DataHeader& h,
-                                            const tcp_wire::WireRef& ref, char* target, int device,
-                                            Job* answer, bool* unserved) {
+absl::Status TcpTransport::ServeByReference(Link& link, const DataHeader& h, const ShareRef& ref,
+                                            char* target, int device, Job* answer, bool* unserved) {
   const absl::Status copied =
       refs_.Copy(link.share, h.flags, ref, h.type == kWriteReq, target, device, h.length);
   if (copied.ok() || copied.code() == absl::StatusCode::kInvalidArgument) {
@@ -28,7 +27,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   Job answer;
   answer.header.type = write ? kWriteAck : kReadResp;
   answer.header.id = h.id;
-  tcp_wire::WireRef ref;
+  ShareRef ref;
   const bool via_ref = (h.flags & kViaRef) != 0;
   if (via_ref) {
     *stream_error = ReadStream(*link.in, &ref, sizeof ref);
@@ -130,7 +129,7 @@ absl::Status TcpTransport::Serve(Link& link, const DataHeader& h, AckRun& run, b
     // read off the stream and never executed, so none of them lands after
     // the requester saw it flushed.
     if ((h.flags & kViaRef) != 0) {
-      tcp_wire::WireRef skipped;
+      ShareRef skipped;
       return ReadStream(*link.in, &skipped, sizeof skipped);
     }
     return h.type == kWriteReq ? link.in->Skip(h.length) : absl::OkStatus();

@@ -159,7 +159,7 @@ class TcpTransport final : public Transport, public StreamLinks {
     bool close_after = false;    // the responder refused: close the connection
     int device = -1;             // data lies on this CUDA device: sent through a staging buffer
     bool by_ref = false;         // header.flags has kViaRef: `ref` follows the header
-    tcp_wire::WireRef ref;
+    ShareRef ref;
   };
   struct Link {
     using State = LinkState;  // transport/checks.h
@@ -286,8 +286,8 @@ class TcpTransport final : public Transport, public StreamLinks {
   // by the host share into or out of `target` (on `device`): OK when
   // copied, the error that refuses it, or OK with *unserved when this end
   // cannot open the reference (`answer` then asks for the bytes).
-  absl::Status ServeByReference(Link& link, const DataHeader& h, const tcp_wire::WireRef& ref,
-                                char* target, int device, Job* answer, bool* unserved);
+  absl::Status ServeByReference(Link& link, const DataHeader& h, const ShareRef& ref, char* target,
+                                int device, Job* answer, bool* unserved);
   // The peer could not serve request `id` by reference: send it again with
   // its bytes, and no more references on this link.
   absl::Status ResendStaged(Link& link, const WorkRequest& wr, uint64_t id, const std::string& why)

@@ -23,22 +23,15 @@ namespace tcp_wire {
 enum MsgType : uint8_t { kWriteReq = 1, kReadReq = 2, kWriteAck = 3, kReadResp = 4 };
 // DataHeader::flags of a request.
 constexpr uint16_t kAckNow = 1;  // the last of its Post on the link: answer now
-// Requests: no data follows but a WireRef naming the requester's memory
+// Requests: no data follows but a ShareRef naming the requester's memory
 // (transport/host_share.h), for the responder to copy from (WRITE) or into
 // (READ) itself. Answers: a READ done that way (no data follows), or a
 // request by reference the responder could not serve (status set: the
 // requester sends it again with its bytes).
 constexpr uint16_t kViaRef = 2;
 // With kViaRef: the reference is of the share's second kind
-// (ShareRef::second_kind).
+// (HostShare::Name's second_kind).
 constexpr uint16_t kRefSecondKind = 4;
-
-// A reference on the wire: ShareRef's bytes and offset.
-struct WireRef {
-  uint8_t bytes[64] = {};
-  uint64_t offset = 0;
-};
-static_assert(sizeof(WireRef) == 72, "wire reference size");
 
 // A kWriteAck answers a run of WRITEs: ids `id` .. `id + remote_addr - 1`
 // (consecutive on the link, so no READ among them) all landed. An ack that
