@@ -1,7 +1,4 @@
 // KvReceiver: the decode side of the KV layer (engine/kv_cache.h).
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>

@@ -1,9 +1,5 @@
 // KvReceiver, watching the prefills that expected requests come from:
 // probes, watch connections, deaths and fences (kv/kv_cache.h).
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>

@@ -1,10 +1,6 @@
 // KvReceiver, taking the KV words: vetting (confirmation with their
 // senders), early words, begin words and what each word resolves
 // (kv/kv_cache.h).
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
