@@ -6,7 +6,7 @@ namespace kvferry {
 namespace transport {
 namespace tcp_internal {
 
-void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
+void LinkThreads::WriterLoop(std::shared_ptr<Link> link) {
   std::vector<Job> jobs;  // swapped with the link's queue: no allocation once warm
   std::vector<Job> rest;  // the part of an inline send the socket did not take
   for (;;) {
@@ -14,9 +14,9 @@ void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
     rest.clear();
     size_t skip = 0;
     {
-      MutexLock lock(&mu_);
+      MutexLock lock(&core_.mu);
       while (((link->jobs.empty() && !link->inline_rest) || link->writer_busy) && !link->stopping) {
-        link->cv.Wait(&mu_);
+        link->cv.Wait(&core_.mu);
       }
       if (link->stopping) return;
       if (link->inline_rest) {
@@ -38,7 +38,7 @@ void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
                       &close_after);
     }
     {
-      MutexLock lock(&mu_);
+      MutexLock lock(&core_.mu);
       link->writer_busy = false;
       link->cv.SignalAll();
     }
@@ -50,22 +50,22 @@ void TcpTransport::WriterLoop(std::shared_ptr<Link> link) {
   }
 }
 
-absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after,
-                                    size_t skip) {
+absl::Status LinkThreads::SendJobs(Link& link, absl::Span<Job> jobs, bool* close_after,
+                                   size_t skip) {
   iovec iov[3 * kMaxJobsPerSend];
   int n = 0;
   // A READ answer sends region bytes: the region may have been unregistered
   // since the request was checked, so check again, and keep it registered
-  // while its bytes go out (a RegionUse; no lock is held while sending).
-  std::vector<RegionUse> uses;
+  // while its bytes go out (a RegionTable::Use; no lock is held while sending).
+  std::vector<RegionTable::Use> uses;
   {
     for (Job& job : jobs) {
       if (job.read_answer) {
         char* source = nullptr;
         DataHeader request = job.header;
         request.type = kReadReq;
-        absl::StatusOr<RegionUse> use =
-            regions_.UseRemote(request, /*write=*/false, link.fd.get(), &source, &job.device);
+        absl::StatusOr<RegionTable::Use> use =
+            core_.regions.UseRemote(request, /*write=*/false, link.fd.get(), &source, &job.device);
         if (!use.ok()) {
           job.header.status = static_cast<uint8_t>(use.status().code());
           job.header.length = 0;
@@ -111,7 +111,7 @@ absl::Status TcpTransport::SendJobs(Link& link, absl::Span<Job> jobs, bool* clos
   }
 }
 
-void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
+void LinkThreads::ReaderLoop(std::shared_ptr<Link> link) {
   link->in = std::make_unique<StreamReader>(link->fd.get());
   absl::Status error;
   AckRun run;
@@ -128,22 +128,80 @@ void TcpTransport::ReaderLoop(std::shared_ptr<Link> link) {
     link->in->ReadAhead(payload && h.length >= StreamReader::kDirect ? sizeof h
                                                                      : StreamReader::kCapacity);
     if (h.type == kWriteReq || h.type == kReadReq) {
-      error = Serve(*link, h, run, &refusing);
+      error = responder_.Serve(*link, h, run, &refusing);
     } else if (h.type == kWriteAck || h.type == kReadResp) {
-      error = OnAnswer(*link, h);
+      error = requester_.OnAnswer(*link, h);
     } else {
       error = absl::DataLossError(absl::StrCat("unknown message type ", h.type));
     }
   }
   link->share.imports.reset();
-  MutexLock lock(&mu_);
+  MutexLock lock(&core_.mu);
   link->reader_done = true;
   // Closed here (CloseLink, destruction) or already failed: nothing to do.
   if (link->stopping) return;
-  FailLink(*link,
-           absl::UnavailableError(
-               absl::StrCat("connection to peer lost on link ", link->id, ": ", error.message())),
-           link->outstanding.empty() ? 0 : link->outstanding.first());
+  core_.FailLink(*link,
+                 absl::UnavailableError(absl::StrCat("connection to peer lost on link ", link->id,
+                                                     ": ", error.message())),
+                 link->outstanding.empty() ? 0 : link->outstanding.first());
+}
+
+absl::Status LinkThreads::Start(const std::shared_ptr<Link>& link) {
+  absl::StatusOr<ThreadCache::Task> reader = threads_.Run([this, link] { ReaderLoop(link); });
+  absl::StatusOr<ThreadCache::Task> writer =
+      reader.ok() ? threads_.Run([this, link] { WriterLoop(link); }) : reader;
+  if (reader.ok()) link->reader = std::move(*reader);
+  if (writer.ok()) {
+    link->writer = std::move(*writer);
+    return absl::OkStatus();
+  }
+  // Whatever started sees the link stopping and returns; the link fails.
+  {
+    MutexLock lock(&core_.mu);
+    link->stopping = true;
+    link->cv.SignalAll();
+  }
+  ::shutdown(link->fd.get(), SHUT_RDWR);
+  return writer.status();
+}
+
+absl::Status LinkThreads::Attach(const std::shared_ptr<Link>& link, absl::StatusOr<net::Fd> fd) {
+  {
+    MutexLock lock(&core_.mu);
+    if (!fd.ok() || link->stopping) {
+      // No reader will run: gone for its peer; what was posted on it fails.
+      if (!fd.ok()) core_.FailLink(*link, fd.status(), 0);
+      link->reader_done = true;
+      return fd.ok() ? absl::CancelledError("the link was closed") : fd.status();
+    }
+    link->fd = std::move(*fd);
+    link->attaching = true;
+  }
+  (void)net::SetNoDelay(link->fd.get());
+  (void)net::SetKeepAlive(link->fd.get(), core_.options.dead_peer_timeout);
+  absl::Status started = Start(link);
+  MutexLock lock(&core_.mu);
+  link->attaching = false;
+  if (!started.ok()) {
+    core_.FailLink(*link, started, 0);
+    link->reader_done = true;
+  }
+  link->cv.SignalAll();
+  return started;
+}
+
+void LinkThreads::StopAndJoin(const std::shared_ptr<Link>& link) {
+  // A peer's shortcut copies through this link end before this returns.
+  if (link->gate != nullptr) link->gate->Close(/*wait=*/true);
+  {
+    MutexLock lock(&core_.mu);
+    link->stopping = true;
+    link->cv.SignalAll();
+    while (link->attaching) link->cv.Wait(&core_.mu);
+  }
+  ::shutdown(link->fd.get(), SHUT_RDWR);
+  link->reader.Join();
+  link->writer.Join();
 }
 
 }  // namespace tcp_internal

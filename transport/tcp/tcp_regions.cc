@@ -8,9 +8,10 @@ namespace tcp_internal {
 absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length, Access access) {
   if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
   if (length == 0) return absl::InvalidArgumentError("RegisterMemory: zero length");
-  if (length > options_.max_region_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "RegisterMemory: ", length, " bytes exceeds the limit of ", options_.max_region_bytes));
+  if (length > core_.options.max_region_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("RegisterMemory: ", length,
+                                                     " bytes exceeds the limit of ",
+                                                     core_.options.max_region_bytes));
   }
   const uint64_t base = reinterpret_cast<uintptr_t>(addr);
   if (base + length < base) return absl::InvalidArgumentError("RegisterMemory: range wraps");
@@ -22,11 +23,10 @@ absl::StatusOr<Region> TcpTransport::RegisterMemory(void* addr, uint64_t length,
     if (where.device) device = where.ordinal;
   }
   std::unique_ptr<HostShare::Export> share =
-      options_.host_share != nullptr ? options_.host_share->Share(addr, length, device) : nullptr;
-  return regions_.Add(base, length, access, device, std::move(share));
+      core_.options.host_share != nullptr ? core_.options.host_share->Share(addr, length, device)
+                                          : nullptr;
+  return core_.regions.Add(base, length, access, device, std::move(share));
 }
-
-absl::Status TcpTransport::UnregisterMemory(RegionId region) { return regions_.Remove(region); }
 
 }  // namespace tcp_internal
 }  // namespace transport

@@ -7,48 +7,48 @@ namespace kvferry {
 namespace transport {
 namespace tcp_internal {
 
-absl::Status TcpTransport::ValidateLocked(const WorkRequest& wr) {
-  auto link = links_.find(wr.link);
-  RETURN_IF_ERROR(CheckLinkUsable(wr.link, link == links_.end() ? nullptr : &link->second->state));
-  const RegionEntry* region = regions_.Find(wr.local_region);
+absl::Status Requester::ValidateLocked(const WorkRequest& wr) {
+  auto link = core_.links.find(wr.link);
+  RETURN_IF_ERROR(
+      CheckLinkUsable(wr.link, link == core_.links.end() ? nullptr : &link->second->state));
+  const RegionTable::Entry* region = core_.regions.Find(wr.local_region);
   if (region == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
   }
-  return CheckLocal(wr, region->region, options_.max_request_bytes);
+  return CheckLocal(wr, region->region, core_.options.max_request_bytes);
 }
 
-absl::Status TcpTransport::Post(absl::Span<const WorkRequest> batch) {
+absl::Status Requester::Post(absl::Span<const WorkRequest> batch) {
   // Requests to a peer in this process, copied after the locks are gone.
   Scratch<Direct> direct;
   // Links idle when this Post came: their requests go from this thread.
   Scratch<std::shared_ptr<Link>> inline_links;
   RETURN_IF_ERROR(PostLocked(batch, *direct, *inline_links));
-  for (const std::shared_ptr<Link>& link : *inline_links) SendInline(*link);
+  for (const std::shared_ptr<Link>& link : *inline_links) core_.SendInline(*link);
   inline_links->clear();  // drop the references now, not at the next Post
   if (!direct->empty()) RunDirect(*direct);
   return absl::OkStatus();
 }
 
-absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
-                                      std::vector<Direct>& direct,
-                                      std::vector<std::shared_ptr<Link>>& inline_links) {
-  MutexLock lock(&mu_);
-  ReaderMutexLock regions(&regions_.mu());
+absl::Status Requester::PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct,
+                                   std::vector<std::shared_ptr<Link>>& inline_links) {
+  MutexLock lock(&core_.mu);
+  ReaderMutexLock regions(&core_.regions.mu());
   for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr));
   RETURN_IF_ERROR(CheckLinkCapacity(
       batch,
-      [this](LinkId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu_ is held by Post
-        return links_.at(id)->outstanding.size();
+      [this](LinkId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {  // core_.mu is held by Post
+        return core_.links.at(id)->outstanding.size();
       },
-      options_.max_outstanding_per_link));
+      core_.options.max_outstanding_per_link));
   const uint64_t post = ++last_post_;
   for (const WorkRequest& wr : batch) {
-    Link& link = *links_.at(wr.link);
-    RegionEntry& local = *regions_.Find(wr.local_region);  // validated above
+    Link& link = *core_.links.at(wr.link);
+    RegionTable::Entry& local = *core_.regions.Find(wr.local_region);  // validated above
     local.local_uses.fetch_add(1);
     const uint64_t rid = link.outstanding.Add(wr);
     if (link.peer_key != 0) {
-      direct.emplace_back(links_.at(wr.link), rid, wr, local.device);
+      direct.emplace_back(core_.links.at(wr.link), rid, wr, local.device);
       continue;
     }
     Job job;
@@ -57,7 +57,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
     job.header.remote_addr = wr.remote_addr;
     job.header.rkey = wr.remote_key;
     job.header.length = wr.length;
-    const uint16_t by_ref = refs_.Name(
+    const uint16_t by_ref = core_.refs.Name(
         link.share, local.share.get(),
         reinterpret_cast<uintptr_t>(wr.local_addr) - local.region.addr, wr.length, &job.ref);
     job.header.flags |= by_ref;
@@ -73,16 +73,16 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
   // run it ends, and one wake-up for the writer, not one per request.
   for (size_t i = 0; i < batch.size(); ++i) {
     if (i > 0 && batch[i].link == batch[i - 1].link) continue;
-    Link& link = *links_.at(batch[i].link);
+    Link& link = *core_.links.at(batch[i].link);
     if (link.peer_key != 0) continue;          // copied in Post, no message
     link.jobs.back().header.flags |= kAckNow;  // held lock: the back is this Post's
   }
   for (size_t i = 0; i < batch.size(); ++i) {
     if (i > 0 && batch[i].link == batch[i - 1].link) continue;
-    Link& link = *links_.at(batch[i].link);
+    Link& link = *core_.links.at(batch[i].link);
     if (link.peer_key != 0 || link.jobs.empty()) continue;
     if (ClaimInline(link, post)) {
-      inline_links.push_back(links_.at(batch[i].link));
+      inline_links.push_back(core_.links.at(batch[i].link));
     } else {
       link.cv.SignalAll();
     }
@@ -90,7 +90,7 @@ absl::Status TcpTransport::PostLocked(absl::Span<const WorkRequest> batch,
   return absl::OkStatus();
 }
 
-bool TcpTransport::ClaimInline(Link& link, uint64_t post) {
+bool Requester::ClaimInline(Link& link, uint64_t post) {
   // (A passive link whose connection has not arrived yet keeps its jobs
   // queued: its writer sends them once it is attached.)
   if (!link.fd.valid() || link.writer_busy || link.inline_rest || link.stopping ||
@@ -112,37 +112,9 @@ bool TcpTransport::ClaimInline(Link& link, uint64_t post) {
   return true;
 }
 
-void TcpTransport::SendInline(Link& link) {
-  iovec iov[2 * kMaxJobsPerSend];
-  int n = 0;
-  size_t total = 0;
-  for (Job& job : link.inline_jobs) {  // requests and plain answers: no READ data, no text
-    iov[n++] = {&job.header, sizeof job.header};
-    total += sizeof job.header;
-    if (job.data != nullptr && job.header.length > 0) {
-      iov[n++] = {const_cast<void*>(job.data), job.header.length};
-      total += job.header.length;
-    }
-  }
-  size_t sent = 0;
-  const absl::Status st = SendIov(link.fd.get(), iov, n, /*wait=*/false, &sent);
-  MutexLock lock(&mu_);
-  link.writer_busy = false;
-  if (!st.ok()) {
-    link.inline_jobs.clear();
-    ::shutdown(link.fd.get(), SHUT_RDWR);  // the reader sees it and fails the link
-  } else if (sent < total) {
-    link.inline_sent = sent;  // the writer sends the rest first
-    link.inline_rest = true;
-  } else {
-    link.inline_jobs.clear();
-  }
-  link.cv.SignalAll();  // the writer (rest, jobs queued meanwhile) and idle waiters
-}
-
-void TcpTransport::RunDirect(std::vector<Direct>& direct) {
+void Requester::RunDirect(std::vector<Direct>& direct) {
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&core_.mu);
     for (Direct& d : direct) {
       // Failed or closed since Post: already completed.
       Link& link = *d.link;
@@ -153,7 +125,7 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
   Scratch<Shortcuts::Copy*> copies;
   for (Direct& d : direct) copies->push_back(&d.copy);
   Shortcuts::Get().CopyAll(*copies);
-  MutexLock lock(&mu_);
+  MutexLock lock(&core_.mu);
   bool completed = false;
   for (Direct& d : direct) {
     if (!d.copy.run) continue;
@@ -166,75 +138,39 @@ void TcpTransport::RunDirect(std::vector<Direct>& direct) {
     Link& link = *d.link;
     if (!d.copy.status.ok()) {
       // Like a refused request on the wire: the link enters the error state.
-      FailLink(link, std::move(d.copy.status), d.rid);
+      core_.FailLink(link, std::move(d.copy.status), d.rid);
     } else if (link.outstanding.Erase(d.rid)) {
-      CompleteLocked(d.copy.wr, absl::OkStatus());
+      core_.Complete(d.copy.wr, absl::OkStatus());
       completed = true;
     }
   }
-  if (completed) WakeWaiters();
+  if (completed) core_.WakeWaiters();
 }
 
-void TcpTransport::CompleteLocked(const WorkRequest& wr, absl::Status status) {
-  cq_.Push(wr, std::move(status));
-}
-
-void TcpTransport::WakeWaiters() {
-  cq_cv_.SignalAll();
-  if (notify_) notify_();
-}
-
-void TcpTransport::FailLink(Link& link, absl::Status first, uint64_t first_id) {
-  if (link.state == Link::State::kError) return;
-  link.state = Link::State::kError;
-  link.stopping = true;
-  if (link.gate != nullptr) link.gate->Close(/*wait=*/false);  // StopAndJoin waits
-  link.jobs.clear();
-  link.cv.SignalAll();
-  ::shutdown(link.fd.get(), SHUT_RDWR);
-  // The writer may be sending from a request buffer: wait until it is not,
-  // so no buffer is read after its request has been completed.
-  WaitLinkIdle(link);
-  const std::string reason(first.message());
-  if (link.outstanding.Find(first_id) == nullptr && !link.outstanding.empty()) {
-    first_id = link.outstanding.first();
-  }
-  if (const WorkRequest* wr = link.outstanding.Find(first_id)) {
-    CompleteLocked(*wr, std::move(first));
-    link.outstanding.Erase(first_id);
-  }
-  link.outstanding.ForEach([&](uint64_t, const WorkRequest& wr) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    CompleteLocked(wr, absl::AbortedError(
-                           absl::StrCat("flushed: link ", link.id, " failed earlier: ", reason)));
-  });
-  link.outstanding.Clear();
-  WakeWaiters();
-}
-
-absl::Status TcpTransport::OnWriteAcks(Link& link, const DataHeader& h) {
+absl::Status Requester::OnWriteAcks(Link& link, const DataHeader& h) {
   // A run of WRITEs, all landed: requests [h.id, + h.remote_addr).
-  if (h.remote_addr == 0 || h.remote_addr > options_.max_outstanding_per_link) {
+  if (h.remote_addr == 0 || h.remote_addr > core_.options.max_outstanding_per_link) {
     return absl::DataLossError(absl::StrCat("WRITE ack for ", h.remote_addr, " requests"));
   }
-  MutexLock lock(&mu_);
+  MutexLock lock(&core_.mu);
   for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
     const WorkRequest* wr = link.outstanding.Find(id);
     if (wr == nullptr) {
       if (link.stopping) break;  // closed or failed here meanwhile
       return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
     }
-    CompleteLocked(*wr, absl::OkStatus());
+    core_.Complete(*wr, absl::OkStatus());
     link.outstanding.Erase(id);
   }
-  WakeWaiters();
+  core_.WakeWaiters();
   return absl::OkStatus();
 }
 
-absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
+absl::Status Requester::OnAnswer(Link& link, const DataHeader& h) {
   if (h.type == kWriteAck && h.status == 0) return OnWriteAcks(link, h);
   WorkRequest wr;
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&core_.mu);
     const WorkRequest* found = link.outstanding.Find(h.id);
     if (found == nullptr) {
       return absl::DataLossError(absl::StrCat("answer for unknown request ", h.id));
@@ -244,38 +180,38 @@ absl::Status TcpTransport::OnAnswer(Link& link, const DataHeader& h) {
   if (h.status != 0) {
     std::string text(std::min(h.text_len, kMaxErrorText), '\0');
     RETURN_IF_ERROR(ReadStream(*link.in, text.data(), text.size()));
-    MutexLock lock(&mu_);
+    MutexLock lock(&core_.mu);
     if ((h.flags & kViaRef) != 0) return ResendStaged(link, wr, h.id, text);
-    FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
+    core_.FailLink(link, absl::Status(static_cast<absl::StatusCode>(h.status), text), h.id);
     return absl::OkStatus();
   }
   if (h.length != wr.length) {
     return absl::DataLossError("READ answer of the wrong length");
   }
   if ((h.flags & kViaRef) != 0) {  // the peer copied into our memory itself
-    MutexLock lock(&mu_);
+    MutexLock lock(&core_.mu);
     if (link.outstanding.Erase(h.id)) {
-      CompleteLocked(wr, absl::OkStatus());
-      WakeWaiters();
+      core_.Complete(wr, absl::OkStatus());
+      core_.WakeWaiters();
     }
     return absl::OkStatus();
   }
   // Straight into the caller's buffer, which stays registered until
   // completion; device memory through the staging buffer.
   // (Without a CUDA driver no region is device memory: no lookup.)
-  const int device = cuda::Driver::Get() != nullptr ? regions_.DeviceOf(wr.local_region) : -1;
+  const int device = cuda::Driver::Get() != nullptr ? core_.regions.DeviceOf(wr.local_region) : -1;
   RETURN_IF_ERROR(device >= 0 ? link.recv_stage.Recv(*link.in, wr.local_addr, h.length, device)
                               : ReadStream(*link.in, wr.local_addr, h.length));
-  MutexLock lock(&mu_);
+  MutexLock lock(&core_.mu);
   if (link.outstanding.Erase(h.id)) {
-    CompleteLocked(wr, absl::OkStatus());
-    WakeWaiters();
+    core_.Complete(wr, absl::OkStatus());
+    core_.WakeWaiters();
   }
   return absl::OkStatus();
 }
 
-absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint64_t id,
-                                        const std::string& why) {
+absl::Status Requester::ResendStaged(Link& link, const WorkRequest& wr, uint64_t id,
+                                     const std::string& why) {
   if (link.share.ok) {
     KVF_LOG(WARNING) << "tcp: link " << link.id << ": the peer cannot open this process's "
                      << "shared memory (" << why << "); its bytes go over the socket";
@@ -291,7 +227,7 @@ absl::Status TcpTransport::ResendStaged(Link& link, const WorkRequest& wr, uint6
   job.header.length = wr.length;
   if (wr.opcode == Opcode::kWrite) {
     job.data = wr.local_addr;
-    job.device = regions_.DeviceOf(wr.local_region);
+    job.device = core_.regions.DeviceOf(wr.local_region);
   }
   if (link.jobs.empty()) link.jobs_from = 0;
   link.jobs.push_back(std::move(job));

@@ -7,10 +7,10 @@ namespace kvferry {
 namespace transport {
 namespace tcp_internal {
 
-absl::Status TcpTransport::ServeByReference(Link& link, const DataHeader& h, const ShareRef& ref,
-                                            char* target, int device, Job* answer, bool* unserved) {
+absl::Status Responder::ServeByReference(Link& link, const DataHeader& h, const ShareRef& ref,
+                                         char* target, int device, Job* answer, bool* unserved) {
   const absl::Status copied =
-      refs_.Copy(link.share, h.flags, ref, h.type == kWriteReq, target, device, h.length);
+      core_.refs.Copy(link.share, h.flags, ref, h.type == kWriteReq, target, device, h.length);
   if (copied.ok() || copied.code() == absl::StatusCode::kInvalidArgument) {
     return copied;  // a bad reference is refused like a range out of bounds
   }
@@ -21,8 +21,7 @@ absl::Status TcpTransport::ServeByReference(Link& link, const DataHeader& h, con
   return absl::OkStatus();
 }
 
-TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
-                                        absl::Status* stream_error) {
+Job Responder::Execute(Link& link, const DataHeader& h, absl::Status* stream_error) {
   const bool write = h.type == kWriteReq;
   Job answer;
   answer.header.type = write ? kWriteAck : kReadResp;
@@ -41,7 +40,8 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     int device = -1;
     // No lock is held while the bytes cross the network: the region stays
     // registered through `use` (UnregisterMemory waits for it).
-    absl::StatusOr<RegionUse> use = regions_.UseRemote(h, write, link.fd.get(), &target, &device);
+    absl::StatusOr<RegionTable::Use> use =
+        core_.regions.UseRemote(h, write, link.fd.get(), &target, &device);
     refused = use.status();
     if (h.length == 0) {
       // Nothing to move.
@@ -56,7 +56,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
     }
   }
   if (!refused.ok()) {
-    ++refused_requests_;
+    ++core_.refused_requests;
     if (write && !via_ref) *stream_error = link.in->Skip(h.length);
     answer.header.status = static_cast<uint8_t>(refused.code());
     answer.text = std::string(refused.message().substr(0, kMaxErrorText));
@@ -75,7 +75,7 @@ TcpTransport::Job TcpTransport::Execute(Link& link, const DataHeader& h,
   return answer;
 }
 
-absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
+absl::Status Responder::QueueAnswer(Link& link, Job job) {
   // Sent by the writer thread while requests keep coming: the reader is the
   // responder's busy thread, and answering from it measured slower than
   // handing off. When no request waits behind this one (nothing more
@@ -85,7 +85,7 @@ absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
   const bool lone = link.in->Buffered() == 0 && !job.read_answer && job.text.empty() &&
                     !job.close_after && !job.by_ref && job.device < 0;
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&core_.mu);
     if (link.stopping) return absl::CancelledError("the link is closing");
     if (!lone || !link.jobs.empty() || link.writer_busy || link.inline_rest) {
       return QueueAnswerLocked(link, std::move(job));
@@ -95,19 +95,19 @@ absl::Status TcpTransport::QueueAnswer(Link& link, Job job) {
     link.inline_jobs.push_back(std::move(job));
     link.inline_sent = 0;
   }
-  SendInline(link);
+  core_.SendInline(link);
   return absl::OkStatus();
 }
 
-absl::Status TcpTransport::QueueAnswerLocked(Link& link, Job job) {
+absl::Status Responder::QueueAnswerLocked(Link& link, Job job) {
   // A peer keeps at most its max_outstanding_per_link requests unanswered,
   // so a legitimate one never has more answers waiting here than that
   // (plus what the writer is sending). One that sends on without reading
   // its answers would grow this queue without bound: it loses the link.
-  if (++link.queued_answers > kAnswerQueueFactor * options_.max_outstanding_per_link) {
-    ++dropped_readers_;
+  if (++link.queued_answers > kAnswerQueueFactor * core_.options.max_outstanding_per_link) {
+    ++core_.dropped_readers;
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the peer sent more than ", kAnswerQueueFactor * options_.max_outstanding_per_link,
+        "the peer sent more than ", kAnswerQueueFactor * core_.options.max_outstanding_per_link,
         " requests without reading their answers"));
   }
   if (link.jobs.empty()) link.jobs_from = 0;  // not a Post's
@@ -116,13 +116,13 @@ absl::Status TcpTransport::QueueAnswerLocked(Link& link, Job job) {
   return absl::OkStatus();
 }
 
-absl::Status TcpTransport::FlushRun(Link& link, AckRun& run) {
+absl::Status Responder::FlushRun(Link& link, AckRun& run) {
   if (run.job.header.remote_addr == 0) return absl::OkStatus();
   run.bytes = 0;
   return QueueAnswer(link, std::exchange(run.job, Job{}));
 }
 
-absl::Status TcpTransport::Serve(Link& link, const DataHeader& h, AckRun& run, bool* refusing) {
+absl::Status Responder::Serve(Link& link, const DataHeader& h, AckRun& run, bool* refusing) {
   if (*refusing) {
     // After refusing a request the link closes once that answer is out
     // (like an RC responder in the error state): requests behind it are
