@@ -28,36 +28,36 @@ namespace verbs {
 
 struct GidInfo {
   uint32_t index = 0;
-  std::string gid;      // as sysfs prints it
-  std::string type;     // "RoCE v2", "IB/RoCE v1"
-  std::string netdev;   // RoCE: the Ethernet device carrying it
-  std::string ipv4;     // for IPv4-mapped GIDs: the address
-  int rank = 0;         // lower is better; see RankGid
+  std::string gid;     // as sysfs prints it
+  std::string type;    // "RoCE v2", "IB/RoCE v1"
+  std::string netdev;  // RoCE: the Ethernet device carrying it
+  std::string ipv4;    // for IPv4-mapped GIDs: the address
+  int rank = 0;        // lower is better; see RankGid
   // On a netdev other than the port's own (the netdev of its lowest GID
   // index, the default GID): a bridge or overlay address (docker0, ...).
   // Among GIDs of equal rank these lose.
   bool foreign = false;
-  std::string why;      // the rank in words
+  std::string why;  // the rank in words
 };
 
 struct PortInfo {
   uint32_t port = 0;
-  std::string state;       // "ACTIVE", "DOWN", ...
-  std::string link_layer;  // "InfiniBand", "Ethernet", or something else
+  std::string state;          // "ACTIVE", "DOWN", ...
+  std::string link_layer;     // "InfiniBand", "Ethernet", or something else
   std::vector<GidInfo> gids;  // non-zero GIDs only, by index
 };
 
 struct DeviceInfo {
-  std::string name;       // "mlx5_0"
-  std::string uverbs;     // "uverbs0", or "" when there is none
+  std::string name;    // "mlx5_0"
+  std::string uverbs;  // "uverbs0", or "" when there is none
   bool uverbs_accessible = false;
   int numa_node = -1;
-  std::string pci_path;   // resolved sysfs path of the PCI device
+  std::string pci_path;  // resolved sysfs path of the PCI device
   std::vector<PortInfo> ports;
 };
 
 struct GpuInfo {
-  std::string name;       // "cuda:0", in PCI bus order
+  std::string name;  // "cuda:0", in PCI bus order
   std::string pci_address;
   int numa_node = -1;
   std::string pci_path;
@@ -93,7 +93,7 @@ struct Discovery {
   std::vector<DeviceInfo> devices;  // everything found, usable or not
   std::vector<GpuInfo> gpus;
   std::vector<SelectedPort> selected;
-  std::vector<std::string> notes;   // each skip or choice, with its reason
+  std::vector<std::string> notes;  // each skip or choice, with its reason
 };
 
 // Applies MC_GID_INDEX, then NCCL_IB_GID_INDEX, when options.gid_index is

@@ -195,9 +195,9 @@ absl::Status QueryPort(ibv_context* c, uint8_t port, ibv_port_attr* out, absl::s
   // As verbs.h's inline ibv_query_port: the context's own operation when it
   // has one, else the compat entry point into a zeroed struct.
   verbs_context* vctx = verbs_get_ctx_op(c, query_port);
-  const int rc = vctx != nullptr ? vctx->query_port(c, port, out, sizeof(*out))
-                                 : (std::memset(out, 0, sizeof(*out)),
-                                    verbs.query_port(c, port, out));
+  const int rc = vctx != nullptr
+                     ? vctx->query_port(c, port, out, sizeof(*out))
+                     : (std::memset(out, 0, sizeof(*out)), verbs.query_port(c, port, out));
   if (rc != 0) {
     return Error(rc, absl::StrCat("ibv_query_port ", where));
   }
@@ -294,8 +294,8 @@ absl::StatusOr<Mr> RegMr(ibv_pd* pd, void* addr, uint64_t length, int access,
   return mr;
 }
 
-absl::StatusOr<Mr> RegDmaBufMr(ibv_pd* pd, uint64_t offset, uint64_t length, uint64_t iova,
-                               int fd, int access, absl::string_view where) {
+absl::StatusOr<Mr> RegDmaBufMr(ibv_pd* pd, uint64_t offset, uint64_t length, uint64_t iova, int fd,
+                               int access, absl::string_view where) {
   if (verbs.reg_dmabuf_mr == nullptr) {
     return absl::UnimplementedError(
         absl::StrCat(LibraryName(), " has no ibv_reg_dmabuf_mr (rdma-core before v34)"));

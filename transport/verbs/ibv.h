@@ -5,10 +5,10 @@
 // KVFERRY_RDMACM_LIBRARY name), so a host without rdma-core runs the engine
 // over TCP. Each entry point is bound to the symbol version its header
 // declares (dlvsym), never to libibverbs' IBVERBS_1.0 compatibility entry
-// points, whose contexts have no operations. Calls return Status with the call and its context in the
-// message and the errno mapped to the matching code (ENOMEM ->
-// kResourceExhausted, EINVAL -> kInvalidArgument, EPERM/EACCES ->
-// kPermissionDenied, ENODEV -> kNotFound, ETIMEDOUT -> kDeadlineExceeded,
+// points, whose contexts have no operations. Calls return Status with the call and its context in
+// the message and the errno mapped to the matching code (ENOMEM -> kResourceExhausted, EINVAL ->
+// kInvalidArgument, EPERM/EACCES -> kPermissionDenied, ENODEV -> kNotFound, ETIMEDOUT ->
+// kDeadlineExceeded,
 // ...; base/errno_status.h). Objects are held by RAII owners whose
 // destruction releases them; declare owners so that QPs and MRs go before
 // their CQ, PD and device context.
@@ -84,8 +84,8 @@ absl::StatusOr<Mr> RegMr(ibv_pd* pd, void* addr, uint64_t length, int access,
                          absl::string_view where);
 // Registers `length` bytes at `offset` of a dma-buf, addressed by peers from
 // `iova` on (device memory without nvidia-peermem).
-absl::StatusOr<Mr> RegDmaBufMr(ibv_pd* pd, uint64_t offset, uint64_t length, uint64_t iova,
-                               int fd, int access, absl::string_view where);
+absl::StatusOr<Mr> RegDmaBufMr(ibv_pd* pd, uint64_t offset, uint64_t length, uint64_t iova, int fd,
+                               int access, absl::string_view where);
 // Posts the chain; `*bad` is the first work request not posted.
 absl::Status PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 // Up to `max` completions into `wc`; how many, or the CQ's error.

@@ -23,7 +23,7 @@ namespace transport {
 namespace verbs {
 
 struct Route {
-  std::string device;     // "mlx5_0"
+  std::string device;  // "mlx5_0"
   uint32_t port = 0;
   std::string source_ip;  // the local address the route leaves from
 };

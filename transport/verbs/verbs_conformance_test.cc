@@ -68,17 +68,15 @@ TEST_P(VerbsTest, ManyLinksGrowTheCqAndAChainCompletesEveryRequest) {
   EXPECT_EQ(std::memcmp(src.data(), dst.data(), kCount * kBlock), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Verbs, VerbsTest,
-    ::testing::Values(testing::ConformanceParam{
-        "verbs", [] { return std::make_unique<VerbsHarness>(); }}),
-    testing::ConformanceParamName);
+INSTANTIATE_TEST_SUITE_P(Verbs, VerbsTest,
+                         ::testing::Values(testing::ConformanceParam{
+                             "verbs", [] { return std::make_unique<VerbsHarness>(); }}),
+                         testing::ConformanceParamName);
 
-INSTANTIATE_TEST_SUITE_P(
-    Verbs, TransportConformanceTest,
-    ::testing::Values(testing::ConformanceParam{
-        "verbs", [] { return std::make_unique<VerbsHarness>(); }}),
-    testing::ConformanceParamName);
+INSTANTIATE_TEST_SUITE_P(Verbs, TransportConformanceTest,
+                         ::testing::Values(testing::ConformanceParam{
+                             "verbs", [] { return std::make_unique<VerbsHarness>(); }}),
+                         testing::ConformanceParamName);
 
 }  // namespace
 }  // namespace transport

@@ -99,8 +99,8 @@ TEST(VerbsDeviceMemoryTest, WhetherThisKernelsRxeTakesDmaBufMemoryRegions) {
   ibv_mr* mr = ibv_reg_dmabuf_mr(pd, 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE);
   const int err = errno;
   EXPECT_EQ(mr, nullptr);  // fd -1 is never a dma-buf
-  std::printf("ibv_reg_dmabuf_mr(fd=-1) on %s: errno %d (%s)\n", ibv_get_device_name(list[0]),
-              err, std::strerror(err));
+  std::printf("ibv_reg_dmabuf_mr(fd=-1) on %s: errno %d (%s)\n", ibv_get_device_name(list[0]), err,
+              std::strerror(err));
   // And with a real dma-buf, where the kernel can make one.
   std::string why;
   const int dmabuf = UdmabufFd(4096, &why);
@@ -125,8 +125,8 @@ TEST(VerbsDeviceMemoryTest, WhetherThisKernelsRxeTakesDmaBufMemoryRegions) {
   // change worth a look.
   ASSERT_TRUE(err == EOPNOTSUPP || err == EPROTONOSUPPORT || err == EBADF) << std::strerror(err);
   if (err != EBADF) {
-    GTEST_SKIP() << "this kernel's rxe registers no dma-buf memory regions (errno " << err
-                 << ", " << std::strerror(err)
+    GTEST_SKIP() << "this kernel's rxe registers no dma-buf memory regions (errno " << err << ", "
+                 << std::strerror(err)
                  << "): the dma-buf path cannot run under Soft-RoCE; the peermem path does";
   }
 }

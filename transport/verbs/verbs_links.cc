@@ -35,32 +35,34 @@ absl::Status CheckPeerNic(const NicInfo& peer) {
 }  // namespace
 
 absl::StatusOr<VerbsTransport::Link*> VerbsTransport::NewLink(NicIndex n) {
-  if (n >= nics_.size()) return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", n));
-  if (links_.size() >= options_.max_links) {
+  if (n >= core_.nics.size())
+    return absl::InvalidArgumentError(absl::StrCat("unknown local NIC ", n));
+  if (core_.links.size() >= core_.options.max_links) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("this transport has its maximum of ", options_.max_links, " links"));
+        absl::StrCat("this transport has its maximum of ", core_.options.max_links, " links"));
   }
-  Nic& nic = nics_[n];
-  RETURN_IF_ERROR(ReserveCq(nic, options_.max_outstanding_per_link));
+  Nic& nic = core_.nics[n];
+  RETURN_IF_ERROR(ReserveCq(nic, core_.options.max_outstanding_per_link));
   auto link = std::make_unique<Link>();
   link->nic = n;
-  link->cq_entries = options_.max_outstanding_per_link;
+  link->cq_entries = core_.options.max_outstanding_per_link;
   link->reserved_in = &nic.cq_reserved;  // released when the link goes
-  ASSIGN_OR_RETURN(link->qp, NewQp(nic, options_.max_outstanding_per_link,
-                                   options_.max_inline_bytes, &link->max_inline));
+  ASSIGN_OR_RETURN(link->qp, NewQp(nic, core_.options.max_outstanding_per_link,
+                                   core_.options.max_inline_bytes, &link->max_inline));
   link->id = ++last_link_;
   link->psn = static_cast<uint32_t>(net::RandomU64()) & 0xffffff;
-  link->posted.resize(options_.max_outstanding_per_link);
+  link->posted.resize(core_.options.max_outstanding_per_link);
   Link* raw = link.get();
-  by_qp_[QpKey(n, raw->qp->qp_num)] = raw;
-  links_.emplace(raw->id, std::move(link));
+  core_.by_qp[QpKey(n, raw->qp->qp_num)] = raw;
+  core_.links.emplace(raw->id, std::move(link));
   return raw;
 }
 
 absl::Status VerbsTransport::Connect(Link& link, const Params& peer) {
-  const Nic& nic = nics_[link.nic];
+  const Nic& nic = core_.nics[link.nic];
   RETURN_IF_ERROR(ToRtr(nic, link.qp.get(), peer));
-  RETURN_IF_ERROR(ToRts(nic, link.qp.get(), link.psn, options_.timeout, options_.retry_count));
+  RETURN_IF_ERROR(
+      ToRts(nic, link.qp.get(), link.psn, core_.options.timeout, core_.options.retry_count));
   link.state = Link::State::kReady;
   return absl::OkStatus();
 }
@@ -79,7 +81,7 @@ absl::StatusOr<NicIndex> VerbsTransport::RouteTo(const NicInfo& peer_nic) {
   absl::StatusOr<NicIndex> answer = [&]() -> absl::StatusOr<NicIndex> {
     ASSIGN_OR_RETURN(verbs::Route route, verbs::ResolveRoute(ip));
     std::vector<verbs::SelectedPort> ports;
-    for (const Nic& nic : nics_) ports.push_back(nic.port);
+    for (const Nic& nic : core_.nics) ports.push_back(nic.port);
     ASSIGN_OR_RETURN(size_t index, verbs::PortForRoute(route, ports));
     KVF_LOG(INFO) << "verbs: rdma_cm routes " << ip << " via " << route.device << ":" << route.port
                   << " from " << route.source_ip;
@@ -95,9 +97,10 @@ absl::StatusOr<NicIndex> VerbsTransport::RouteTo(const NicInfo& peer_nic) {
 
 absl::StatusOr<LinkOffer> VerbsTransport::CreateLink(NicIndex local_nic, const NicInfo& peer_nic) {
   RETURN_IF_ERROR(CheckPeerNic(peer_nic));
-  MutexLock lock(&mu_);
+  MutexLock lock(&core_.mu);
   ASSIGN_OR_RETURN(Link * link, NewLink(local_nic));
-  return LinkOffer{link->id, EncodeParams(LocalParams(nics_[link->nic], *link->qp, link->psn))};
+  return LinkOffer{link->id,
+                   EncodeParams(LocalParams(core_.nics[link->nic], *link->qp, link->psn))};
 }
 
 absl::StatusOr<LinkOffer> VerbsTransport::AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
@@ -106,21 +109,22 @@ absl::StatusOr<LinkOffer> VerbsTransport::AcceptLink(NicIndex local_nic, const N
   absl::StatusOr<Params> decoded = DecodeParams(peer_params);
   if (!decoded.ok()) return Annotate(decoded.status(), "AcceptLink");
   const Params& peer = *decoded;
-  MutexLock lock(&mu_);
+  MutexLock lock(&core_.mu);
   ASSIGN_OR_RETURN(Link * link, NewLink(local_nic));
   absl::Status ready = Connect(*link, peer);
   if (!ready.ok()) {
-    by_qp_.erase(QpKey(link->nic, link->qp->qp_num));
-    links_.erase(link->id);  // destroys the QP
+    core_.by_qp.erase(QpKey(link->nic, link->qp->qp_num));
+    core_.links.erase(link->id);  // destroys the QP
     return ready;
   }
-  return LinkOffer{link->id, EncodeParams(LocalParams(nics_[link->nic], *link->qp, link->psn))};
+  return LinkOffer{link->id,
+                   EncodeParams(LocalParams(core_.nics[link->nic], *link->qp, link->psn))};
 }
 
 absl::Status VerbsTransport::CompleteLink(LinkId id, absl::string_view peer_params) {
-  MutexLock lock(&mu_);
-  auto it = links_.find(id);
-  if (it == links_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
+  MutexLock lock(&core_.mu);
+  auto it = core_.links.find(id);
+  if (it == core_.links.end()) return absl::InvalidArgumentError(absl::StrCat("unknown link ", id));
   Link& link = *it->second;
   if (link.state != Link::State::kPending) {
     return absl::FailedPreconditionError(absl::StrCat("link ", id, " is already complete"));
@@ -132,20 +136,20 @@ absl::Status VerbsTransport::CompleteLink(LinkId id, absl::string_view peer_para
 }
 
 absl::Status VerbsTransport::CloseLink(LinkId id) {
-  MutexLock lock(&mu_);
-  auto it = links_.find(id);
-  if (it == links_.end()) return absl::NotFoundError(absl::StrCat("unknown link ", id));
+  MutexLock lock(&core_.mu);
+  auto it = core_.links.find(id);
+  if (it == core_.links.end()) return absl::NotFoundError(absl::StrCat("unknown link ", id));
   // The NIC stops touching request buffers once the QP is destroyed; its
   // requests are reported cancelled now and late completions are ignored.
   Link& link = *it->second;
-  by_qp_.erase(QpKey(link.nic, link.qp->qp_num));
+  core_.by_qp.erase(QpKey(link.nic, link.qp->qp_num));
   link.qp.reset();
   while (link.count > 0) {
     Posted p = link.Pop();
     if (p.done) continue;
-    CompleteLocked(p.wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
+    core_.CompleteLocked(p.wr, absl::CancelledError(absl::StrCat("link ", id, " was closed")));
   }
-  links_.erase(it);
+  core_.links.erase(it);
   return absl::OkStatus();
 }
 

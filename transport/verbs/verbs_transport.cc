@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/clock.h"
 #include "base/logging.h"
 #include "base/mutex.h"
 #include "base/status_macros.h"
@@ -28,36 +29,35 @@ namespace transport {
 namespace verbs_internal {
 
 absl::Status VerbsTransport::Open() {
-  if (options_.ports.empty()) return absl::InvalidArgumentError("no RDMA ports to use");
-  nics_.resize(options_.ports.size());
-  for (size_t i = 0; i < nics_.size(); ++i) {
-    Nic& nic = nics_[i];
-    nic.port = options_.ports[i];
+  if (core_.options.ports.empty()) return absl::InvalidArgumentError("no RDMA ports to use");
+  core_.nics.resize(core_.options.ports.size());
+  for (size_t i = 0; i < core_.nics.size(); ++i) {
+    Nic& nic = core_.nics[i];
+    nic.port = core_.options.ports[i];
     RETURN_IF_ERROR(OpenNic(nic));
-    if (nic.max_mr_size > 0) max_region_bytes_ = std::min(max_region_bytes_, nic.max_mr_size);
-    max_request_bytes_ = std::min<uint64_t>(
-        max_request_bytes_ == 0 ? options_.max_request_bytes : max_request_bytes_,
+    if (nic.max_mr_size > 0)
+      core_.max_region_bytes = std::min(core_.max_region_bytes, nic.max_mr_size);
+    core_.max_request_bytes = std::min<uint64_t>(
+        core_.max_request_bytes == 0 ? core_.options.max_request_bytes : core_.max_request_bytes,
         nic.attr.max_msg_sz);
   }
-  ASSIGN_OR_RETURN(poller_, StartThread("the verbs completion poller", [this] { PollerLoop(); }));
-  return absl::OkStatus();
+  return poller_.Start();
 }
 
 VerbsTransport::~VerbsTransport() {
-  stopping_ = true;
-  if (poller_.joinable()) poller_.join();
-  MutexLock lock(&mu_);
+  poller_.Stop();
+  MutexLock lock(&core_.mu);
   // QPs and MRs before the NICs' CQs, PDs and devices.
-  by_qp_.clear();
-  links_.clear();
-  regions_.clear();
-  nics_.clear();
+  core_.by_qp.clear();
+  core_.links.clear();
+  core_.regions.clear();
+  core_.nics.clear();
 }
 
 EndpointDescription VerbsTransport::LocalEndpoint() const {
   EndpointDescription d;
   d.kind = kind::kVerbs;
-  for (const Nic& nic : nics_) {
+  for (const Nic& nic : core_.nics) {
     NicInfo info;
     info.name = absl::StrCat(nic.port.device, ":", nic.port.port);
     info.address = absl::StrCat("verbs:", GidText(nic.gid), "/", nic.attr.lid);
@@ -72,9 +72,10 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
   if (addr == nullptr) return absl::InvalidArgumentError("RegisterMemory: null address");
   if (length == 0) return absl::InvalidArgumentError("RegisterMemory: zero length");
   if (length > GetLimits().max_region_bytes) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "RegisterMemory: %u bytes exceed the largest region %s can register (%u)", length,
-        nics_.empty() ? "the device" : nics_[0].port.device, GetLimits().max_region_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("RegisterMemory: %u bytes exceed the largest region %s can register (%u)",
+                        length, core_.nics.empty() ? "the device" : core_.nics[0].port.device,
+                        GetLimits().max_region_bytes));
   }
   int flags = IBV_ACCESS_LOCAL_WRITE;
   if (AllowsRemoteWrite(access)) flags |= IBV_ACCESS_REMOTE_WRITE;
@@ -93,7 +94,7 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
   }
   const Registration what{addr, length, flags, device, dmabuf.has_value() ? &*dmabuf : nullptr};
   std::vector<absl::StatusOr<ibv::Mr>> mrs =
-      RegisterOnEveryNic(nics_, what, options_.parallel_registration_bytes);
+      RegisterOnEveryNic(core_.nics, what, core_.options.parallel_registration_bytes);
   // The MRs hold their own reference to the dma-buf.
   if (dmabuf.has_value() && dmabuf->ok()) ::close((*dmabuf)->fd);
   // Any failure: the others deregister as `mrs` goes.
@@ -102,27 +103,71 @@ absl::StatusOr<Region> VerbsTransport::RegisterMemory(void* addr, uint64_t lengt
     state->region.keys.push_back((*mr)->rkey);
     state->mrs.push_back(std::move(*mr));
   }
-  MutexLock lock(&mu_);
+  MutexLock lock(&core_.mu);
   Region& r = state->region;
   r.id = ++last_region_;
   r.addr = reinterpret_cast<uintptr_t>(addr);
   r.length = length;
   r.access = access;
   Region out = r;
-  regions_.emplace(r.id, std::move(state));
+  core_.regions.emplace(r.id, std::move(state));
   return out;
 }
 
 absl::Status VerbsTransport::UnregisterMemory(RegionId region) {
-  MutexLock lock(&mu_);
-  auto it = regions_.find(region);
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("unknown region ", region));
+  MutexLock lock(&core_.mu);
+  auto it = core_.regions.find(region);
+  if (it == core_.regions.end())
+    return absl::NotFoundError(absl::StrCat("unknown region ", region));
   if (it->second->local_uses != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "region ", region, " is used by ", it->second->local_uses, " outstanding request(s)"));
   }
-  regions_.erase(it);  // deregisters
+  core_.regions.erase(it);  // deregisters
   return absl::OkStatus();
+}
+
+size_t VerbsTransport::PollCompletions(absl::Span<Completion> out) {
+  // What the NICs have now, without waiting for the poller thread.
+  for (size_t i = 0; i < core_.nics.size(); ++i) poller_.Drain(i);
+  MutexLock lock(&core_.mu);
+  return core_.cq.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    auto region = core_.regions.find(id);
+    if (region != core_.regions.end()) --region->second->local_uses;
+  });
+}
+
+size_t VerbsTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
+  if (size_t n = PollCompletions(out); n > 0 || timeout <= absl::ZeroDuration()) return n;
+  // Poll the CQs from this thread for a moment (see busy_poll), then sleep.
+  const absl::Time spin_until = FastNow() + std::min(timeout, core_.options.busy_poll);
+  while (FastNow() < spin_until) {
+    bool any = core_.interrupted.exchange(false);
+    for (size_t i = 0; i < core_.nics.size(); ++i) any = poller_.Drain(i) || any;
+    if (any) return PollCompletions(out);
+  }
+  // Going to sleep: ask for completion events, then look once more (a
+  // completion that came before the request raises no event).
+  ++core_.sleepers;
+  for (Nic& nic : core_.nics) (void)ibv::ReqNotifyCq(nic.cq.get(), nic.port.device);
+  bool any = false;
+  for (size_t i = 0; i < core_.nics.size(); ++i) any = poller_.Drain(i) || any;
+  if (!any) {
+    MutexLock lock(&core_.mu);
+    core_.cq_cv.AwaitWithDeadline(&core_.mu, FastNow() + timeout,
+                                  [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                    return !core_.cq.empty() || core_.interrupted.load();
+                                  });
+  }
+  core_.interrupted.store(false);
+  --core_.sleepers;
+  return PollCompletions(out);
+}
+
+void VerbsTransport::InterruptWait() {
+  MutexLock lock(&core_.mu);  // a waiter checks the flag under it before sleeping
+  core_.interrupted.store(true);
+  core_.cq_cv.SignalAll();
 }
 
 }  // namespace verbs_internal
