@@ -8,12 +8,11 @@ namespace kv_internal {
 
 void EarlyWords::Keep(const std::string& id, EarlyWord word) {
   const size_t bytes = word.status.aux.size() + id.size();
-  if (bytes > KvReceiver::kMaxEarlyBytes) {
+  if (bytes > kMaxEarlyBytes) {
     ++dropped_;
     return;
   }
-  while (!early_.empty() && (early_.size() >= KvReceiver::kMaxEarlyWords ||
-                             bytes_ + bytes > KvReceiver::kMaxEarlyBytes)) {
+  while (!early_.empty() && (early_.size() >= kMaxEarlyWords || bytes_ + bytes > kMaxEarlyBytes)) {
     (void)Remove(early_.find(order_.begin()->second));
     ++dropped_;
   }
@@ -53,7 +52,7 @@ void EarlyWords::Expire() {
 }
 
 void EarlyWords::Announce(const std::string& id, BegunWord word) {
-  if (begun_.count(id) == 0 && begun_.size() >= KvReceiver::kMaxEarlyWords) {
+  if (begun_.count(id) == 0 && begun_.size() >= kMaxEarlyWords) {
     auto oldest = std::min_element(begun_.begin(), begun_.end(), [](const auto& a, const auto& b) {
       return a.second.arrived < b.second.arrived;
     });

@@ -12,6 +12,7 @@
 #ifndef KVFERRY_KV_EARLY_WORDS_H_
 #define KVFERRY_KV_EARLY_WORDS_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -19,14 +20,18 @@
 
 #include "absl/time/time.h"
 #include "base/clock.h"
-#include "kv/kv_cache.h"
+#include "kv/kv_request.h"
 
 namespace kvferry {
 namespace kv_internal {
 
+// The bounds (KvReceiver::kMaxEarlyWords, kMaxEarlyBytes).
+constexpr size_t kMaxEarlyWords = 4096;
+constexpr size_t kMaxEarlyBytes = 4 << 20;
+
 // A word that came before anyone expected its request.
 struct EarlyWord {
-  KvReceiver::Status status;
+  KvRequestStatus status;
   uint64_t engine_id = 0;  // its sender, as it claims
   uint64_t token = 0;
   uint64_t digest = 0;  // TransferEngine::NotificationDigest, to confirm it later

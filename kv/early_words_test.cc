@@ -22,7 +22,7 @@ class ManualClock : public Clock {
 
 EarlyWord WordWith(std::string aux, uint64_t engine_id = 7) {
   EarlyWord w;
-  w.status.state = KvReceiver::State::kComplete;
+  w.status.state = KvRequestState::kComplete;
   w.status.aux = std::move(aux);
   w.engine_id = engine_id;
   return w;
@@ -48,19 +48,19 @@ TEST(EarlyWords, KeptUntilTakenAndTakingIsNotADrop) {
 TEST(EarlyWords, TheOldestGoFirstPastTheCountBound) {
   ManualClock clock;
   EarlyWords words(&clock, absl::Seconds(60));
-  for (size_t i = 0; i < KvReceiver::kMaxEarlyWords + 3; ++i) {
+  for (size_t i = 0; i < kMaxEarlyWords + 3; ++i) {
     words.Keep("r" + std::to_string(i), WordWith(""));
   }
   EXPECT_EQ(words.dropped(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(words.Find("r" + std::to_string(i)), nullptr) << i;
   EXPECT_NE(words.Find("r3"), nullptr);
-  EXPECT_NE(words.Find("r" + std::to_string(KvReceiver::kMaxEarlyWords + 2)), nullptr);
+  EXPECT_NE(words.Find("r" + std::to_string(kMaxEarlyWords + 2)), nullptr);
 }
 
 TEST(EarlyWords, TheOldestGoFirstPastTheByteBound) {
   ManualClock clock;
   EarlyWords words(&clock, absl::Seconds(60));
-  const std::string third(KvReceiver::kMaxEarlyBytes / 3 - 16, 'x');  // three fit, ids and all
+  const std::string third(kMaxEarlyBytes / 3 - 16, 'x');  // three fit, ids and all
   words.Keep("a", WordWith(third));
   words.Keep("b", WordWith(third));
   words.Keep("c", WordWith(third));
@@ -74,7 +74,7 @@ TEST(EarlyWords, TheOldestGoFirstPastTheByteBound) {
   words.Keep("e", WordWith(third));
   EXPECT_EQ(words.dropped(), 1u);
   // One larger than the bound alone is dropped, and nothing else.
-  words.Keep("huge", WordWith(std::string(KvReceiver::kMaxEarlyBytes + 1, 'y')));
+  words.Keep("huge", WordWith(std::string(kMaxEarlyBytes + 1, 'y')));
   EXPECT_EQ(words.dropped(), 2u);
   EXPECT_EQ(words.Find("huge"), nullptr);
   EXPECT_NE(words.Find("e"), nullptr);
@@ -102,7 +102,7 @@ TEST(EarlyWords, OldWordsExpire) {
 TEST(EarlyWords, BeginWordsAreBoundedToo) {
   ManualClock clock;
   EarlyWords words(&clock, absl::Seconds(60));
-  for (size_t i = 0; i < KvReceiver::kMaxEarlyWords; ++i) {
+  for (size_t i = 0; i < kMaxEarlyWords; ++i) {
     words.Announce("r" + std::to_string(i), BegunWord{"h:1", i, {}});
     clock.SleepFor(absl::Milliseconds(1));
   }

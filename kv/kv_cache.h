@@ -27,7 +27,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,11 +35,9 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/mutex.h"
-#include "base/recent_set.h"
 #include "engine/transfer_engine.h"
-#include "kv/prefill_probe.h"
-#include "kv/watch_set.h"
-#include "net/socket.h"
+#include "kv/kv_receiver_internal.h"
+#include "kv/kv_request.h"
 
 namespace kvferry {
 namespace kv_internal {
@@ -229,12 +226,8 @@ class KvSender {
 
 class KvReceiver {
  public:
-  enum class State { kPending, kComplete, kFailed };
-  struct Status {
-    State state = State::kPending;
-    absl::Status error;  // kFailed: why
-    std::string aux;     // kComplete: the sender's auxiliary payload
-  };
+  using State = KvRequestState;    // kv/kv_request.h
+  using Status = KvRequestStatus;  // its state, error or aux payload
   struct Options {
     // A prefill that an expected request comes from (Expect) and that stays
     // dead, frozen or unreachable this long fails its requests; the report
@@ -247,8 +240,8 @@ class KvReceiver {
     // payloads (the oldest go first), for an Expect, Poll or Wait to come.
     absl::Duration early_word_ttl = absl::Seconds(60);
   };
-  static constexpr size_t kMaxEarlyWords = 4096;
-  static constexpr size_t kMaxEarlyBytes = 4 << 20;
+  static constexpr size_t kMaxEarlyWords = kv_internal::kMaxEarlyWords;
+  static constexpr size_t kMaxEarlyBytes = kv_internal::kMaxEarlyBytes;
 
   // Registers `pool` for remote writes and publishes its layout so senders
   // can find it. `engine` must outlive the receiver. It takes only the KV
@@ -286,136 +279,44 @@ class KvReceiver {
   // trip, when no request from it is pending). A prefill that cannot be
   // asked then and restarts later is not told from its successor.
   absl::Status Expect(const std::string& request_id, const std::string& prefill,
-                      uint64_t prefill_engine_id = 0) ABSL_LOCKS_EXCLUDED(mu_);
+                      uint64_t prefill_engine_id = 0) ABSL_LOCKS_EXCLUDED(state_.mu);
 
   const KvPool& pool() const { return pool_; }
   // The request's state now (kPending if nothing has been heard of it).
-  Status Poll(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
+  Status Poll(const std::string& request_id) ABSL_LOCKS_EXCLUDED(state_.mu);
   // Waits until the request completes or fails (several threads may wait,
   // each for its own request). kDeadlineExceeded if it is still pending
   // after `timeout`.
   absl::StatusOr<Status> Wait(const std::string& request_id, absl::Duration timeout)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_LOCKS_EXCLUDED(state_.mu);
   // Forgets a finished request (its aux payload too).
-  void Forget(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
+  void Forget(const std::string& request_id) ABSL_LOCKS_EXCLUDED(state_.mu);
   // The engine's notifications that are not KV-layer words (taken from its
   // inbox).
   std::vector<Notification> TakeOtherNotifications();
   // Requests whose pages did not match the sender's checksums.
-  uint64_t checksum_failures() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t checksum_failures() const ABSL_LOCKS_EXCLUDED(state_.mu);
   // Words about expected requests that came from another engine (ignored).
-  uint64_t ignored_words() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t ignored_words() const ABSL_LOCKS_EXCLUDED(state_.mu);
   // Words about requests nobody expected that were dropped unclaimed (too
   // old, or pushed out by newer ones).
-  uint64_t dropped_early_words() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t dropped_early_words() const ABSL_LOCKS_EXCLUDED(state_.mu);
   // Words about expected requests that the engine they name did not
   // confirm sending (forged, or from a prefill that could not be asked):
   // ignored.
-  uint64_t unconfirmed_words() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t unconfirmed_words() const ABSL_LOCKS_EXCLUDED(state_.mu);
 
  private:
-  using Prefill = kv_internal::PrefillState;  // kv/prefill_probe.h
   KvReceiver(TransferEngine* engine, KvPool pool, Options options);
-  // A word taken from the engine, and whether the engine it names, asked
-  // at the address its request is expected from, said it sent it
-  // (TransferEngine::ConfirmSent). Only a confirmed word fails, completes
-  // or aborts an expected request; a word nobody expects yet is kept
-  // unconfirmed, and confirmed when an Expect names its prefill.
-  struct Vetted {
-    Notification n;
-    bool confirmed = false;
-    bool unasked = false;  // its prefill could not be asked (no answer): try again later
-  };
-  // Confirms the words about expected requests (a round trip to their
-  // prefills each; none while holding mu_).
-  std::vector<Vetted> Vet(std::vector<Notification> notes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Vet(what the engine holds for this receiver), then Absorb; mu_ held on
-  // entry and exit, released while vetting.
-  void TakeWords() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Absorb(std::vector<Vetted> words) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A word about the expected request `e`: true when it counts (confirmed,
-  // from the instance expected; the request is no longer expected then),
-  // false when it is ignored, counted as forged, or kept to ask again.
-  bool TakeExpected(Vetted& v, std::map<std::string, std::string>::iterator e)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves `id`'s early word, if any, to requests_: for an Expect
-  // (`expected`), only one from `instance` (when known) that was confirmed
-  // (at arrival, or by the caller: `confirmed`); for a Poll or Wait without
-  // an Expect, any (nothing names its prefill to ask).
-  void ClaimEarly(const std::string& id, uint64_t instance, bool expected, bool confirmed)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // What a word says about its request (checksums verified; the sender's
-  // links dropped for an aborted one).
-  // An abort drops the sender's links first: all of them when it confirmed
-  // the word, else only those asked for from where the word came from (a
-  // forger on another host cannot cut an innocent engine's links).
-  Status Resolve(const std::string& id, const kv_internal::Word& w, uint64_t from,
-                 absl::string_view source, bool confirmed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A prefill's word that it began a request nobody expects (Expect) yet,
-  // confirmed by the engine at the address it names: a Poll or Wait
-  // without Expect watches that prefill from then on (Adopt).
-  // "begn": kept (bounded as early words are); true when a Poll or Wait
-  // asks for the request already (the caller adopts it then).
-  bool Announced(const std::string& id, const Vetted& v, absl::string_view prefill)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Expects `id` from the prefill a begn word named, if one did and
-  // nothing expects the request yet (an Expect's binding without a call).
-  void Adopt(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether the prefill at `peer` confirms it sent the early word about
-  // `request_id` (from `instance`, when known), if one is kept unconfirmed.
-  bool ConfirmEarly(const std::string& request_id, uint64_t instance, const std::string& peer)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // Expects `request_id` from the prefill at `peer`: its entry is `first`
-  // if it is new, else it takes the `named` instance if none is known yet;
-  // the watcher runs from then on (its start failing undoes this).
-  absl::Status ExpectFrom(const std::string& request_id, const std::string& peer, Prefill first,
-                          uint64_t named) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Starts the watcher thread if it is not running (real time only).
-  absl::Status StartWatcher() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Probes the prefills that are due, at once (at most kMaxProbesAtOnce at
-  // a time); fences and fails those that are dead.
-  void CheckPrefills();
-  // What `probe` says of the prefill `p` at `peer`: dead (fenced, its
-  // requests failed) or alive (its next probe planned, its watch kept).
-  void Judge(const std::string& peer, const Prefill& p, kv_internal::Probe& probe)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  void Watch();
-  void FailFrom(const std::string& prefill, const absl::Status& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Stops expecting `e`'s request; its prefill is forgotten with the last.
-  void Unexpect(std::map<std::string, std::string>::iterator e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A completion with checksums: the aux payload, or why the pages differ.
-  absl::StatusOr<std::string> Verify(const std::string& request_id, absl::string_view body)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   TransferEngine* const engine_;
   const KvPool pool_;
   const Options options_;
-  mutable Mutex mu_;
-  CondVar changed_;                            // a request finished, or Expect/stop
-  bool pumping_ ABSL_GUARDED_BY(mu_) = false;  // a Wait is in WaitNotification
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool watcher_started_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<std::string, Status> requests_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> expected_ ABSL_GUARDED_BY(mu_);  // request -> prefill
-  // The prefills pending expected requests come from, and nothing else.
-  std::map<std::string, Prefill> prefills_ ABSL_GUARDED_BY(mu_);
-  uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t ignored_words_ ABSL_GUARDED_BY(mu_) = 0;
-  // Early and begin words (kv/early_words.h).
-  const std::unique_ptr<kv_internal::EarlyWords> early_ ABSL_PT_GUARDED_BY(mu_);
-  uint64_t unconfirmed_ ABSL_GUARDED_BY(mu_) = 0;
-  // Words about expected requests whose prefill could not be asked yet.
-  std::vector<Notification> unasked_ ABSL_GUARDED_BY(mu_);
-  // The attempt whose word finished each request, and the attempts of
-  // requests forgotten since (their words are ignored; the oldest of more
-  // than kMaxRetired are forgotten in turn).
-  static constexpr size_t kMaxRetired = 65536;
-  std::map<std::string, uint64_t> tokens_ ABSL_GUARDED_BY(mu_);
-  RecentSet<std::pair<std::string, uint64_t>> retired_ ABSL_GUARDED_BY(mu_){kMaxRetired};
-  std::thread watcher_;  // with the real clock; simulations check from Wait
-  // The watcher's wake-up and its watch connections (kv/watch_set.h).
-  kv_internal::WatchSet watches_ ABSL_GUARDED_BY(mu_);
+  // Its units (kv/kv_receiver_internal.h); the watcher is declared after
+  // the state, so its thread is joined before the state goes.
+  kv_internal::ReceiverState state_;
+  kv_internal::PrefillWatcher watcher_{state_};
+  kv_internal::WordTaker words_{state_, watcher_};
 };
 
 // The metadata key under which a receiver publishes its pool.

@@ -55,17 +55,9 @@ KvReceiver::KvReceiver(TransferEngine* engine, KvPool pool, Options options)
     : engine_(engine),
       pool_(std::move(pool)),
       options_(options),
-      early_(std::make_unique<kv_internal::EarlyWords>(engine->clock(), options.early_word_ttl)) {}
+      state_(engine, &pool_, options.peer_timeout, options.early_word_ttl) {}
 
-KvReceiver::~KvReceiver() {
-  {
-    MutexLock lock(&mu_);
-    stopping_ = true;
-    changed_.SignalAll();
-    watches_.Wake();
-  }
-  if (watcher_.joinable()) watcher_.join();
-}
+KvReceiver::~KvReceiver() = default;  // the watcher stops and joins its thread
 
 absl::Status KvReceiver::Expect(const std::string& request_id, const std::string& prefill,
                                 uint64_t prefill_engine_id) {
@@ -75,8 +67,8 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   const std::string peer = hp->ToString();
   bool watched;  // requests from it are pending: its instance is known
   {
-    MutexLock lock(&mu_);
-    watched = prefills_.count(peer) != 0;
+    MutexLock lock(&state_.mu);
+    watched = state_.prefills.count(peer) != 0;
   }
   // A prefill not being watched is asked who it is now (one round trip),
   // unless the caller named the instance, so that a restart later is told
@@ -98,62 +90,37 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   const absl::Time now = engine_->clock()->Now();
   const bool presented = instance != 0 && instance != prefill_engine_id;
   // A word that came first is confirmed with this prefill before it counts.
-  const bool confirmed = ConfirmEarly(request_id, instance, peer);
+  const bool confirmed = words_.ConfirmEarly(request_id, instance, peer);
   {
-    MutexLock lock(&mu_);
-    ClaimEarly(request_id, instance, /*expected=*/true, confirmed);
-    (void)early_->TakeBegun(request_id);  // Expect names the prefill itself
-    Status& s = requests_[request_id];
+    MutexLock lock(&state_.mu);
+    words_.ClaimEarly(state_, request_id, instance, /*expected=*/true, confirmed);
+    (void)state_.early.TakeBegun(request_id);  // Expect names the prefill itself
+    Status& s = state_.requests[request_id];
     // Its word came first (the prefill was quicker than this call): there
     // is nothing left to watch.
     if (s.state != State::kPending) return absl::OkStatus();
-    if (auto again = expected_.find(request_id); again != expected_.end()) Unexpect(again);
-    return ExpectFrom(
-        request_id, peer,
-        Prefill{instance, presented, now, probe_now ? now : now + options_.peer_timeout / 4},
+    if (auto again = state_.expected.find(request_id); again != state_.expected.end())
+      watcher_.Unexpect(state_, again);
+    return watcher_.ExpectFrom(
+        state_, request_id, peer,
+        kv_internal::PrefillState{instance, presented, now,
+                                  probe_now ? now : now + options_.peer_timeout / 4},
         prefill_engine_id);
   }
 }
 
-absl::Status KvReceiver::ExpectFrom(const std::string& request_id, const std::string& peer,
-                                    Prefill first, uint64_t named) {
-  auto [known, fresh] = prefills_.try_emplace(peer, first);
-  if (!fresh && named != 0 && known->second.engine_id == 0) known->second.engine_id = named;
-  ++known->second.expected;
-  expected_[request_id] = peer;
-  changed_.SignalAll();
-  watches_.Wake();
-  absl::Status started = StartWatcher();
-  if (!started.ok()) Unexpect(expected_.find(request_id));
-  return started;
-}
-
-bool KvReceiver::ConfirmEarly(const std::string& request_id, uint64_t instance,
-                              const std::string& peer) {
-  std::optional<std::pair<uint64_t, uint64_t>> early;  // its sender and digest
-  {
-    MutexLock lock(&mu_);
-    const kv_internal::EarlyWord* e = early_->Find(request_id);
-    if (e != nullptr && !e->confirmed && (instance == 0 || e->engine_id == instance)) {
-      early.emplace(e->engine_id, e->digest);
-    }
-  }
-  if (!early.has_value()) return false;
-  return engine_->ConfirmSent(peer, early->first, early->second, options_.peer_timeout / 4)
-      .value_or(false);
-}
-
 KvReceiver::Status KvReceiver::Poll(const std::string& request_id) {
-  MutexLock lock(&mu_);
-  TakeWords();
-  if (requests_.find(request_id) == requests_.end()) ClaimEarly(request_id, 0, false, false);
-  auto it = requests_.find(request_id);
-  if (it == requests_.end() && early_->Announced(request_id)) {
-    requests_.try_emplace(request_id);  // a Poll asks for it: its prefill is watched
-    Adopt(request_id);
-    it = requests_.find(request_id);
+  MutexLock lock(&state_.mu);
+  words_.TakeWords(state_);
+  if (state_.requests.find(request_id) == state_.requests.end())
+    words_.ClaimEarly(state_, request_id, 0, false, false);
+  auto it = state_.requests.find(request_id);
+  if (it == state_.requests.end() && state_.early.Announced(request_id)) {
+    state_.requests.try_emplace(request_id);  // a Poll asks for it: its prefill is watched
+    words_.Adopt(state_, request_id);
+    it = state_.requests.find(request_id);
   }
-  return it == requests_.end() ? Status{} : it->second;
+  return it == state_.requests.end() ? Status{} : it->second;
 }
 
 absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_id,
@@ -165,72 +132,73 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
   Clock* clock = engine_->clock();
   const bool simulated = clock != RealClock();
   const absl::Time deadline = clock->Now() + timeout;
-  mu_.Lock();
+  state_.mu.Lock();
   // A waiter expects the request: its words are kept from now on.
-  ClaimEarly(request_id, 0, false, false);
-  requests_.try_emplace(request_id);
-  Adopt(request_id);
+  words_.ClaimEarly(state_, request_id, 0, false, false);
+  state_.requests.try_emplace(request_id);
+  words_.Adopt(state_, request_id);
   for (;;) {
-    TakeWords();
-    auto it = requests_.find(request_id);
-    if (it != requests_.end() && it->second.state != State::kPending) {
+    words_.TakeWords(state_);
+    auto it = state_.requests.find(request_id);
+    if (it != state_.requests.end() && it->second.state != State::kPending) {
       Status s = it->second;
-      mu_.Unlock();
+      state_.mu.Unlock();
       return s;
     }
     const absl::Duration left = deadline - clock->Now();
     if (left <= absl::ZeroDuration()) {
-      mu_.Unlock();
+      state_.mu.Unlock();
       return absl::DeadlineExceededError(absl::StrCat(
           "KV request ", request_id, " still pending after ", absl::FormatDuration(timeout)));
     }
-    if (pumping_) {
-      changed_.WaitWithTimeout(&mu_, std::min(left, kSlice));
+    if (state_.pumping) {
+      state_.changed.WaitWithTimeout(&state_.mu, std::min(left, kSlice));
       continue;
     }
-    pumping_ = true;
-    mu_.Unlock();
-    if (simulated) CheckPrefills();  // no watcher thread on simulated time
+    state_.pumping = true;
+    state_.mu.Unlock();
+    if (simulated) watcher_.CheckPrefills();  // no watcher thread on simulated time
     absl::StatusOr<Notification> n = engine_->WaitNotification(std::min(left, kSlice), IsWord);
-    std::vector<Vetted> words;
-    if (n.ok()) words = Vet({std::move(*n)});
-    mu_.Lock();
-    pumping_ = false;
-    Absorb(std::move(words));
-    changed_.SignalAll();
+    std::vector<kv_internal::Vetted> words;
+    if (n.ok()) words = words_.Vet({std::move(*n)});
+    state_.mu.Lock();
+    state_.pumping = false;
+    words_.Absorb(state_, std::move(words));
+    state_.changed.SignalAll();
   }
 }
 
 uint64_t KvReceiver::ignored_words() const {
-  MutexLock lock(&mu_);
-  return ignored_words_;
+  MutexLock lock(&state_.mu);
+  return state_.ignored_words;
 }
 
 uint64_t KvReceiver::unconfirmed_words() const {
-  MutexLock lock(&mu_);
-  return unconfirmed_;
+  MutexLock lock(&state_.mu);
+  return state_.unconfirmed;
 }
 
 uint64_t KvReceiver::dropped_early_words() const {
-  MutexLock lock(&mu_);
-  return early_->dropped();
+  MutexLock lock(&state_.mu);
+  return state_.early.dropped();
 }
 
 uint64_t KvReceiver::checksum_failures() const {
-  MutexLock lock(&mu_);
-  return checksum_failures_;
+  MutexLock lock(&state_.mu);
+  return state_.checksum_failures;
 }
 
 void KvReceiver::Forget(const std::string& request_id) {
-  MutexLock lock(&mu_);
-  requests_.erase(request_id);
-  early_->Forget(request_id);  // forgotten by the application, not dropped
-  if (auto t = tokens_.find(request_id); t != tokens_.end()) {
+  MutexLock lock(&state_.mu);
+  state_.requests.erase(request_id);
+  state_.early.Forget(request_id);  // forgotten by the application, not dropped
+  if (auto t = state_.tokens.find(request_id); t != state_.tokens.end()) {
     // Its attempt's words are ignored from now on (the id may come again).
-    retired_.Insert({request_id, t->second});
-    tokens_.erase(t);
+    state_.retired.Insert({request_id, t->second});
+    state_.tokens.erase(t);
   }
-  if (auto e = expected_.find(request_id); e != expected_.end()) Unexpect(e);
+  if (auto e = state_.expected.find(request_id); e != state_.expected.end())
+    watcher_.Unexpect(state_, e);
 }
 
 std::vector<Notification> KvReceiver::TakeOtherNotifications() {

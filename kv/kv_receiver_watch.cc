@@ -18,87 +18,111 @@
 #include "base/status_macros.h"
 #include "base/thread.h"
 #include "kv/kv_cache.h"
+#include "kv/kv_receiver_internal.h"
 #include "kv/kv_words.h"
 #include "net/socket.h"
 
 namespace kvferry {
+namespace kv_internal {
 
-void KvReceiver::Watch() {
-  mu_.Lock();
-  while (!stopping_) {
+PrefillWatcher::~PrefillWatcher() {
+  {
+    MutexLock lock(&s_.mu);
+    s_.stopping = true;
+    s_.changed.SignalAll();
+    s_.watches.Wake();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::Status PrefillWatcher::ExpectFrom(ReceiverState& s, const std::string& request_id,
+                                        const std::string& peer, PrefillState first,
+                                        uint64_t named) {
+  auto [known, fresh] = s.prefills.try_emplace(peer, first);
+  if (!fresh && named != 0 && known->second.engine_id == 0) known->second.engine_id = named;
+  ++known->second.expected;
+  s.expected[request_id] = peer;
+  s.changed.SignalAll();
+  s.watches.Wake();
+  absl::Status started = Start(s);
+  if (!started.ok()) Unexpect(s, s.expected.find(request_id));
+  return started;
+}
+
+void PrefillWatcher::Loop() {
+  s_.mu.Lock();
+  while (!s_.stopping) {
     absl::Time next = absl::InfiniteFuture();
-    for (const auto& [peer, p] : prefills_) next = std::min(next, p.next_probe);
+    for (const auto& [peer, p] : s_.prefills) next = std::min(next, p.next_probe);
     const absl::Duration wait = next - absl::Now();
     if (wait > absl::ZeroDuration()) {
       // A closed watch makes its prefill due now.
       const std::vector<std::string> ended =
-          watches_.Wait(&mu_, &changed_, std::min(wait, absl::Hours(1)));
+          s_.watches.Wait(&s_.mu, &s_.changed, std::min(wait, absl::Hours(1)));
       const absl::Time now = absl::Now();
       for (const std::string& peer : ended) {
-        auto p = prefills_.find(peer);
-        if (p == prefills_.end()) continue;
+        auto p = s_.prefills.find(peer);
+        if (p == s_.prefills.end()) continue;
         p->second.next_probe = now;
-        p->second.quick_retries = kv_internal::kQuickRetries;
+        p->second.quick_retries = kQuickRetries;
       }
       continue;
     }
-    mu_.Unlock();
+    s_.mu.Unlock();
     CheckPrefills();
-    mu_.Lock();
+    s_.mu.Lock();
   }
-  mu_.Unlock();
+  s_.mu.Unlock();
 }
 
-void KvReceiver::CheckPrefills() {
+void PrefillWatcher::CheckPrefills() {
   // The due prefills, their states and whether each is watched, in one
   // look under the lock; probed and judged outside it.
   std::vector<std::string> peers;
-  std::vector<Prefill> states;
+  std::vector<PrefillState> states;
   std::vector<bool> watched;
   {
-    MutexLock lock(&mu_);
-    const absl::Time now = engine_->clock()->Now();
-    for (const auto& [peer, p] : prefills_) {
+    MutexLock lock(&s_.mu);
+    const absl::Time now = s_.engine->clock()->Now();
+    for (const auto& [peer, p] : s_.prefills) {
       if (p.next_probe > now) continue;
       peers.push_back(peer);
       states.push_back(p);
-      watched.push_back(watches_.Has(peer));
+      watched.push_back(s_.watches.Has(peer));
     }
   }
   if (peers.empty()) return;
-  std::vector<kv_internal::Probe> probes =
-      kv_internal::ProbeAll(*engine_, peers, watched, options_.peer_timeout / 4);
+  std::vector<Probe> probes = ProbeAll(*s_.engine, peers, watched, s_.peer_timeout / 4);
   for (size_t i = 0; i < peers.size(); ++i) Judge(peers[i], states[i], probes[i]);
 }
 
-void KvReceiver::Judge(const std::string& peer, const Prefill& p, kv_internal::Probe& probe) {
-  const absl::Duration period = options_.peer_timeout / 4;
+void PrefillWatcher::Judge(const std::string& peer, const PrefillState& p, Probe& probe) {
+  const absl::Duration period = s_.peer_timeout / 4;
   const absl::StatusOr<uint64_t>& id = probe.id;
   // Silent handshake, busy data links: alive (its probes may be starved
   // or lost; its writes are not). Only for an instance that presented
   // itself: links claiming a merely named id prove nothing.
-  const uint64_t inputs = p.presented ? engine_->DataInputsFrom(p.engine_id) : 0;
+  const uint64_t inputs = p.presented ? s_.engine->DataInputsFrom(p.engine_id) : 0;
   const bool data_moved = inputs > p.inputs;
-  const absl::Status dead =
-      kv_internal::DeathOf(peer, p, id, probe.end, data_moved, options_.peer_timeout);
+  const absl::Status dead = DeathOf(peer, p, id, probe.end, data_moved, s_.peer_timeout);
   // Fenced before anyone is told: nothing of it lands afterwards. Only an
   // id the prefill presented itself: never one a caller merely named.
   if (!dead.ok() && p.engine_id != 0 && p.presented) {
-    engine_->FencePeer(p.engine_id, dead.message());
+    s_.engine->FencePeer(p.engine_id, dead.message());
   }
-  MutexLock lock(&mu_);
-  auto it = prefills_.find(peer);
-  if (it == prefills_.end()) return;
+  MutexLock lock(&s_.mu);
+  auto it = s_.prefills.find(peer);
+  if (it == s_.prefills.end()) return;
   if (!dead.ok()) {
-    FailFrom(peer, dead);  // forgets the prefill with its last request
+    FailFrom(s_, peer, dead);  // forgets the prefill with its last request
     return;
   }
-  Prefill& now = it->second;
+  PrefillState& now = it->second;
   if (id.ok()) {
     now.engine_id = *id;
     now.presented = true;
   }
-  if (probe.watch.valid()) watches_.Add(peer, std::move(probe.watch));  // polled from now on
+  if (probe.watch.valid()) s_.watches.Add(peer, std::move(probe.watch));  // polled from now on
   // An answer, even a refusal (an overloaded or fencing engine), means its
   // process is alive.
   const bool answered = id.ok() || TransferEngine::PeerAnswered(id.status());
@@ -109,46 +133,48 @@ void KvReceiver::Judge(const std::string& peer, const Prefill& p, kv_internal::P
     now.quick_retries = 0;
   } else if (now.quick_retries > 0) {
     --now.quick_retries;
-    now.next_probe = std::min(now.next_probe, probe.end + kv_internal::kQuickRetry);
+    now.next_probe = std::min(now.next_probe, probe.end + kQuickRetry);
   }
 }
 
-void KvReceiver::FailFrom(const std::string& prefill, const absl::Status& why) {
+void PrefillWatcher::FailFrom(ReceiverState& s, const std::string& prefill,
+                              const absl::Status& why) {
   // Words still in the engine's inbox are not taken: the prefill, gone,
   // cannot confirm them (they stay there for the next Poll or Wait, and
   // find their requests failed).
-  for (auto it = expected_.begin(); it != expected_.end();) {
+  for (auto it = s.expected.begin(); it != s.expected.end();) {
     if (it->second != prefill) {
       ++it;
       continue;
     }
-    Status& s = requests_[it->first];
-    if (s.state == State::kPending) {
-      s.state = State::kFailed;
-      s.error = why;
+    KvRequestStatus& r = s.requests[it->first];
+    if (r.state == KvRequestState::kPending) {
+      r.state = KvRequestState::kFailed;
+      r.error = why;
     }
-    Unexpect(it++);
+    Unexpect(s, it++);
   }
-  changed_.SignalAll();
+  s.changed.SignalAll();
 }
 
-void KvReceiver::Unexpect(std::map<std::string, std::string>::iterator e) {
-  auto p = prefills_.find(e->second);
-  if (p != prefills_.end() && --p->second.expected == 0) {
-    watches_.Remove(p->first);
-    prefills_.erase(p);
+void PrefillWatcher::Unexpect(ReceiverState& s, Expectation e) {
+  auto p = s.prefills.find(e->second);
+  if (p != s.prefills.end() && --p->second.expected == 0) {
+    s.watches.Remove(p->first);
+    s.prefills.erase(p);
   }
-  expected_.erase(e);
+  s.expected.erase(e);
 }
 
-absl::Status KvReceiver::StartWatcher() {
-  if (watcher_started_ || engine_->clock() != RealClock()) return absl::OkStatus();
+absl::Status PrefillWatcher::Start(ReceiverState& s) {
+  if (s.watcher_started || s.engine->clock() != RealClock()) return absl::OkStatus();
   absl::StatusOr<std::thread> t =
-      StartThread("a KV receiver's prefill watcher", [this] { Watch(); });
+      StartThread("a KV receiver's prefill watcher", [this] { Loop(); });
   if (!t.ok()) return t.status();
-  watcher_started_ = true;
-  watcher_ = std::move(*t);
+  s.watcher_started = true;
+  thread_ = std::move(*t);
   return absl::OkStatus();
 }
 
+}  // namespace kv_internal
 }  // namespace kvferry
