@@ -22,11 +22,9 @@ sim::FaultOptions Lossy() {
 
 INSTANTIATE_TEST_SUITE_P(
     Sim, TransportConformanceTest,
-    ::testing::Values(
-        ConformanceParam{"sim",
-                         [] { return std::make_unique<SimHarness>(1); }},
-        ConformanceParam{"sim_lossy",
-                         [] { return std::make_unique<SimHarness>(2, Lossy()); }}),
+    ::testing::Values(ConformanceParam{"sim", [] { return std::make_unique<SimHarness>(1); }},
+                      ConformanceParam{"sim_lossy",
+                                       [] { return std::make_unique<SimHarness>(2, Lossy()); }}),
     testing::ConformanceParamName);
 
 }  // namespace

@@ -20,15 +20,12 @@ namespace transport {
 
 class SimHarness : public testing::TransportHarness {
  public:
-  explicit SimHarness(uint64_t seed, sim::FaultOptions faults = {},
-                      int nics_per_node = 2)
-      : root_(seed),
-        fabric_(&sched_, root_.Next64(), faults),
-        nics_per_node_(nics_per_node) {}
+  explicit SimHarness(uint64_t seed, sim::FaultOptions faults = {}, int nics_per_node = 2)
+      : root_(seed), fabric_(&sched_, root_.Next64(), faults), nics_per_node_(nics_per_node) {}
 
   // A transport on a new node (or on `node` when given, e.g. a restart).
-  absl::StatusOr<std::unique_ptr<SimTransport>> NewSimTransport(
-      int node = -1, SimTransportOptions options = {}) {
+  absl::StatusOr<std::unique_ptr<SimTransport>> NewSimTransport(int node = -1,
+                                                                SimTransportOptions options = {}) {
     if (node < 0) {
       node = static_cast<int>(fabric_.AddNode(absl::StrCat("n", fabric_.node_count())));
       std::vector<sim::NicId> nics;

@@ -36,23 +36,26 @@
 #define KVFERRY_TRANSPORT_SIM_SIM_TRANSPORT_H_
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "sim/fabric.h"
 #include "sim/prng.h"
 #include "sim/scheduler.h"
-#include "transport/completion_queue.h"
 #include "transport/transport.h"
 
 namespace kvferry {
 namespace transport {
+namespace sim_internal {
+struct Link;
+struct SimCore;
+class SimRequester;
+class SimResponder;
+}  // namespace sim_internal
 
 struct SimTransportOptions {
   // The fabric NICs this transport owns, in NicIndex order. Each fabric NIC
@@ -74,8 +77,9 @@ class SimTransport final : public Transport {
   // `fabric` (and its scheduler) must outlive the transport. `seed` drives
   // keys and injected error completions. kInvalidArgument for no NICs, an
   // unknown NIC, NICs on different nodes, or zero limits.
-  static absl::StatusOr<std::unique_ptr<SimTransport>> Create(
-      sim::Fabric* fabric, SimTransportOptions options, uint64_t seed);
+  static absl::StatusOr<std::unique_ptr<SimTransport>> Create(sim::Fabric* fabric,
+                                                              SimTransportOptions options,
+                                                              uint64_t seed);
   ~SimTransport() override;
 
   // Simulated time within which a request to a peer that stopped answering
@@ -85,64 +89,32 @@ class SimTransport final : public Transport {
 
   EndpointDescription LocalEndpoint() const override;
   Limits GetLimits() const override;
-  absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length,
-                                        Access access) override;
+  absl::StatusOr<Region> RegisterMemory(void* addr, uint64_t length, Access access) override;
   absl::Status UnregisterMemory(RegionId region) override;
-  absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic,
-                                       const NicInfo& peer_nic) override;
-  absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic,
-                                       const NicInfo& peer_nic,
+  absl::StatusOr<LinkOffer> CreateLink(NicIndex local_nic, const NicInfo& peer_nic) override;
+  absl::StatusOr<LinkOffer> AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
                                        absl::string_view peer_params) override;
-  absl::Status CompleteLink(LinkId link,
-                            absl::string_view peer_params) override;
+  absl::Status CompleteLink(LinkId link, absl::string_view peer_params) override;
   absl::Status CloseLink(LinkId link) override;
-  bool HasLink(LinkId link) override { return links_.count(link) != 0; }
+  bool HasLink(LinkId link) override;
   absl::Status Post(absl::Span<const WorkRequest> batch) override;
   size_t PollCompletions(absl::Span<Completion> out) override;
-  size_t WaitCompletions(absl::Span<Completion> out,
-                         absl::Duration timeout) override;
+  size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
 
  private:
-  struct RegionState;
-  struct Link;
-  struct Request;
-  struct Segment;
-  struct WireHeader;
+  SimTransport(sim::Fabric* fabric, SimTransportOptions options, uint64_t seed);
 
-  SimTransport(sim::Fabric* fabric, SimTransportOptions options,
-               uint64_t seed);
-
-  absl::StatusOr<sim::NicId> ParsePeerNic(const NicInfo& peer_nic) const;
-  Link& NewLink(NicIndex local_nic, sim::NicId remote_nic);
+  sim_internal::Link& NewLink(NicIndex local_nic, sim::NicId remote_nic);
   absl::Status ValidateRequest(const WorkRequest& wr) const;
-  void Transmit(Link& link, uint64_t psn, Segment& seg);
-  void ArmTimer(Link& link, sim::SimTime at);
-  void OnTimer(LinkId id, uint64_t generation);
-  void FailLink(Link& link, uint64_t first_request, absl::Status first);
-  void Complete(const WorkRequest& wr, absl::Status status);
   void OnMessage(NicIndex nic, sim::Message&& msg);
-  void OnRequest(NicIndex nic, Link& link, const WireHeader& h,
-                 absl::string_view payload);
-  void OnResponse(Link& link, const WireHeader& h, absl::string_view payload);
-  absl::Status Execute(NicIndex nic, const WireHeader& h,
-                       absl::string_view data, std::string* read_out);
-  void Respond(Link& link, const WireHeader& request, absl::StatusCode code,
-               absl::string_view payload);
 
-  sim::Fabric* const fabric_;
-  sim::Scheduler* const sched_;
-  const SimTransportOptions options_;
-  sim::Prng prng_;
-  const sim::Scheduler::OwnerId owner_;
-
-  RegionId last_region_id_ = 0;
+  // Its units (sim_transport_internal.h): the state they share, the
+  // requester's side (segments, retransmission, answers) and the
+  // responder's (executing each PSN once, answering).
+  std::unique_ptr<sim_internal::SimCore> core_;
+  std::unique_ptr<sim_internal::SimRequester> requester_;
+  std::unique_ptr<sim_internal::SimResponder> responder_;
   LinkId last_link_id_ = 0;
-  absl::flat_hash_map<RegionId, std::unique_ptr<RegionState>> regions_;
-  std::vector<absl::flat_hash_map<RemoteKey, RegionId>> keys_by_nic_;
-  absl::flat_hash_map<LinkId, std::unique_ptr<Link>> links_;
-  absl::flat_hash_map<uint64_t, Link*> links_by_qpn_;
-  CompletionQueue cq_;
-  // Cleared by the destructor; see WaitCompletions.
   const std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 

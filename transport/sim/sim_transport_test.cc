@@ -28,9 +28,8 @@ Linked Connect(Transport& a, Transport& b, NicIndex na = 0, NicIndex nb = 0) {
   return links.ok() ? Linked{links->first, links->second} : Linked{};
 }
 
-WorkRequest Req(Opcode op, LinkId link, const Region& local, void* local_addr,
-                uint64_t len, uint64_t remote_addr, RemoteKey key,
-                uint64_t cookie = 1) {
+WorkRequest Req(Opcode op, LinkId link, const Region& local, void* local_addr, uint64_t len,
+                uint64_t remote_addr, RemoteKey key, uint64_t cookie = 1) {
   WorkRequest wr;
   wr.opcode = op;
   wr.link = link;
@@ -69,8 +68,8 @@ struct World {
     rd = *b->RegisterMemory(dst.data(), dst.size(), target);
   }
   // A request of `len` bytes at offset `off` of both buffers.
-  WorkRequest Req(Opcode op, size_t len, size_t off = 0, uint64_t cookie = 1,
-                  LinkId link = 0, NicIndex nic = 0) {
+  WorkRequest Req(Opcode op, size_t len, size_t off = 0, uint64_t cookie = 1, LinkId link = 0,
+                  NicIndex nic = 0) {
     return transport::Req(op, link ? link : l.a, rs, src.data() + off, len, rd.addr + off,
                           rd.keys[nic], cookie);
   }
@@ -86,13 +85,12 @@ TEST(SimTransport, WriteCompletesAtTheModelledTime) {
   // 1 MiB over 8 Gb/s NICs, 1 us each, MTU 4096, 64 header bytes: 256
   // segments of 4160 wire bytes back to back, then 2 us to the target, then
   // the last 64-byte acknowledgement back.
-  World w(1, 1 << 20, Access::kRemoteWrite, {}, 1,
-          {8'000'000'000, absl::Microseconds(1), 4096});
+  World w(1, 1 << 20, Access::kRemoteWrite, {}, 1, {8'000'000'000, absl::Microseconds(1), 4096});
   const SimTime start = w.h.scheduler().now();
   ASSERT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 1 << 20)).ok());
   const SimTime per_segment = sim::Fabric::SerializationTime(4096 + 64, 8'000'000'000);
-  const SimTime expected = 256 * per_segment + 2000 +
-                           sim::Fabric::SerializationTime(64, 8'000'000'000) + 2000;
+  const SimTime expected =
+      256 * per_segment + 2000 + sim::Fabric::SerializationTime(64, 8'000'000'000) + 2000;
   EXPECT_EQ(w.h.scheduler().now() - start, expected);
   EXPECT_EQ(w.src, w.dst);
 }
@@ -107,9 +105,8 @@ TEST(SimTransport, ReadCompletesAtTheModelledTime) {
   Region rl = *a->RegisterMemory(local.data(), local.size(), Access::kNone);
   Region rr = *b->RegisterMemory(remote.data(), remote.size(), Access::kRemoteRead);
   const SimTime start = h.scheduler().now();
-  ASSERT_TRUE(RunOne(*a, Req(Opcode::kRead, l.a, rl, local.data(), 8192, rr.addr,
-                             rr.keys[0]))
-                  .ok());
+  ASSERT_TRUE(
+      RunOne(*a, Req(Opcode::kRead, l.a, rl, local.data(), 8192, rr.addr, rr.keys[0])).ok());
   // Two 64-byte requests out (back to back), two 4160-byte responses back.
   const SimTime hdr = sim::Fabric::SerializationTime(64, 8'000'000'000);
   const SimTime seg = sim::Fabric::SerializationTime(4096 + 64, 8'000'000'000);
@@ -187,22 +184,21 @@ TEST(SimTransport, RestartedPeerHasNewKeysAndOldLinksFail) {
   Region new_rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
   EXPECT_NE(new_rd.keys[0], old_rd.keys[0]);
   // The old link leads to a queue pair that no longer exists.
-  EXPECT_EQ(RunOne(*a, Req(Opcode::kWrite, l.a, rs, src.data(), 256, new_rd.addr,
-                           new_rd.keys[0]),
+  EXPECT_EQ(RunOne(*a, Req(Opcode::kWrite, l.a, rs, src.data(), 256, new_rd.addr, new_rd.keys[0]),
                    a->PeerLossBound())
                 .code(),
             absl::StatusCode::kUnavailable);
   // A new link with a stale key is refused; with the new key it works.
   Linked fresh = Connect(*a, *b);
-  EXPECT_EQ(RunOne(*a, Req(Opcode::kWrite, fresh.a, rs, src.data(), 256,
-                           old_rd.addr, old_rd.keys[0]))
-                .code(),
-            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(
+      RunOne(*a, Req(Opcode::kWrite, fresh.a, rs, src.data(), 256, old_rd.addr, old_rd.keys[0]))
+          .code(),
+      absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(dst, std::vector<char>(256, 'd'));
   Linked fresh2 = Connect(*a, *b);
-  EXPECT_TRUE(RunOne(*a, Req(Opcode::kWrite, fresh2.a, rs, src.data(), 256,
-                             new_rd.addr, new_rd.keys[0]))
-                  .ok());
+  EXPECT_TRUE(
+      RunOne(*a, Req(Opcode::kWrite, fresh2.a, rs, src.data(), 256, new_rd.addr, new_rd.keys[0]))
+          .ok());
   EXPECT_EQ(dst, src);
 }
 
@@ -284,12 +280,16 @@ ClusterRun RunCluster(uint64_t seed) {
   std::vector<Region> regions;
   for (int i = 0; i < 3; ++i) {
     for (size_t j = 0; j < mem[i].size(); ++j) mem[i][j] = char(i * 31 + j * 7);
-    regions.push_back(*t[i]->RegisterMemory(mem[i].data(), mem[i].size(),
-                                            Access::kRemoteReadWrite));
+    regions.push_back(
+        *t[i]->RegisterMemory(mem[i].data(), mem[i].size(), Access::kRemoteReadWrite));
   }
   const std::vector<std::vector<char>> original = mem;
   sim::Prng prng(seed ^ 0xc1u);
-  struct Expect { int from, to; Opcode op; size_t local_off, remote_off, len; };
+  struct Expect {
+    int from, to;
+    Opcode op;
+    size_t local_off, remote_off, len;
+  };
   std::map<uint64_t, Expect> expects;
   uint64_t cookie = 0;
   // Node i writes/reads slot (i*8 + k) of its own memory to/from slot
@@ -304,8 +304,7 @@ ClusterRun RunCluster(uint64_t seed) {
       const Opcode op = prng.Chance({1, 2}) ? Opcode::kWrite : Opcode::kRead;
       expects[cookie] = {i, peer, op, slot, slot, len};
       EXPECT_TRUE(t[i]->Post({Req(op, l.a, regions[i], mem[i].data() + slot, len,
-                                  regions[peer].addr + slot,
-                                  regions[peer].keys[nic], cookie)})
+                                  regions[peer].addr + slot, regions[peer].keys[nic], cookie)})
                       .ok());
       ++cookie;
     }
@@ -323,10 +322,10 @@ ClusterRun RunCluster(uint64_t seed) {
         const Expect& e = expects.at(c[j].cookie);
         EXPECT_EQ(e.from, i);
         if (!c[j].status.ok()) continue;
-        const char* dst = e.op == Opcode::kWrite ? &mem[e.to][e.remote_off]
-                                                 : &mem[e.from][e.local_off];
-        const char* src = e.op == Opcode::kWrite ? &original[e.from][e.local_off]
-                                                 : &original[e.to][e.remote_off];
+        const char* dst =
+            e.op == Opcode::kWrite ? &mem[e.to][e.remote_off] : &mem[e.from][e.local_off];
+        const char* src =
+            e.op == Opcode::kWrite ? &original[e.from][e.local_off] : &original[e.to][e.remote_off];
         EXPECT_EQ(std::memcmp(dst, src, e.len), 0) << "cookie " << c[j].cookie;
       }
       any |= pending[i] > 0;

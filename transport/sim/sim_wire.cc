@@ -1,6 +1,6 @@
-// SimTransport: the responder's side (executing requests against
-// registered memory, answering once per PSN) and the requester's handling
-// of answers.
+// SimTransport's responder side (SimResponder: executing requests against
+// registered memory, answering once per PSN) and its registered memory
+// (SimRegions).
 #include <algorithm>
 #include <cstring>
 #include <utility>
@@ -13,44 +13,20 @@
 
 namespace kvferry {
 namespace transport {
+namespace sim_internal {
 
 using sim::SimTime;
 
-void SimTransport::OnMessage(NicIndex nic, sim::Message&& msg) {
-  WireHeader h;
-  if (msg.bytes.size() < sizeof h) return;  // not ours: drop
-  std::memcpy(&h, msg.bytes.data(), sizeof h);
-  auto it = links_by_qpn_.find(h.dst_qpn);
-  if (it == links_by_qpn_.end()) return;  // stale QP (e.g. before a restart)
-  Link& link = *it->second;
-  if (link.state != Link::State::kReady || link.local_nic != nic || link.remote_qpn != h.src_qpn ||
-      link.remote_nic != msg.from) {
-    return;
-  }
-  absl::string_view payload(msg.bytes);
-  payload.remove_prefix(sizeof h);
-  if (h.type == kSimRequest) {
-    OnRequest(nic, link, h, payload);
-  } else if (h.type == kSimResponse) {
-    OnResponse(link, h, payload);
-  }
-}
-
-absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h, absl::string_view data,
+absl::Status SimResponder::Execute(NicIndex nic, const WireHeader& h, absl::string_view data,
                                    std::string* read_out) {
   if (h.length == 0) return absl::OkStatus();
-  auto key = keys_by_nic_[nic].find(h.rkey);
-  if (key == keys_by_nic_[nic].end()) return UnknownKeyError(h.rkey);
+  ASSIGN_OR_RETURN(char* target, core_.regions.Target(nic, h));
   const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
-  // The whole request's range, checked on every segment.
-  RETURN_IF_ERROR(CheckRemoteAccess(regions_.at(key->second)->region,
-                                    write ? Opcode::kWrite : Opcode::kRead, h.remote_addr,
-                                    h.length));
-  char* target = reinterpret_cast<char*>(h.remote_addr + h.segment_offset);
   if (write) {
     std::memcpy(target, data.data(), h.segment_length);
-    if (h.segment_length > 0 && prng_.Chance(fabric_->faults().corrupt_write)) {
-      target[prng_.Uniform(h.segment_length)] ^= static_cast<char>(1u << prng_.Uniform(8));
+    if (h.segment_length > 0 && core_.prng.Chance(core_.fabric->faults().corrupt_write)) {
+      target[core_.prng.Uniform(h.segment_length)] ^=
+          static_cast<char>(1u << core_.prng.Uniform(8));
     }
   } else {
     read_out->assign(target, h.segment_length);
@@ -58,7 +34,7 @@ absl::Status SimTransport::Execute(NicIndex nic, const WireHeader& h, absl::stri
   return absl::OkStatus();
 }
 
-void SimTransport::Respond(Link& link, const WireHeader& request, absl::StatusCode code,
+void SimResponder::Respond(Link& link, const WireHeader& request, absl::StatusCode code,
                            absl::string_view payload) {
   WireHeader h = request;
   h.type = kSimResponse;
@@ -69,11 +45,11 @@ void SimTransport::Respond(Link& link, const WireHeader& request, absl::StatusCo
   std::memcpy(&bytes[0], &h, sizeof h);
   if (!payload.empty()) std::memcpy(&bytes[sizeof h], payload.data(), payload.size());
   const uint64_t wire =
-      options_.header_bytes + (code == absl::StatusCode::kOk ? payload.size() : 0);
-  fabric_->Send(options_.nics[link.local_nic], link.remote_nic, wire, std::move(bytes));
+      core_.options.header_bytes + (code == absl::StatusCode::kOk ? payload.size() : 0);
+  core_.fabric->Send(core_.options.nics[link.local_nic], link.remote_nic, wire, std::move(bytes));
 }
 
-void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
+void SimResponder::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
                              absl::string_view payload) {
   const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
   if (h.segment_offset > h.length || h.segment_length > h.length - h.segment_offset ||
@@ -103,44 +79,76 @@ void SimTransport::OnRequest(NicIndex nic, Link& link, const WireHeader& h,
     }
     if (!status.ok()) link.errors.emplace(h.psn, status);
   }
-  sched_->Trace(h.psn ^ (uint64_t{status.ok()} << 63));
+  core_.sched->Trace(h.psn ^ (uint64_t{status.ok()} << 63));
   Respond(link, h, status.code(), status.ok() ? read_data : status.message());
 }
 
-void SimTransport::OnResponse(Link& link, const WireHeader& h, absl::string_view payload) {
-  auto seg_it = link.segments.find(h.psn);
-  if (seg_it == link.segments.end()) return;  // duplicate answer
-  const Segment seg = seg_it->second;
-  Request& request = link.requests.at(seg.request);
-  const auto code = static_cast<absl::StatusCode>(h.status_code);
-  if (code != absl::StatusCode::kOk) {
-    FailLink(link, seg.request, absl::Status(code, payload));
-    return;
+absl::StatusOr<Region> SimRegions::Add(void* addr, uint64_t length, Access access,
+                                       uint64_t max_bytes) {
+  if (addr == nullptr) {
+    return absl::InvalidArgumentError("RegisterMemory: null address");
   }
-  if (request.wr.opcode == Opcode::kRead) {
-    if (payload.size() != seg.length) return;  // malformed: wait for retry
-    if (seg.length > 0) {
-      std::memcpy(static_cast<char*>(request.wr.local_addr) + seg.offset, payload.data(),
-                  seg.length);
-    }
+  if (length == 0) {
+    return absl::InvalidArgumentError("RegisterMemory: zero length");
   }
-  link.segments.erase(seg_it);
-  link.progressed = true;
-  link.retries_left = options_.retry_count;
-  if (--request.segments_left > 0) return;
-  if (prng_.Chance(fabric_->faults().error_completion)) {
-    FailLink(link, seg.request,
-             absl::UnavailableError("injected error completion (simulated fault)"));
-    return;
+  if (length > max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("RegisterMemory: ", length, " bytes exceeds the limit of ", max_bytes));
   }
-  Complete(request.wr, absl::OkStatus());
-  link.requests.erase(seg.request);
-  if (link.segments.empty()) {
-    ++link.timer_generation;  // disarm
-    link.timer_at = -1;
-    link.progressed = false;
+  const uint64_t base = reinterpret_cast<uintptr_t>(addr);
+  if (base + length < base) {
+    return absl::InvalidArgumentError("RegisterMemory: range wraps around");
   }
+  auto state = std::make_unique<RegionState>();
+  Region& r = state->region;
+  r.id = ++last_id_;
+  r.addr = base;
+  r.length = length;
+  r.access = access;
+  for (auto& keys : keys_by_nic_) {
+    RemoteKey key;
+    do {
+      key = prng_.Next64();
+    } while (key == 0 || keys.contains(key));
+    keys.emplace(key, r.id);
+    r.keys.push_back(key);
+  }
+  Region out = r;
+  regions_.emplace(r.id, std::move(state));
+  return out;
 }
 
+absl::Status SimRegions::Remove(RegionId region) {
+  auto it = regions_.find(region);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown region ", region));
+  }
+  if (it->second->local_uses != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "region ", region, " is used by ", it->second->local_uses, " outstanding request(s)"));
+  }
+  const Region& r = it->second->region;
+  for (size_t i = 0; i < keys_by_nic_.size(); ++i) keys_by_nic_[i].erase(r.keys[i]);
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+RegionState* SimRegions::Find(RegionId id) {
+  auto it = regions_.find(id);
+  return it == regions_.end() ? nullptr : it->second.get();
+}
+
+absl::StatusOr<char*> SimRegions::Target(NicIndex nic, const WireHeader& h) const {
+  auto key = keys_by_nic_[nic].find(h.rkey);
+  if (key == keys_by_nic_[nic].end()) return UnknownKeyError(h.rkey);
+  const bool write = h.opcode == static_cast<uint8_t>(Opcode::kWrite);
+  // The whole request's range, checked on every segment.
+  RETURN_IF_ERROR(CheckRemoteAccess(regions_.at(key->second)->region,
+                                    write ? Opcode::kWrite : Opcode::kRead, h.remote_addr,
+                                    h.length));
+  return reinterpret_cast<char*>(h.remote_addr + h.segment_offset);
+}
+
+}  // namespace sim_internal
 }  // namespace transport
 }  // namespace kvferry
