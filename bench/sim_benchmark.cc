@@ -36,7 +36,7 @@ void BM_SimTransportWrite(benchmark::State& state) {
   std::unique_ptr<transport::SimTransport> t[2];
   for (int i = 0; i < 2; ++i) {
     transport::SimTransportOptions o;
-    o.nics = {*fabric.AddNic(fabric.AddNode("n"), {})};
+    o.nics = {*fabric.topology().AddNic(fabric.topology().AddNode("n"), {})};
     t[i] = *transport::SimTransport::Create(&fabric, o, i + 1);
   }
   auto links = *transport::ConnectInProcess(*t[0], *t[1]);

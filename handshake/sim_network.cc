@@ -146,7 +146,7 @@ absl::StatusOr<Frame> SimNetwork::Call(const std::string& peer, const Frame& req
                                        absl::Duration timeout) {
   ASSIGN_OR_RETURN(net::HostPort hp, net::ParseHostPort(peer));
   ASSIGN_OR_RETURN(sim::NicId to, ParseSimHost(hp.host));
-  if (!fabric_->HasNic(to)) {
+  if (!fabric_->topology().HasNic(to)) {
     return absl::UnavailableError(absl::StrCat("handshake with ", peer, ": no such host"));
   }
   sim::Scheduler* sched = fabric_->scheduler();

@@ -10,8 +10,8 @@ namespace {
 
 struct Pair {
   explicit Pair(sim::FaultOptions faults = {}) : fabric(&sched, 9, faults) {
-    a = *fabric.AddNic(fabric.AddNode("a"), {});
-    b = *fabric.AddNic(fabric.AddNode("b"), {});
+    a = *fabric.topology().AddNic(fabric.topology().AddNode("a"), {});
+    b = *fabric.topology().AddNic(fabric.topology().AddNode("b"), {});
   }
   sim::Scheduler sched;
   sim::Fabric fabric;
@@ -56,7 +56,7 @@ TEST(SimNetwork, RefusedUnreachableAndErrors) {
                 .status()
                 .code(),
             absl::StatusCode::kNotFound);
-  p.fabric.SetNodeUp(1, false);
+  p.fabric.topology().SetNodeUp(1, false);
   const sim::SimTime start = p.sched.now();
   auto down = client.Call((*server)->address(), Frame{MessageType::kProbe, ""},
                           absl::Milliseconds(10));

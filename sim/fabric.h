@@ -31,30 +31,21 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "sim/prng.h"
 #include "sim/scheduler.h"
+#include "sim/topology.h"
 
 namespace kvferry {
 namespace sim {
 
-using NodeId = uint32_t;
-using NicId = uint32_t;
-
-struct NicSpec {
-  uint64_t bits_per_sec = 100'000'000'000;  // 100 Gb/s
-  absl::Duration latency = absl::Microseconds(1);  // NIC to switch, one way
-  uint32_t mtu = 4096;
-};
-
 struct FaultOptions {
-  Ratio drop;                 // per packet
-  Ratio delay;                // per message
+  Ratio drop;   // per packet
+  Ratio delay;  // per message
   absl::Duration max_delay = absl::ZeroDuration();
-  Ratio error_completion;     // per request, applied by transports
+  Ratio error_completion;  // per request, applied by transports
   // Per WRITE segment as it lands, applied by transports: one bit of it
   // flipped (a NIC or link corrupting data without an error).
   Ratio corrupt_write;
@@ -84,17 +75,10 @@ class Fabric {
   Fabric& operator=(const Fabric&) = delete;
 
   Scheduler* scheduler() const { return scheduler_; }
-
-  NodeId AddNode(std::string name);
-  // Adds a NIC to `node`. kInvalidArgument for an unknown node, a zero rate
-  // or an MTU below 256.
-  absl::StatusOr<NicId> AddNic(NodeId node, NicSpec spec);
-
-  bool HasNic(NicId nic) const { return nic < nics_.size(); }
-  const NicSpec& nic_spec(NicId nic) const { return nics_[nic].spec; }
-  NodeId node_of(NicId nic) const { return nics_[nic].node; }
-  const std::string& node_name(NodeId node) const { return nodes_[node].name; }
-  size_t node_count() const { return nodes_.size(); }
+  // Its nodes and NICs, and their failures (NIC and node down,
+  // partitions).
+  Topology& topology() { return topology_; }
+  const Topology& topology() const { return topology_; }
 
   // Installs the function that receives messages arriving at `nic`
   // (replacing any earlier one); Detach removes it. Messages arriving at a
@@ -108,23 +92,10 @@ class Fabric {
   // the message has left the sender (tx_end), whether or not it survives.
   SimTime Send(NicId from, NicId to, uint64_t wire_bytes, std::string bytes);
 
-  // Faults.
-  void SetNicUp(NicId nic, bool up);
   // Holds what `nic` sends for `d` from now (a stuck transmit queue, a
   // congested switch port): those messages leave, in order, when the hold
   // ends. Retransmissions sent meanwhile are held as well.
   void HoldNic(NicId nic, absl::Duration d);
-  void SetNodeUp(NodeId node, bool up);
-  bool IsNicUp(NicId nic) const;
-  // Cuts every path between a node of `a` and a node of `b` until Heal().
-  void Partition(const std::vector<NodeId>& a, const std::vector<NodeId>& b);
-  // Restores the paths between nodes `a` and `b` only.
-  void HealPair(NodeId a, NodeId b);
-  // Restores every path.
-  void Heal();
-  bool IsNodeUp(NodeId node) const { return nodes_[node].up; }
-  bool IsPartitioned() const { return !cut_pairs_.empty(); }
-  size_t nic_count() const { return nics_.size(); }
   void set_faults(const FaultOptions& faults) { faults_ = faults; }
   const FaultOptions& faults() const { return faults_; }
 
@@ -138,30 +109,24 @@ class Fabric {
   static SimTime SerializationTime(uint64_t bytes, uint64_t bits_per_sec);
 
  private:
-  struct Node {
-    std::string name;
-    bool up = true;
-  };
-  struct Nic {
-    NodeId node;
-    NicSpec spec;
-    bool up = true;
+  // A NIC's side of its link to the switch.
+  struct Port {
     SimTime tx_free = 0;
     SimTime rx_free = 0;
     SimTime held_until = 0;
     Receiver receiver;
   };
 
-  bool PathOpen(NicId from, NicId to) const;
+  // NIC `nic`'s port (made on first use: NICs are added to the topology).
+  Port& PortOf(NicId nic);
   bool DropsPacketOf(uint64_t wire_bytes, uint32_t mtu);
   void Deliver(Message&& msg);
 
   Scheduler* const scheduler_;
   Prng prng_;
   FaultOptions faults_;
-  std::vector<Node> nodes_;
-  std::vector<Nic> nics_;
-  absl::flat_hash_set<uint64_t> cut_pairs_;  // (min node << 32) | max node
+  Topology topology_;
+  std::vector<Port> ports_;  // by NicId
   FabricStats stats_;
   uint64_t last_serial_ = 0;
 };

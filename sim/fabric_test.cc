@@ -20,7 +20,7 @@ struct Arrival {
 class FabricTest : public ::testing::Test {
  protected:
   NicId AddNic(NodeId node, NicSpec spec = {}) {
-    absl::StatusOr<NicId> nic = fabric_.AddNic(node, spec);
+    absl::StatusOr<NicId> nic = fabric_.topology().AddNic(node, spec);
     EXPECT_TRUE(nic.ok()) << nic.status();
     return *nic;
   }
@@ -39,8 +39,8 @@ TEST_F(FabricTest, ArrivalTimeFollowsBandwidthAndLatency) {
   // 1 MiB over 8 Gb/s (1 GB/s) links with 3 us per NIC: the message arrives
   // after 2 * 3 us of latency plus 1048576 ns of serialisation.
   NicSpec spec{8'000'000'000, absl::Microseconds(3), 4096};
-  NicId a = AddNic(fabric_.AddNode("a"), spec);
-  NicId b = AddNic(fabric_.AddNode("b"), spec);
+  NicId a = AddNic(fabric_.topology().AddNode("a"), spec);
+  NicId b = AddNic(fabric_.topology().AddNode("b"), spec);
   Record(b);
   const uint64_t n = 1 << 20;
   SimTime tx_end = fabric_.Send(a, b, n, std::string("payload"));
@@ -54,8 +54,8 @@ TEST_F(FabricTest, ArrivalTimeFollowsBandwidthAndLatency) {
 
 TEST_F(FabricTest, SenderSerialisesBackToBackMessages) {
   NicSpec spec{8'000'000'000, absl::ZeroDuration(), 4096};
-  NicId a = AddNic(fabric_.AddNode("a"), spec);
-  NicId b = AddNic(fabric_.AddNode("b"), spec);
+  NicId a = AddNic(fabric_.topology().AddNode("a"), spec);
+  NicId b = AddNic(fabric_.topology().AddNode("b"), spec);
   Record(b);
   fabric_.Send(a, b, 1000, "1");
   fabric_.Send(a, b, 1000, "2");
@@ -67,9 +67,9 @@ TEST_F(FabricTest, SenderSerialisesBackToBackMessages) {
 
 TEST_F(FabricTest, TwoSendersShareOneReceiver) {
   NicSpec spec{8'000'000'000, absl::ZeroDuration(), 4096};
-  NicId a = AddNic(fabric_.AddNode("a"), spec);
-  NicId c = AddNic(fabric_.AddNode("c"), spec);
-  NicId b = AddNic(fabric_.AddNode("b"), spec);
+  NicId a = AddNic(fabric_.topology().AddNode("a"), spec);
+  NicId c = AddNic(fabric_.topology().AddNode("c"), spec);
+  NicId b = AddNic(fabric_.topology().AddNode("b"), spec);
   Record(b);
   fabric_.Send(a, b, 10000, "a");
   fabric_.Send(c, b, 10000, "c");
@@ -80,9 +80,9 @@ TEST_F(FabricTest, TwoSendersShareOneReceiver) {
 }
 
 TEST_F(FabricTest, SlowReceiverLimitsRate) {
-  NicId a = AddNic(fabric_.AddNode("a"),
+  NicId a = AddNic(fabric_.topology().AddNode("a"),
                    {16'000'000'000, absl::ZeroDuration(), 4096});
-  NicId b = AddNic(fabric_.AddNode("b"),
+  NicId b = AddNic(fabric_.topology().AddNode("b"),
                    {8'000'000'000, absl::ZeroDuration(), 4096});
   Record(b);
   fabric_.Send(a, b, 4000, "x");
@@ -92,36 +92,36 @@ TEST_F(FabricTest, SlowReceiverLimitsRate) {
 }
 
 TEST_F(FabricTest, RejectsBadNics) {
-  EXPECT_FALSE(fabric_.AddNic(99, {}).ok());
-  NodeId n = fabric_.AddNode("n");
-  EXPECT_EQ(fabric_.AddNic(n, {0, absl::ZeroDuration(), 4096}).status().code(),
+  EXPECT_FALSE(fabric_.topology().AddNic(99, {}).ok());
+  NodeId n = fabric_.topology().AddNode("n");
+  EXPECT_EQ(fabric_.topology().AddNic(n, {0, absl::ZeroDuration(), 4096}).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(fabric_.AddNic(n, {1000, absl::ZeroDuration(), 100}).status().code(),
+  EXPECT_EQ(fabric_.topology().AddNic(n, {1000, absl::ZeroDuration(), 100}).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(FabricTest, DownNicsNodesAndPartitionsDropUntilRestored) {
-  NodeId na = fabric_.AddNode("a");
-  NodeId nb = fabric_.AddNode("b");
+  NodeId na = fabric_.topology().AddNode("a");
+  NodeId nb = fabric_.topology().AddNode("b");
   NicId a = AddNic(na);
   NicId b = AddNic(nb);
   Record(b);
-  fabric_.SetNicUp(b, false);
+  fabric_.topology().SetNicUp(b, false);
   fabric_.Send(a, b, 10, "nic-down");
-  fabric_.SetNicUp(b, true);
-  fabric_.SetNodeUp(na, false);
+  fabric_.topology().SetNicUp(b, true);
+  fabric_.topology().SetNodeUp(na, false);
   fabric_.Send(a, b, 10, "node-down");
-  fabric_.SetNodeUp(na, true);
-  fabric_.Partition({na}, {nb});
+  fabric_.topology().SetNodeUp(na, true);
+  fabric_.topology().Partition({na}, {nb});
   fabric_.Send(a, b, 10, "partitioned");
   sched_.RunUntilIdle();
   EXPECT_TRUE(arrivals_.empty());
-  fabric_.Heal();
+  fabric_.topology().Heal();
   fabric_.Send(a, b, 10, "healed");
   // In flight when the receiver goes down: lost.
   fabric_.Send(a, b, 10, "lost-in-flight");
   sched_.Step();
-  fabric_.SetNicUp(b, false);
+  fabric_.topology().SetNicUp(b, false);
   sched_.RunUntilIdle();
   ASSERT_EQ(arrivals_.size(), 1u);
   EXPECT_EQ(arrivals_[0].bytes, "healed");
@@ -130,8 +130,8 @@ TEST_F(FabricTest, DownNicsNodesAndPartitionsDropUntilRestored) {
 }
 
 TEST_F(FabricTest, UnattachedNicDropsMessages) {
-  NicId a = AddNic(fabric_.AddNode("a"));
-  NicId b = AddNic(fabric_.AddNode("b"));
+  NicId a = AddNic(fabric_.topology().AddNode("a"));
+  NicId b = AddNic(fabric_.topology().AddNode("b"));
   fabric_.Send(a, b, 10, "nobody home");
   sched_.RunUntilIdle();
   EXPECT_EQ(fabric_.stats().dropped, 1u);
@@ -145,8 +145,8 @@ uint64_t LossyRun(uint64_t seed, std::vector<std::string>* got) {
   faults.delay = {1, 3};
   faults.max_delay = absl::Microseconds(50);
   Fabric fabric(&sched, seed, faults);
-  NicId a = *fabric.AddNic(fabric.AddNode("a"), {});
-  NicId b = *fabric.AddNic(fabric.AddNode("b"), {});
+  NicId a = *fabric.topology().AddNic(fabric.topology().AddNode("a"), {});
+  NicId b = *fabric.topology().AddNic(fabric.topology().AddNode("b"), {});
   fabric.Attach(b, [&](Message&& m) { got->push_back(std::move(m.bytes)); });
   for (int i = 0; i < 200; ++i) {
     sched.After(i * 100, [&fabric, a, b, i] {

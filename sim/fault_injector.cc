@@ -35,8 +35,8 @@ SimTime FaultInjector::Outage() {
 
 void FaultInjector::Tick() {
   if (sched_->now() - start_ >= phase_) return;
-  const size_t nodes = fabric_->node_count();
-  const size_t nics = fabric_->nic_count();
+  const size_t nodes = fabric_->topology().node_count();
+  const size_t nics = fabric_->topology().nic_count();
   // Draws happen in a fixed order whatever the outcome, so one decision
   // never shifts the randomness of another.
   const bool partition = prng_.Chance(schedule_.partition);
@@ -52,26 +52,26 @@ void FaultInjector::Tick() {
 
   if (partition && pa != pb) {
     ++counts_.partitions;
-    fabric_->Partition({pa}, {pb});
+    fabric_->topology().Partition({pa}, {pb});
     sched_->After(partition_outage, [this, pa, pb] {
-      fabric_->HealPair(pa, pb);
+      fabric_->topology().HealPair(pa, pb);
       ++counts_.repairs;
     }, owner_);
   }
-  if (nic_down && nics && fabric_->IsNicUp(nic)) {
+  if (nic_down && nics && fabric_->topology().IsNicUp(nic)) {
     ++counts_.nic_downs;
-    fabric_->SetNicUp(nic, false);
+    fabric_->topology().SetNicUp(nic, false);
     sched_->After(nic_outage, [this, nic] {
-      fabric_->SetNicUp(nic, true);
+      fabric_->topology().SetNicUp(nic, true);
       ++counts_.repairs;
     }, owner_);
   }
-  if (crash && nodes && fabric_->IsNodeUp(victim)) {
+  if (crash && nodes && fabric_->topology().IsNodeUp(victim)) {
     ++counts_.crashes;
-    fabric_->SetNodeUp(victim, false);
+    fabric_->topology().SetNodeUp(victim, false);
     if (on_crash_) on_crash_(victim);
     sched_->After(crash_outage, [this, victim] {
-      fabric_->SetNodeUp(victim, true);
+      fabric_->topology().SetNodeUp(victim, true);
       ++counts_.repairs;
       if (on_restart_) on_restart_(victim);
     }, owner_);

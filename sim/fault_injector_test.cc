@@ -19,8 +19,8 @@ Outcome RunFaults(uint64_t seed) {
   Scheduler sched;
   Fabric fabric(&sched, seed);
   for (int n = 0; n < 4; ++n) {
-    NodeId node = fabric.AddNode("n");
-    for (int i = 0; i < 2; ++i) EXPECT_TRUE(fabric.AddNic(node, {}).ok());
+    NodeId node = fabric.topology().AddNode("n");
+    for (int i = 0; i < 2; ++i) EXPECT_TRUE(fabric.topology().AddNic(node, {}).ok());
   }
   FaultSchedule s;
   s.partition = {1, 4};
@@ -32,11 +32,11 @@ Outcome RunFaults(uint64_t seed) {
   FaultInjector inj(
       &fabric, seed, s,
       [&](NodeId n) {
-        EXPECT_FALSE(fabric.IsNodeUp(n));
+        EXPECT_FALSE(fabric.topology().IsNodeUp(n));
         out.crashes.emplace_back(sched.now(), n);
       },
       [&](NodeId n) {
-        EXPECT_TRUE(fabric.IsNodeUp(n));
+        EXPECT_TRUE(fabric.topology().IsNodeUp(n));
         out.restarts.emplace_back(sched.now(), n);
       });
   inj.Start();
@@ -44,14 +44,16 @@ Outcome RunFaults(uint64_t seed) {
   bool saw_fault = false;
   while (sched.now() < ToSimTime(absl::Milliseconds(20))) {
     sched.RunUntil(sched.now() + ToSimTime(absl::Microseconds(100)));
-    for (NicId nic = 0; nic < fabric.nic_count(); ++nic) saw_fault |= !fabric.IsNicUp(nic);
-    saw_fault |= fabric.IsPartitioned();
+    const Topology& t = fabric.topology();
+    for (NicId nic = 0; nic < t.nic_count(); ++nic) saw_fault |= !t.IsNicUp(nic);
+    saw_fault |= t.IsPartitioned();
   }
   EXPECT_TRUE(saw_fault);
   sched.RunUntil(inj.healed_at());
   // Healed: every NIC and node up, no partition, nothing left to run.
-  for (NicId nic = 0; nic < fabric.nic_count(); ++nic) EXPECT_TRUE(fabric.IsNicUp(nic));
-  EXPECT_FALSE(fabric.IsPartitioned());
+  const Topology& t = fabric.topology();
+  for (NicId nic = 0; nic < t.nic_count(); ++nic) EXPECT_TRUE(t.IsNicUp(nic));
+  EXPECT_FALSE(t.IsPartitioned());
   EXPECT_TRUE(sched.idle());
   out.counts = inj.counts();
   out.hash = sched.trace_hash();
@@ -79,7 +81,7 @@ TEST(FaultInjector, ClearsMessageFaultsAfterThePhase) {
   FaultOptions f;
   f.drop = {1, 2};
   Fabric fabric(&sched, 1, f);
-  fabric.AddNode("a");
+  fabric.topology().AddNode("a");
   FaultSchedule s;
   s.fault_phase = absl::Milliseconds(1);
   FaultInjector inj(&fabric, 1, s);

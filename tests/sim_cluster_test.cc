@@ -42,9 +42,9 @@ class Cluster {
   explicit Cluster(uint64_t seed)
       : root_(seed), fabric_(&sched_, root_.Next64(), MessageFaults()), traffic_(root_.Next64()) {
     for (int n = 0; n < kNodes; ++n) {
-      NodeId node = fabric_.AddNode("host" + std::to_string(n));
+      NodeId node = fabric_.topology().AddNode("host" + std::to_string(n));
       std::vector<sim::NicId> nics;
-      for (int i = 0; i < 2; ++i) nics.push_back(*fabric_.AddNic(node, {}));
+      for (int i = 0; i < 2; ++i) nics.push_back(*fabric_.topology().AddNic(node, {}));
       nics_.push_back(nics);
       mem_.emplace_back(kSlot * kNodes * kNodes * 2);
       sim::Prng fill(seed * 100 + n);

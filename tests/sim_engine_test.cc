@@ -123,7 +123,7 @@ TEST(SimEngine, PeerThatIsGoneFailsInBoundedSimulatedTime) {
   ASSERT_TRUE((*decode)->RegisterMemory(dst.data(), dst.size()).ok());
   auto seg = (*prefill)->OpenSegment((*decode)->address());
   ASSERT_TRUE(seg.ok());
-  w.fabric().SetNodeUp(1, false);  // the decode host vanishes
+  w.fabric().topology().SetNodeUp(1, false);  // the decode host vanishes
   TransferRequest r{Opcode::kWrite, src.data(), reinterpret_cast<uintptr_t>(dst.data()), kPage};
   const sim::SimTime start = w.sched().now();
   auto batch = (*prefill)->Submit(*seg, {&r, 1});
@@ -267,7 +267,7 @@ TEST(SimEngineStriping, ANicGoingDownMovesItsSlicesToTheOthers) {
   auto early = p.prefill->Poll(*batch);
   ASSERT_TRUE(early.ok());
   EXPECT_GT(early->pending, 0u) << "the batch finished before the NIC went down";
-  p.w.fabric().SetNicUp(p.w.data_nic(p.a, 1), false);
+  p.w.fabric().topology().SetNicUp(p.w.data_nic(p.a, 1), false);
   auto st = p.prefill->Wait(*batch, absl::Seconds(1));
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_TRUE(st->ok()) << st->requests[0];
@@ -337,7 +337,7 @@ TEST(SimEngineStriping, ANicThatComesBackIsUsedAgain) {
   auto batch = p.prefill->Submit(p.seg, p.reqs);
   ASSERT_TRUE(batch.ok());
   p.w.sched().RunUntil(p.w.sched().now() + sim::ToSimTime(absl::Microseconds(20)));
-  p.w.fabric().SetNicUp(p.w.data_nic(p.a, 1), false);
+  p.w.fabric().topology().SetNicUp(p.w.data_nic(p.a, 1), false);
   auto st = p.prefill->Wait(*batch, absl::Seconds(1));
   ASSERT_TRUE(st.ok() && st->ok());
   ASSERT_GT(p.prefill->GetCounters().link_failovers, 0u);
@@ -346,7 +346,7 @@ TEST(SimEngineStriping, ANicThatComesBackIsUsedAgain) {
   EXPECT_EQ(p.prefill->GetCounters().links_repaired, 0u);
   // It comes back; after the repair interval (peer_timeout / 4) a batch
   // finds the failed link rebuilt on NIC 1 and the next uses it.
-  p.w.fabric().SetNicUp(p.w.data_nic(p.a, 1), true);
+  p.w.fabric().topology().SetNicUp(p.w.data_nic(p.a, 1), true);
   p.w.sched().RunUntil(p.w.sched().now() + sim::ToSimTime(absl::Seconds(3)));
   move_all();
   move_all();

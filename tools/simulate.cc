@@ -83,7 +83,7 @@ int Run() {
   std::unique_ptr<transport::SimTransport> hosts[2];
   for (auto& host : hosts) {
     absl::StatusOr<sim::NicId> nic =
-        fabric.AddNic(fabric.AddNode(&host == &hosts[0] ? "prefill" : "decode"), spec);
+        fabric.topology().AddNic(fabric.topology().AddNode(&host == &hosts[0] ? "prefill" : "decode"), spec);
     if (!nic.ok()) return Fail(std::string(nic.status().message()));
     transport::SimTransportOptions options;
     options.nics = {*nic};

@@ -29,12 +29,12 @@ class SimWorld {
   // A host with one data NIC per entry of `numa_nodes` (each NIC on that
   // NUMA node) and a management NIC.
   int AddMultiNicHost(const std::vector<int32_t>& numa_nodes, sim::NicSpec data_nic = {}) {
-    const sim::NodeId node = fabric_.AddNode("host" + std::to_string(hosts_.size()));
+    const sim::NodeId node = fabric_.topology().AddNode("host" + std::to_string(hosts_.size()));
     Host h;
     for (size_t i = 0; i < numa_nodes.size(); ++i)
-      h.data.push_back(*fabric_.AddNic(node, data_nic));
+      h.data.push_back(*fabric_.topology().AddNic(node, data_nic));
     h.numa = numa_nodes;
-    h.mgmt = *fabric_.AddNic(node, {});
+    h.mgmt = *fabric_.topology().AddNic(node, {});
     hosts_.push_back(std::move(h));
     return static_cast<int>(hosts_.size()) - 1;
   }
@@ -73,7 +73,7 @@ class SimWorld {
       std::function<absl::StatusOr<std::vector<transport::NicIndex>>(const std::string&)> f) {
     near_nics_ = std::move(f);
   }
-  sim::NodeId node(int host) const { return fabric_.node_of(hosts_[host].mgmt); }
+  sim::NodeId node(int host) const { return fabric_.topology().node_of(hosts_[host].mgmt); }
   sim::Scheduler& sched() { return sched_; }
   // The fabric NIC behind data NIC `index` of `host`.
   sim::NicId data_nic(int host, size_t index) const { return hosts_[host].data[index]; }

@@ -27,10 +27,11 @@ class SimHarness : public testing::TransportHarness {
   absl::StatusOr<std::unique_ptr<SimTransport>> NewSimTransport(int node = -1,
                                                                 SimTransportOptions options = {}) {
     if (node < 0) {
-      node = static_cast<int>(fabric_.AddNode(absl::StrCat("n", fabric_.node_count())));
+      node = static_cast<int>(
+          fabric_.topology().AddNode(absl::StrCat("n", fabric_.topology().node_count())));
       std::vector<sim::NicId> nics;
       for (int i = 0; i < nics_per_node_; ++i) {
-        auto nic = fabric_.AddNic(node, nic_spec_);
+        auto nic = fabric_.topology().AddNic(node, nic_spec_);
         if (!nic.ok()) return nic.status();
         nics.push_back(*nic);
       }

@@ -53,7 +53,7 @@ absl::StatusOr<sim::NicId> ParsePeerNic(const sim::Fabric& fabric, const NicInfo
   absl::string_view addr = peer_nic.address;
   uint32_t nic;
   if (!absl::ConsumePrefix(&addr, kAddressPrefix) || !absl::SimpleAtoi(addr, &nic) ||
-      !fabric.HasNic(nic)) {
+      !fabric.topology().HasNic(nic)) {
     return absl::InvalidArgumentError(
         absl::StrCat("not a sim NIC address: '", peer_nic.address, "'"));
   }
@@ -73,10 +73,10 @@ absl::StatusOr<std::unique_ptr<SimTransport>> SimTransport::Create(sim::Fabric* 
     return absl::InvalidArgumentError("numa_nodes must be empty or name one node per NIC");
   }
   for (sim::NicId nic : options.nics) {
-    if (!fabric->HasNic(nic)) {
+    if (!fabric->topology().HasNic(nic)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown fabric NIC ", nic));
     }
-    if (fabric->node_of(nic) != fabric->node_of(options.nics[0])) {
+    if (fabric->topology().node_of(nic) != fabric->topology().node_of(options.nics[0])) {
       return absl::InvalidArgumentError("all NICs of a sim transport must be on one node");
     }
   }
@@ -106,7 +106,7 @@ SimTransport::~SimTransport() {
 absl::Duration SimTransport::PeerLossBound() const {
   absl::Duration rtt;
   for (sim::NicId nic : core_->options.nics) {
-    rtt = std::max(rtt, 4 * core_->fabric->nic_spec(nic).latency);
+    rtt = std::max(rtt, 4 * core_->fabric->topology().nic_spec(nic).latency);
   }
   return (core_->options.retry_count + 1) * core_->options.ack_timeout + rtt;
 }
@@ -116,9 +116,10 @@ EndpointDescription SimTransport::LocalEndpoint() const {
   d.kind = kind::kSim;
   for (NicIndex i = 0; i < core_->options.nics.size(); ++i) {
     const sim::NicId nic = core_->options.nics[i];
-    const sim::NicSpec& spec = core_->fabric->nic_spec(nic);
+    const sim::NicSpec& spec = core_->fabric->topology().nic_spec(nic);
     NicInfo info;
-    info.name = absl::StrCat(core_->fabric->node_name(core_->fabric->node_of(nic)), "/nic", i);
+    info.name = absl::StrCat(
+        core_->fabric->topology().node_name(core_->fabric->topology().node_of(nic)), "/nic", i);
     info.address = absl::StrCat(kAddressPrefix, nic);
     info.link_bits_per_sec = spec.bits_per_sec;
     if (i < core_->options.numa_nodes.size()) info.numa_node = core_->options.numa_nodes[i];
@@ -140,8 +141,9 @@ Link& SimTransport::NewLink(NicIndex local_nic, sim::NicId remote_nic) {
   link->remote_nic = remote_nic;
   link->qpn = core_->fabric->NextSerial();
   link->retries_left = core_->options.retry_count;
-  link->segment_bytes = std::min(core_->fabric->nic_spec(core_->options.nics[local_nic]).mtu,
-                                 core_->fabric->nic_spec(remote_nic).mtu);
+  link->segment_bytes =
+      std::min(core_->fabric->topology().nic_spec(core_->options.nics[local_nic]).mtu,
+               core_->fabric->topology().nic_spec(remote_nic).mtu);
   Link& ref = *link;
   core_->links_by_qpn.emplace(ref.qpn, &ref);
   core_->links.emplace(ref.id, std::move(link));

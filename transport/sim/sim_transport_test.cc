@@ -135,13 +135,13 @@ TEST(SimTransport, KeysArePerNic) {
 TEST(SimTransport, NicDownFailsItsLinksOnlyAndRecovers) {
   World w(4, 4096);
   Linked l1 = Connect(*w.a, *w.b, 1, 1);
-  w.h.fabric().SetNicUp(w.h.nics_of(1)[0], false);
+  w.h.fabric().topology().SetNicUp(w.h.nics_of(1)[0], false);
   EXPECT_EQ(RunOne(*w.a, w.Req(Opcode::kWrite, 100), w.a->PeerLossBound()).code(),
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(w.dst[0], 'd');
   EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 100, 0, 1, l1.a, 1)).ok());
   EXPECT_EQ(w.dst[99], 's');
-  w.h.fabric().SetNicUp(w.h.nics_of(1)[0], true);
+  w.h.fabric().topology().SetNicUp(w.h.nics_of(1)[0], true);
   Linked again = Connect(*w.a, *w.b, 0, 0);
   EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 4096, 0, 1, again.a)).ok());
   EXPECT_EQ(w.dst, w.src);
@@ -149,11 +149,11 @@ TEST(SimTransport, NicDownFailsItsLinksOnlyAndRecovers) {
 
 TEST(SimTransport, PartitionFailsThenHealedPathWorks) {
   World w(5, 512, Access::kRemoteReadWrite);
-  w.h.fabric().Partition({0}, {1});
+  w.h.fabric().topology().Partition({0}, {1});
   EXPECT_EQ(RunOne(*w.a, w.Req(Opcode::kRead, 512), w.a->PeerLossBound()).code(),
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(w.src, std::vector<char>(512, 's'));
-  w.h.fabric().Heal();
+  w.h.fabric().topology().Heal();
   Linked healed = Connect(*w.a, *w.b);
   EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kRead, 512, 0, 1, healed.a)).ok());
   EXPECT_EQ(w.src, w.dst);
@@ -161,8 +161,9 @@ TEST(SimTransport, PartitionFailsThenHealedPathWorks) {
 
 TEST(SimTransport, ShortPartitionIsHiddenByRetransmission) {
   World w(6, 64 << 10);
-  w.h.fabric().Partition({0}, {1});
-  w.h.scheduler().After(sim::ToSimTime(absl::Milliseconds(3)), [&] { w.h.fabric().Heal(); });
+  w.h.fabric().topology().Partition({0}, {1});
+  w.h.scheduler().After(sim::ToSimTime(absl::Milliseconds(3)),
+                        [&] { w.h.fabric().topology().Heal(); });
   EXPECT_TRUE(RunOne(*w.a, w.Req(Opcode::kWrite, 64 << 10)).ok());
   EXPECT_EQ(w.src, w.dst);
 }
@@ -177,9 +178,9 @@ TEST(SimTransport, RestartedPeerHasNewKeysAndOldLinksFail) {
   Region old_rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
   // Crash: the process dies, then comes back on the same node and NICs.
   b.reset();
-  h.fabric().SetNodeUp(1, false);
+  h.fabric().topology().SetNodeUp(1, false);
   h.scheduler().SleepFor(absl::Milliseconds(1));
-  h.fabric().SetNodeUp(1, true);
+  h.fabric().topology().SetNodeUp(1, true);
   b = *h.NewSimTransport(/*node=*/1);
   Region new_rd = *b->RegisterMemory(dst.data(), dst.size(), Access::kRemoteWrite);
   EXPECT_NE(new_rd.keys[0], old_rd.keys[0]);
@@ -232,7 +233,7 @@ TEST(SimTransport, DestroyedWhileWaitingReturnsCleanly) {
   std::vector<char> src(64, 's'), dst(64, 'd');
   Region rs = *a->RegisterMemory(src.data(), 64, Access::kNone);
   Region rd = *b->RegisterMemory(dst.data(), 64, Access::kRemoteWrite);
-  h.fabric().SetNodeUp(1, false);  // the request will never be answered
+  h.fabric().topology().SetNodeUp(1, false);  // the request will never be answered
   WorkRequest wr = Req(Opcode::kWrite, l.a, rs, src.data(), 64, rd.addr, rd.keys[0]);
   ASSERT_TRUE(a->Post({&wr, 1}).ok());
   SimTransport* raw = a.get();
@@ -251,9 +252,9 @@ TEST(SimTransport, CreateRejectsBadOptions) {
   o.nics = {12345};
   EXPECT_EQ(SimTransport::Create(&h.fabric(), o, 1).status().code(),
             absl::StatusCode::kInvalidArgument);
-  auto n0 = h.fabric().AddNode("x");
-  auto n1 = h.fabric().AddNode("y");
-  o.nics = {*h.fabric().AddNic(n0, {}), *h.fabric().AddNic(n1, {})};
+  auto n0 = h.fabric().topology().AddNode("x");
+  auto n1 = h.fabric().topology().AddNode("y");
+  o.nics = {*h.fabric().topology().AddNic(n0, {}), *h.fabric().topology().AddNic(n1, {})};
   EXPECT_EQ(SimTransport::Create(&h.fabric(), o, 1).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
