@@ -38,6 +38,16 @@ void LinkCore::FailLink(Link& link, absl::Status first, uint64_t first_id) {
   WakeWaiters();
 }
 
+absl::Status LinkCore::Install(LinkId id, net::Fd fd) {
+  MutexLock lock(&mu);
+  auto it = links.find(id);
+  if (it == links.end() || it->second->stopping || it->second->fd.valid()) {
+    return absl::CancelledError(absl::StrCat("link ", id, " was closed meanwhile"));
+  }
+  it->second->fd = std::move(fd);
+  return absl::OkStatus();
+}
+
 void LinkCore::SendInline(Link& link) {
   iovec iov[2 * kMaxJobsPerSend];
   int n = 0;

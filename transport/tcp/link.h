@@ -155,6 +155,9 @@ class LinkCore {
     while (link.writer_busy || link.direct_busy > 0) link.cv.Wait(&mu);
     --link.idle_waiters;
   }
+  // An offered link's connection, once connected (ConnectOffered,
+  // AdoptConnection). kCancelled when the link was closed meanwhile.
+  absl::Status Install(LinkId id, net::Fd fd) ABSL_LOCKS_EXCLUDED(mu);
   // Sends a claimed link's inline_jobs (writer_busy set by the claimer)
   // without blocking; a rest goes to the writer. Clears writer_busy.
   void SendInline(Link& link) ABSL_LOCKS_EXCLUDED(mu);

@@ -204,6 +204,23 @@ void LinkThreads::StopAndJoin(const std::shared_ptr<Link>& link) {
   link->writer.Join();
 }
 
+void LinkThreads::ReapDeadPassive() {
+  std::vector<std::shared_ptr<Link>> dead;
+  {
+    MutexLock lock(&core_.mu);
+    for (auto it = core_.links.begin(); it != core_.links.end();) {
+      const Link& l = *it->second;
+      if (l.passive && l.reader_done && l.outstanding.empty()) {
+        dead.push_back(it->second);
+        core_.links.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& link : dead) StopAndJoin(link);
+}
+
 }  // namespace tcp_internal
 }  // namespace transport
 }  // namespace kvferry

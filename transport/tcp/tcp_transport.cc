@@ -134,17 +134,7 @@ absl::Status TcpTransport::ConnectOffered(LinkId id, const NicInfo& peer_nic) {
   const std::string hello = EncodeHello(token, core_.options.secret);
   RETURN_IF_ERROR(net::WriteFull(fd.get(), hello.data(), hello.size(),
                                  absl::Now() + core_.options.connect_timeout));
-  return Install(id, std::move(fd));
-}
-
-absl::Status TcpTransport::Install(LinkId id, net::Fd fd) {
-  MutexLock lock(&core_.mu);
-  auto it = core_.links.find(id);
-  if (it == core_.links.end() || it->second->stopping || it->second->fd.valid()) {
-    return absl::CancelledError(absl::StrCat("link ", id, " was closed meanwhile"));
-  }
-  it->second->fd = std::move(fd);
-  return absl::OkStatus();
+  return core_.Install(id, std::move(fd));
 }
 
 absl::Status TcpTransport::AdoptConnection(LinkId id, net::Fd connection) {
@@ -168,7 +158,7 @@ absl::Status TcpTransport::AdoptConnection(LinkId id, net::Fd connection) {
   if (passive) return Annotate(acceptor_->Deliver(token, std::move(connection)), "AdoptConnection");
   RETURN_IF_ERROR(net::SetNoDelay(connection.get()));
   RETURN_IF_ERROR(net::SetKeepAlive(connection.get(), core_.options.dead_peer_timeout));
-  return Install(id, std::move(connection));
+  return core_.Install(id, std::move(connection));
 }
 
 absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const NicInfo& peer_nic,
@@ -181,7 +171,7 @@ absl::StatusOr<LinkOffer> TcpTransport::AcceptLink(NicIndex local_nic, const Nic
   if (!params.ok()) return Annotate(params.status(), "AcceptLink");
   RETURN_IF_ERROR(Annotate(core_.refs.CheckPeer(params->host), "AcceptLink"));
   const uint64_t token = params->token;
-  ReapDeadPassiveLinks();
+  threads_.ReapDeadPassive();
   auto link = std::make_shared<Link>();
   if (core_.key != 0) {
     link->gate = std::make_shared<DirectGate>();
@@ -268,23 +258,6 @@ absl::Status TcpTransport::CompleteLink(LinkId id, absl::string_view peer_params
     return started;
   }
   return absl::OkStatus();
-}
-
-void TcpTransport::ReapDeadPassiveLinks() {
-  std::vector<std::shared_ptr<Link>> dead;
-  {
-    MutexLock lock(&core_.mu);
-    for (auto it = core_.links.begin(); it != core_.links.end();) {
-      const Link& l = *it->second;
-      if (l.passive && l.reader_done && l.outstanding.empty()) {
-        dead.push_back(it->second);
-        core_.links.erase(it++);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (auto& link : dead) threads_.StopAndJoin(link);
 }
 
 bool TcpTransport::HasLink(LinkId id) {

@@ -170,6 +170,10 @@ class LinkThreads {
   // Stops the link's threads and waits for them, and for the peer's
   // shortcut copies through it.
   void StopAndJoin(const std::shared_ptr<Link>& link) ABSL_LOCKS_EXCLUDED(core_.mu);
+  // Closes accepted links whose connection has ended and which have nothing
+  // outstanding: the peer that made them is gone or reconnected, and
+  // nobody here holds their id (the engine never posts on them).
+  void ReapDeadPassive() ABSL_LOCKS_EXCLUDED(core_.mu);
 
  private:
   void ReaderLoop(std::shared_ptr<Link> link);
@@ -244,14 +248,6 @@ class TcpTransport final : public Transport, public StreamLinks {
   }
 
  private:
-  // An offered link's connection, once connected (ConnectOffered,
-  // AdoptConnection).
-  absl::Status Install(LinkId id, net::Fd fd) ABSL_LOCKS_EXCLUDED(core_.mu);
-  // Closes accepted links whose connection has ended and which have nothing
-  // outstanding: the peer that made them is gone or reconnected, and
-  // nobody here holds their id (the engine never posts on them).
-  void ReapDeadPassiveLinks() ABSL_LOCKS_EXCLUDED(core_.mu);
-
   LinkCore core_;
   Requester requester_{core_};
   Responder responder_{core_};
