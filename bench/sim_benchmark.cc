@@ -52,15 +52,15 @@ void BM_SimTransportWrite(benchmark::State& state) {
   wr.remote_key = rd.keys[0];
   transport::Completion c;
   for (auto _ : state) {
-    if (!t[0]->Post({&wr, 1}).ok() ||
-        t[0]->WaitCompletions({&c, 1}, absl::Seconds(1)) != 1 || !c.status.ok()) {
+    if (!t[0]->Post({&wr, 1}).ok() || t[0]->WaitCompletions({&c, 1}, absl::Seconds(1)) != 1 ||
+        !c.status.ok()) {
       state.SkipWithError("simulated write failed");
       break;
     }
   }
   state.SetBytesProcessed(int64_t(state.iterations()) * n);
-  state.counters["events_per_op"] = benchmark::Counter(
-      double(sched.events_run()) / std::max<int64_t>(1, state.iterations()));
+  state.counters["events_per_op"] =
+      benchmark::Counter(double(sched.events_run()) / std::max<int64_t>(1, state.iterations()));
 }
 BENCHMARK(BM_SimTransportWrite)->Arg(4096)->Arg(64 << 10)->Arg(1 << 20);
 

@@ -38,9 +38,7 @@ class SimNetwork::SimServer final : public Server {
   ~SimServer() override {
     if (*alive_) network_->servers_.erase(port_);
   }
-  std::string address() const override {
-    return absl::StrCat(network_->host(), ":", port_);
-  }
+  std::string address() const override { return absl::StrCat(network_->host(), ":", port_); }
 
  private:
   friend class SimNetwork;
@@ -159,25 +157,22 @@ absl::StatusOr<Frame> SimNetwork::Call(const std::string& peer, const Frame& req
   const std::string encoded = EncodeFrame(request.type, request.payload);
   const sim::SimTime deadline = sched->now() + sim::ToSimTime(timeout);
   std::shared_ptr<bool> alive = alive_;
-  auto answered = [&] {
-    return !*alive || replies_.at(id).answered;
-  };
+  auto answered = [&] { return !*alive || replies_.at(id).answered; };
   while (!answered() && sched->now() < deadline) {
     Send(to, kRequest, hp.port, id, encoded);
-    sched->RunUntilCondition(answered, std::min(deadline, sched->now() +
-                                                              sim::ToSimTime(resend_interval_)));
+    sched->RunUntilCondition(answered,
+                             std::min(deadline, sched->now() + sim::ToSimTime(resend_interval_)));
   }
   if (!*alive) return absl::CancelledError("the network was destroyed during a call");
   Reply r = std::move(replies_.at(id));
   replies_.erase(id);
   if (r.refused) {
-    return absl::UnavailableError(absl::StrCat("handshake with ", peer,
-                                               " failed: connection refused"));
+    return absl::UnavailableError(
+        absl::StrCat("handshake with ", peer, " failed: connection refused"));
   }
   if (!r.answered) {
     return absl::UnavailableError(absl::StrCat("handshake with ", peer, ": no answer within ",
-                                               absl::FormatDuration(timeout),
-                                               " (simulated)"));
+                                               absl::FormatDuration(timeout), " (simulated)"));
   }
   if (r.frame.type == MessageType::kError) return DecodeError(r.frame.payload);
   return r.frame;

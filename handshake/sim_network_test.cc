@@ -31,9 +31,9 @@ TEST(SimNetwork, CallsAreAnsweredOnceEvenWhenMessagesAreLost) {
   ASSERT_TRUE(server.ok());
   EXPECT_EQ((*server)->address(), server_net.host() + ":15000");
   for (int i = 0; i < 20; ++i) {
-    auto reply = client.Call((*server)->address(),
-                             Frame{MessageType::kProbe, Encode(Probe{1, uint64_t(i)})},
-                             absl::Milliseconds(50));
+    auto reply =
+        client.Call((*server)->address(), Frame{MessageType::kProbe, Encode(Probe{1, uint64_t(i)})},
+                    absl::Milliseconds(50));
     ASSERT_TRUE(reply.ok()) << reply.status();
     EXPECT_EQ(DecodeProbe(reply->payload)->nonce, uint64_t(i));
   }
@@ -48,18 +48,17 @@ TEST(SimNetwork, RefusedUnreachableAndErrors) {
                              absl::Milliseconds(10));
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(refused.status().message().find("refused"), std::string::npos);
-  auto server = server_net.Serve({}, [](const Frame&) {
-    return ErrorFrame(absl::NotFoundError("nope"));
-  });
-  EXPECT_EQ(client.Call((*server)->address(), Frame{MessageType::kProbe, ""},
-                        absl::Milliseconds(10))
-                .status()
-                .code(),
-            absl::StatusCode::kNotFound);
+  auto server =
+      server_net.Serve({}, [](const Frame&) { return ErrorFrame(absl::NotFoundError("nope")); });
+  EXPECT_EQ(
+      client.Call((*server)->address(), Frame{MessageType::kProbe, ""}, absl::Milliseconds(10))
+          .status()
+          .code(),
+      absl::StatusCode::kNotFound);
   p.fabric.topology().SetNodeUp(1, false);
   const sim::SimTime start = p.sched.now();
-  auto down = client.Call((*server)->address(), Frame{MessageType::kProbe, ""},
-                          absl::Milliseconds(10));
+  auto down =
+      client.Call((*server)->address(), Frame{MessageType::kProbe, ""}, absl::Milliseconds(10));
   EXPECT_EQ(down.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(p.sched.now() - start, sim::ToSimTime(absl::Milliseconds(10)));
   EXPECT_EQ(client.Call("10.0.0.1:5", Frame{}, absl::Milliseconds(1)).status().code(),

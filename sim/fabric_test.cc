@@ -80,10 +80,8 @@ TEST_F(FabricTest, TwoSendersShareOneReceiver) {
 }
 
 TEST_F(FabricTest, SlowReceiverLimitsRate) {
-  NicId a = AddNic(fabric_.topology().AddNode("a"),
-                   {16'000'000'000, absl::ZeroDuration(), 4096});
-  NicId b = AddNic(fabric_.topology().AddNode("b"),
-                   {8'000'000'000, absl::ZeroDuration(), 4096});
+  NicId a = AddNic(fabric_.topology().AddNode("a"), {16'000'000'000, absl::ZeroDuration(), 4096});
+  NicId b = AddNic(fabric_.topology().AddNode("b"), {8'000'000'000, absl::ZeroDuration(), 4096});
   Record(b);
   fabric_.Send(a, b, 4000, "x");
   sched_.RunUntilIdle();
@@ -149,9 +147,8 @@ uint64_t LossyRun(uint64_t seed, std::vector<std::string>* got) {
   NicId b = *fabric.topology().AddNic(fabric.topology().AddNode("b"), {});
   fabric.Attach(b, [&](Message&& m) { got->push_back(std::move(m.bytes)); });
   for (int i = 0; i < 200; ++i) {
-    sched.After(i * 100, [&fabric, a, b, i] {
-      fabric.Send(a, b, 64 + i * 100, std::to_string(i));
-    });
+    sched.After(i * 100,
+                [&fabric, a, b, i] { fabric.Send(a, b, 64 + i * 100, std::to_string(i)); });
   }
   sched.RunUntilIdle();
   return sched.trace_hash();

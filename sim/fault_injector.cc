@@ -5,8 +5,7 @@
 namespace kvferry {
 namespace sim {
 
-FaultInjector::FaultInjector(Fabric* fabric, uint64_t seed,
-                             FaultSchedule schedule, NodeFn on_crash,
+FaultInjector::FaultInjector(Fabric* fabric, uint64_t seed, FaultSchedule schedule, NodeFn on_crash,
                              NodeFn on_restart)
     : fabric_(fabric),
       sched_(fabric->scheduler()),
@@ -22,9 +21,11 @@ FaultInjector::~FaultInjector() { sched_->CancelOwner(owner_); }
 
 void FaultInjector::Start() {
   start_ = sched_->now();
-  sched_->After(0, [this] { Tick(); }, owner_);
+  sched_->After(
+      0, [this] { Tick(); }, owner_);
   if (schedule_.clear_message_faults_after) {
-    sched_->After(phase_, [this] { fabric_->set_faults(FaultOptions{}); }, owner_);
+    sched_->After(
+        phase_, [this] { fabric_->set_faults(FaultOptions{}); }, owner_);
   }
 }
 
@@ -53,30 +54,40 @@ void FaultInjector::Tick() {
   if (partition && pa != pb) {
     ++counts_.partitions;
     fabric_->topology().Partition({pa}, {pb});
-    sched_->After(partition_outage, [this, pa, pb] {
-      fabric_->topology().HealPair(pa, pb);
-      ++counts_.repairs;
-    }, owner_);
+    sched_->After(
+        partition_outage,
+        [this, pa, pb] {
+          fabric_->topology().HealPair(pa, pb);
+          ++counts_.repairs;
+        },
+        owner_);
   }
   if (nic_down && nics && fabric_->topology().IsNicUp(nic)) {
     ++counts_.nic_downs;
     fabric_->topology().SetNicUp(nic, false);
-    sched_->After(nic_outage, [this, nic] {
-      fabric_->topology().SetNicUp(nic, true);
-      ++counts_.repairs;
-    }, owner_);
+    sched_->After(
+        nic_outage,
+        [this, nic] {
+          fabric_->topology().SetNicUp(nic, true);
+          ++counts_.repairs;
+        },
+        owner_);
   }
   if (crash && nodes && fabric_->topology().IsNodeUp(victim)) {
     ++counts_.crashes;
     fabric_->topology().SetNodeUp(victim, false);
     if (on_crash_) on_crash_(victim);
-    sched_->After(crash_outage, [this, victim] {
-      fabric_->topology().SetNodeUp(victim, true);
-      ++counts_.repairs;
-      if (on_restart_) on_restart_(victim);
-    }, owner_);
+    sched_->After(
+        crash_outage,
+        [this, victim] {
+          fabric_->topology().SetNodeUp(victim, true);
+          ++counts_.repairs;
+          if (on_restart_) on_restart_(victim);
+        },
+        owner_);
   }
-  sched_->After(ToSimTime(schedule_.tick), [this] { Tick(); }, owner_);
+  sched_->After(
+      ToSimTime(schedule_.tick), [this] { Tick(); }, owner_);
 }
 
 }  // namespace sim

@@ -68,8 +68,7 @@ TEST(FaultInjector, SchedulesRepairsEverythingAndReplays) {
     EXPECT_EQ(a.crashes, b.crashes);
     EXPECT_EQ(a.restarts, b.restarts);
     EXPECT_GT(a.counts.partitions + a.counts.nic_downs, 0u);
-    EXPECT_EQ(a.counts.repairs,
-              a.counts.partitions + a.counts.nic_downs + a.counts.crashes);
+    EXPECT_EQ(a.counts.repairs, a.counts.partitions + a.counts.nic_downs + a.counts.crashes);
     EXPECT_EQ(a.crashes.size(), a.counts.crashes);
     EXPECT_EQ(a.restarts.size(), a.crashes.size());
   }

@@ -68,8 +68,8 @@ class Cluster {
     o.nics = nics_[n];
     o.ack_timeout = absl::Microseconds(200);
     hosts_[n].t = *transport::SimTransport::Create(&fabric_, o, root_.Next64());
-    hosts_[n].region = *hosts_[n].t->RegisterMemory(
-        mem_[n].data(), mem_[n].size(), transport::Access::kRemoteReadWrite);
+    hosts_[n].region = *hosts_[n].t->RegisterMemory(mem_[n].data(), mem_[n].size(),
+                                                    transport::Access::kRemoteReadWrite);
     hosts_[n].links.clear();
     hosts_[n].outstanding.clear();
   }
@@ -217,8 +217,7 @@ void RunSeed(uint64_t seed, SeedStats* stats) {
   while (c.sched().now() < inj.healed_at()) {
     for (int i = 0; i < 4; ++i) {
       const int from = c.traffic().Uniform(kNodes), to = c.traffic().Uniform(kNodes);
-      c.Send(from, to, c.traffic().Chance({1, 2}) ? Opcode::kWrite : Opcode::kRead,
-             false);
+      c.Send(from, to, c.traffic().Chance({1, 2}) ? Opcode::kWrite : Opcode::kRead, false);
     }
     stats->failed_in_fault_phase += c.Drain(absl::Microseconds(100));
   }
@@ -268,11 +267,12 @@ TEST(SimCluster, FaultPhaseThenHealedPhaseAcrossSeeds) {
     EXPECT_GT(total.faults.nic_downs, 0u);
     EXPECT_GT(total.failed_in_fault_phase, 0);
   }
-  std::printf("sweep of %zu seeds: %llu crashes, %llu partitions, %llu NIC outages, "
-              "%d failed requests in fault phases\n",
-              seeds.size(), (unsigned long long)total.faults.crashes,
-              (unsigned long long)total.faults.partitions,
-              (unsigned long long)total.faults.nic_downs, total.failed_in_fault_phase);
+  std::printf(
+      "sweep of %zu seeds: %llu crashes, %llu partitions, %llu NIC outages, "
+      "%d failed requests in fault phases\n",
+      seeds.size(), (unsigned long long)total.faults.crashes,
+      (unsigned long long)total.faults.partitions, (unsigned long long)total.faults.nic_downs,
+      total.failed_in_fault_phase);
 }
 
 }  // namespace

@@ -34,8 +34,7 @@ ABSL_FLAG(absl::Duration, latency, absl::Microseconds(1),
           "one-way latency of each NIC to the switch");
 ABSL_FLAG(uint32_t, mtu, 4096, "NIC MTU in bytes");
 ABSL_FLAG(std::string, drop, "0/1", "per-packet drop probability, as N/D");
-ABSL_FLAG(std::string, delay, "0/1",
-          "probability that a message is delayed, as N/D");
+ABSL_FLAG(std::string, delay, "0/1", "probability that a message is delayed, as N/D");
 ABSL_FLAG(absl::Duration, max_delay, absl::Microseconds(20),
           "largest extra delay of a delayed message");
 
@@ -45,8 +44,7 @@ namespace {
 bool ParseRatio(absl::string_view text, sim::Ratio* out) {
   std::vector<absl::string_view> parts = absl::StrSplit(text, '/');
   return parts.size() == 2 && absl::SimpleAtoi(parts[0], &out->num) &&
-         absl::SimpleAtoi(parts[1], &out->den) && out->den > 0 &&
-         out->num <= out->den;
+         absl::SimpleAtoi(parts[1], &out->den) && out->den > 0 && out->num <= out->den;
 }
 
 int Fail(const std::string& message) {
@@ -82,8 +80,8 @@ int Run() {
                     absl::GetFlag(FLAGS_mtu)};
   std::unique_ptr<transport::SimTransport> hosts[2];
   for (auto& host : hosts) {
-    absl::StatusOr<sim::NicId> nic =
-        fabric.topology().AddNic(fabric.topology().AddNode(&host == &hosts[0] ? "prefill" : "decode"), spec);
+    absl::StatusOr<sim::NicId> nic = fabric.topology().AddNic(
+        fabric.topology().AddNode(&host == &hosts[0] ? "prefill" : "decode"), spec);
     if (!nic.ok()) return Fail(std::string(nic.status().message()));
     transport::SimTransportOptions options;
     options.nics = {*nic};
@@ -99,10 +97,10 @@ int Run() {
     std::memcpy(&src[i], &w, std::min<size_t>(8, src.size() - i));
   }
   // WRITE: local src -> remote dst. READ: local dst <- remote src.
-  auto local = hosts[0]->RegisterMemory(op == Opcode::kWrite ? src.data() : dst.data(),
-                                        src.size(), transport::Access::kNone);
-  auto remote = hosts[1]->RegisterMemory(op == Opcode::kWrite ? dst.data() : src.data(),
-                                         src.size(), transport::Access::kRemoteReadWrite);
+  auto local = hosts[0]->RegisterMemory(op == Opcode::kWrite ? src.data() : dst.data(), src.size(),
+                                        transport::Access::kNone);
+  auto remote = hosts[1]->RegisterMemory(op == Opcode::kWrite ? dst.data() : src.data(), src.size(),
+                                         transport::Access::kRemoteReadWrite);
   if (!local.ok() || !remote.ok()) return Fail("registration failed");
   auto links = transport::ConnectInProcess(*hosts[0], *hosts[1]);
   if (!links.ok()) return Fail(std::string(links.status().message()));
@@ -147,8 +145,8 @@ int Run() {
               static_cast<unsigned long long>(block), gbps,
               static_cast<unsigned long long>(absl::GetFlag(FLAGS_seed)));
   std::printf("  simulated time   %.3f ms\n", seconds * 1e3);
-  std::printf("  goodput          %.2f GB/s (%.1f%% of the %.2f GB/s link)\n",
-              gbytes / seconds, 100 * gbytes / seconds / (gbps / 8), gbps / 8);
+  std::printf("  goodput          %.2f GB/s (%.1f%% of the %.2f GB/s link)\n", gbytes / seconds,
+              100 * gbytes / seconds / (gbps / 8), gbps / 8);
   std::printf("  fabric messages  %llu sent, %llu dropped\n",
               static_cast<unsigned long long>(fabric.stats().sent),
               static_cast<unsigned long long>(fabric.stats().dropped));
