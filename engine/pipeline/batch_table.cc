@@ -12,10 +12,7 @@ void Batch::Reset() {
   bound = false;
   landed = 0;
   submitted = absl::Time();
-  op.clear();
-  length.clear();
-  slices_left.clear();
-  status.clear();
+  requests.clear();
   pending = 0;
 }
 
@@ -24,13 +21,13 @@ void Batch::StatusTo(BatchStatus* out) const {
   out->succeeded = 0;
   out->failed = 0;
   out->requests.clear();
-  out->requests.reserve(status.size());
-  for (size_t i = 0; i < status.size(); ++i) {
-    if (slices_left[i] > 0) {
+  out->requests.reserve(requests.size());
+  for (const Request& r : requests) {
+    if (r.slices_left > 0) {
       out->requests.push_back(absl::UnavailableError("pending"));
     } else {
-      out->requests.push_back(status[i]);
-      ++(status[i].ok() ? out->succeeded : out->failed);
+      out->requests.push_back(r.status);
+      ++(r.status.ok() ? out->succeeded : out->failed);
     }
   }
 }

@@ -64,11 +64,15 @@ struct Batch {
   uint64_t epoch = 0;
   uint64_t landed = 0;  // slices completed OK
   absl::Time submitted;
-  std::vector<transport::Opcode> op;  // per request
-  std::vector<uint64_t> length;       // per request
-  std::vector<uint64_t> slices_left;  // per request
-  std::vector<absl::Status> status;   // first error per request
-  size_t pending = 0;                 // requests not finished
+  // One of the batch's requests.
+  struct Request {
+    transport::Opcode op = transport::Opcode::kWrite;
+    uint64_t length = 0;
+    uint64_t slices_left = 0;
+    absl::Status status;  // its first error
+  };
+  std::vector<Request> requests;
+  size_t pending = 0;  // requests not finished
   // Empties it for reuse, keeping the vectors' capacity.
   void Reset();
   // The caller's view of it.

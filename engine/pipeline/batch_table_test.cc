@@ -14,14 +14,14 @@ TEST(BatchTableTest, ReleasedIdsStayUnknownWhenTheirSlotIsReused) {
   Batch* b;
   const BatchId first = t.Create(&b);
   ASSERT_NE(first, 0u);
-  b->op.resize(8);
+  b->requests.resize(8);
   t.Recycle(first);
   EXPECT_EQ(t.Find(first), nullptr);
 
   const BatchId second = t.Create(&b);  // the same slot, emptied
   EXPECT_NE(second, first);
-  EXPECT_TRUE(b->op.empty());
-  EXPECT_GE(b->op.capacity(), 8u);  // its vector kept for reuse
+  EXPECT_TRUE(b->requests.empty());
+  EXPECT_GE(b->requests.capacity(), 8u);  // its vector kept for reuse
   EXPECT_EQ(t.Find(second), b);
   EXPECT_EQ(t.Find(first), nullptr);
   t.Recycle(first);  // a stale id frees nothing

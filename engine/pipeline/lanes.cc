@@ -72,16 +72,17 @@ void Lanes::Finish(Lane& lane, uint64_t sid, absl::Status status, absl::Time now
   if (batch == nullptr) return;
   if (status.ok()) ++batch->landed;
   for (size_t k = first; k < end; ++k) {
-    if (!status.ok() && batch->status[k].ok()) batch->status[k] = status;
-    if (--batch->slices_left[k] != 0) continue;
+    Batch::Request& r = batch->requests[k];
+    if (!status.ok() && r.status.ok()) r.status = status;
+    if (--r.slices_left != 0) continue;
     if (--batch->pending == 0) pump_->Wake(lane.index);  // its waiter may sleep
     if (entry == nullptr) continue;
     PeerMetrics& m = entry->metrics;
     m.latency.Record(now - batch->submitted);
-    const absl::Status& result = batch->status[k];
+    const absl::Status& result = r.status;
     if (result.ok()) {
       ++m.requests_ok;
-      (batch->op[k] == Opcode::kWrite ? m.bytes_written : m.bytes_read) += batch->length[k];
+      (r.op == Opcode::kWrite ? m.bytes_written : m.bytes_read) += r.length;
     } else {
       ++m.errors[absl::StatusCodeToString(result.code())];
     }

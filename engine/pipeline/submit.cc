@@ -35,13 +35,12 @@ BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
   b->peer_engine_id = ls.view->descriptor.engine_id;
   b->epoch = ls.view->epoch;
   b->bound = bound.engine_id != 0;
-  b->slices_left.assign(requests.size(), 0);
   b->submitted = now;
-  for (const TransferRequest& r : requests) {
-    b->op.push_back(r.opcode);
-    b->length.push_back(r.length);
+  b->requests.resize(requests.size());  // emptied by Reset: all fresh
+  for (size_t k = 0; k < requests.size(); ++k) {
+    b->requests[k].op = requests[k].opcode;
+    b->requests[k].length = requests[k].length;
   }
-  b->status.assign(requests.size(), absl::OkStatus());
   b->pending = requests.size();
   ls.metrics.requests += requests.size();
   ls.slices += reserved.size();
@@ -49,7 +48,7 @@ BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
   for (uint64_t sid : reserved) {
     Slice& s = *lane.batches.FindSlice(sid);
     s.batch = batch_id;
-    for (size_t k = s.request; k < s.request + s.requests; ++k) ++b->slices_left[k];
+    for (size_t k = s.request; k < s.request + s.requests; ++k) ++b->requests[k].slices_left;
   }
   return batch_id;
 }
