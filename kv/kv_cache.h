@@ -309,9 +309,7 @@ class KvReceiver {
  private:
   KvReceiver(TransferEngine* engine, KvPool pool, Options options);
 
-  TransferEngine* const engine_;
   const KvPool pool_;
-  const Options options_;
   // Its units (kv/kv_receiver_internal.h); the watcher is declared after
   // the state, so its thread is joined before the state goes.
   kv_internal::ReceiverState state_;

@@ -52,9 +52,7 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(TransferEngine* e
 }
 
 KvReceiver::KvReceiver(TransferEngine* engine, KvPool pool, Options options)
-    : engine_(engine),
-      pool_(std::move(pool)),
-      options_(options),
+    : pool_(std::move(pool)),
       state_(engine, &pool_, options.peer_timeout, options.early_word_ttl) {}
 
 KvReceiver::~KvReceiver() = default;  // the watcher stops and joins its thread
@@ -79,15 +77,15 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
   // gone (reported without waiting).
   bool probe_now = prefill_engine_id != 0;
   if (!watched && instance == 0) {
-    absl::StatusOr<uint64_t> id = engine_->ProbePeer(peer, options_.peer_timeout / 4);
+    absl::StatusOr<uint64_t> id = state_.engine->ProbePeer(peer, state_.peer_timeout / 4);
     if (id.ok()) instance = *id;
     probe_now = !id.ok() && net::ConnectionRefused(id.status());
   }
   // With real time, the watcher's first round for it is now as well: it
   // opens the prefill's watch connection at once (a kill right after
   // Expect is then seen at once too), off the caller's thread.
-  probe_now = probe_now || engine_->clock() == RealClock();
-  const absl::Time now = engine_->clock()->Now();
+  probe_now = probe_now || state_.engine->clock() == RealClock();
+  const absl::Time now = state_.engine->clock()->Now();
   const bool presented = instance != 0 && instance != prefill_engine_id;
   // A word that came first is confirmed with this prefill before it counts.
   const bool confirmed = words_.ConfirmEarly(request_id, instance, peer);
@@ -104,7 +102,7 @@ absl::Status KvReceiver::Expect(const std::string& request_id, const std::string
     return watcher_.ExpectFrom(
         state_, request_id, peer,
         kv_internal::PrefillState{instance, presented, now,
-                                  probe_now ? now : now + options_.peer_timeout / 4},
+                                  probe_now ? now : now + state_.peer_timeout / 4},
         prefill_engine_id);
   }
 }
@@ -129,7 +127,7 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
   // short slices, so a failure found by the watcher is seen promptly); the
   // others wait for it to say something changed.
   constexpr absl::Duration kSlice = absl::Milliseconds(10);
-  Clock* clock = engine_->clock();
+  Clock* clock = state_.engine->clock();
   const bool simulated = clock != RealClock();
   const absl::Time deadline = clock->Now() + timeout;
   state_.mu.Lock();
@@ -158,7 +156,8 @@ absl::StatusOr<KvReceiver::Status> KvReceiver::Wait(const std::string& request_i
     state_.pumping = true;
     state_.mu.Unlock();
     if (simulated) watcher_.CheckPrefills();  // no watcher thread on simulated time
-    absl::StatusOr<Notification> n = engine_->WaitNotification(std::min(left, kSlice), IsWord);
+    absl::StatusOr<Notification> n =
+        state_.engine->WaitNotification(std::min(left, kSlice), IsWord);
     std::vector<kv_internal::Vetted> words;
     if (n.ok()) words = words_.Vet({std::move(*n)});
     state_.mu.Lock();
@@ -202,7 +201,7 @@ void KvReceiver::Forget(const std::string& request_id) {
 }
 
 std::vector<Notification> KvReceiver::TakeOtherNotifications() {
-  return engine_->TakeNotifications([](absl::string_view m) { return !IsWord(m); });
+  return state_.engine->TakeNotifications([](absl::string_view m) { return !IsWord(m); });
 }
 
 }  // namespace kvferry
