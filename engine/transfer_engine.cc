@@ -29,6 +29,7 @@
 #include "engine/peer/peer_service.h"
 #include "engine/peer/secret.h"
 #include "engine/pipeline/batch_pipeline.h"
+#include "engine/prepared/prepared_internal.h"
 #include "engine/stream_order.h"
 #include "handshake/auth.h"
 #include "net/socket.h"
@@ -82,6 +83,15 @@ class TransferEngine::Impl {
     client_.OnFenced([this](const std::string& peer, uint64_t epoch) {
       pipeline_.segments().FencedBy(peer, epoch);
     });
+    engine_internal::PreparedDeps deps;
+    deps.pipeline = &pipeline_;
+    deps.regions = &regions_;
+    deps.finished = &finished_;
+    deps.clock = clock_;
+    deps.notify = [this](uint64_t segment, const std::string& message, uint64_t target) {
+      return NotifyInstance(segment, message, target);
+    };
+    prepared_ = std::make_unique<PreparedTransfers>(deps);
     if (!near_nics_) {
       near_nics_ = [t = transport_.get()](const std::string& location) {
         return absl::StatusOr<std::vector<NicIndex>>(SameNumaNode(*t, location));
@@ -245,8 +255,10 @@ class TransferEngine::Impl {
   engine_internal::MetadataStore metadata_;
   engine_internal::PeerClient client_;
   engine_internal::PeerService service_;
+  engine_internal::FinishedQueue finished_;  // the pipeline's hook: after it in destruction
   engine_internal::BatchPipeline pipeline_;
   engine_internal::StreamOrder streams_;  // before pipeline_ in destruction
+  std::unique_ptr<PreparedTransfers> prepared_;  // before pipeline_ in destruction
   std::string address_;
   const handshake::AuthenticatedNetwork* auth_ = nullptr;  // inside network_, if any
   std::unique_ptr<handshake::Server> server_;
@@ -376,6 +388,7 @@ absl::StatusOr<BatchId> TransferEngine::Submit(SegmentId segment,
   return impl_->pipeline_.Submit(segment, requests,
                                  engine_internal::PeerBinding{peer_engine_id, peer_epoch});
 }
+PreparedTransfers& TransferEngine::prepared() { return *impl_->prepared_; }
 absl::StatusOr<BatchStatus> TransferEngine::Poll(BatchId batch) {
   return impl_->pipeline_.Poll(batch);
 }

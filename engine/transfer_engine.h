@@ -60,6 +60,7 @@
 #include "absl/types/span.h"
 #include "base/clock.h"
 #include "engine/metrics/metrics.h"
+#include "engine/prepared/prepared.h"
 #include "engine/types.h"
 #include "handshake/network.h"
 #include "transport/transport.h"
@@ -279,6 +280,10 @@ class TransferEngine {
                                  std::optional<uint64_t> peer_epoch = std::nullopt);
   // The batch's state now, or after waiting up to `timeout` for it to finish.
   absl::StatusOr<BatchStatus> Poll(BatchId batch);
+  // Prepared transfers (engine/prepared/prepared.h, docs/nixl.md):
+  // descriptor lists checked once, transfers made from index pairs into
+  // them and posted again and again, with a notification after the data.
+  PreparedTransfers& prepared();
   absl::StatusOr<BatchStatus> Wait(BatchId batch, absl::Duration timeout);
   // Wait that fills `out` instead: its vector keeps its capacity, so a
   // caller reusing one BatchStatus waits without allocating (the engine's

@@ -250,6 +250,13 @@ bool LocalRegions::FindPiece(uint64_t addr, LocalUse* out) const {
   return true;
 }
 
+uint64_t LocalRegions::RegistrationEnd(uint64_t addr, uint64_t length) const {
+  MutexLock lock(&mu_);
+  uint64_t base = 0;
+  const Entry* e = Lookup(addr, length, &base);
+  return e == nullptr ? 0 : base + e->length;
+}
+
 std::vector<handshake::RegionDescriptor> LocalRegions::Advertised(size_t index) const {
   std::vector<handshake::RegionDescriptor> out;
   MutexLock lock(&mu_);

@@ -78,6 +78,9 @@ class LocalRegions {
   // The piece holding `addr` (for a request's bytes past its first piece);
   // false when it is no longer registered.
   bool FindPiece(uint64_t addr, LocalUse* out) const;
+  // Where the usable registration holding all of [addr, +length) ends, or 0
+  // when none holds it (a prepared list's check, done once).
+  uint64_t RegistrationEnd(uint64_t addr, uint64_t length) const;
   // The regions peers may use through transport `index`, for its descriptor.
   std::vector<handshake::RegionDescriptor> Advertised(size_t index) const;
 

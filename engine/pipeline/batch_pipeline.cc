@@ -67,6 +67,16 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
   return lanes_.StatusOf(id);
 }
 
+bool BatchPipeline::Drive(absl::FunctionRef<bool()> ready, absl::Duration timeout) {
+  return pump_.Await(
+      ready, timeout,
+      [&](absl::Time until) {
+        const absl::Duration check = config_.peer_timeout / 4;
+        Pump(std::max(absl::ZeroDuration(), std::min(until - clock_->Now(), check)));
+      },
+      [&] { return PollNow(); }, Lanes::kHookLane);
+}
+
 absl::Status BatchPipeline::Wait(BatchId id, absl::Duration timeout, BatchStatus* out) {
   absl::Status result;
   bool known = true;

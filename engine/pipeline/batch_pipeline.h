@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -66,6 +67,12 @@ class BatchPipeline {
   absl::StatusOr<BatchStatus> Poll(BatchId id);
   absl::Status Wait(BatchId id, absl::Duration timeout, BatchStatus* out);
   absl::Status Release(BatchId id) { return lanes_.Release(id); }
+  // Who is told when a batch submitted with PeerBinding::announce finishes.
+  void SetFinishedHook(FinishedBatches* hook) { lanes_.SetHook(hook); }
+  // Delivers the transports' completions, waiting in them, until ready()
+  // holds or `timeout` passed; woken at once when an announced batch
+  // finishes (the hook's thread waits here while nobody else may).
+  bool Drive(absl::FunctionRef<bool()> ready, absl::Duration timeout);
   // The segment and peer instance a batch goes to.
   absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id) const {
     return lanes_.Target(id);

@@ -10,6 +10,7 @@ void Batch::Reset() {
   peer_engine_id = 0;
   epoch = 0;
   bound = false;
+  announce = false;
   landed = 0;
   submitted = absl::Time();
   requests.clear();

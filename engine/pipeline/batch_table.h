@@ -49,6 +49,9 @@ struct Slice {
 struct PeerBinding {
   uint64_t engine_id = 0;
   std::optional<uint64_t> epoch;
+  // Tell Lanes' FinishedBatches hook when the batch finishes (a prepared
+  // transfer's notification goes out then, whether or not anyone polls).
+  bool announce = false;
 };
 
 struct Batch {
@@ -57,7 +60,8 @@ struct Batch {
   // slice is never retried on another instance: its bytes would be split
   // between a dead peer and its successor.
   uint64_t peer_engine_id = 0;
-  bool bound = false;  // the caller named the instance
+  bool bound = false;     // the caller named the instance
+  bool announce = false;  // PeerBinding::announce
   // The segment's epoch when the batch was made (SegmentCore::epoch): a
   // peer that fenced this engine took everything of that epoch as lost,
   // and none of it goes to the peer at a later one.

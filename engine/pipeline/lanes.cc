@@ -75,7 +75,15 @@ void Lanes::Finish(Lane& lane, uint64_t sid, absl::Status status, absl::Time now
     Batch::Request& r = batch->requests[k];
     if (!status.ok() && r.status.ok()) r.status = status;
     if (--r.slices_left != 0) continue;
-    if (--batch->pending == 0) pump_->Wake(lane.index);  // its waiter may sleep
+    if (--batch->pending == 0) {
+      pump_->Wake(lane.index);  // its waiter may sleep
+      if (batch->announce) {
+        if (FinishedBatches* hook = hook_.load(std::memory_order_acquire)) {
+          hook->Finished(batch_id);
+          if (lane.index != kHookLane) pump_->Wake(kHookLane);
+        }
+      }
+    }
     if (entry == nullptr) continue;
     PeerMetrics& m = entry->metrics;
     m.latency.Record(now - batch->submitted);

@@ -96,6 +96,18 @@ __attribute__((visibility("hidden"))) inline size_t ThisThreadsLane() {
 // Every lane, created with the pipeline and never changed; what is done to
 // a lane's batches and slices as a whole. Each method takes the lanes'
 // locks it needs (one at a time) unless it says that its caller holds one.
+// Told of each batch submitted with PeerBinding::announce when it finishes
+// (its last request done, failed or not), under the batch's lane's lock:
+// Finished must only take locks of its own that nothing holds while
+// calling into the pipeline, and must not block.
+class FinishedBatches {
+ public:
+  virtual void Finished(BatchId batch) = 0;
+
+ protected:
+  ~FinishedBatches() = default;
+};
+
 class Lanes {
  public:
   // `nics`: the engine's NIC count (each lane tallies by NIC); `pump` is
@@ -124,6 +136,12 @@ class Lanes {
   // The same for a slice of any lane.
   void Finish(uint64_t sid, absl::Status status, absl::Time now);
 
+  // Who is told of announced batches (null: nobody); set before any such
+  // batch is submitted, and outliving the lanes' use of it. The pump's
+  // waiters on kHookLane are woken too.
+  static constexpr size_t kHookLane = 0;
+  void SetHook(FinishedBatches* hook) { hook_.store(hook, std::memory_order_release); }
+
   // A batch's segment and peer instance; its status; releasing it.
   absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id) const;
   absl::StatusOr<BatchStatus> StatusOf(BatchId id) const;
@@ -131,6 +149,7 @@ class Lanes {
 
  private:
   CompletionPump* const pump_;
+  std::atomic<FinishedBatches*> hook_{nullptr};
   std::vector<std::unique_ptr<Lane>> lanes_;
 };
 

@@ -9,13 +9,15 @@ namespace engine_internal {
 // debug build aborts on a lock taken out of this order):
 //   the books (SegmentRegistry: segments, links' state, counters)
 //   < a lane (its batches and slices; one lane at a time)
-//   < the retry queue (Delivery) < the completion pump < transport events.
+//   < the retry queue (Delivery) < the completion pump < transport events
+//   < finished announced batches (engine/prepared: FinishedQueue).
 enum PipelineLockLevel : int {
   kBooksLock = 1,
   kLaneLock = 2,
   kRetryLock = 3,
   kPumpLock = 4,
   kEventsLock = 5,
+  kFinishedLock = 6,
 };
 
 }  // namespace engine_internal

@@ -35,6 +35,7 @@ BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
   b->peer_engine_id = ls.view->descriptor.engine_id;
   b->epoch = ls.view->epoch;
   b->bound = bound.engine_id != 0;
+  b->announce = bound.announce;
   b->submitted = now;
   b->requests.resize(requests.size());  // emptied by Reset: all fresh
   for (size_t k = 0; k < requests.size(); ++k) {
