@@ -250,6 +250,126 @@ int kvferry_wait_on_stream(kvferry_engine* e, uint64_t id, int64_t timeout_ms,
   return kvferry::Outcome(*st, /*pending_is_error=*/true, out);
 }
 
+namespace {
+absl::StatusOr<std::vector<kvferry::Descriptor>> Descriptors(const uint64_t* addrs,
+                                                            const uint64_t* lengths,
+                                                            size_t count) {
+  if (count > 0 && (addrs == nullptr || lengths == nullptr)) {
+    return absl::InvalidArgumentError("null descriptor arrays");
+  }
+  std::vector<kvferry::Descriptor> d(count);
+  for (size_t i = 0; i < count; ++i) d[i] = {addrs[i], lengths[i]};
+  return d;
+}
+int XferState(kvferry::XferState s) {
+  switch (s) {
+    case kvferry::XferState::kNotPosted:
+      return KVFERRY_XFER_NOT_POSTED;
+    case kvferry::XferState::kInProgress:
+      return KVFERRY_XFER_IN_PROGRESS;
+    case kvferry::XferState::kDone:
+      break;
+  }
+  return KVFERRY_XFER_DONE;
+}
+}  // namespace
+
+int kvferry_prep_local(kvferry_engine* e, const uint64_t* addrs, const uint64_t* lengths,
+                       size_t count, uint64_t* out) {
+  KVF_REQUIRE(out != nullptr, "null output pointer");
+  auto d = Descriptors(addrs, lengths, count);
+  if (!d.ok()) return Fail(d.status());
+  auto list = e->engine->prepared().PrepareLocal(*d);
+  if (!list.ok()) return Fail(list.status());
+  *out = *list;
+  return Ok();
+}
+
+int kvferry_prep_remote(kvferry_engine* e, kvferry_segment segment, const uint64_t* addrs,
+                        const uint64_t* lengths, size_t count, uint64_t* out) {
+  KVF_REQUIRE(out != nullptr, "null output pointer");
+  auto d = Descriptors(addrs, lengths, count);
+  if (!d.ok()) return Fail(d.status());
+  auto list = e->engine->prepared().PrepareRemote(segment, *d);
+  if (!list.ok()) return Fail(list.status());
+  *out = *list;
+  return Ok();
+}
+
+int kvferry_release_list(kvferry_engine* e, uint64_t list) {
+  return Result(e->engine->prepared().ReleaseList(list));
+}
+
+int kvferry_list_size(kvferry_engine* e, uint64_t list, uint64_t* entries, uint64_t* runs) {
+  KVF_REQUIRE(entries != nullptr && runs != nullptr, "null output pointer");
+  auto size = e->engine->prepared().ListSize(list);
+  if (!size.ok()) return Fail(size.status());
+  *entries = size->first;
+  *runs = size->second;
+  return Ok();
+}
+
+int kvferry_make_xfer(kvferry_engine* e, int opcode, uint64_t local_list, const int64_t* local_idx,
+                      uint64_t remote_list, const int64_t* remote_idx, size_t count,
+                      const void* notification, size_t notification_length, int merge,
+                      uint64_t* out) {
+  KVF_REQUIRE(out != nullptr, "null output pointer");
+  KVF_REQUIRE(count == 0 || (local_idx != nullptr && remote_idx != nullptr), "null index arrays");
+  KVF_REQUIRE(opcode == KVFERRY_OP_WRITE || opcode == KVFERRY_OP_READ, "opcode must be READ or WRITE");
+  KVF_REQUIRE(notification != nullptr || notification_length == 0, "null notification");
+  kvferry::MakeOptions o;
+  o.merge = merge != 0;
+  if (notification != nullptr) {
+    o.notification.emplace(static_cast<const char*>(notification), notification_length);
+  }
+  auto x = e->engine->prepared().Make(
+      opcode == KVFERRY_OP_READ ? kvferry::transport::Opcode::kRead
+                                : kvferry::transport::Opcode::kWrite,
+      local_list, absl::MakeConstSpan(local_idx, count), remote_list,
+      absl::MakeConstSpan(remote_idx, count), o);
+  if (!x.ok()) return Fail(x.status());
+  *out = *x;
+  return Ok();
+}
+
+int kvferry_post_xfer(kvferry_engine* e, uint64_t xfer, const void* notification,
+                      size_t notification_length, int32_t* state) {
+  KVF_REQUIRE(state != nullptr, "null output pointer");
+  KVF_REQUIRE(notification != nullptr || notification_length == 0, "null notification");
+  std::optional<std::string> note;
+  if (notification != nullptr) {
+    note.emplace(static_cast<const char*>(notification), notification_length);
+  }
+  auto s = e->engine->prepared().Post(xfer, note);
+  if (!s.ok()) return Fail(s.status());
+  *state = XferState(*s);
+  return Ok();
+}
+
+int kvferry_xfer_state(kvferry_engine* e, uint64_t xfer, int32_t* state) {
+  KVF_REQUIRE(state != nullptr, "null output pointer");
+  auto s = e->engine->prepared().State(xfer);
+  if (!s.ok()) return Fail(s.status());
+  *state = XferState(*s);
+  return Ok();
+}
+
+int kvferry_xfer_telemetry_get(kvferry_engine* e, uint64_t xfer, kvferry_xfer_telemetry* out) {
+  KVF_REQUIRE(out != nullptr, "null output pointer");
+  auto t = e->engine->prepared().Telemetry(xfer);
+  if (!t.ok()) return Fail(t.status());
+  out->start_us = absl::ToUnixMicros(t->start);
+  out->post_us = absl::ToInt64Microseconds(t->post);
+  out->transfer_us = absl::ToInt64Microseconds(t->transfer);
+  out->bytes = t->bytes;
+  out->descriptors = t->descriptors;
+  return Ok();
+}
+
+int kvferry_release_xfer(kvferry_engine* e, uint64_t xfer) {
+  return Result(e->engine->prepared().Release(xfer));
+}
+
 int kvferry_notify(kvferry_engine* e, kvferry_segment segment, const void* message, size_t length,
                    uint64_t peer_engine_id) {
   KVF_REQUIRE(message != nullptr || length == 0, "null message");

@@ -48,7 +48,7 @@
 extern "C" {
 #endif
 
-#define KVFERRY_C_API_VERSION 1
+#define KVFERRY_C_API_VERSION 2
 
 /* ------------------------------------------------------------------ codes */
 
@@ -228,6 +228,54 @@ int kvferry_submit_on_stream(kvferry_engine* engine, kvferry_segment segment, in
                              int hold_stream, int64_t timeout_ms, int keep_result, uint64_t* out);
 int kvferry_wait_on_stream(kvferry_engine* engine, uint64_t id, int64_t timeout_ms,
                            kvferry_batch_status* out);
+
+/* ------------------------------------------------- prepared transfers (2) */
+/* Descriptor lists checked once, and transfers made from index pairs into
+ * them, posted again and again (docs/nixl.md; TransferEngine::prepared()).
+ * Lists and transfers are 64-bit ids. */
+/* A list of `count` entries [addrs[i], +lengths[i]) inside memory
+ * registered on this engine (kvferry_prep_local) or advertised by the
+ * segment's peer (kvferry_prep_remote). NOT_FOUND names the first entry
+ * outside it; an empty list is INVALID_ARGUMENT. */
+int kvferry_prep_local(kvferry_engine* engine, const uint64_t* addrs, const uint64_t* lengths,
+                       size_t count, uint64_t* out);
+int kvferry_prep_remote(kvferry_engine* engine, kvferry_segment segment, const uint64_t* addrs,
+                        const uint64_t* lengths, size_t count, uint64_t* out);
+/* Transfers made from it stay valid. */
+int kvferry_release_list(kvferry_engine* engine, uint64_t list);
+/* Its entries, and the stride runs that store them. */
+int kvferry_list_size(kvferry_engine* engine, uint64_t list, uint64_t* entries, uint64_t* runs);
+/* A transfer of pairs (local_list[local_idx[i]], remote_list[remote_idx[i]]),
+ * i < count. notification: NULL for none, else `notification_length` bytes
+ * sent to the peer once the data is in place. merge: adjacent pairs become
+ * one request. INVALID_ARGUMENT for a count of 0, an index out of range or
+ * a pair of unequal lengths. */
+int kvferry_make_xfer(kvferry_engine* engine, int opcode, uint64_t local_list,
+                      const int64_t* local_idx, uint64_t remote_list, const int64_t* remote_idx,
+                      size_t count, const void* notification, size_t notification_length,
+                      int merge, uint64_t* out);
+enum { KVFERRY_XFER_NOT_POSTED = 0, KVFERRY_XFER_IN_PROGRESS = 1, KVFERRY_XFER_DONE = 2 };
+/* Posts it (again); *state: IN_PROGRESS (or an error, which then sticks).
+ * ALREADY_EXISTS while its previous post runs. notification: NULL keeps
+ * the transfer's; else it replaces it from now on. */
+int kvferry_post_xfer(kvferry_engine* engine, uint64_t xfer, const void* notification,
+                      size_t notification_length, int32_t* state);
+/* Its state into *state; the error of a failed post on every call (sticky)
+ * until the next post. */
+int kvferry_xfer_state(kvferry_engine* engine, uint64_t xfer, int32_t* state);
+typedef struct kvferry_xfer_telemetry {
+  int64_t start_us;    /* when it was posted (microseconds, Unix epoch) */
+  int64_t post_us;     /* inside the post call */
+  int64_t transfer_us; /* from the post to the state call that saw it end */
+  uint64_t bytes;
+  uint64_t descriptors; /* requests after merging */
+} kvferry_xfer_telemetry;
+/* The last finished post's figures; FAILED_PRECONDITION before one
+ * finished; its error if it failed. */
+int kvferry_xfer_telemetry_get(kvferry_engine* engine, uint64_t xfer,
+                               kvferry_xfer_telemetry* out);
+/* Forgets it; ALREADY_EXISTS while a post runs (it stays). */
+int kvferry_release_xfer(kvferry_engine* engine, uint64_t xfer);
 
 /* ---------------------------------------------------------- notifications */
 

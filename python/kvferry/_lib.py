@@ -85,6 +85,12 @@ class KvSenderOptions(ctypes.Structure):
                 ("tell_timeout_ms", ctypes.c_int64)]
 
 
+class XferTelemetry(ctypes.Structure):
+    _fields_ = [("start_us", ctypes.c_int64), ("post_us", ctypes.c_int64),
+                ("transfer_us", ctypes.c_int64), ("bytes", ctypes.c_uint64),
+                ("descriptors", ctypes.c_uint64)]
+
+
 P = ctypes.c_void_p
 I = ctypes.c_int
 S = ctypes.c_char_p
@@ -156,6 +162,15 @@ _PROTOTYPES = {
     "kvferry_kv_receiver_wait": (I, [P, S, I64, c_int_p, c_char_pp, c_size_p]),
     "kvferry_kv_receiver_forget": (None, [P, S]),
     "kvferry_kv_receiver_checksum_failures": (c_u64, [P]),
+    "kvferry_prep_local": (I, [P, P, P, SZ, c_u64_p]),
+    "kvferry_prep_remote": (I, [P, c_u64, P, P, SZ, c_u64_p]),
+    "kvferry_release_list": (I, [P, c_u64]),
+    "kvferry_list_size": (I, [P, c_u64, c_u64_p, c_u64_p]),
+    "kvferry_make_xfer": (I, [P, I, c_u64, P, c_u64, P, SZ, P, SZ, I, c_u64_p]),
+    "kvferry_post_xfer": (I, [P, c_u64, P, SZ, ctypes.POINTER(ctypes.c_int32)]),
+    "kvferry_xfer_state": (I, [P, c_u64, ctypes.POINTER(ctypes.c_int32)]),
+    "kvferry_xfer_telemetry_get": (I, [P, c_u64, ctypes.POINTER(XferTelemetry)]),
+    "kvferry_release_xfer": (I, [P, c_u64]),
 }
 
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
@@ -163,7 +178,7 @@ for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn.restype = _restype
     _fn.argtypes = _argtypes
 
-API_VERSION = 1
+API_VERSION = 2
 if lib.kvferry_api_version() < API_VERSION:
     raise ImportError(f"kvferry: libkvferry.so has C API version {lib.kvferry_api_version()}, "
                       f"this package needs {API_VERSION} or later")
