@@ -50,6 +50,7 @@ class ConfigurationTest(unittest.TestCase):
         sources = "".join(read(p) for p in [
             "base/logging.cc", "cuda/driver.cc", "engine/peer/secret.h", "handshake/auth.h",
             "c/kvferry.cc", "python/kvferry/_lib.py", "python/kvferry/_mooncake.py",
+            "python/kvferry/_nixl.py",
             "sim/seed.cc", "transport/verbs/ibv.cc",
             "tests/soak_test.cc",
             "tools/softroce/vm.sh", "transport/verbs/discovery.cc",
@@ -96,6 +97,30 @@ class MooncakeTest(unittest.TestCase):
         names = re.findall(r'"(MC_\w+)"', known)
         self.assertGreaterEqual(len(names), 15)
         table = section(self.page, "Environment variables")
+        for name in names:
+            self.assertIn(f"`{name}`", table, name)
+
+
+class NixlTest(unittest.TestCase):
+    def setUp(self):
+        self.page = read("docs/nixl.md")
+        self.source = read("python/kvferry/_nixl.py")
+        self.agent = self.source[self.source.index("class nixl_agent:"):]
+
+    def test_every_agent_method_is_in_the_table(self):
+        methods = set(re.findall(r"^    def ([a-z]\w*)\(", self.agent, re.M))
+        methods |= set(re.findall(r"^    ([a-z]\w*) = _no_store$", self.agent, re.M))
+        self.assertGreaterEqual(len(methods), 35)
+        table = section(self.page, "The calls")
+        for name in methods:
+            self.assertRegex(table, r"`%s[(`]" % name, name)
+
+    def test_every_variable_read_is_on_the_page(self):
+        names = set(re.findall(r'environ\.get\("(\w+)"', self.source))
+        names |= set(re.findall(r'environ\.get\("(\w+)"', read("python/kvferry/_mooncake.py"))
+                     ) & {"KVFERRY_REMOTE_ACCESS", "KVFERRY_SECRET"}
+        self.assertGreaterEqual(len(names), 5)
+        table = section(self.page, "Running vLLM's NixlConnector and Dynamo on kvferry")
         for name in names:
             self.assertIn(f"`{name}`", table, name)
 
