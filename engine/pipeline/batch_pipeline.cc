@@ -67,6 +67,11 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
   return lanes_.StatusOf(id);
 }
 
+absl::StatusOr<bool> BatchPipeline::PollDone(BatchId id, BatchStatus* out) {
+  pump_.TryDrive([this] { Pump(absl::ZeroDuration()); });
+  return lanes_.StatusIfDone(id, out);
+}
+
 bool BatchPipeline::Drive(absl::FunctionRef<bool()> ready, absl::Duration timeout) {
   return pump_.Await(
       ready, timeout,

@@ -65,6 +65,9 @@ class BatchPipeline {
   absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests,
                                  const PeerBinding& bound);
   absl::StatusOr<BatchStatus> Poll(BatchId id);
+  // Poll for a caller that needs the status only once the batch is done:
+  // false while it runs (nothing copied), true with its status in `out`.
+  absl::StatusOr<bool> PollDone(BatchId id, BatchStatus* out);
   absl::Status Wait(BatchId id, absl::Duration timeout, BatchStatus* out);
   absl::Status Release(BatchId id) { return lanes_.Release(id); }
   // Who is told when a batch submitted with PeerBinding::announce finishes.

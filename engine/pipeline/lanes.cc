@@ -121,6 +121,16 @@ absl::StatusOr<BatchStatus> Lanes::StatusOf(BatchId id) const {
   return out;
 }
 
+absl::StatusOr<bool> Lanes::StatusIfDone(BatchId id, BatchStatus* out) const {
+  Lane& lane = Of(id);
+  MutexLock lane_lock(&lane.mu);
+  const Batch* b = lane.batches.Find(id);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
+  if (b->pending != 0) return false;
+  b->StatusTo(out);
+  return true;
+}
+
 absl::Status Lanes::Release(BatchId id) {
   Lane& lane = Of(id);
   MutexLock lane_lock(&lane.mu);

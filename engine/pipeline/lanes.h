@@ -145,6 +145,9 @@ class Lanes {
   // A batch's segment and peer instance; its status; releasing it.
   absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id) const;
   absl::StatusOr<BatchStatus> StatusOf(BatchId id) const;
+  // Whether it finished, its status into `out` only then (cheap while it
+  // runs, whatever its size).
+  absl::StatusOr<bool> StatusIfDone(BatchId id, BatchStatus* out) const;
   absl::Status Release(BatchId id);
 
  private:

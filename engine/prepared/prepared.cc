@@ -100,6 +100,7 @@ struct Xfer {
   absl::Duration post ABSL_GUARDED_BY(op_mu);
   absl::Duration transfer ABSL_GUARDED_BY(op_mu);
   bool measured ABSL_GUARDED_BY(op_mu) = false;
+  BatchStatus status ABSL_GUARDED_BY(op_mu);  // reused
 
   Mutex note_mu;
   bool note_pending ABSL_GUARDED_BY(note_mu) = false;
@@ -405,15 +406,16 @@ class PreparedTransfers::Impl {
   // notification (if any) went out.
   void Advance(Xfer& x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(x.op_mu) {
     if (x.phase != Xfer::Phase::kRunning) return;
-    absl::StatusOr<BatchStatus> s = d_.pipeline->Poll(x.batch);
+    absl::StatusOr<bool> done = d_.pipeline->PollDone(x.batch, &x.status);
     absl::Status result;
-    if (!s.ok()) {
-      result = s.status();
+    if (!done.ok()) {
+      result = done.status();
     } else {
-      if (!s->done()) return;
-      result = FirstError(*s);
+      if (!*done) return;
+      result = FirstError(x.status);
     }
-    if (x.announced && s.ok()) {
+    const bool s_ok = done.ok();
+    if (x.announced && s_ok) {
       MutexLock note_lock(&x.note_mu);
       if (x.note_pending) return;  // the data is in place, the word not yet sent
       if (result.ok()) result = x.note_result;
