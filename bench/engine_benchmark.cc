@@ -25,11 +25,11 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <new>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -405,9 +405,9 @@ void RunPeer(int report_fd) {
   // The raw socket reference (bench/raw_sink.h), into the same pool.
   auto sink = bench::RawSink::Start("127.0.0.1", pool.data(), pool.size());
   if (!sink.ok()) _exit(1);
-  const std::string line = absl::StrCat((*engine)->address(), " ",
-                                        reinterpret_cast<uintptr_t>(pool.data()), " ",
-                                        (*sink)->address(), "\n");
+  const std::string line =
+      absl::StrCat((*engine)->address(), " ", reinterpret_cast<uintptr_t>(pool.data()), " ",
+                   (*sink)->address(), "\n");
   if (::write(report_fd, line.data(), line.size()) != ssize_t(line.size())) _exit(1);
   // Serves until the parent kills it, taking the notifications it gets.
   for (;;) (void)(*engine)->WaitNotification(absl::Seconds(1));
@@ -455,8 +455,7 @@ void BM_EngineTcpWrite(benchmark::State& state) {
   BatchStatus status;
   auto one = [&] {
     auto batch = (*engine)->Submit(*seg, reqs);
-    if (!batch.ok() || !(*engine)->Wait(*batch, absl::Seconds(30), &status).ok() ||
-        !status.ok()) {
+    if (!batch.ok() || !(*engine)->Wait(*batch, absl::Seconds(30), &status).ok() || !status.ok()) {
       state.SkipWithError("batch failed");
       return;
     }
@@ -467,7 +466,8 @@ void BM_EngineTcpWrite(benchmark::State& state) {
   // requester side; the peer process is not counted).
   const uint64_t before = heap_allocations.load();
   for (auto _ : state) one();
-  const double slices = double(state.iterations()) * kDepth * ((block + (64 << 10) - 1) / (64 << 10));
+  const double slices =
+      double(state.iterations()) * kDepth * ((block + (64 << 10) - 1) / (64 << 10));
   state.counters["allocs_per_slice"] = double(heap_allocations.load() - before) / slices;
   state.SetBytesProcessed(int64_t(state.iterations()) * block * kDepth);
 }
@@ -510,7 +510,8 @@ void BM_RawSocketPump(benchmark::State& state) {
     bool ok = true;
     for (uint32_t i = 0, sent = 0; ok && i < links; sent += part(i), ++i) {
       ok = part(i) == 0 ||
-           bench::RawSend(fds[i].get(), src.data() + sent * block, part(i), block, sent * block).ok();
+           bench::RawSend(fds[i].get(), src.data() + sent * block, part(i), block, sent * block)
+               .ok();
     }
     for (uint32_t i = 0; ok && i < links; ++i) {
       ok = part(i) == 0 || bench::RawAwaitAck(fds[i].get(), absl::InfiniteFuture()).ok();
@@ -667,9 +668,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
       const double engine = rates_["BM_EngineTcpWrite" + suffix];
       const double raw = rates_["BM_RawSocketPump" + suffix];
       if (engine > 0 && raw > 0) {
-        std::printf("ratio engine-over-TCP / raw socket pump, %s-byte blocks: %.2f "
-                    "(%.2f GB/s vs %.2f GB/s)\n",
-                    arg, engine / raw, engine / 1e9, raw / 1e9);
+        std::printf(
+            "ratio engine-over-TCP / raw socket pump, %s-byte blocks: %.2f "
+            "(%.2f GB/s vs %.2f GB/s)\n",
+            arg, engine / raw, engine / 1e9, raw / 1e9);
       }
     }
   }

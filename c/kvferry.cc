@@ -252,8 +252,8 @@ int kvferry_wait_on_stream(kvferry_engine* e, uint64_t id, int64_t timeout_ms,
 
 namespace {
 absl::StatusOr<std::vector<kvferry::Descriptor>> Descriptors(const uint64_t* addrs,
-                                                            const uint64_t* lengths,
-                                                            size_t count) {
+                                                             const uint64_t* lengths,
+                                                             size_t count) {
   if (count > 0 && (addrs == nullptr || lengths == nullptr)) {
     return absl::InvalidArgumentError("null descriptor arrays");
   }
@@ -315,18 +315,19 @@ int kvferry_make_xfer(kvferry_engine* e, int opcode, uint64_t local_list, const 
                       uint64_t* out) {
   KVF_REQUIRE(out != nullptr, "null output pointer");
   KVF_REQUIRE(count == 0 || (local_idx != nullptr && remote_idx != nullptr), "null index arrays");
-  KVF_REQUIRE(opcode == KVFERRY_OP_WRITE || opcode == KVFERRY_OP_READ, "opcode must be READ or WRITE");
+  KVF_REQUIRE(opcode == KVFERRY_OP_WRITE || opcode == KVFERRY_OP_READ,
+              "opcode must be READ or WRITE");
   KVF_REQUIRE(notification != nullptr || notification_length == 0, "null notification");
   kvferry::MakeOptions o;
   o.merge = merge != 0;
   if (notification != nullptr) {
     o.notification.emplace(static_cast<const char*>(notification), notification_length);
   }
-  auto x = e->engine->prepared().Make(
-      opcode == KVFERRY_OP_READ ? kvferry::transport::Opcode::kRead
-                                : kvferry::transport::Opcode::kWrite,
-      local_list, absl::MakeConstSpan(local_idx, count), remote_list,
-      absl::MakeConstSpan(remote_idx, count), o);
+  auto x =
+      e->engine->prepared().Make(opcode == KVFERRY_OP_READ ? kvferry::transport::Opcode::kRead
+                                                           : kvferry::transport::Opcode::kWrite,
+                                 local_list, absl::MakeConstSpan(local_idx, count), remote_list,
+                                 absl::MakeConstSpan(remote_idx, count), o);
   if (!x.ok()) return Fail(x.status());
   *out = *x;
   return Ok();

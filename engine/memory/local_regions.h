@@ -81,6 +81,9 @@ class LocalRegions {
   // Where the usable registration holding all of [addr, +length) ends, or 0
   // when none holds it (a prepared list's check, done once).
   uint64_t RegistrationEnd(uint64_t addr, uint64_t length) const;
+  // Bumped whenever a registration changes: what was looked up under an
+  // older value may be stale.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
   // The regions peers may use through transport `index`, for its descriptor.
   std::vector<handshake::RegionDescriptor> Advertised(size_t index) const;
 

@@ -62,8 +62,11 @@ class BatchPipeline {
 
   // Thread-safe, any thread; none blocks while holding a lock. Submit may
   // handshake (a segment not ready); Wait blocks up to `timeout`.
+  // With `cache` (the same requests each time, and one caller at a time per
+  // cache), their planned slices are reused while nothing they were
+  // planned on changed.
   absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests,
-                                 const PeerBinding& bound);
+                                 const PeerBinding& bound, PlanCache* cache = nullptr);
   absl::StatusOr<BatchStatus> Poll(BatchId id);
   // Poll for a caller that needs the status only once the batch is done:
   // false while it runs (nothing copied), true with its status in `out`.
@@ -89,6 +92,9 @@ class BatchPipeline {
     bool assigned = false;
     absl::Time now;
     size_t via = 0;
+    PlanCache* cache = nullptr;     // Submit's
+    uint64_t local_generation = 0;  // of the local uses given
+    bool need_local = false;        // the cache did not hold: look the local uses up
   };
   // Creates the batch on `lane`: on the lane's view of the segment, read
   // again (and the segment refreshed) when it is out of date.

@@ -7,6 +7,7 @@
 #define KVFERRY_ENGINE_PIPELINE_BATCH_TABLE_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 

@@ -36,6 +36,18 @@ namespace kvferry {
 namespace engine_internal {
 
 // A lane's part of one segment.
+// What a caller that submits the same requests again and again (a prepared
+// transfer, engine/prepared) keeps between submits: the slices they were
+// planned into, valid while the segment's view is `view` and local
+// registrations are at `local_generation`. Used under the caller's own
+// serialization.
+struct PlanCache {
+  std::shared_ptr<const SegmentCore> view;
+  uint64_t local_generation = 0;
+  size_t requests = 0;
+  std::vector<Slice> slices;
+};
+
 struct LaneSegment {
   uint64_t slices = 0;   // the lane's slices of it not yet finished
   absl::Time last_used;  // the lane's last batch to it

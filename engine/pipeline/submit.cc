@@ -61,8 +61,25 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
                                                     const PeerBinding& bound, SliceCheck* why,
                                                     Submission* out) {
   Scratch<Slice> planned_scratch;
-  std::vector<Slice>& planned = *planned_scratch;
-  RETURN_IF_ERROR(planner_.Plan(seg, id, requests, local, &planned, why));
+  const std::vector<Slice>* plan = &*planned_scratch;
+  PlanCache* const cache = out->cache;
+  if (cache != nullptr && cache->view.get() == &seg &&
+      cache->local_generation == out->local_generation && cache->requests == requests.size()) {
+    plan = &cache->slices;  // planned before, on this view
+  } else if (local.empty()) {
+    // Submit skipped the local look-up for the cache, which no longer holds.
+    out->need_local = true;
+    return absl::AbortedError("the cached plan is stale");
+  } else {
+    RETURN_IF_ERROR(planner_.Plan(seg, id, requests, local, &*planned_scratch, why));
+    if (cache != nullptr) {
+      cache->view = ls.view;
+      cache->local_generation = out->local_generation;
+      cache->requests = requests.size();
+      cache->slices = *planned_scratch;
+    }
+  }
+  const std::vector<Slice>& planned = *plan;
   if (bound.engine_id != 0 && bound.engine_id != seg.descriptor.engine_id) {
     return absl::UnavailableError(absl::StrCat(
         "peer ", seg.peer, " restarted: the addresses of this batch belong to its predecessor"));
@@ -118,8 +135,9 @@ absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
 
 absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
                                               absl::Span<const TransferRequest> requests,
-                                              const PeerBinding& bound) {
+                                              const PeerBinding& bound, PlanCache* cache) {
   // Local buffers first (under the regions' own lock, or a thread's last piece).
+  const uint64_t local_generation = regions_->generation();  // before the look-up
   LocalUse one;
   std::optional<Scratch<LocalUse>> local_scratch;  // for more than one
   absl::Span<const LocalUse> local;
@@ -127,7 +145,9 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
     RETURN_IF_ERROR(regions_->FindOne(requests[0], &one));
     if (auto done = SubmitOne(id, requests[0], one, bound)) return *std::move(done);
     local = {&one, 1};
-  } else {
+  } else if (cache == nullptr || cache->local_generation != local_generation ||
+             cache->requests != requests.size()) {
+    // (A cache planned with these registrations holds every local use.)
     std::vector<LocalUse>& all = *local_scratch.emplace();
     RETURN_IF_ERROR(regions_->FindAll(requests, &all));
     local = all;
@@ -135,8 +155,18 @@ absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
   Scratch<uint64_t> ids_scratch;
   Scratch<WorkRequest> wrs_scratch;
   Submission sub{&*ids_scratch, &*wrs_scratch};
+  sub.cache = cache;
+  sub.local_generation = local_generation;
   Lane& lane = lanes_.Mine();
-  ASSIGN_OR_RETURN(const BatchId batch, CreateOnLane(lane, id, requests, local, bound, &sub));
+  absl::StatusOr<BatchId> created = CreateOnLane(lane, id, requests, local, bound, &sub);
+  if (!created.ok() && sub.need_local) {
+    std::vector<LocalUse>& all = *local_scratch.emplace();
+    RETURN_IF_ERROR(regions_->FindAll(requests, &all));
+    local = all;
+    sub.need_local = false;
+    created = CreateOnLane(lane, id, requests, local, bound, &sub);
+  }
+  ASSIGN_OR_RETURN(const BatchId batch, std::move(created));
   absl::Status posted =
       poster_.Post(id, *sub.slice_ids, sub.now, sub.assigned ? sub.wrs : nullptr, sub.via);
   if (!posted.ok()) {

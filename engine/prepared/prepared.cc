@@ -100,7 +100,8 @@ struct Xfer {
   absl::Duration post ABSL_GUARDED_BY(op_mu);
   absl::Duration transfer ABSL_GUARDED_BY(op_mu);
   bool measured ABSL_GUARDED_BY(op_mu) = false;
-  BatchStatus status ABSL_GUARDED_BY(op_mu);  // reused
+  BatchStatus status ABSL_GUARDED_BY(op_mu);               // reused
+  engine_internal::PlanCache plan ABSL_GUARDED_BY(op_mu);  // its slices, from the last post
 
   Mutex note_mu;
   bool note_pending ABSL_GUARDED_BY(note_mu) = false;
@@ -289,8 +290,9 @@ class PreparedTransfers::Impl {
       x->note_result = absl::OkStatus();
       x->note_message = *x->notification;
     }
-    absl::StatusOr<BatchId> batch = d_.pipeline->Submit(
-        x->segment, x->requests, engine_internal::PeerBinding{x->engine_id, {}, x->announced});
+    absl::StatusOr<BatchId> batch =
+        d_.pipeline->Submit(x->segment, x->requests,
+                            engine_internal::PeerBinding{x->engine_id, {}, x->announced}, &x->plan);
     x->post = d_.clock->Now() - x->start;
     if (!batch.ok()) {
       if (x->announced) {
