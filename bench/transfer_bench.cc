@@ -34,6 +34,15 @@
 //        more. --iters rounds (default 2000 is capped to 400 here).
 //   --sweep=B1,B2,...: both modes at every block size, engine and reference
 //        side by side; writes OUT.csv and, with gnuplot, OUT.png.
+//   --prepared: nixlbench's measure on the engine's prepared transfers
+//        (docs/nixl.md): for every block size (--sweep, or --block) and
+//        batch size (--batches), one transfer of `batch` descriptors (block
+//        j at j x stride, adjacent or, with --scatter, every other one) is
+//        prepared, then posted and polled to completion --iters times after
+//        --warmup. Columns as nixlbench's: GB/s, the average latency per
+//        descriptor, and the average and p99 of prepare (both lists plus
+//        the transfer, timed apart over 20 rounds), post (inside Post) and
+//        transfer (from Post's return to the poll that saw it done).
 //
 // References (--reference): `memcpy` of the same bytes (the in-process path:
 // two TCP-transport engines in one process copy without sockets), `socket`
@@ -103,12 +112,17 @@ ABSL_FLAG(std::string, reference, "auto", "auto, memcpy, socket or none (see the
 ABSL_FLAG(uint32_t, rounds, 1,
           "engine and reference measured alternately this many times; the medians and the "
           "median of the per-round ratios are reported (for noisy machines)");
-ABSL_FLAG(std::string, sweep, "", "block sizes to sweep, e.g. 4096,65536,1048576 ('default': 4 KiB..4 MiB)");
+ABSL_FLAG(std::string, sweep, "",
+          "block sizes to sweep, e.g. 4096,65536,1048576 ('default': 4 KiB..4 MiB)");
 ABSL_FLAG(std::string, out, "transfer_bench_sweep", "sweep: writes OUT.csv and OUT.png");
 ABSL_FLAG(uint64_t, buffer_mib, 256, "target: MiB of registered memory to serve");
 ABSL_FLAG(bool, forever, false, "target: keep serving after an initiator is done");
 ABSL_FLAG(bool, verbose, false, "engine logs at INFO");
 ABSL_FLAG(bool, json, false, "print each result as one JSON object instead of text");
+ABSL_FLAG(bool, prepared, false,
+          "nixlbench's sweep on prepared transfers: block sizes (--sweep or --block) x batch "
+          "sizes (--batches)");
+ABSL_FLAG(std::string, batches, "1,4,16,64,256", "--prepared: batch sizes to sweep");
 
 namespace kvferry {
 namespace {
@@ -185,14 +199,16 @@ absl::StatusOr<BwResult> DriveBandwidth(Mover& m, int threads, uint32_t batch, u
   }
   const Stop stop = StopFor(block, /*bandwidth=*/true);
   const uint64_t batches_per_thread =
-      stop.units == 0 ? 0 : std::max<uint64_t>(1, (stop.units + threads * batch - 1) / (threads * batch));
+      stop.units == 0
+          ? 0
+          : std::max<uint64_t>(1, (stop.units + threads * batch - 1) / (threads * batch));
   std::atomic<uint64_t> requests{0};
   std::atomic<bool> running{true};
   std::vector<std::vector<double>> lat(threads);
   std::vector<absl::Status> errors(threads);
   const absl::Time start = absl::Now();
-  const absl::Time deadline = stop.duration > absl::ZeroDuration() ? start + stop.duration
-                                                                   : absl::InfiniteFuture();
+  const absl::Time deadline =
+      stop.duration > absl::ZeroDuration() ? start + stop.duration : absl::InfiniteFuture();
   auto worker = [&](int tid) {
     bool busy[2] = {false, false};
     absl::Time submitted[2];
@@ -278,7 +294,8 @@ class EngineMover : public Mover {
     for (int i = 0; i < threads * 2; ++i) {
       for (uint32_t j = 0; j < batch; ++j) {
         const uint64_t off = (uint64_t(i) * batch + j) * BwStride(block);
-        reqs_[i].push_back({write ? Opcode::kWrite : Opcode::kRead, local + off, remote + off, block});
+        reqs_[i].push_back(
+            {write ? Opcode::kWrite : Opcode::kRead, local + off, remote + off, block});
       }
     }
   }
@@ -463,8 +480,8 @@ absl::StatusOr<LatResult> Ping(TransferEngine& e, SegmentId to_target, char* sen
   absl::Time measure_start;
   for (uint64_t r = 1; st.ok(); ++r) {
     if (r == warmup + 1) measure_start = absl::Now();
-    if (r > warmup && (stop.units > 0 ? r > warmup + stop.units
-                                      : absl::Now() - measure_start >= stop.duration)) {
+    if (r > warmup &&
+        (stop.units > 0 ? r > warmup + stop.units : absl::Now() - measure_start >= stop.duration)) {
       break;
     }
     const char mark = static_cast<char>(r % 251 + 1);
@@ -508,8 +525,8 @@ absl::StatusOr<LatResult> ReferenceLatency(const std::string& kind, char* a, cha
   absl::Time measure_start;
   for (uint64_t r = 1;; ++r) {
     if (r == warmup + 1) measure_start = absl::Now();
-    if (r > warmup && (stop.units > 0 ? r > warmup + stop.units
-                                      : absl::Now() - measure_start >= stop.duration)) {
+    if (r > warmup &&
+        (stop.units > 0 ? r > warmup + stop.units : absl::Now() - measure_start >= stop.duration)) {
       break;
     }
     const absl::Time t0 = absl::Now();
@@ -629,17 +646,18 @@ int ServeTarget() {
   // Initiators write and read it (--op=read).
   absl::Status st = e.RegisterMemory(buffer.data(), len, transport::Access::kRemoteReadWrite);
   if (!st.ok()) Die(st);
-  auto sink = bench::RawSink::Start(e.detection().bind_host.empty() ? e.detection().host
-                                                          : e.detection().bind_host,
-                          buffer.data(), len);
+  auto sink = bench::RawSink::Start(
+      e.detection().bind_host.empty() ? e.detection().host : e.detection().bind_host, buffer.data(),
+      len);
   if (!sink.ok()) Die(sink.status());
-  st = e.PublishMetadata(kMetadataKey, absl::StrCat(reinterpret_cast<uintptr_t>(buffer.data()),
-                                                    " ", len, " ", (*sink)->address()));
+  st = e.PublishMetadata(kMetadataKey, absl::StrCat(reinterpret_cast<uintptr_t>(buffer.data()), " ",
+                                                    len, " ", (*sink)->address()));
   if (!st.ok()) Die(st);
-  std::printf("target ready at %s over %s, %llu MiB registered; run\n"
-              "  transfer_bench --role=initiator --peer=%s\n",
-              e.address().c_str(), e.detection().transport.c_str(),
-              static_cast<unsigned long long>(len >> 20), e.address().c_str());
+  std::printf(
+      "target ready at %s over %s, %llu MiB registered; run\n"
+      "  transfer_bench --role=initiator --peer=%s\n",
+      e.address().c_str(), e.detection().transport.c_str(),
+      static_cast<unsigned long long>(len >> 20), e.address().c_str());
   std::fflush(stdout);
   for (;;) {
     auto n = e.WaitNotification(absl::Hours(24));
@@ -738,7 +756,8 @@ absl::StatusOr<LayerResult> DriveLayers(Session& s, int threads, uint32_t batch,
 }
 
 int MeasureLayers(Session& s, int threads, uint32_t batch, uint64_t block) {
-  const uint64_t rounds = std::min<uint64_t>(400, std::max<uint64_t>(1, absl::GetFlag(FLAGS_iters)));
+  const uint64_t rounds =
+      std::min<uint64_t>(400, std::max<uint64_t>(1, absl::GetFlag(FLAGS_iters)));
   const uint64_t warm = std::min<uint64_t>(50, absl::GetFlag(FLAGS_warmup));
   if (warm > 0 && !DriveLayers(s, threads, batch, block, warm).ok()) {
     std::fprintf(stderr, "transfer_bench: warm-up failed\n");
@@ -750,23 +769,28 @@ int MeasureLayers(Session& s, int threads, uint32_t batch, uint64_t block) {
   const double ratio = one->us.p99 > 0 ? many->us.p99 / one->us.p99 : 0;
   const std::string transport = s.initiator->detection().transport;
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"mode\": \"layers\", \"transport\": \"%s\", \"block\": %llu, \"batch\": %u, "
-                "\"threads\": %d, \"rounds\": %llu, \"p50_us\": %.1f, \"p99_us\": %.1f, "
-                "\"max_us\": %.1f, \"slow\": %llu, \"one_thread_p50_us\": %.1f, "
-                "\"one_thread_p99_us\": %.1f, \"p99_ratio\": %.3f}\n",
-                transport.c_str(), static_cast<unsigned long long>(block), batch, threads,
-                static_cast<unsigned long long>(rounds), many->us.p50, many->us.p99, many->max_us,
-                static_cast<unsigned long long>(many->slow), one->us.p50, one->us.p99, ratio);
+    std::printf(
+        "{\"mode\": \"layers\", \"transport\": \"%s\", \"block\": %llu, \"batch\": %u, "
+        "\"threads\": %d, \"rounds\": %llu, \"p50_us\": %.1f, \"p99_us\": %.1f, "
+        "\"max_us\": %.1f, \"slow\": %llu, \"one_thread_p50_us\": %.1f, "
+        "\"one_thread_p99_us\": %.1f, \"p99_ratio\": %.3f}\n",
+        transport.c_str(), static_cast<unsigned long long>(block), batch, threads,
+        static_cast<unsigned long long>(rounds), many->us.p50, many->us.p99, many->max_us,
+        static_cast<unsigned long long>(many->slow), one->us.p50, one->us.p99, ratio);
     return 0;
   }
   std::printf("layers over %s: %u pages of %llu B per batch, %llu rounds\n", transport.c_str(),
-              batch, static_cast<unsigned long long>(block), static_cast<unsigned long long>(rounds));
-  std::printf("  %2d threads at once: batch p50 %.1f us  p99 %.1f us  max %.1f us  >= 40 ms: %llu of %llu\n",
-              threads, many->us.p50, many->us.p99, many->max_us,
-              static_cast<unsigned long long>(many->slow), static_cast<unsigned long long>(many->batches));
-  std::printf("   1 thread         : batch p50 %.1f us  p99 %.1f us  max %.1f us  >= 40 ms: %llu of %llu\n",
-              one->us.p50, one->us.p99, one->max_us, static_cast<unsigned long long>(one->slow),
-              static_cast<unsigned long long>(one->batches));
+              batch, static_cast<unsigned long long>(block),
+              static_cast<unsigned long long>(rounds));
+  std::printf(
+      "  %2d threads at once: batch p50 %.1f us  p99 %.1f us  max %.1f us  >= 40 ms: %llu of "
+      "%llu\n",
+      threads, many->us.p50, many->us.p99, many->max_us,
+      static_cast<unsigned long long>(many->slow), static_cast<unsigned long long>(many->batches));
+  std::printf(
+      "   1 thread         : batch p50 %.1f us  p99 %.1f us  max %.1f us  >= 40 ms: %llu of %llu\n",
+      one->us.p50, one->us.p99, one->max_us, static_cast<unsigned long long>(one->slow),
+      static_cast<unsigned long long>(one->batches));
   std::printf("  p99 ratio (%d threads / 1 thread): %.2f\n", threads, ratio);
   std::printf("RESULT mode=layers block=%llu value=%.3f unit=p99_ratio\n",
               static_cast<unsigned long long>(block), ratio);
@@ -789,9 +813,8 @@ int EngineLinks(const Session& s) {
   return static_cast<int>(links);
 }
 
-absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threads,
-                                                           uint32_t batch, uint64_t block,
-                                                           bool write) {
+absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threads, uint32_t batch,
+                                                           uint64_t block, bool write) {
   if (s.reference == "none") return std::optional<BwResult>();
   std::unique_ptr<Mover> m;
   if (s.reference == "memcpy") {
@@ -819,7 +842,8 @@ absl::StatusOr<LatResult> EngineLatency(Session& s, uint64_t block) {
     char* tsend[2] = {trecv + block, trecv + 2 * block};
     Poke(&trecv[block - 1], 0);
     absl::Status echo;
-    std::thread t([&] { echo = Echo(*s.target, s.to_initiator, trecv, tsend, recv_addr, block, failed); });
+    std::thread t(
+        [&] { echo = Echo(*s.target, s.to_initiator, trecv, tsend, recv_addr, block, failed); });
     auto r = Ping(*s.initiator, s.to_target, send, recv, s.remote, block, failed);
     t.join();
     if (r.ok() && !echo.ok()) return echo;
@@ -852,9 +876,10 @@ struct Paired {
 };
 
 template <typename R>
-absl::StatusOr<Paired<R>> Alternate(const std::function<absl::StatusOr<R>()>& engine,
-                                    const std::function<absl::StatusOr<std::optional<R>>()>& reference,
-                                    double (*figure)(const R&)) {
+absl::StatusOr<Paired<R>> Alternate(
+    const std::function<absl::StatusOr<R>()>& engine,
+    const std::function<absl::StatusOr<std::optional<R>>()>& reference,
+    double (*figure)(const R&)) {
   const uint32_t rounds = std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds));
   std::vector<R> mine, theirs;
   std::vector<double> ratios;
@@ -897,22 +922,24 @@ void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const Bw
   const std::optional<BwResult>& ref = pair.ref;
   const double ratio = pair.ratio;
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"mode\": \"bw\", \"op\": \"%s\", \"transport\": \"%s\", \"block\": %llu, "
-                "\"batch\": %u, \"threads\": %d, \"requests\": %.0f, \"seconds\": %.6f, "
-                "\"mib_per_s\": %.3f, \"gb_per_s\": %.6f, \"ops_per_s\": %.1f, "
-                "\"batch_us_p50\": %.2f, \"batch_us_p99\": %.2f, \"batch_us_p999\": %.2f, "
-                "\"reference\": \"%s\", \"reference_gb_per_s\": %.6f, \"ratio\": %.4f, \"rounds\": %u}\n",
-                OpName(write).c_str(), transport.c_str(), static_cast<unsigned long long>(r.block),
-                batch, threads, r.requests, r.seconds, r.mib_s(), r.gb_s(), r.ops_s(),
-                r.batch_us.p50, r.batch_us.p99, r.batch_us.p999, s.reference.c_str(),
-                ref ? ref->gb_s() : 0.0, ratio, std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
+    std::printf(
+        "{\"mode\": \"bw\", \"op\": \"%s\", \"transport\": \"%s\", \"block\": %llu, "
+        "\"batch\": %u, \"threads\": %d, \"requests\": %.0f, \"seconds\": %.6f, "
+        "\"mib_per_s\": %.3f, \"gb_per_s\": %.6f, \"ops_per_s\": %.1f, "
+        "\"batch_us_p50\": %.2f, \"batch_us_p99\": %.2f, \"batch_us_p999\": %.2f, "
+        "\"reference\": \"%s\", \"reference_gb_per_s\": %.6f, \"ratio\": %.4f, \"rounds\": %u}\n",
+        OpName(write).c_str(), transport.c_str(), static_cast<unsigned long long>(r.block), batch,
+        threads, r.requests, r.seconds, r.mib_s(), r.gb_s(), r.ops_s(), r.batch_us.p50,
+        r.batch_us.p99, r.batch_us.p999, s.reference.c_str(), ref ? ref->gb_s() : 0.0, ratio,
+        std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
     return;
   }
-  std::printf("%s %llu B x %.0f over %s (%d link(s)), %d thread(s): %.2f MiB/s (%.3f GB/s), "
-              "%.0f ops/s; batch of %u: p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
-              write ? "WRITE" : "READ", static_cast<unsigned long long>(r.block), r.requests,
-              transport.c_str(), EngineLinks(s), threads, r.mib_s(), r.gb_s(), r.ops_s(), batch,
-              r.batch_us.p50, r.batch_us.p99, r.batch_us.p999);
+  std::printf(
+      "%s %llu B x %.0f over %s (%d link(s)), %d thread(s): %.2f MiB/s (%.3f GB/s), "
+      "%.0f ops/s; batch of %u: p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
+      write ? "WRITE" : "READ", static_cast<unsigned long long>(r.block), r.requests,
+      transport.c_str(), EngineLinks(s), threads, r.mib_s(), r.gb_s(), r.ops_s(), batch,
+      r.batch_us.p50, r.batch_us.p99, r.batch_us.p999);
   if (ref) {
     std::printf("  reference %s: %.3f GB/s, %.0f ops/s; ratio engine/%s %.2f%s\n",
                 s.reference.c_str(), ref->gb_s(), ref->ops_s(), s.reference.c_str(), ratio,
@@ -939,20 +966,21 @@ void PrintLat(const Session& s, uint64_t block, const LatPair& pair) {
   const std::optional<LatResult>& ref = pair.ref;
   const double ratio = pair.ratio;
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"mode\": \"lat\", \"op\": \"write\", \"transport\": \"%s\", \"block\": %llu, "
-                "\"round_trips\": %zu, \"one_way_us_p50\": %.3f, \"one_way_us_p99\": %.3f, "
-                "\"one_way_us_p999\": %.3f, \"reference\": \"%s\", "
-                "\"reference_one_way_us_p50\": %.3f, \"ratio\": %.4f, \"rounds\": %u}\n",
-                transport.c_str(), static_cast<unsigned long long>(block), r.rounds,
-                r.one_way_us.p50, r.one_way_us.p99, r.one_way_us.p999, s.reference.c_str(),
-                ref ? ref->one_way_us.p50 : 0.0, ratio,
-                std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
+    std::printf(
+        "{\"mode\": \"lat\", \"op\": \"write\", \"transport\": \"%s\", \"block\": %llu, "
+        "\"round_trips\": %zu, \"one_way_us_p50\": %.3f, \"one_way_us_p99\": %.3f, "
+        "\"one_way_us_p999\": %.3f, \"reference\": \"%s\", "
+        "\"reference_one_way_us_p50\": %.3f, \"ratio\": %.4f, \"rounds\": %u}\n",
+        transport.c_str(), static_cast<unsigned long long>(block), r.rounds, r.one_way_us.p50,
+        r.one_way_us.p99, r.one_way_us.p999, s.reference.c_str(), ref ? ref->one_way_us.p50 : 0.0,
+        ratio, std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
     return;
   }
-  std::printf("WRITE %llu B ping-pong x %zu over %s: one-way median %.2f us, p99 %.2f us, "
-              "p999 %.2f us\n",
-              static_cast<unsigned long long>(block), r.rounds, transport.c_str(),
-              r.one_way_us.p50, r.one_way_us.p99, r.one_way_us.p999);
+  std::printf(
+      "WRITE %llu B ping-pong x %zu over %s: one-way median %.2f us, p99 %.2f us, "
+      "p999 %.2f us\n",
+      static_cast<unsigned long long>(block), r.rounds, transport.c_str(), r.one_way_us.p50,
+      r.one_way_us.p99, r.one_way_us.p999);
   if (ref) {
     std::printf("  reference %s: median %.2f us; ratio engine/%s %.2f%s\n", s.reference.c_str(),
                 ref->one_way_us.p50, s.reference.c_str(), ratio, RoundsNote().c_str());
@@ -986,9 +1014,10 @@ int Sweep(Session& s, const std::vector<uint64_t>& blocks, bool write, uint32_t 
   const std::string csv = out + ".csv", png = out + ".png", gp = out + ".gp";
   FILE* f = std::fopen(csv.c_str(), "w");
   if (f == nullptr) Die(absl::InvalidArgumentError(absl::StrCat("cannot write ", csv)));
-  std::fprintf(f, "block_bytes,engine_gb_per_s,reference_gb_per_s,bw_ratio,engine_ops_per_s,"
-                  "engine_batch_us_p50,engine_lat_us_p50,engine_lat_us_p99,reference_lat_us_p50,"
-                  "lat_ratio\n");
+  std::fprintf(f,
+               "block_bytes,engine_gb_per_s,reference_gb_per_s,bw_ratio,engine_ops_per_s,"
+               "engine_batch_us_p50,engine_lat_us_p50,engine_lat_us_p99,reference_lat_us_p50,"
+               "lat_ratio\n");
   for (uint64_t block : blocks) {
     auto bw = MeasureBw(s, threads, batch, block, write);
     if (!bw.ok()) Die(bw.status());
@@ -1031,15 +1060,21 @@ int Sweep(Session& s, const std::vector<uint64_t>& blocks, bool write, uint32_t 
                png.c_str(), OpName(write).c_str(), transport.c_str(), batch, threads,
                s.reference.c_str(), csv.c_str(),
                ref ? absl::StrCat(", '", csv, "' using 1:3 skip 1 with linespoints title '",
-                                  s.reference, "'").c_str() : "",
+                                  s.reference, "'")
+                         .c_str()
+                   : "",
                csv.c_str(),
                ref ? absl::StrCat(", '", csv, "' using 1:9 skip 1 with linespoints title '",
-                                  s.reference, "'").c_str() : "");
+                                  s.reference, "'")
+                         .c_str()
+                   : "");
   std::fclose(g);
   const std::string cmd = absl::StrCat("gnuplot '", gp, "' 2>&1");
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
-    std::fprintf(stderr, "transfer_bench: gnuplot not found (apt-get install gnuplot-nox); "
-                 "the chart script is %s\n", gp.c_str());
+    std::fprintf(stderr,
+                 "transfer_bench: gnuplot not found (apt-get install gnuplot-nox); "
+                 "the chart script is %s\n",
+                 gp.c_str());
     return 1;
   }
   if (std::system(cmd.c_str()) != 0) {
@@ -1047,6 +1082,135 @@ int Sweep(Session& s, const std::vector<uint64_t>& blocks, bool write, uint32_t 
     return 1;
   }
   std::printf("sweep: wrote %s\n", png.c_str());
+  return 0;
+}
+
+// ----------------------------------------------------------------- prepared
+
+struct PreparedRow {
+  uint64_t block = 0, batch = 0, descriptors = 0;
+  double gb_s = 0, lat_us = 0;
+  double prep_avg = 0, prep_p99 = 0, post_avg = 0, post_p99 = 0, tx_avg = 0, tx_p99 = 0;
+};
+
+double Average(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0 : sum / v.size();
+}
+
+// One (block, batch) point of the --prepared sweep.
+absl::StatusOr<PreparedRow> MeasurePrepared(Session& s, uint64_t block, uint64_t batch,
+                                            bool write) {
+  PreparedTransfers& p = s.initiator->prepared();
+  const uint64_t stride = BwStride(block);
+  std::vector<Descriptor> mine, theirs;
+  std::vector<int64_t> idx;
+  for (uint64_t j = 0; j < batch; ++j) {
+    mine.push_back({reinterpret_cast<uintptr_t>(s.local.data()) + j * stride, block});
+    theirs.push_back({s.remote + j * stride, block});
+    idx.push_back(static_cast<int64_t>(j));
+  }
+  const Opcode op = write ? Opcode::kWrite : Opcode::kRead;
+  std::vector<double> prep;
+  for (int r = 0; r < 20; ++r) {  // prepare and make, timed apart
+    const absl::Time start = absl::Now();
+    ASSIGN_OR_RETURN(uint64_t l, p.PrepareLocal(mine));
+    ASSIGN_OR_RETURN(uint64_t rl, p.PrepareRemote(s.to_target, theirs));
+    ASSIGN_OR_RETURN(uint64_t x, p.Make(op, l, idx, rl, idx));
+    prep.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+    (void)p.Release(x);
+    (void)p.ReleaseList(l);
+    (void)p.ReleaseList(rl);
+  }
+  ASSIGN_OR_RETURN(uint64_t local, p.PrepareLocal(mine));
+  ASSIGN_OR_RETURN(uint64_t remote, p.PrepareRemote(s.to_target, theirs));
+  ASSIGN_OR_RETURN(uint64_t x, p.Make(op, local, idx, remote, idx));
+  std::vector<double> post, tx;
+  auto once = [&](bool timed) -> absl::Status {
+    const absl::Time start = absl::Now();
+    ASSIGN_OR_RETURN(XferState st, p.Post(x));
+    const absl::Time posted = absl::Now();
+    while (st == XferState::kInProgress) {
+      ASSIGN_OR_RETURN(st, p.State(x));
+    }
+    if (timed) {
+      post.push_back(absl::ToDoubleMicroseconds(posted - start));
+      tx.push_back(absl::ToDoubleMicroseconds(absl::Now() - posted));
+    }
+    return absl::OkStatus();
+  };
+  for (uint64_t i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) RETURN_IF_ERROR(once(false));
+  const uint64_t iters = std::max<uint64_t>(1, absl::GetFlag(FLAGS_iters));
+  const absl::Time start = absl::Now();
+  for (uint64_t i = 0; i < iters; ++i) RETURN_IF_ERROR(once(true));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  ASSIGN_OR_RETURN(XferTelemetry t, p.Telemetry(x));
+  (void)p.Release(x);
+  (void)p.ReleaseList(local);
+  (void)p.ReleaseList(remote);
+  PreparedRow row;
+  row.block = block;
+  row.batch = batch;
+  row.descriptors = t.descriptors;
+  row.gb_s = double(block) * batch * iters / seconds / 1e9;
+  row.lat_us = seconds * 1e6 / (double(iters) * batch);
+  row.prep_avg = Average(prep);
+  row.prep_p99 = Summarize(prep).p99;
+  row.post_avg = Average(post);
+  row.post_p99 = Summarize(post).p99;
+  row.tx_avg = Average(tx);
+  row.tx_p99 = Summarize(tx).p99;
+  return row;
+}
+
+int PreparedSweep(Session& s, const std::vector<uint64_t>& blocks,
+                  const std::vector<uint64_t>& batches, bool write) {
+  const std::string transport = s.initiator->detection().transport;
+  const bool json = absl::GetFlag(FLAGS_json);
+  const char* layout = absl::GetFlag(FLAGS_scatter) ? "scattered" : "adjacent";
+  if (!json) {
+    std::printf(
+        "prepared %s over %s, %s blocks (nixlbench's columns; descriptors after "
+        "merging)\n",
+        OpName(write).c_str(), transport.c_str(), layout);
+    std::printf("%-14s %-10s %-6s %-12s %-13s %-13s %-13s %-13s %-13s %-11s %-11s\n",
+                "Block Size (B)", "Batch Size", "Descs", "B/W (GB/Sec)", "Avg Lat. (us)",
+                "Avg Prep (us)", "P99 Prep (us)", "Avg Post (us)", "P99 Post (us)", "Avg Tx (us)",
+                "P99 Tx (us)");
+  }
+  for (uint64_t block : blocks) {
+    for (uint64_t batch : batches) {
+      if (batch * BwStride(block) > s.remote_len || batch * BwStride(block) > s.local.size()) {
+        std::fprintf(stderr, "transfer_bench: %llu x %llu B does not fit the buffers; skipped\n",
+                     static_cast<unsigned long long>(batch),
+                     static_cast<unsigned long long>(block));
+        continue;
+      }
+      absl::StatusOr<PreparedRow> r = MeasurePrepared(s, block, batch, write);
+      if (!r.ok()) Die(r.status());
+      if (json) {
+        std::printf(
+            "{\"mode\": \"prepared\", \"op\": \"%s\", \"transport\": \"%s\", "
+            "\"layout\": \"%s\", \"block\": %llu, \"batch\": %llu, "
+            "\"descriptors\": %llu, \"gb_s\": %.4f, \"lat_us\": %.3f, "
+            "\"prep_us\": %.2f, \"prep_p99_us\": %.2f, \"post_us\": %.2f, "
+            "\"post_p99_us\": %.2f, \"tx_us\": %.2f, \"tx_p99_us\": %.2f}\n",
+            OpName(write).c_str(), transport.c_str(), layout,
+            static_cast<unsigned long long>(block), static_cast<unsigned long long>(batch),
+            static_cast<unsigned long long>(r->descriptors), r->gb_s, r->lat_us, r->prep_avg,
+            r->prep_p99, r->post_avg, r->post_p99, r->tx_avg, r->tx_p99);
+      } else {
+        std::printf(
+            "%-14llu %-10llu %-6llu %-12.3f %-13.3f %-13.1f %-13.1f %-13.2f %-13.2f "
+            "%-11.1f %-11.1f\n",
+            static_cast<unsigned long long>(block), static_cast<unsigned long long>(batch),
+            static_cast<unsigned long long>(r->descriptors), r->gb_s, r->lat_us, r->prep_avg,
+            r->prep_p99, r->post_avg, r->post_p99, r->tx_avg, r->tx_p99);
+      }
+      std::fflush(stdout);
+    }
+  }
   return 0;
 }
 
@@ -1073,7 +1237,8 @@ int Main() {
   const std::string mode = absl::GetFlag(FLAGS_mode);
   const std::string op = absl::GetFlag(FLAGS_op);
   if (role != "loopback" && role != "target" && role != "initiator") {
-    std::fprintf(stderr, "transfer_bench: --role must be loopback, target or initiator, not \"%s\"\n",
+    std::fprintf(stderr,
+                 "transfer_bench: --role must be loopback, target or initiator, not \"%s\"\n",
                  role.c_str());
     return 2;
   }
@@ -1114,13 +1279,31 @@ int Main() {
       absl::SetFlag(&FLAGS_duration, 1.0);
     }
   }
+  std::vector<uint64_t> batches;
+  if (absl::GetFlag(FLAGS_prepared)) {
+    auto b = ParseBlocks(absl::GetFlag(FLAGS_batches));
+    if (!b.ok()) {
+      std::fprintf(stderr, "transfer_bench: --batches: %s\n",
+                   std::string(b.status().message()).c_str());
+      return 2;
+    }
+    batches = *b;
+  }
   Session s;
+  // The prepared sweep's largest batch of blocks (two halves' worth: the
+  // buffers OpenSession sizes hold two batches per thread).
+  const uint32_t sized_batch =
+      batches.empty()
+          ? batch
+          : static_cast<uint32_t>((*std::max_element(batches.begin(), batches.end()) + 1) / 2);
   absl::Status st =
-      OpenSession(s, role, *std::max_element(blocks.begin(), blocks.end()), threads, batch);
+      OpenSession(s, role, *std::max_element(blocks.begin(), blocks.end()), threads, sized_batch);
   if (!st.ok()) Die(st);
   const bool write = op == "write";
   int rc = 0;
-  if (!sweep.empty()) {
+  if (!batches.empty()) {
+    rc = PreparedSweep(s, blocks, batches, write);
+  } else if (!sweep.empty()) {
     rc = Sweep(s, blocks, write, batch, threads);
   } else if (mode == "layers") {
     rc = MeasureLayers(s, threads, batch, blocks[0]);

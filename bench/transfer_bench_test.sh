@@ -46,6 +46,24 @@ assert (d["mib_per_s"] > 0 and d["batch_us_p99"] >= d["batch_us_p50"] > 0) if d[
     echo "FAIL json $mode: $out"; fail=1
   fi
 done
+# --prepared: a row per block x batch, nixlbench's columns, figures > 0;
+# --json: one object per row.
+out="$("$bench" --transport=tcp --prepared --sweep=4096,65536 --batches=1,8 --iters=20 --warmup=2 --scatter 2>&1)"
+rows="$(grep -cE '^(4096|65536) +(1|8) +[0-9]+ +[0-9.]+' <<<"$out")"
+if [[ "$rows" == 4 ]] && grep -q 'scattered blocks' <<<"$out" && grep -q 'Avg Post (us)' <<<"$out" &&
+   awk '/^(4096|65536) /{if (!($4 > 0 && $5 > 0 && $8 > 0)) exit 1}' <<<"$out"; then
+  echo "ok   prepared sweep"
+else
+  echo "FAIL prepared: $out"; fail=1
+fi
+out="$("$bench" --transport=tcp --prepared --block=4096 --batches=16 --iters=20 --warmup=2 --json 2>&1)"
+if python3 -c 'import json, sys; d = json.loads(sys.argv[1]); assert d["mode"] == "prepared"
+assert d["batch"] == 16 and d["descriptors"] == 1 and d["layout"] == "adjacent"
+assert d["gb_s"] > 0 and d["post_p99_us"] >= 0 and d["tx_us"] > 0' "$out"; then
+  echo "ok   prepared json (16 adjacent blocks merge into 1): $out"
+else
+  echo "FAIL prepared json: $out"; fail=1
+fi
 # Two processes: a target, then initiators that find it by host:port and
 # measure against the target's raw socket sink.
 start_target() {  # start_target LOG ARGS...: sets $target and $addr
