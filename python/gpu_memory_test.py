@@ -152,5 +152,49 @@ class GpuMemoryTest(unittest.TestCase):
             native.register_memory(dev, 1 << 16, location="cpu:0")
 
 
+class NixlOnDeviceMemoryTest(unittest.TestCase):
+    """The `nixl` stand-in with VRAM: vLLM's registration of device memory
+    and a prepared READ between two GPUs' blocks."""
+
+    def test_vram_blocks_read_through_prepared_lists(self):
+        import tempfile
+        import kvferry_compat
+        target = tempfile.mkdtemp(prefix="kvferry-nixl-gpu-")
+        kvferry_compat.install(target, "nixl")
+        sys.path.insert(0, target)
+        os.environ.setdefault("KVFERRY_HOST", "127.0.0.1")
+        os.environ.setdefault("KVFERRY_SECRET", "gpu-test-secret-0123456789")
+        from nixl._api import nixl_agent, nixl_agent_config
+        cuda = FakeCuda()
+        block, blocks = 4096, 8
+        p_dev, d_dev = cuda.alloc(0, block * blocks), cuda.alloc(1, block * blocks)
+        data = (np.arange(block * blocks) % 253).astype(np.uint8)
+        cuda.put(0, p_dev, data)
+        cuda.put(1, d_dev, np.zeros(block * blocks, dtype=np.uint8))
+        conf = nixl_agent_config(num_threads=4, capture_telemetry=True)
+        p, d = nixl_agent("gpu-prefill", conf), nixl_agent("gpu-decode", conf)
+        p.register_memory(p.get_reg_descs([(p_dev, block * blocks, 0, "")], "VRAM"))
+        d.register_memory(d.get_reg_descs([(d_dev, block * blocks, 1, "")], "VRAM"))
+        name = d.add_remote_agent(p.get_agent_metadata())
+        rows = lambda base, dev: np.array([(base + i * block, block, dev)  # noqa: E731
+                                           for i in range(blocks)], dtype=np.uint64)
+        local = d.prep_xfer_dlist("NIXL_INIT_AGENT", d.get_xfer_descs(rows(d_dev, 1), "VRAM"))
+        remote = d.prep_xfer_dlist(name, d.get_xfer_descs(rows(p_dev, 0), "VRAM"))
+        lids = np.array([0, 1, 2, 7], dtype=np.int64)
+        rids = np.array([5, 6, 7, 0], dtype=np.int64)
+        h = d.make_prepped_xfer("READ", local, lids, remote, rids, notif_msg=b"gpu:1")
+        d.transfer(h)
+        for _ in range(20000):
+            if d.check_xfer_state(h) == "DONE":
+                break
+        self.assertEqual(d.check_xfer_state(h), "DONE")
+        self.assertEqual(d.get_xfer_telemetry(h).descCount, 2)  # 0-2 <- 5-7, 7 <- 0
+        got = cuda.get(1, d_dev, block * blocks)
+        for lb, rb in zip(lids, rids):
+            np.testing.assert_array_equal(got[lb * block:(lb + 1) * block],
+                                          data[rb * block:(rb + 1) * block])
+        d.release_xfer_handle(h)
+
+
 if __name__ == "__main__":
     unittest.main()
