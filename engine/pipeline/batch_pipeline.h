@@ -117,6 +117,10 @@ class BatchPipeline {
                       absl::Span<const TransferRequest> requests, const PeerBinding& bound,
                       absl::Span<const uint64_t> reserved, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // CreateBatch for a lone request `r` in one slice (in the lane's table).
+  BatchId CreateLone(Lane& lane, LaneSegment& ls, SegmentId id, const TransferRequest& r,
+                     const PeerBinding& bound, Slice* slice, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Submit's path for a lone request that fits one slice, on a segment
   // whose current view this thread's lane holds, with no backlog and a
   // link with room: planned (Planner::PlanLone), its slice reserved,

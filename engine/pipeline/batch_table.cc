@@ -52,6 +52,13 @@ uint64_t BatchTable::Slab<T>::Take(T** out) {
 
 BatchId BatchTable::Create(Batch** out) { return batches_.Take(out); }
 
+uint64_t BatchTable::NewSlice(Slice** out) {
+  const uint64_t id = slices_.Take(out);
+  (*out)->batch = 0;
+  (*out)->last_error = absl::OkStatus();
+  return id;
+}
+
 uint64_t BatchTable::AddSlice(const Slice& s) {
   Slice* slot;
   const uint64_t id = slices_.Take(&slot);

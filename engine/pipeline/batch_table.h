@@ -114,6 +114,9 @@ class BatchTable {
   // batch until the caller commits it (sets its `batch`, see
   // BatchPipeline::CreateBatch), or is erased.
   uint64_t AddSlice(const Slice& s);
+  // A slice its caller fills in place: every field but its last error and
+  // batch (reset here) is stale until then.
+  uint64_t NewSlice(Slice** out);
   Slice* FindSlice(uint64_t id) { return slices_.Find(id); }
   void EraseSlice(uint64_t id) { slices_.Free(id); }
 

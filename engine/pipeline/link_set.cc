@@ -259,6 +259,15 @@ int Choose(const std::vector<Link>& links, LoadOf load_of, NicMask near, uint32_
 
 const Link* ChooseLink(const std::vector<Link>& links, NicMask near, uint32_t capacity,
                        size_t start, absl::Time now) {
+  // The lane's own link, when it is near and idle: what Choose would pick
+  // first (it stops at the first near link with nothing in flight).
+  if (!links.empty()) {
+    const Link& home = links[start % links.size()];
+    if (!home.failed && (near == 0 || (home.local_nic < 64 && (near >> home.local_nic) & 1)) &&
+        home.inflight() == 0 && home.load->TryTake(capacity, now)) {
+      return &home;
+    }
+  }
   // Another thread may take the last place between the look and the take:
   // look again then.
   for (;;) {

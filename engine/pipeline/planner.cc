@@ -49,19 +49,25 @@ absl::Status Planner::Cut(const SegmentCore& seg, SegmentId id, const TransferRe
   absl::Status bad;
   *why = CheckRegion(seg, *reg, remote, len, r.opcode == Opcode::kWrite, &bad);
   if (*why != SliceCheck::kOk) return bad;
+  Fill(seg, id, r, i, off, *use, *reg, len, out);
+  return absl::OkStatus();
+}
+
+void Planner::Fill(const SegmentCore& seg, SegmentId id, const TransferRequest& r, size_t i,
+                   uint64_t off, const LocalUse& use, const handshake::RegionDescriptor* reg,
+                   uint64_t len, Slice* out) const {
   Slice& s = *out;
   s.request = i;
   s.requests = 1;
   s.segment = id;
   s.opcode = r.opcode;
   s.local = static_cast<char*>(r.local) + off;
-  s.local_use = *use;
-  s.remote = remote;
+  s.local_use = use;
+  s.remote = r.remote + off;
   s.length = len;
   s.retries_left = retries_;
   s.checked = seg.generation + 1;
-  s.region = static_cast<uint32_t>(*reg - seg.descriptor.regions.data());
-  return absl::OkStatus();
+  s.region = static_cast<uint32_t>(reg - seg.descriptor.regions.data());
 }
 
 absl::Status Planner::Plan(const SegmentCore& seg, SegmentId id,
@@ -100,10 +106,13 @@ bool Planner::PlanLone(const SegmentCore& seg, SegmentId id, const TransferReque
   // local piece: the general path explains, or cuts it.
   const uint64_t at = reinterpret_cast<uintptr_t>(r.local);
   if (local.region[seg.via] == 0 || at >= local.until || r.length > local.until - at) return false;
-  LocalUse use = local;
-  const handshake::RegionDescriptor* reg = nullptr;
-  SliceCheck why;
-  return Cut(seg, id, r, 0, 0, &use, &reg, out, &why).ok() && out->length == r.length;
+  // One slice, in one peer region that allows it: Cut's checks, without
+  // building the message a refusal needs.
+  if (r.length == 0 || r.length > vias_[seg.via].slice_bytes) return false;
+  const handshake::RegionDescriptor* reg = seg.FindRemote(r.remote);
+  if (!RegionAllows(seg, reg, r.remote, r.length, r.opcode == Opcode::kWrite)) return false;
+  Fill(seg, id, r, 0, 0, local, reg, r.length, out);
+  return true;
 }
 
 }  // namespace engine_internal

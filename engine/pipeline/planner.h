@@ -46,6 +46,11 @@ class Planner {
   absl::Status Cut(const SegmentCore& seg, SegmentId id, const TransferRequest& r, size_t i,
                    uint64_t off, LocalUse* use, const handshake::RegionDescriptor** reg, Slice* out,
                    SliceCheck* why) const;
+  // Fills slice `out` of request `i` (`r`) at `off`: `len` bytes in local
+  // piece `use` and peer region `reg`, both checked.
+  void Fill(const SegmentCore& seg, SegmentId id, const TransferRequest& r, size_t i, uint64_t off,
+            const LocalUse& use, const handshake::RegionDescriptor* reg, uint64_t len,
+            Slice* out) const;
   // Appends request `r` (whose local piece is `local`) to `last`, a slice
   // of whole requests, when its bytes follow the slice's on both ends, in
   // the same local piece and peer region, and the slice stays within the

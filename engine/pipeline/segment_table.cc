@@ -29,6 +29,7 @@ SliceCheck CheckRegion(const SegmentCore& seg, const handshake::RegionDescriptor
                        uint64_t remote, uint64_t length, bool write, absl::Status* error,
                        const handshake::RegionDescriptor** region) {
   if (region != nullptr) *region = found;
+  if (RegionAllows(seg, found, remote, length, write)) return SliceCheck::kOk;
   if (found == nullptr || !transport::RangeInside(remote, length, found->addr, found->length)) {
     *error = absl::InvalidArgumentError(absl::StrFormat(
         "peer %s has no registered region covering [%#x, +%u) (it advertises %u region(s))",

@@ -21,6 +21,7 @@
 #include "engine/pipeline/link_set.h"
 #include "engine/types.h"
 #include "handshake/messages.h"
+#include "transport/checks.h"
 
 namespace kvferry {
 namespace engine_internal {
@@ -90,6 +91,15 @@ enum class SliceCheck { kOk, kOutsideRegions, kForbidden, kNoLinks };
 // given) the peer region containing `remote`.
 SliceCheck CheckRemote(const SegmentCore& seg, uint64_t remote, uint64_t length, bool write,
                        absl::Status* error, const handshake::RegionDescriptor** region = nullptr);
+// Whether CheckRegion says kOk, without the message (a lone request's short
+// path: the general one explains a refusal).
+inline bool RegionAllows(const SegmentCore& seg, const handshake::RegionDescriptor* found,
+                         uint64_t remote, uint64_t length, bool write) {
+  return found != nullptr && transport::RangeInside(remote, length, found->addr, found->length) &&
+         (write ? transport::AllowsRemoteWrite(found->access)
+                : transport::AllowsRemoteRead(found->access)) &&
+         !seg.links.empty();
+}
 // The same with the region containing `remote` already looked up (`found`,
 // null when none).
 SliceCheck CheckRegion(const SegmentCore& seg, const handshake::RegionDescriptor* found,

@@ -54,6 +54,29 @@ BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
   return batch_id;
 }
 
+BatchId BatchPipeline::CreateLone(Lane& lane, LaneSegment& ls, SegmentId id,
+                                  const TransferRequest& r, const PeerBinding& bound, Slice* slice,
+                                  absl::Time now) {
+  Batch* b;
+  const BatchId batch_id = lane.batches.Create(&b);
+  b->segment = id;
+  b->peer_engine_id = ls.view->descriptor.engine_id;
+  b->epoch = ls.view->epoch;
+  b->bound = bound.engine_id != 0;
+  b->announce = bound.announce;
+  b->submitted = now;
+  Batch::Request& q = b->requests.emplace_back();  // emptied by Reset: fresh
+  q.op = r.opcode;
+  q.length = r.length;
+  q.slices_left = 1;
+  b->pending = 1;
+  ++ls.metrics.requests;
+  ++ls.slices;
+  ls.last_used = now;
+  slice->batch = batch_id;
+  return batch_id;
+}
+
 absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
                                                     const SegmentCore& seg, SegmentId id,
                                                     absl::Span<const TransferRequest> requests,
@@ -193,11 +216,17 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
     if (it == lane.segments.end()) return std::nullopt;
     LaneSegment& ls = it->second;
     const SegmentCore* seg = ls.Current();
-    Slice slice;
     if (seg == nullptr || poster_.MaybeBacklog() ||
         (bound.engine_id != 0 && bound.engine_id != seg->descriptor.engine_id) ||
-        (bound.epoch.has_value() && *bound.epoch != seg->epoch) ||
-        !planner_.PlanLone(*seg, id, r, local, &slice)) {
+        (bound.epoch.has_value() && *bound.epoch != seg->epoch)) {
+      return std::nullopt;
+    }
+    // Planned in its place in the lane's table (no copy), and given back
+    // when anything is unusual.
+    Slice* slice;
+    const uint64_t sid = lane.batches.NewSlice(&slice);
+    if (!planner_.PlanLone(*seg, id, r, local, slice)) {
+      lane.batches.EraseSlice(sid);
       return std::nullopt;
     }
     now = clock_->Now();
@@ -205,13 +234,16 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
     // No room: the general path queues it. Reserved once it has a link:
     // the work request carries the slice's id, its batch is committed
     // after the doorbell.
-    if (!poster_.AssignLink(*seg, lane, ls, slice, &wr, now)) return std::nullopt;
-    wr.cookie = lane.batches.AddSlice(slice);
+    if (!poster_.AssignLink(*seg, lane, ls, *slice, &wr, now)) {
+      lane.batches.EraseSlice(sid);
+      return std::nullopt;
+    }
+    wr.cookie = sid;
     // The doorbell first, the batch's books after: a completion cannot be
     // delivered before they are kept, as delivery takes the lane's lock.
     // (A transport's Post takes its own lock and never the pipeline's.)
     posted = vias_[via].transport->Post({&wr, 1});
-    batch = CreateBatch(lane, ls, id, {&r, 1}, bound, {&wr.cookie, 1}, now);
+    batch = CreateLone(lane, ls, id, r, bound, slice, now);
   }
   if (!posted.ok()) {
     // As the general path handles a refused post (the place given back,
