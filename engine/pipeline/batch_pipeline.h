@@ -117,6 +117,11 @@ class BatchPipeline {
                       absl::Span<const TransferRequest> requests, const PeerBinding& bound,
                       absl::Span<const uint64_t> reserved, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // Submit's general path; `local`: the requests' local uses when the
+  // caller looked them up (a lone request's), else empty.
+  absl::StatusOr<BatchId> SubmitGeneral(SegmentId id, absl::Span<const TransferRequest> requests,
+                                        const PeerBinding& bound, PlanCache* cache,
+                                        absl::Span<const LocalUse> local);
   // CreateBatch for a lone request `r` in one slice (in the lane's table).
   BatchId CreateLone(Lane& lane, LaneSegment& ls, SegmentId id, const TransferRequest& r,
                      const PeerBinding& bound, Slice* slice, absl::Time now)

@@ -33,32 +33,6 @@ void Batch::StatusTo(BatchStatus* out) const {
   }
 }
 
-template <typename T>
-uint64_t BatchTable::Slab<T>::Take(T** out) {
-  uint32_t index;
-  if (!free_.empty()) {
-    index = free_.back();
-    free_.pop_back();
-  } else {
-    index = static_cast<uint32_t>(slots_.size());
-    slots_.emplace_back();
-  }
-  Slot& s = slots_[index];
-  s.live = true;
-  s.generation = NextGeneration(s.generation);
-  *out = &s.value;
-  return IdOf(index, s.generation);
-}
-
-BatchId BatchTable::Create(Batch** out) { return batches_.Take(out); }
-
-uint64_t BatchTable::NewSlice(Slice** out) {
-  const uint64_t id = slices_.Take(out);
-  (*out)->batch = 0;
-  (*out)->last_error = absl::OkStatus();
-  return id;
-}
-
 uint64_t BatchTable::AddSlice(const Slice& s) {
   Slice* slot;
   const uint64_t id = slices_.Take(&slot);

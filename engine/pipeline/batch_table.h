@@ -99,7 +99,7 @@ class BatchTable {
   static uint8_t TagOf(uint64_t id) { return static_cast<uint8_t>(id >> kTagShift); }
 
   // A new, empty batch (reusing a released one's vectors when it can).
-  BatchId Create(Batch** out);
+  BatchId Create(Batch** out) { return batches_.Take(out); }
   Batch* Find(BatchId id) { return batches_.Find(id); }
   // Drops a batch; its slot is reused by Create.
   void Recycle(BatchId id) {
@@ -116,7 +116,12 @@ class BatchTable {
   uint64_t AddSlice(const Slice& s);
   // A slice its caller fills in place: every field but its last error and
   // batch (reset here) is stale until then.
-  uint64_t NewSlice(Slice** out);
+  uint64_t NewSlice(Slice** out) {
+    const uint64_t id = slices_.Take(out);
+    (*out)->batch = 0;
+    (*out)->last_error = absl::OkStatus();
+    return id;
+  }
   Slice* FindSlice(uint64_t id) { return slices_.Find(id); }
   void EraseSlice(uint64_t id) { slices_.Free(id); }
 
@@ -126,7 +131,21 @@ class BatchTable {
    public:
     explicit Slab(uint8_t tag) : tag_(tag) {}
     // A free slot (its value as its last user left it) and its id.
-    uint64_t Take(T** out);
+    uint64_t Take(T** out) {
+      uint32_t index;
+      if (!free_.empty()) {
+        index = free_.back();
+        free_.pop_back();
+      } else {
+        index = static_cast<uint32_t>(slots_.size());
+        slots_.emplace_back();
+      }
+      Slot& s = slots_[index];
+      s.live = true;
+      s.generation = NextGeneration(s.generation);
+      *out = &s.value;
+      return IdOf(index, s.generation);
+    }
     T* Find(uint64_t id) {
       const uint64_t index = (id & 0xffffffffu) - 1;
       if (index >= slots_.size()) return nullptr;

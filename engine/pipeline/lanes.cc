@@ -34,7 +34,7 @@ uint64_t Lanes::SlicesOf(SegmentId id, absl::Time* last_used) const {
 void Lanes::Forget(SegmentId id) {
   for (const auto& lane : lanes_) {
     MutexLock lane_lock(&lane->mu);
-    lane->segments.erase(id);
+    lane->Erase(id);
   }
 }
 

@@ -91,7 +91,28 @@ struct Lane {
   BatchTable batches ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<SegmentId, LaneSegment> segments ABSL_GUARDED_BY(mu);
   std::vector<NicTally> nics ABSL_GUARDED_BY(mu);  // by the engine's NIC index
-  char pad[64];                                    // the next lane's lock is on a line of its own
+  // The lane's part of segment `id`, null when it has none. The last one
+  // found is kept: what adds to or erases from `segments` (which may move
+  // its entries) goes through Entry or Erase, which forget it.
+  LaneSegment* Find(SegmentId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (last_entry != nullptr && last_id == id) return last_entry;
+    auto it = segments.find(id);
+    if (it == segments.end()) return nullptr;
+    last_id = id;
+    last_entry = &it->second;
+    return last_entry;
+  }
+  LaneSegment& Entry(SegmentId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    last_entry = nullptr;
+    return segments[id];
+  }
+  void Erase(SegmentId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    last_entry = nullptr;
+    segments.erase(id);
+  }
+  SegmentId last_id ABSL_GUARDED_BY(mu) = 0;
+  LaneSegment* last_entry ABSL_GUARDED_BY(mu) = nullptr;
+  char pad[64];  // the next lane's lock is on a line of its own
 };
 
 constexpr size_t kLanes = CompletionPump::kLanes;
@@ -105,9 +126,6 @@ __attribute__((visibility("hidden"))) inline size_t ThisThreadsLane() {
   return mine;
 }
 
-// Every lane, created with the pipeline and never changed; what is done to
-// a lane's batches and slices as a whole. Each method takes the lanes'
-// locks it needs (one at a time) unless it says that its caller holds one.
 // Told of each batch submitted with PeerBinding::announce when it finishes
 // (its last request done, failed or not), under the batch's lane's lock:
 // Finished must only take locks of its own that nothing holds while
@@ -120,6 +138,9 @@ class FinishedBatches {
   ~FinishedBatches() = default;
 };
 
+// Every lane, created with the pipeline and never changed; what is done to
+// a lane's batches and slices as a whole. Each method takes the lanes'
+// locks it needs (one at a time) unless it says that its caller holds one.
 class Lanes {
  public:
   // `nics`: the engine's NIC count (each lane tallies by NIC); `pump` is

@@ -51,8 +51,9 @@ bool Poster::AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& ls, Sli
   return true;
 }
 
-void Poster::Fill(const SegmentCore& seg, Lane& lane, LaneSegment& ls, const Link& link,
-                  Slice& slice, WorkRequest* wr) {
+// Inline: the lone request's path (AssignLink) pays no call for it.
+inline void Poster::Fill(const SegmentCore& seg, Lane& lane, LaneSegment& ls, const Link& link,
+                         Slice& slice, WorkRequest* wr) {
   const size_t nic = vias_[seg.via].nic_offset + link.local_nic;
   if (nic < lane.nics.size()) {
     ++lane.nics[nic].slices;
@@ -137,7 +138,7 @@ bool Poster::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time 
       s->region = static_cast<uint32_t>(reg - seg.descriptor.regions.data());
     }
     WorkRequest wr;
-    if (!AssignLink(seg, lane, lane.segments[id], *s, &wr, now)) {
+    if (!AssignLink(seg, lane, lane.Entry(id), *s, &wr, now)) {
       seg.backlog.push_back(sid);  // posted when a link has room
       maybe_backlog_.store(true, std::memory_order_release);
       continue;

@@ -350,7 +350,7 @@ absl::Status SegmentRegistry::ReadView(Lane& lane, SegmentId id) {
     return absl::FailedPreconditionError(absl::StrCat("segment ", id, " is not ready"));
   }
   MutexLock lane_lock(&lane.mu);
-  lane.segments[id].Read(*seg);
+  lane.Entry(id).Read(*seg);
   return absl::OkStatus();
 }
 

@@ -159,17 +159,26 @@ absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
 absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
                                               absl::Span<const TransferRequest> requests,
                                               const PeerBinding& bound, PlanCache* cache) {
-  // Local buffers first (under the regions' own lock, or a thread's last piece).
-  const uint64_t local_generation = regions_->generation();  // before the look-up
-  LocalUse one;
-  std::optional<Scratch<LocalUse>> local_scratch;  // for more than one
-  absl::Span<const LocalUse> local;
   if (requests.size() == 1) {
+    // The lone request: its local buffer (a thread's last piece, or under
+    // the regions' own lock), then the short path if it can.
+    LocalUse one;
     RETURN_IF_ERROR(regions_->FindOne(requests[0], &one));
     if (auto done = SubmitOne(id, requests[0], one, bound)) return *std::move(done);
-    local = {&one, 1};
-  } else if (cache == nullptr || cache->local_generation != local_generation ||
-             cache->requests != requests.size()) {
+    return SubmitGeneral(id, requests, bound, nullptr, {&one, 1});
+  }
+  return SubmitGeneral(id, requests, bound, cache, {});
+}
+
+absl::StatusOr<BatchId> BatchPipeline::SubmitGeneral(SegmentId id,
+                                                     absl::Span<const TransferRequest> requests,
+                                                     const PeerBinding& bound, PlanCache* cache,
+                                                     absl::Span<const LocalUse> local) {
+  // Before the look-up (only a cache needs it).
+  const uint64_t local_generation = cache != nullptr ? regions_->generation() : 0;
+  std::optional<Scratch<LocalUse>> local_scratch;
+  if (local.empty() && (cache == nullptr || cache->local_generation != local_generation ||
+                        cache->requests != requests.size())) {
     // (A cache planned with these registrations holds every local use.)
     std::vector<LocalUse>& all = *local_scratch.emplace();
     RETURN_IF_ERROR(regions_->FindAll(requests, &all));
@@ -212,9 +221,9 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
   absl::Status posted;
   {
     MutexLock lane_lock(&lane.mu);
-    auto it = lane.segments.find(id);
-    if (it == lane.segments.end()) return std::nullopt;
-    LaneSegment& ls = it->second;
+    LaneSegment* entry = lane.Find(id);
+    if (entry == nullptr) return std::nullopt;
+    LaneSegment& ls = *entry;
     const SegmentCore* seg = ls.Current();
     if (seg == nullptr || poster_.MaybeBacklog() ||
         (bound.engine_id != 0 && bound.engine_id != seg->descriptor.engine_id) ||
