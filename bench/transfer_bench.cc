@@ -42,7 +42,9 @@
 //        --warmup. Columns as nixlbench's: GB/s, the average latency per
 //        descriptor, and the average and p99 of prepare (both lists plus
 //        the transfer, timed apart over 20 rounds), post (inside Post) and
-//        transfer (from Post's return to the poll that saw it done).
+//        transfer (from Post's return to the poll that saw it done); then
+//        the reference (--reference) moving the same bytes, as many blocks
+//        in flight (two batches of half as many), and the ratio.
 //
 // References (--reference): `memcpy` of the same bytes (the in-process path:
 // two TCP-transport engines in one process copy without sockets), `socket`
@@ -1090,6 +1092,7 @@ int Sweep(Session& s, const std::vector<uint64_t>& blocks, bool write, uint32_t 
 struct PreparedRow {
   uint64_t block = 0, batch = 0, descriptors = 0;
   double gb_s = 0, lat_us = 0;
+  double ref_gb_s = 0;  // 0: no reference
   double prep_avg = 0, prep_p99 = 0, post_avg = 0, post_p99 = 0, tx_avg = 0, tx_p99 = 0;
 };
 
@@ -1150,6 +1153,17 @@ absl::StatusOr<PreparedRow> MeasurePrepared(Session& s, uint64_t block, uint64_t
   (void)p.ReleaseList(local);
   (void)p.ReleaseList(remote);
   PreparedRow row;
+  if (s.reference != "none") {
+    // The same bytes over the same connections (or memcpy), as many blocks
+    // in flight: two batches of half as many.
+    const uint64_t saved = absl::GetFlag(FLAGS_iters);
+    absl::SetFlag(&FLAGS_iters, iters * batch);
+    absl::StatusOr<std::optional<BwResult>> ref = ReferenceBandwidth(
+        s, 1, static_cast<uint32_t>(std::max<uint64_t>(1, batch / 2)), block, write);
+    absl::SetFlag(&FLAGS_iters, saved);
+    RETURN_IF_ERROR(ref.status());
+    if (ref->has_value()) row.ref_gb_s = (*ref)->gb_s();
+  }
   row.block = block;
   row.batch = batch;
   row.descriptors = t.descriptors;
@@ -1174,10 +1188,10 @@ int PreparedSweep(Session& s, const std::vector<uint64_t>& blocks,
         "prepared %s over %s, %s blocks (nixlbench's columns; descriptors after "
         "merging)\n",
         OpName(write).c_str(), transport.c_str(), layout);
-    std::printf("%-14s %-10s %-6s %-12s %-13s %-13s %-13s %-13s %-13s %-11s %-11s\n",
+    std::printf("%-14s %-10s %-6s %-12s %-13s %-13s %-13s %-13s %-13s %-11s %-11s %-12s %s\n",
                 "Block Size (B)", "Batch Size", "Descs", "B/W (GB/Sec)", "Avg Lat. (us)",
                 "Avg Prep (us)", "P99 Prep (us)", "Avg Post (us)", "P99 Post (us)", "Avg Tx (us)",
-                "P99 Tx (us)");
+                "P99 Tx (us)", absl::StrCat(s.reference, " GB/s").c_str(), "Ratio");
   }
   for (uint64_t block : blocks) {
     for (uint64_t batch : batches) {
@@ -1195,18 +1209,21 @@ int PreparedSweep(Session& s, const std::vector<uint64_t>& blocks,
             "\"layout\": \"%s\", \"block\": %llu, \"batch\": %llu, "
             "\"descriptors\": %llu, \"gb_s\": %.4f, \"lat_us\": %.3f, "
             "\"prep_us\": %.2f, \"prep_p99_us\": %.2f, \"post_us\": %.2f, "
-            "\"post_p99_us\": %.2f, \"tx_us\": %.2f, \"tx_p99_us\": %.2f}\n",
+            "\"post_p99_us\": %.2f, \"tx_us\": %.2f, \"tx_p99_us\": %.2f, "
+            "\"reference\": \"%s\", \"reference_gb_s\": %.4f, \"ratio\": %.4f}\n",
             OpName(write).c_str(), transport.c_str(), layout,
             static_cast<unsigned long long>(block), static_cast<unsigned long long>(batch),
             static_cast<unsigned long long>(r->descriptors), r->gb_s, r->lat_us, r->prep_avg,
-            r->prep_p99, r->post_avg, r->post_p99, r->tx_avg, r->tx_p99);
+            r->prep_p99, r->post_avg, r->post_p99, r->tx_avg, r->tx_p99, s.reference.c_str(),
+            r->ref_gb_s, r->ref_gb_s > 0 ? r->gb_s / r->ref_gb_s : 0.0);
       } else {
         std::printf(
             "%-14llu %-10llu %-6llu %-12.3f %-13.3f %-13.1f %-13.1f %-13.2f %-13.2f "
-            "%-11.1f %-11.1f\n",
+            "%-11.1f %-11.1f %-12.3f %.3f\n",
             static_cast<unsigned long long>(block), static_cast<unsigned long long>(batch),
             static_cast<unsigned long long>(r->descriptors), r->gb_s, r->lat_us, r->prep_avg,
-            r->prep_p99, r->post_avg, r->post_p99, r->tx_avg, r->tx_p99);
+            r->prep_p99, r->post_avg, r->post_p99, r->tx_avg, r->tx_p99, r->ref_gb_s,
+            r->ref_gb_s > 0 ? r->gb_s / r->ref_gb_s : 0.0);
       }
       std::fflush(stdout);
     }

@@ -51,7 +51,7 @@ done
 out="$("$bench" --transport=tcp --prepared --sweep=4096,65536 --batches=1,8 --iters=20 --warmup=2 --scatter 2>&1)"
 rows="$(grep -cE '^(4096|65536) +(1|8) +[0-9]+ +[0-9.]+' <<<"$out")"
 if [[ "$rows" == 4 ]] && grep -q 'scattered blocks' <<<"$out" && grep -q 'Avg Post (us)' <<<"$out" &&
-   awk '/^(4096|65536) /{if (!($4 > 0 && $5 > 0 && $8 > 0)) exit 1}' <<<"$out"; then
+   awk '/^(4096|65536) /{if (!($4 > 0 && $5 > 0 && $8 > 0 && $12 > 0 && $13 > 0)) exit 1}' <<<"$out"; then
   echo "ok   prepared sweep"
 else
   echo "FAIL prepared: $out"; fail=1
@@ -59,7 +59,8 @@ fi
 out="$("$bench" --transport=tcp --prepared --block=4096 --batches=16 --iters=20 --warmup=2 --json 2>&1)"
 if python3 -c 'import json, sys; d = json.loads(sys.argv[1]); assert d["mode"] == "prepared"
 assert d["batch"] == 16 and d["descriptors"] == 1 and d["layout"] == "adjacent"
-assert d["gb_s"] > 0 and d["post_p99_us"] >= 0 and d["tx_us"] > 0' "$out"; then
+assert d["gb_s"] > 0 and d["post_p99_us"] >= 0 and d["tx_us"] > 0
+assert d["reference"] == "memcpy" and d["reference_gb_s"] > 0 and d["ratio"] > 0' "$out"; then
   echo "ok   prepared json (16 adjacent blocks merge into 1): $out"
 else
   echo "FAIL prepared json: $out"; fail=1
