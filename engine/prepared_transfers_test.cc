@@ -1,10 +1,6 @@
 // Prepared transfers between two engines (TCP here; inside the Soft-RoCE VM
 // over verbs): lists, index pairs, posts again and again, the notification
 // after the data, and a peer that restarts or dies.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -15,38 +11,17 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "engine/testing/local_engines.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
 
 namespace kvferry {
 namespace {
 
+using testing_local::EphemeralPort;
+using testing_local::Local;
+using testing_local::MakeEngine;
 using transport::Opcode;
-
-EngineOptions Local() {
-  EngineOptions o;
-  o.local_host = "127.0.0.1";
-  return o;
-}
-
-std::unique_ptr<TransferEngine> MakeEngine(EngineOptions o = Local()) {
-  auto e = TransferEngine::Create(o);
-  EXPECT_TRUE(e.ok()) << e.status();
-  return e.ok() ? std::move(*e) : nullptr;
-}
-
-uint16_t EphemeralPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(sa);
-  const bool picked = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
-                      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
-  if (fd >= 0) ::close(fd);
-  EXPECT_TRUE(picked);
-  return picked ? ntohs(sa.sin_port) : 0;
-}
 
 void Fill(std::vector<char>* v, int seed) {
   for (size_t i = 0; i < v->size(); ++i) (*v)[i] = static_cast<char>(i * 131 + seed * 7 + (i >> 9));

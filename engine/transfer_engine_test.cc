@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "engine/testing/local_engines.h"
 #include "gtest/gtest.h"
 #include "handshake/messages.h"
 #include "handshake/tcp_network.h"
@@ -32,19 +33,10 @@
 namespace kvferry {
 namespace {
 
+using testing_local::EphemeralPort;
+using testing_local::Local;
+using testing_local::MakeEngine;
 using transport::Opcode;
-
-EngineOptions Local() {
-  EngineOptions o;
-  o.local_host = "127.0.0.1";
-  return o;
-}
-
-std::unique_ptr<TransferEngine> MakeEngine(EngineOptions o = Local()) {
-  auto e = TransferEngine::Create(o);
-  EXPECT_TRUE(e.ok()) << e.status();
-  return e.ok() ? std::move(*e) : nullptr;
-}
 
 std::vector<char> Pattern(size_t n, int seed) {
   std::vector<char> v(n);
@@ -54,23 +46,6 @@ std::vector<char> Pattern(size_t n, int seed) {
 
 // An engine on a port of its own choosing, which `fixed` then names, so
 // MakeEngine(*fixed) restarts it on the same port (with new keys).
-// A free port from the kernel's ephemeral range, which lies outside the
-// engines' [first_port, last_port]: no engine of another test process
-// (tests run in parallel) takes it once this test lets it go. 0 on error.
-uint16_t EphemeralPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(sa);
-  const bool picked = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
-                      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
-  if (fd >= 0) ::close(fd);
-  EXPECT_TRUE(picked);
-  return picked ? ntohs(sa.sin_port) : 0;
-}
-
-// An engine that can be restarted on the same port (see EphemeralPort).
 std::unique_ptr<TransferEngine> MakeRestartable(EngineOptions* fixed) {
   fixed->port = EphemeralPort();
   if (fixed->port == 0) return nullptr;

@@ -46,35 +46,27 @@ from kvferry import (  # noqa: F401
 '''
 
 
+# What nixl/__init__.py re-exports (as NIXL's does); nixl._api has these and
+# nixlXferTelemetry.
+_NIXL_NAMES = ("DEFAULT_COMM_PORT", "nixl_agent", "nixl_agent_config", "nixl_backend_handle",
+               "nixl_prepped_dlist_handle", "nixl_thread_sync_t", "nixl_xfer_handle")
+
+
+def _imports(module, names):
+    return f"from {module} import (  # noqa: F401\n" + "".join(
+        f"    {n},\n" for n in names) + ")\n"
+
+
 _NIXL_INIT = f'''"""kvferry's stand-in for NIXL's Python package (kvferry_compat --nixl).
 
 nixl._api and nixl._bindings run on a kvferry engine: docs/nixl.md. Remove
 it with `python3 -m kvferry_compat uninstall --nixl`.
 """
 {MARKER} = True
-from kvferry._nixl import (  # noqa: F401
-    DEFAULT_COMM_PORT,
-    nixl_agent,
-    nixl_agent_config,
-    nixl_backend_handle,
-    nixl_prepped_dlist_handle,
-    nixl_thread_sync_t,
-    nixl_xfer_handle,
-)
-'''
+''' + _imports("nixl._api", _NIXL_NAMES)
 
-_NIXL_API = '''"""nixl._api on kvferry (kvferry_compat --nixl)."""
-from kvferry._nixl import (  # noqa: F401
-    DEFAULT_COMM_PORT,
-    nixl_agent,
-    nixl_agent_config,
-    nixl_backend_handle,
-    nixl_prepped_dlist_handle,
-    nixl_thread_sync_t,
-    nixl_xfer_handle,
-    nixlXferTelemetry,
-)
-'''
+_NIXL_API = ('"""nixl._api on kvferry (kvferry_compat --nixl)."""\n' +
+             _imports("kvferry._nixl", _NIXL_NAMES + ("nixlXferTelemetry",)))
 
 _NIXL_BINDINGS = '''"""nixl._bindings on kvferry (kvferry_compat --nixl): the telemetry
 record, descriptor lists, enums and the twelve exceptions."""

@@ -25,10 +25,9 @@ absl::Status FencedSince(const SegmentCore& seg) {
 
 }  // namespace
 
-BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
-                                   absl::Span<const TransferRequest> requests,
-                                   const PeerBinding& bound, absl::Span<const uint64_t> reserved,
-                                   absl::Time now) {
+// A new batch of `lane` to the view `ls` holds, its requests still to add.
+inline BatchId StartBatch(Lane& lane, LaneSegment& ls, SegmentId id, const PeerBinding& bound,
+                          absl::Time now, Batch** out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu) {
   Batch* b;
   const BatchId batch_id = lane.batches.Create(&b);
   b->segment = id;
@@ -37,6 +36,16 @@ BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
   b->bound = bound.engine_id != 0;
   b->announce = bound.announce;
   b->submitted = now;
+  *out = b;
+  return batch_id;
+}
+
+BatchId BatchPipeline::CreateBatch(Lane& lane, LaneSegment& ls, SegmentId id,
+                                   absl::Span<const TransferRequest> requests,
+                                   const PeerBinding& bound, absl::Span<const uint64_t> reserved,
+                                   absl::Time now) {
+  Batch* b;
+  const BatchId batch_id = StartBatch(lane, ls, id, bound, now, &b);
   b->requests.resize(requests.size());  // emptied by Reset: all fresh
   for (size_t k = 0; k < requests.size(); ++k) {
     b->requests[k].op = requests[k].opcode;
@@ -58,13 +67,7 @@ BatchId BatchPipeline::CreateLone(Lane& lane, LaneSegment& ls, SegmentId id,
                                   const TransferRequest& r, const PeerBinding& bound, Slice* slice,
                                   absl::Time now) {
   Batch* b;
-  const BatchId batch_id = lane.batches.Create(&b);
-  b->segment = id;
-  b->peer_engine_id = ls.view->descriptor.engine_id;
-  b->epoch = ls.view->epoch;
-  b->bound = bound.engine_id != 0;
-  b->announce = bound.announce;
-  b->submitted = now;
+  const BatchId batch_id = StartBatch(lane, ls, id, bound, now, &b);
   Batch::Request& q = b->requests.emplace_back();  // emptied by Reset: fresh
   q.op = r.opcode;
   q.length = r.length;
