@@ -1,6 +1,7 @@
 // Poster: assigning links to slices and posting them.
 #include "engine/pipeline/poster.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -92,7 +93,8 @@ void Poster::Unassign(uint64_t sid, absl::Time now) {
 // against the descriptor and assigns links (or the backlog). False when the
 // segment has no usable link; `bad` gets a check's error.
 bool Poster::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                       std::vector<WorkRequest>* wrs, absl::Status* bad, size_t* via) {
+                       std::vector<WorkRequest>* wrs, absl::Status* bad, size_t* via,
+                       bool from_backlog) {
   MutexLock lock(&segments_->books());
   Segment& seg = *segments_->table().Find(id);  // a segment with slices is never removed
   *via = seg.via;
@@ -100,7 +102,8 @@ bool Poster::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time 
   for (const Link& l : seg.links) usable = usable || !l.failed;
   // With every link failed, slices would wait for room that never comes.
   if (!usable) return false;
-  for (uint64_t sid : ids) {
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const uint64_t sid = ids[k];
     Lane& lane = lanes_->Of(sid);
     MutexLock lane_lock(&lane.mu);
     Slice* s = lane.batches.FindSlice(sid);
@@ -139,9 +142,13 @@ bool Poster::AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time 
     }
     WorkRequest wr;
     if (!AssignLink(seg, lane, lane.Entry(id), *s, &wr, now)) {
-      seg.backlog.push_back(sid);  // posted when a link has room
+      // Every usable link is full, for the rest too: they wait, in order,
+      // and are posted when a link has room (DrainBacklogs). Not tried one
+      // by one: a backlog of thousands would cost each drain as much.
+      seg.backlog.insert(from_backlog ? seg.backlog.begin() : seg.backlog.end(), ids.begin() + k,
+                         ids.end());
       maybe_backlog_.store(true, std::memory_order_release);
-      continue;
+      break;
     }
     wr.cookie = sid;
     wrs->push_back(wr);
@@ -166,6 +173,11 @@ void Poster::FailAll(absl::Span<const uint64_t> ids, const absl::Status& status,
 
 absl::Status Poster::Post(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
                           std::vector<WorkRequest>* assigned, size_t via) {
+  return PostSlices(id, ids, now, assigned, via, /*from_backlog=*/false);
+}
+
+absl::Status Poster::PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
+                                std::vector<WorkRequest>* assigned, size_t via, bool from_backlog) {
   // The caller's work requests, or a per-thread buffer (taken only then).
   std::optional<Scratch<WorkRequest>> wrs_scratch;
   std::vector<WorkRequest>& wrs = assigned != nullptr ? *assigned : *wrs_scratch.emplace();
@@ -177,7 +189,7 @@ absl::Status Poster::Post(SegmentId id, absl::Span<const uint64_t> ids, absl::Ti
     absl::Status bad;
     if (!preassigned) {
       wrs.clear();
-      if (!AssignAll(id, ids, now, &wrs, &bad, &via)) {
+      if (!AssignAll(id, ids, now, &wrs, &bad, &via, from_backlog)) {
         // Every link failed: rebuild them once (a dead peer fails the slices).
         bool changed;
         absl::Status refreshed =
@@ -229,11 +241,26 @@ void Poster::DrainBacklogs() {
     MutexLock lock(&segments_->books());
     segments_->table().ForEach([&](SegmentId id, Segment& seg) {
       if (seg.backlog.empty()) return;
-      work.emplace_back(id, std::vector<uint64_t>(seg.backlog.begin(), seg.backlog.end()));
-      seg.backlog.clear();
+      // As many as the links have room for (all of them when no link is
+      // usable: Post then rebuilds the links or fails them).
+      const uint32_t capacity = vias_[seg.via].link_capacity;
+      size_t room = 0;
+      bool usable = false;
+      for (const Link& l : seg.links) {
+        if (l.failed) continue;
+        usable = true;
+        room += capacity - std::min(capacity, l.inflight());
+      }
+      const size_t n = usable ? std::min(room, seg.backlog.size()) : seg.backlog.size();
+      if (n < seg.backlog.size()) maybe_backlog_.store(true, std::memory_order_release);
+      if (n == 0) return;
+      work.emplace_back(id, std::vector<uint64_t>(seg.backlog.begin(), seg.backlog.begin() + n));
+      seg.backlog.erase(seg.backlog.begin(), seg.backlog.begin() + n);
     });
   }
-  for (auto& [id, ids] : work) (void)Post(id, ids, clock_->Now());
+  for (auto& [id, ids] : work) {
+    (void)PostSlices(id, ids, clock_->Now(), nullptr, 0, /*from_backlog=*/true);
+  }
 }
 
 }  // namespace engine_internal

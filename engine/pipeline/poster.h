@@ -62,9 +62,15 @@ class Poster {
  private:
   // Assigns links to the slices under the books; false when no link is
   // usable. `via`: the transport the work requests are for.
+  // Once no link has room, the rest wait in the backlog at once, in order:
+  // at its front when they came from it (`from_backlog`), else at its end.
   bool AssignAll(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                 std::vector<transport::WorkRequest>* wrs, absl::Status* bad, size_t* via)
-      ABSL_LOCKS_EXCLUDED(segments_->books());
+                 std::vector<transport::WorkRequest>* wrs, absl::Status* bad, size_t* via,
+                 bool from_backlog) ABSL_LOCKS_EXCLUDED(segments_->books());
+  // Post, for slices new (`from_backlog` false) or taken from the backlog.
+  absl::Status PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
+                          std::vector<transport::WorkRequest>* assigned, size_t via,
+                          bool from_backlog) ABSL_LOCKS_EXCLUDED(segments_->books());
   // The work request of `slice` on `link` (whose place is taken), and what
   // it adds to the counters.
   void Fill(const SegmentCore& seg, Lane& lane, LaneSegment& ls, const Link& link, Slice& slice,
