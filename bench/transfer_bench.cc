@@ -44,7 +44,8 @@
 //        the transfer, timed apart over 20 rounds), post (inside Post) and
 //        transfer (from Post's return to the poll that saw it done); then
 //        the reference (--reference) moving the same bytes, as many blocks
-//        in flight (two batches of half as many), and the ratio.
+//        in flight (two batches of half as many), and the ratio. The
+//        RESULT line is the last row's rate (MiB/s).
 //
 // References (--reference): `memcpy` of the same bytes (the in-process path:
 // two TCP-transport engines in one process copy without sockets), `socket`
@@ -1193,6 +1194,7 @@ int PreparedSweep(Session& s, const std::vector<uint64_t>& blocks,
                 "Avg Prep (us)", "P99 Prep (us)", "Avg Post (us)", "P99 Post (us)", "Avg Tx (us)",
                 "P99 Tx (us)", absl::StrCat(s.reference, " GB/s").c_str(), "Ratio");
   }
+  PreparedRow last;
   for (uint64_t block : blocks) {
     for (uint64_t batch : batches) {
       if (batch * BwStride(block) > s.remote_len || batch * BwStride(block) > s.local.size()) {
@@ -1226,7 +1228,17 @@ int PreparedSweep(Session& s, const std::vector<uint64_t>& blocks,
             r->ref_gb_s > 0 ? r->gb_s / r->ref_gb_s : 0.0);
       }
       std::fflush(stdout);
+      last = *r;
     }
+  }
+  // For scripts (tools/softroce/bench.sh): the last row's rate.
+  if (!json) {
+    std::printf(
+        "RESULT mode=prepared block=%llu batch=%llu value=%.3f unit=MiB/s reference=%s "
+        "ratio=%.4f\n",
+        static_cast<unsigned long long>(last.block), static_cast<unsigned long long>(last.batch),
+        last.gb_s * 1e9 / (1 << 20), s.reference.c_str(),
+        last.ref_gb_s > 0 ? last.gb_s / last.ref_gb_s : 0.0);
   }
   return 0;
 }

@@ -40,6 +40,16 @@ engine() {
   fi
 }
 
+# A prepared transfer (this build only: an older one may lack --prepared):
+# `batch` scattered blocks posted again and again, one post in flight.
+prepared() {
+  name=$1; shift
+  v=$(timeout 150 $B --transport=rdma --prepared --scatter "$@" 2>/tmp/engine.log |
+    sed -n 's/^RESULT .*value=\([0-9.]*\).*/\1/p')
+  [ -n "$v" ] || { echo "bench: $name failed:"; tail -5 /tmp/engine.log; }
+  echo "BENCH $r $name ${v:-nan}"
+}
+
 # The engine's bw runs use --scatter: one work request per block, as
 # perftest and UCX post them (adjacent blocks would share slices).
 r=1
@@ -47,6 +57,7 @@ while [ "$r" -le "$ROUNDS" ]; do
   pair ib_write_bw '$1 == 65536 {print $4}' \
     /usr/bin/ib_write_bw $PT -s 65536 -n 2000 -- /usr/bin/ib_write_bw $PT -s 65536 -n 2000 127.0.0.1
   engine engine_write_bw --mode=bw --block=65536 --batch=64 --iters=2000 --scatter
+  prepared engine_prepared_bw --block=65536 --batches=64 --iters=32 --warmup=2
   pair ucx_put_bw '/^Final:/ {print $6}' \
     /usr/bin/ucx_perftest -p 13337 -t ucp_put_bw -s 65536 -n 2000 -- \
     /usr/bin/ucx_perftest 127.0.0.1 -p 13337 -t ucp_put_bw -s 65536 -n 2000
@@ -59,5 +70,6 @@ while [ "$r" -le "$ROUNDS" ]; do
   pair ib_write_bw_4k '$1 == 4096 {print $4}' \
     /usr/bin/ib_write_bw $PT -s 4096 -n 5000 -- /usr/bin/ib_write_bw $PT -s 4096 -n 5000 127.0.0.1
   engine engine_write_bw_4k --mode=bw --block=4096 --batch=64 --iters=5000 --scatter
+  prepared engine_prepared_bw_4k --block=4096 --batches=256 --iters=20 --warmup=2
   r=$((r + 1))
 done
