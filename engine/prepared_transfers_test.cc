@@ -386,6 +386,17 @@ TEST(Prepared, APeerThatDiesFailsItsTransferInBoundedTime) {
   // Whichever it was, nothing but the first notification's absence: the
   // peer is gone, and the transfer stays failed or done.
   EXPECT_EQ(p.State(*x).ok(), s.ok());
+  // Posted again with the peer gone (in one process the first post may
+  // have copied everything before it went): it fails in bounded time, the
+  // failure sticks, and telemetry reports it too.
+  const absl::Time again = absl::Now();
+  absl::StatusOr<XferState> second = p.Post(*x);
+  if (second.ok()) second = Finish(p, *x);
+  EXPECT_LT(absl::Now() - again, absl::Seconds(30));
+  ASSERT_FALSE(second.ok()) << "a transfer to a dead peer succeeded";
+  EXPECT_NE(second.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(p.State(*x).status(), second.status());
+  EXPECT_EQ(p.Telemetry(*x).status(), second.status());
 }
 
 }  // namespace

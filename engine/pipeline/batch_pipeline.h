@@ -93,8 +93,7 @@ class BatchPipeline {
     absl::Time now;
     size_t via = 0;
     PlanCache* cache = nullptr;     // Submit's
-    uint64_t local_generation = 0;  // of the local uses given
-    bool need_local = false;        // the cache did not hold: look the local uses up
+    uint64_t local_generation = 0;  // read before the local uses were looked up
   };
   // Creates the batch on `lane`: on the lane's view of the segment, read
   // again (and the segment refreshed) when it is out of date.
@@ -102,10 +101,11 @@ class BatchPipeline {
                                        absl::Span<const TransferRequest> requests,
                                        absl::Span<const LocalUse> local, const PeerBinding& bound,
                                        Submission* out);
-  // The same while `ls` holds the segment's current view `seg`: plans,
-  // creates the batch, and assigns links when the segment has room and no
-  // backlog. kOutsideRegions in `why` when a request lies outside the
-  // view's regions.
+  // The same while `ls` holds the segment's current view `seg`: plans
+  // (or takes Submission::cache's plan; `local` is empty when Submit
+  // counted on it, and is looked up here if it does not hold), creates the
+  // batch, and assigns links when the segment has room and no backlog. kOutsideRegions in `why`
+  // when a request lies outside the view's regions.
   absl::StatusOr<BatchId> SubmitOnLane(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
                                        SegmentId id, absl::Span<const TransferRequest> requests,
                                        absl::Span<const LocalUse> local, const PeerBinding& bound,

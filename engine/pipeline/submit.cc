@@ -92,11 +92,14 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
   if (cache != nullptr && cache->view.get() == &seg &&
       cache->local_generation == out->local_generation && cache->requests == requests.size()) {
     plan = &cache->slices;  // planned before, on this view
-  } else if (local.empty()) {
-    // Submit skipped the local look-up for the cache, which no longer holds.
-    out->need_local = true;
-    return absl::AbortedError("the cached plan is stale");
   } else {
+    std::optional<Scratch<LocalUse>> looked_up;
+    if (local.empty()) {
+      // Submit skipped the local look-up for the cache, which no longer
+      // holds (LocalRegions' lock may be taken under a lane's).
+      RETURN_IF_ERROR(regions_->FindAll(requests, &*looked_up.emplace()));
+      local = **looked_up;
+    }
     RETURN_IF_ERROR(planner_.Plan(seg, id, requests, local, &*planned_scratch, why));
     if (cache != nullptr) {
       cache->view = ls.view;
@@ -193,15 +196,7 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitGeneral(SegmentId id,
   sub.cache = cache;
   sub.local_generation = local_generation;
   Lane& lane = lanes_.Mine();
-  absl::StatusOr<BatchId> created = CreateOnLane(lane, id, requests, local, bound, &sub);
-  if (!created.ok() && sub.need_local) {
-    std::vector<LocalUse>& all = *local_scratch.emplace();
-    RETURN_IF_ERROR(regions_->FindAll(requests, &all));
-    local = all;
-    sub.need_local = false;
-    created = CreateOnLane(lane, id, requests, local, bound, &sub);
-  }
-  ASSIGN_OR_RETURN(const BatchId batch, std::move(created));
+  ASSIGN_OR_RETURN(const BatchId batch, CreateOnLane(lane, id, requests, local, bound, &sub));
   absl::Status posted =
       poster_.Post(id, *sub.slice_ids, sub.now, sub.assigned ? sub.wrs : nullptr, sub.via);
   if (!posted.ok()) {

@@ -83,7 +83,6 @@ struct List {
 // One transfer. Its post and state calls are serialized by `op_mu`; the
 // announcing thread shares only the notification's progress (`note_mu`).
 struct Xfer {
-  transport::Opcode op = transport::Opcode::kWrite;
   uint64_t segment = 0;
   uint64_t engine_id = 0;
   std::vector<TransferRequest> requests;  // merged
@@ -153,7 +152,6 @@ class PreparedTransfers::Impl {
             "PrepareLocal: entry %u [%#x, +%u) is %s", i, e.addr, e.length,
             e.length == 0 ? "empty" : "not inside memory registered on this engine"));
       }
-      lo = std::min(lo, e.addr);
       list->descs.Add({e.addr, e.length, end});
     }
     return Keep(std::move(list));
@@ -161,30 +159,28 @@ class PreparedTransfers::Impl {
 
   absl::StatusOr<uint64_t> PrepareRemote(uint64_t segment, absl::Span<const Descriptor> descs) {
     if (descs.empty()) return absl::InvalidArgumentError("PrepareRemote: an empty list");
-    for (int attempt = 0;; ++attempt) {
+    bool refreshed = false;
+    for (int attempt = 0; attempt < 8; ++attempt) {
       ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView before,
                        d_.pipeline->segments().View(segment));
       ASSIGN_OR_RETURN(std::vector<RemoteRegion> regions, d_.pipeline->segments().Regions(segment));
       ASSIGN_OR_RETURN(engine_internal::SegmentRegistry::PeerView after,
                        d_.pipeline->segments().View(segment));
-      absl::Status uncovered;
-      if (before.generation == after.generation) {
-        auto list = std::make_shared<List>();
-        list->local = false;
-        list->segment = segment;
-        list->engine_id = after.engine_id;
-        uncovered = CoverRemote(regions, descs, &list->descs);
-        if (uncovered.ok()) return Keep(std::move(list));
-      }
-      if (attempt >= 2) {
-        if (!uncovered.ok()) return uncovered;
-        return absl::UnavailableError(
-            absl::StrCat("PrepareRemote: segment ", segment, " keeps changing"));
-      }
-      // Not covered: the peer may have registered more since; ask once more.
+      if (before.generation != after.generation) continue;  // refreshed meanwhile: read again
+      auto list = std::make_shared<List>();
+      list->local = false;
+      list->segment = segment;
+      list->engine_id = after.engine_id;
+      absl::Status uncovered = CoverRemote(std::move(regions), descs, &list->descs);
+      if (uncovered.ok()) return Keep(std::move(list));
+      if (refreshed) return uncovered;
+      // The peer may have registered more since its last handshake: ask once.
+      refreshed = true;
       bool changed;
       RETURN_IF_ERROR(d_.pipeline->segments().Refresh(segment, &changed));
     }
+    return absl::UnavailableError(
+        absl::StrCat("PrepareRemote: segment ", segment, " keeps changing"));
   }
 
   absl::Status ReleaseList(uint64_t id) {
@@ -225,7 +221,6 @@ class PreparedTransfers::Impl {
       return absl::InvalidArgumentError("Make: the operation must be READ or WRITE");
     }
     auto x = std::make_unique<Xfer>();
-    x->op = op;
     x->segment = remote->segment;
     x->engine_id = remote->engine_id;
     x->requests.reserve(options.merge ? 16 : li.size());
@@ -296,8 +291,13 @@ class PreparedTransfers::Impl {
     x->post = d_.clock->Now() - x->start;
     if (!batch.ok()) {
       if (x->announced) {
-        MutexLock note_lock(&x->note_mu);
-        x->note_pending = false;
+        {
+          MutexLock note_lock(&x->note_mu);
+          x->note_pending = false;
+        }
+        // Its batch may have ended and been told before it was given up:
+        // the announcing thread forgets such batches (PruneEarly).
+        d_.finished->Poke();
       }
       x->phase = Xfer::Phase::kFinished;
       x->error = batch.status();
@@ -306,14 +306,14 @@ class PreparedTransfers::Impl {
     x->batch = *batch;
     x->phase = Xfer::Phase::kRunning;
     if (x->announced) {
-      MutexLock lock(&mu_);
-      // It may have finished already (and been told before this was known).
-      if (early_.erase(*batch) != 0) {
-        d_.finished->Finished(*batch);
+      {
+        MutexLock lock(&mu_);
+        // It may have finished already (and been told before this was known).
+        if (early_.erase(*batch) != 0) d_.finished->Finished(*batch);
+        by_batch_[*batch] = x;
       }
-      by_batch_[*batch] = x;
+      d_.finished->Poke();  // drive its completions
     }
-    if (x->announced) d_.finished->Poke();  // drive its completions
     return XferState::kInProgress;
   }
 
@@ -436,6 +436,7 @@ class PreparedTransfers::Impl {
     for (;;) {
       BatchId batch;
       while (d_.finished->TryPop(&batch)) Announce(batch);
+      PruneEarly();
       bool running;
       {
         MutexLock lock(&mu_);
@@ -463,15 +464,17 @@ class PreparedTransfers::Impl {
       by_batch_.erase(it);
     }
     absl::Status sent;
-    absl::StatusOr<BatchStatus> s = d_.pipeline->Poll(batch);
+    // Done (it was told so), and kept until the post's State sees the
+    // notification sent.
+    absl::StatusOr<bool> done = d_.pipeline->PollDone(batch, &announced_status_);
     std::string message;
     {
       MutexLock note_lock(&x->note_mu);
       message = x->note_message;
     }
-    if (!s.ok()) {
-      sent = s.status();
-    } else if (!FirstError(*s).ok()) {
+    if (!done.ok()) {
+      sent = done.status();
+    } else if (!FirstError(announced_status_).ok()) {
       sent = absl::OkStatus();  // nothing to announce: the post failed
     } else {
       sent = d_.notify(x->segment, message, x->engine_id);
@@ -485,6 +488,22 @@ class PreparedTransfers::Impl {
     x->note_result = std::move(sent);
     x->note_pending = false;
   }
+  // Forgets batches told finished that no post will record: their submit
+  // failed after they ended (the pipeline recycled them). Those a post is
+  // about to record are still known to the pipeline, and stay.
+  void PruneEarly() {
+    std::vector<BatchId> ids;
+    {
+      MutexLock lock(&mu_);
+      if (early_.empty()) return;
+      ids.assign(early_.begin(), early_.end());
+    }
+    for (BatchId b : ids) {
+      if (d_.pipeline->Target(b).status().code() != absl::StatusCode::kNotFound) continue;
+      MutexLock lock(&mu_);
+      early_.erase(b);
+    }
+  }
 
   const Deps d_;
   mutable Mutex mu_;
@@ -495,6 +514,7 @@ class PreparedTransfers::Impl {
   // before their post recorded them.
   absl::flat_hash_map<BatchId, std::shared_ptr<Xfer>> by_batch_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<BatchId> early_ ABSL_GUARDED_BY(mu_);
+  BatchStatus announced_status_;  // the announcing thread's, reused
   std::thread announcer_;
 };
 

@@ -32,6 +32,7 @@ import time
 
 from . import _lib
 from . import Engine as _Engine
+from . import parse_access
 from ._lib import lib
 from ._mooncake import _default_access
 
@@ -289,9 +290,6 @@ class _DList:
         self._dev.frombytes(state[3])
         self._meta = state[4]
 
-    def _same_device(self):
-        return len(set(self._dev)) <= 1
-
 
 class nixlXferDList(_DList):
     _width = 3
@@ -389,10 +387,11 @@ def _tensor_descs(obj):
 # ---------------------------------------------------------------- handles
 
 class nixl_prepped_dlist_handle:
-    def __init__(self, handle, agent, side):
+    def __init__(self, handle, agent, side, generation=0):
         self._handle = handle
         self._agent = agent
         self._side = side  # "" for the local side, else the remote agent's name
+        self._generation = generation  # of the remote agent's metadata (0: local)
         self._released = False
 
     def release(self):
@@ -499,7 +498,7 @@ class nixl_agent:
         # What peers may do with memory registered here: NIXL lets any agent
         # holding the metadata read and write; kvferry lets them write, and
         # read only with a handshake secret or KVFERRY_REMOTE_ACCESS=rw.
-        self._access = _lib_access(_default_access())
+        self._access = parse_access(_default_access())
         port = conf.port if conf.enable_listen else 0
         self._engine = _Engine(host=os.environ.get("KVFERRY_HOST", ""), port=port,
                                transport=os.environ.get("KVFERRY_TRANSPORT", "auto"),
@@ -615,9 +614,9 @@ class nixl_agent:
         return descs
 
     def deregister_memory(self, dereg_list, backends=[]):  # noqa: B006
-        descs = dereg_list if isinstance(dereg_list, _DList) else self.get_reg_descs(
-            dereg_list, None if isinstance(dereg_list, list) and dereg_list and
-            _tensor_descs(dereg_list[0]) is not None else "DRAM")
+        # The memory type is not needed to find a registration (tensors
+        # bring their own).
+        descs = self.get_reg_descs(dereg_list, "DRAM")
         if descs is None:
             raise nixlInvalidParamError("NIXL_ERR_INVALID_PARAM: bad descriptors")
         missing = None
@@ -737,9 +736,9 @@ class nixl_agent:
         addrs, lens = descs._addr, descs._len
         a, n = addrs.buffer_info()
         b = lens.buffer_info()[0]
-        if side in ("", self.name):
-            if side == self.name:
-                _raise("NIXL_ERR_NOT_SUPPORTED", "transfers to this agent itself")
+        if side == self.name:
+            _raise("NIXL_ERR_NOT_SUPPORTED", "transfers to this agent itself")
+        if side == "":
             rc = lib.kvferry_prep_local(e, a, b, n, ctypes.byref(out))
             generation = 0
         else:
@@ -747,9 +746,7 @@ class nixl_agent:
             rc = lib.kvferry_prep_remote(e, r.segment, a, b, n, ctypes.byref(out))
             generation = r.generation
         _call(rc)
-        h = nixl_prepped_dlist_handle(out.value, self, side)
-        h._generation = generation
-        return h
+        return nixl_prepped_dlist_handle(out.value, self, side, generation)
 
     def release_dlist_handle(self, handle):
         handle.release()
@@ -919,11 +916,6 @@ class nixl_agent:
 
     def release_mem_view(self, mvh):
         _raise("NIXL_ERR_NOT_SUPPORTED", "the device API is not available on kvferry")
-
-
-def _lib_access(named):
-    from . import parse_access
-    return parse_access(named)
 
 
 def _lib_op(op):
