@@ -1243,9 +1243,12 @@ int PreparedSweep(Session& s, const std::vector<uint64_t>& blocks,
   return 0;
 }
 
-absl::StatusOr<std::vector<uint64_t>> ParseBlocks(const std::string& list) {
+// A comma-separated list of positive counts given to flag `flag` (what
+// each is: `unit`); "default" names 4 KiB..4 MiB block sizes for --sweep.
+absl::StatusOr<std::vector<uint64_t>> ParseCounts(const std::string& list, const char* flag,
+                                                  const char* unit) {
   std::vector<uint64_t> out;
-  if (list == "default") {
+  if (list == "default" && std::string(flag) == "--sweep") {
     for (uint64_t b = 4096; b <= (4 << 20); b *= 4) out.push_back(b);
     return out;
   }
@@ -1253,11 +1256,11 @@ absl::StatusOr<std::vector<uint64_t>> ParseBlocks(const std::string& list) {
     uint64_t b;
     if (!absl::SimpleAtoi(w, &b) || b == 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--sweep: \"", std::string(w), "\" is not a block size in bytes"));
+          absl::StrCat(flag, ": \"", std::string(w), "\" is not ", unit));
     }
     out.push_back(b);
   }
-  if (out.empty()) return absl::InvalidArgumentError("--sweep names no block size");
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " names none"));
   return out;
 }
 
@@ -1297,7 +1300,7 @@ int Main() {
   std::vector<uint64_t> blocks = {std::max<uint64_t>(1, absl::GetFlag(FLAGS_block))};
   const std::string sweep = absl::GetFlag(FLAGS_sweep);
   if (!sweep.empty()) {
-    auto b = ParseBlocks(sweep);
+    auto b = ParseCounts(sweep, "--sweep", "a block size in bytes");
     if (!b.ok()) {
       std::fprintf(stderr, "transfer_bench: %s\n", std::string(b.status().message()).c_str());
       return 2;
@@ -1310,10 +1313,9 @@ int Main() {
   }
   std::vector<uint64_t> batches;
   if (absl::GetFlag(FLAGS_prepared)) {
-    auto b = ParseBlocks(absl::GetFlag(FLAGS_batches));
+    auto b = ParseCounts(absl::GetFlag(FLAGS_batches), "--batches", "a batch size");
     if (!b.ok()) {
-      std::fprintf(stderr, "transfer_bench: --batches: %s\n",
-                   std::string(b.status().message()).c_str());
+      std::fprintf(stderr, "transfer_bench: %s\n", std::string(b.status().message()).c_str());
       return 2;
     }
     batches = *b;

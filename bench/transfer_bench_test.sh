@@ -116,10 +116,11 @@ EOF
 else
   echo "FAIL sweep: $out"; ls -l "$tmp"; fail=1
 fi
-for bad in "--mode=fast" "--op=copy" "--role=server" "--sweep=4k" "--reference=perftest" "--threads=0"; do
+for bad in "--mode=fast" "--op=copy" "--role=server" "--sweep=4k" "--reference=perftest" "--threads=0" \
+    "--prepared --batches=0" "--prepared --batches=default"; do
   if out="$("$bench" --transport=tcp --iters=10 $bad 2>&1)"; then
     echo "FAIL $bad was accepted: $out"; fail=1
-  elif ! grep -q "must be\|not a block size\|must be auto" <<<"$out"; then
+  elif ! grep -q "must be\|not a block size\|not a batch size\|must be auto" <<<"$out"; then
     echo "FAIL $bad: no clear message: $out"; fail=1
   else
     echo "ok   $bad rejected: $out"
