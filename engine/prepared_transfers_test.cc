@@ -226,6 +226,87 @@ TEST_F(PreparedTest, ARegistrationChangeIsSeenByTheNextPost) {
   }
 }
 
+// What a post adds to the engine's counters. A post again takes the
+// links its predecessor took (no choice, no look-up): it must count the
+// same requests, slices, NIC slices and bytes as the first.
+struct Counted {
+  uint64_t requests = 0, slices = 0, nic_slices = 0, nic_bytes = 0;
+};
+Counted CountsOf(const TransferEngine& e) {
+  Counted c;
+  EngineMetrics m = e.GetMetrics();
+  for (const PeerMetrics& p : m.peers) {
+    c.requests += p.requests;
+    c.slices += p.slices;
+  }
+  for (const NicMetrics& n : m.nics) {
+    c.nic_slices += n.slices;
+    c.nic_bytes += n.bytes;
+  }
+  return c;
+}
+
+TEST_F(PreparedTest, EveryPostCountsAsTheFirstDid) {
+  std::vector<int64_t> li, ri;
+  for (int64_t i = 0; i < 64; ++i) {  // every other block: none merge
+    li.push_back(2 * i);
+    ri.push_back(2 * i + 1);
+  }
+  auto x = prepared().Make(Opcode::kWrite, llist_, li, rlist_, ri);
+  ASSERT_TRUE(x.ok());
+  Counted before = CountsOf(*p_.a);
+  for (int round = 0; round < 4; ++round) {
+    Fill(&local_, 20 + round);
+    ASSERT_TRUE(prepared().Post(*x).ok());
+    ASSERT_EQ(*Finish(prepared(), *x), XferState::kDone) << "round " << round;
+    for (size_t k = 0; k < li.size(); ++k) {
+      ASSERT_EQ(
+          std::memcmp(local_.data() + li[k] * kBlock, remote_.data() + ri[k] * kBlock, kBlock), 0)
+          << "round " << round << " pair " << k;
+    }
+    const Counted now = CountsOf(*p_.a);
+    EXPECT_EQ(now.requests - before.requests, li.size()) << "round " << round;
+    EXPECT_EQ(now.slices - before.slices, li.size()) << "round " << round;
+    EXPECT_EQ(now.nic_slices - before.nic_slices, li.size()) << "round " << round;
+    EXPECT_EQ(now.nic_bytes - before.nic_bytes, li.size() * kBlock) << "round " << round;
+    before = now;
+  }
+}
+
+// Posts again while another transfer holds the links' places: whether the
+// repost finds room for its last places or goes the general way (a
+// backlog), every byte of both lands.
+TEST_F(PreparedTest, APostAgainBesideABusyTransferLandsEveryByte) {
+  std::vector<int64_t> small_l = {0, 2, 4, 6}, small_r = {1, 3, 5, 7};
+  std::vector<int64_t> big_l, big_r;
+  for (int64_t i = 16; i < static_cast<int64_t>(kBlocks); i += 2) {
+    big_l.push_back(i);
+    big_r.push_back(i + 1);
+  }
+  auto small = prepared().Make(Opcode::kWrite, llist_, small_l, rlist_, small_r);
+  auto big = prepared().Make(Opcode::kWrite, llist_, big_l, rlist_, big_r);
+  ASSERT_TRUE(small.ok() && big.ok());
+  ASSERT_TRUE(prepared().Post(*small).ok());
+  ASSERT_EQ(*Finish(prepared(), *small), XferState::kDone);
+  for (int round = 0; round < 20; ++round) {
+    Fill(&local_, 40 + round);
+    std::fill(remote_.begin(), remote_.end(), 0);
+    ASSERT_TRUE(prepared().Post(*big).ok());
+    ASSERT_TRUE(prepared().Post(*small).ok());
+    ASSERT_EQ(*Finish(prepared(), *small), XferState::kDone) << "round " << round;
+    ASSERT_EQ(*Finish(prepared(), *big), XferState::kDone) << "round " << round;
+    for (const auto& [l, r] :
+         {std::make_pair(&small_l, &small_r), std::make_pair(&big_l, &big_r)}) {
+      for (size_t k = 0; k < l->size(); ++k) {
+        ASSERT_EQ(std::memcmp(local_.data() + (*l)[k] * kBlock, remote_.data() + (*r)[k] * kBlock,
+                              kBlock),
+                  0)
+            << "round " << round << " pair " << k;
+      }
+    }
+  }
+}
+
 // The notification is sent by the engine once the data is in place, with
 // nobody polling: the peer sees it, and the bytes are there when it does.
 TEST_F(PreparedTest, NotificationFollowsTheDataWithoutPolling) {

@@ -117,6 +117,16 @@ class BatchPipeline {
                       absl::Span<const TransferRequest> requests, const PeerBinding& bound,
                       absl::Span<const uint64_t> reserved, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // SubmitOnLane with `out->cache`'s plan: its slices on the links the
+  // plan's last assigned submit took, when they have room (else none, and
+  // nothing done).
+  std::optional<BatchId> SubmitAssigned(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
+                                        SegmentId id, absl::Span<const TransferRequest> requests,
+                                        const PeerBinding& bound, Submission* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  // Keeps in `out->cache` what AssignNow took for batch `batch`'s slices.
+  void KeepAssigned(Lane& lane, const SegmentCore& seg, BatchId batch, const uint32_t* per_link,
+                    const Submission* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Submit's general path; `local`: the requests' local uses when the
   // caller looked them up (a lone request's), else empty.
   absl::StatusOr<BatchId> SubmitGeneral(SegmentId id, absl::Span<const TransferRequest> requests,

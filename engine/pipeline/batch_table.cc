@@ -33,12 +33,5 @@ void Batch::StatusTo(BatchStatus* out) const {
   }
 }
 
-uint64_t BatchTable::AddSlice(const Slice& s) {
-  Slice* slot;
-  const uint64_t id = slices_.Take(&slot);
-  *slot = s;
-  return id;
-}
-
 }  // namespace engine_internal
 }  // namespace kvferry

@@ -21,27 +21,29 @@ namespace kvferry {
 namespace engine_internal {
 
 struct Slice {
+  // (Fields ordered so that the struct packs: a prepared transfer copies
+  // one per descriptor on each post.)
   BatchId batch = 0;
   // A part of request `request`, or (`requests` > 1) requests [request,
   // request + requests) whole: adjacent requests whose bytes follow each
   // other on both ends travel as one slice (see PlanSlices).
   size_t request = 0;
   uint32_t requests = 1;
+  uint32_t retries_left = 0;
   SegmentId segment = 0;
-  transport::Opcode opcode = transport::Opcode::kWrite;
   void* local = nullptr;
   LocalUse local_use;
   uint64_t remote = 0;
   uint64_t length = 0;
-  uint32_t retries_left = 0;
   // The peer region it lies in, an index of the segment's descriptor, valid
   // while the segment's generation + 1 is `checked` (0: not checked).
   uint64_t checked = 0;
   uint32_t region = 0;
-  uint64_t generation = 0;     // of the segment's links it was last posted on
-  transport::LinkId link = 0;  // the link it was last posted on (0: none)
-  size_t nic = 0;              // that link's local NIC, as an index of the engine's NIC counters
+  transport::NicIndex nic = 0;  // its link's local NIC, as an index of the engine's NIC counters
+  uint64_t generation = 0;      // of the segment's links it was last posted on
+  transport::LinkId link = 0;   // the link it was last posted on (0: none)
   absl::Status last_error;
+  transport::Opcode opcode = transport::Opcode::kWrite;
 };
 
 // What a batch is bound to (TransferEngine::Submit): the peer instance its
@@ -113,7 +115,20 @@ class BatchTable {
   // carry the id before the slice's batch exists. The slice belongs to no
   // batch until the caller commits it (sets its `batch`, see
   // BatchPipeline::CreateBatch), or is erased.
-  uint64_t AddSlice(const Slice& s);
+  uint64_t AddSlice(const Slice& s) {
+    Slice* slot;
+    const uint64_t id = slices_.Take(&slot);
+    *slot = s;
+    return id;
+  }
+  // The same, committed to `batch` at once.
+  uint64_t AddSlice(const Slice& s, BatchId batch) {
+    Slice* slot;
+    const uint64_t id = slices_.Take(&slot);
+    *slot = s;
+    slot->batch = batch;
+    return id;
+  }
   // A slice its caller fills in place: every field but its last error and
   // batch (reset here) is stale until then.
   uint64_t NewSlice(Slice** out) {

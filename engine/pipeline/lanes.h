@@ -29,13 +29,19 @@
 #include "engine/metrics/metrics.h"
 #include "engine/pipeline/batch_table.h"
 #include "engine/pipeline/completion_pump.h"
+#include "engine/pipeline/link_set.h"
 #include "engine/pipeline/lock_order.h"
 #include "engine/pipeline/segment_table.h"
 
 namespace kvferry {
 namespace engine_internal {
 
-// A lane's part of one segment.
+// Slices and bytes posted on one NIC.
+struct NicTally {
+  uint64_t slices = 0;
+  uint64_t bytes = 0;
+};
+
 // What a caller that submits the same requests again and again (a prepared
 // transfer, engine/prepared) keeps between submits: the slices they were
 // planned into, valid while the segment's view is `view` and local
@@ -46,8 +52,21 @@ struct PlanCache {
   uint64_t local_generation = 0;
   size_t requests = 0;
   std::vector<Slice> slices;
+  // Once a submit found room for every slice at once (Poster::AssignNow):
+  // the links it took, so that the next submit on the same view takes the
+  // same places in one step per link and posts the same work requests
+  // (their cookies, the slice ids, aside) with no choice or look-up.
+  struct Assigned {
+    bool valid = false;
+    std::vector<transport::WorkRequest> wrs;  // one per slice, in order
+    std::vector<Batch::Request> made;         // the batch's requests as made
+    uint32_t per_link[LinkPlan::kMaxLinks] = {};
+    size_t links = 0;
+    std::vector<std::pair<size_t, NicTally>> nics;  // a lane's tallies to add
+  } assigned;
 };
 
+// A lane's part of one segment.
 struct LaneSegment {
   uint64_t slices = 0;   // the lane's slices of it not yet finished
   absl::Time last_used;  // the lane's last batch to it
@@ -76,12 +95,6 @@ struct LaneSegment {
     view = seg.shared->view;
     version = seg.shared->version.load(std::memory_order_relaxed);
   }
-};
-
-// Slices and bytes posted on one NIC.
-struct NicTally {
-  uint64_t slices = 0;
-  uint64_t bytes = 0;
 };
 
 struct Lane {

@@ -306,16 +306,18 @@ int LinkPlan::Next(NicMask near) {
 }
 
 bool LinkPlan::Take(absl::Time now) {
-  const size_t n = links_->size();
+  return TakePlaces(*links_, added_, links_->size(), capacity_, now);
+}
+
+bool TakePlaces(const std::vector<Link>& links, const uint32_t* counts, size_t n, uint32_t capacity,
+                absl::Time now) {
   for (size_t i = 0; i < n; ++i) {
-    if (added_[i] == 0) continue;
-    LinkLoad& load = *(*links_)[i].load;
-    const uint32_t had = load.inflight.fetch_add(added_[i], std::memory_order_relaxed);
-    if (had + added_[i] > capacity_) {
+    if (counts[i] == 0) continue;
+    LinkLoad& load = *links[i].load;
+    const uint32_t had = load.inflight.fetch_add(counts[i], std::memory_order_relaxed);
+    if (had + counts[i] > capacity) {
       for (size_t j = 0; j <= i; ++j) {
-        if (added_[j] > 0) {
-          (*links_)[j].load->inflight.fetch_sub(added_[j], std::memory_order_relaxed);
-        }
+        if (counts[j] > 0) links[j].load->inflight.fetch_sub(counts[j], std::memory_order_relaxed);
       }
       return false;
     }

@@ -138,6 +138,8 @@ class LinkPlan {
   // Takes the places planned; false (nothing taken) when other threads
   // took some meanwhile and a link would go over its capacity.
   bool Take(absl::Time now);
+  // How many the plan put on link i (after Begin).
+  uint32_t added(size_t i) const { return added_[i]; }
 
  private:
   const std::vector<Link>* links_ = nullptr;
@@ -147,6 +149,11 @@ class LinkPlan {
   uint32_t load_[kMaxLinks];   // as read (kUnread: not yet), plus the plan's
   uint32_t added_[kMaxLinks];  // the plan's
 };
+
+// Takes counts[i] places on links[i] for each i (n of them, at most the
+// links there are), or none: false when one would go over `capacity`.
+bool TakePlaces(const std::vector<Link>& links, const uint32_t* counts, size_t n, uint32_t capacity,
+                absl::Time now);
 
 // Places given back to links, one atomic operation per link: completions
 // of one link come in runs.

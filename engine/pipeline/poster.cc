@@ -17,7 +17,7 @@ using transport::WorkRequest;
 
 bool Poster::AssignNow(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
                        absl::Span<const uint64_t> ids, absl::Time now,
-                       std::vector<WorkRequest>* wrs) {
+                       std::vector<WorkRequest>* wrs, uint32_t* per_link) {
   LinkPlan plan;
   if (!plan.Begin(&seg.links, vias_[seg.via].link_capacity, ls.home)) return false;
   // Near NICs are the primary transport's.
@@ -38,6 +38,9 @@ bool Poster::AssignNow(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
   }
   for (WorkRequest& wr : *wrs) {
     Fill(seg, lane, ls, seg.links[wr.link], *lane.batches.FindSlice(wr.cookie), &wr);
+  }
+  if (per_link != nullptr) {
+    for (size_t i = 0; i < seg.links.size(); ++i) per_link[i] = plan.added(i);
   }
   return true;
 }
@@ -172,15 +175,17 @@ void Poster::FailAll(absl::Span<const uint64_t> ids, const absl::Status& status,
 }
 
 absl::Status Poster::Post(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                          std::vector<WorkRequest>* assigned, size_t via) {
+                          const std::vector<WorkRequest>* assigned, size_t via) {
   return PostSlices(id, ids, now, assigned, via, /*from_backlog=*/false);
 }
 
 absl::Status Poster::PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                                std::vector<WorkRequest>* assigned, size_t via, bool from_backlog) {
-  // The caller's work requests, or a per-thread buffer (taken only then).
+                                const std::vector<WorkRequest>* assigned, size_t via,
+                                bool from_backlog) {
+  // The caller's work requests (never changed), then a per-thread buffer
+  // (taken only then).
   std::optional<Scratch<WorkRequest>> wrs_scratch;
-  std::vector<WorkRequest>& wrs = assigned != nullptr ? *assigned : *wrs_scratch.emplace();
+  const std::vector<WorkRequest>* wrs = assigned;
   bool preassigned = assigned != nullptr;  // the caller's links serve once
   bool rebuilt = false;                    // every link had failed and they were rebuilt
   bool reposted = false;                   // a refused post was followed by a rebuild
@@ -188,8 +193,11 @@ absl::Status Poster::PostSlices(SegmentId id, absl::Span<const uint64_t> ids, ab
   for (;;) {
     absl::Status bad;
     if (!preassigned) {
-      wrs.clear();
-      if (!AssignAll(id, ids, now, &wrs, &bad, &via, from_backlog)) {
+      if (!wrs_scratch.has_value()) wrs_scratch.emplace();
+      std::vector<WorkRequest>& mine = **wrs_scratch;
+      mine.clear();
+      wrs = &mine;
+      if (!AssignAll(id, ids, now, &mine, &bad, &via, from_backlog)) {
         // Every link failed: rebuild them once (a dead peer fails the slices).
         bool changed;
         absl::Status refreshed =
@@ -205,11 +213,11 @@ absl::Status Poster::PostSlices(SegmentId id, absl::Span<const uint64_t> ids, ab
       }
     }
     preassigned = false;
-    absl::Status posted = bad.ok() ? vias_[via].transport->Post(wrs) : bad;
+    absl::Status posted = bad.ok() ? vias_[via].transport->Post(*wrs) : bad;
     if (posted.ok()) return absl::OkStatus();
     {
       MutexLock lock(&segments_->books());
-      for (const WorkRequest& wr : wrs) Unassign(wr.cookie, now);
+      for (const WorkRequest& wr : *wrs) Unassign(wr.cookie, now);
     }
     // A link that failed since the last use: rebuild the links and retry.
     if (!reposted && posted.code() == absl::StatusCode::kFailedPrecondition) {

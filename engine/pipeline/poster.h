@@ -34,16 +34,20 @@ class Poster {
   // backlog. `now`: the caller's reading of the clock. `assigned` (when not
   // null): work requests for every slice, on links already taken for
   // transport `via` (AssignNow, AssignLink): posted as they are first,
-  // assigned again only when the post is refused.
+  // assigned again (in a buffer of Post's own) only when the post is
+  // refused.
   absl::Status Post(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                    std::vector<transport::WorkRequest>* assigned = nullptr, size_t via = 0)
+                    const std::vector<transport::WorkRequest>* assigned = nullptr, size_t via = 0)
       ABSL_LOCKS_EXCLUDED(segments_->books());
   // Submit's fast path: links for every slice of a new batch when the
   // segment has room for them all (else false, nothing assigned: Post
   // decides).
+  // `per_link` (when not null, LinkPlan::kMaxLinks of them) gets how many
+  // it put on each of seg.links.
   bool AssignNow(Lane& lane, LaneSegment& ls, const SegmentCore& seg,
                  absl::Span<const uint64_t> ids, absl::Time now,
-                 std::vector<transport::WorkRequest>* wrs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+                 std::vector<transport::WorkRequest>* wrs, uint32_t* per_link = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // A link for `slice` from `seg`'s (taking a place on it) and its work
   // request; false when all are full or failed.
   bool AssignLink(const SegmentCore& seg, Lane& lane, LaneSegment& ls, Slice& slice,
@@ -69,7 +73,7 @@ class Poster {
                  bool from_backlog) ABSL_LOCKS_EXCLUDED(segments_->books());
   // Post, for slices new (`from_backlog` false) or taken from the backlog.
   absl::Status PostSlices(SegmentId id, absl::Span<const uint64_t> ids, absl::Time now,
-                          std::vector<transport::WorkRequest>* assigned, size_t via,
+                          const std::vector<transport::WorkRequest>* assigned, size_t via,
                           bool from_backlog) ABSL_LOCKS_EXCLUDED(segments_->books());
   // The work request of `slice` on `link` (whose place is taken), and what
   // it adds to the counters.

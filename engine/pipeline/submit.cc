@@ -1,5 +1,6 @@
 // BatchPipeline: submitting a batch (planned by the Planner, posted by the
 // Poster), and the short way for a lone request.
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -106,6 +107,7 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
       cache->local_generation = out->local_generation;
       cache->requests = requests.size();
       cache->slices = *planned_scratch;
+      cache->assigned.valid = false;
     }
   }
   const std::vector<Slice>& planned = *plan;
@@ -117,12 +119,83 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitOnLane(Lane& lane, LaneSegment& ls,
   out->now = clock_->Now();
   out->via = seg.via;
   out->slice_ids->clear();
+  // Slices waiting in a backlog go first (PostSlices).
+  const bool backlog = poster_.MaybeBacklog();
+  if (cache != nullptr && plan == &cache->slices && !backlog) {
+    if (std::optional<BatchId> batch = SubmitAssigned(lane, ls, seg, id, requests, bound, out)) {
+      return *batch;
+    }
+  }
   for (const Slice& s : planned) out->slice_ids->push_back(lane.batches.AddSlice(s));
   const BatchId batch = CreateBatch(lane, ls, id, requests, bound, *out->slice_ids, out->now);
-  // Slices waiting in a backlog go first (PostSlices).
-  out->assigned = !poster_.MaybeBacklog() &&
-                  poster_.AssignNow(lane, ls, seg, *out->slice_ids, out->now, out->wrs);
+  uint32_t per_link[LinkPlan::kMaxLinks];
+  out->assigned = !backlog && poster_.AssignNow(lane, ls, seg, *out->slice_ids, out->now, out->wrs,
+                                                cache != nullptr ? per_link : nullptr);
+  if (out->assigned && cache != nullptr) KeepAssigned(lane, seg, batch, per_link, out);
   return batch;
+}
+
+// The slices of a cached plan on the links its last assigned submit took
+// (PlanCache::Assigned); none when those links lack room now.
+std::optional<BatchId> BatchPipeline::SubmitAssigned(Lane& lane, LaneSegment& ls,
+                                                     const SegmentCore& seg, SegmentId id,
+                                                     absl::Span<const TransferRequest> requests,
+                                                     const PeerBinding& bound, Submission* out) {
+  PlanCache& cache = *out->cache;
+  PlanCache::Assigned& a = cache.assigned;
+  if (!a.valid ||
+      !TakePlaces(seg.links, a.per_link, a.links, vias_[seg.via].link_capacity, out->now)) {
+    return std::nullopt;
+  }
+  Batch* b;
+  const BatchId batch = StartBatch(lane, ls, id, bound, out->now, &b);
+  b->requests = a.made;
+  b->pending = requests.size();
+  const size_t n = cache.slices.size();
+  ls.metrics.requests += requests.size();
+  ls.metrics.slices += n;
+  ls.slices += n;
+  ls.last_used = out->now;
+  for (const auto& [nic, tally] : a.nics) {
+    if (nic >= lane.nics.size()) continue;
+    lane.nics[nic].slices += tally.slices;
+    lane.nics[nic].bytes += tally.bytes;
+  }
+  // Posted from the cache itself (Poster never changes what it is given),
+  // with this batch's slice ids as cookies.
+  out->slice_ids->resize(n);
+  uint64_t* const ids = out->slice_ids->data();
+  WorkRequest* const wrs = a.wrs.data();
+  for (size_t k = 0; k < n; ++k) {
+    ids[k] = lane.batches.AddSlice(cache.slices[k], batch);
+    wrs[k].cookie = ids[k];
+  }
+  out->wrs = &a.wrs;
+  out->assigned = true;
+  return batch;
+}
+
+// Keeps what AssignNow did for `out->cache`'s plan: the slices as assigned,
+// their work requests, the places per link and the NIC tallies.
+void BatchPipeline::KeepAssigned(Lane& lane, const SegmentCore& seg, BatchId batch,
+                                 const uint32_t* per_link, const Submission* out) {
+  PlanCache::Assigned& a = out->cache->assigned;
+  const std::vector<uint64_t>& ids = *out->slice_ids;
+  a.wrs = *out->wrs;
+  a.made = lane.batches.Find(batch)->requests;
+  a.links = seg.links.size();
+  std::copy(per_link, per_link + a.links, a.per_link);
+  a.nics.clear();
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const Slice& s = *lane.batches.FindSlice(ids[k]);
+    out->cache->slices[k] = s;
+    auto it =
+        std::find_if(a.nics.begin(), a.nics.end(), [&](const auto& t) { return t.first == s.nic; });
+    if (it == a.nics.end()) it = a.nics.insert(a.nics.end(), {s.nic, NicTally{}});
+    ++it->second.slices;
+    it->second.bytes += s.length;
+  }
+  a.valid = true;
 }
 
 absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
