@@ -3,7 +3,10 @@
 ([       OK ], [  FAILED  ], [  SKIPPED ]) so that tools/test_summary.py can
 count them. Exits 1 when a case failed.
 
-    pyunit_gtest.py [--prefix=NAME] TEST_FILE.py...
+    pyunit_gtest.py [--prefix=NAME] [--only=CLASS.METHOD]... TEST_FILE.py...
+
+--only runs just the named cases (all when none is named); a name that
+matches no case is an error.
 
 Each file is imported from its own path (its directory first on sys.path),
 as `python3 TEST_FILE.py` would run it.
@@ -54,12 +57,22 @@ class GtestResult(unittest.TextTestResult):
         self._line("  SKIPPED ", test)
 
 
+def _cases(suite):
+    for t in suite:
+        if isinstance(t, unittest.TestSuite):
+            yield from _cases(t)
+        else:
+            yield t
+
+
 def main(argv):
     prefix = ""
-    files = []
+    files, only = [], []
     for arg in argv[1:]:
         if arg.startswith("--prefix="):
             prefix = arg.split("=", 1)[1] + "."
+        elif arg.startswith("--only="):
+            only.append(arg.split("=", 1)[1])
         else:
             files.append(arg)
     if not files:
@@ -75,6 +88,15 @@ def main(argv):
         sys.modules[name] = module
         spec.loader.exec_module(module)
         suite.addTests(unittest.defaultTestLoader.loadTestsFromModule(module))
+    if only:
+        chosen = [t for t in _cases(suite)
+                  if f"{type(t).__name__}.{getattr(t, '_testMethodName', '')}" in only]
+        found = {f"{type(t).__name__}.{t._testMethodName}" for t in chosen}
+        missing = [name for name in only if name not in found]
+        if missing:
+            print(f"pyunit_gtest: no case named {', '.join(missing)}", file=sys.stderr)
+            return 2
+        suite = unittest.TestSuite(chosen)
     runner = unittest.TextTestRunner(
         stream=open(os.devnull, "w"), verbosity=0,
         resultclass=lambda *a, **k: GtestResult(prefix, *a, **k))

@@ -2,7 +2,7 @@
 # Runs programs inside a QEMU VM that boots Debian's own kernel with the
 # Soft-RoCE driver (rdma_rxe), for hosts whose kernel has no RDMA.
 #
-#   tools/softroce/vm.sh [--timeout=SECONDS] [--pair] [--file=PATH]... PROGRAM [PROGRAM...]
+#   tools/softroce/vm.sh [--timeout=SECONDS] [--pair] [--python] [--file=PATH]... PROGRAM [PROGRAM...]
 #
 # Each PROGRAM (a host-built binary or script, e.g. a Bazel test) runs in
 # one VM boot with rxe0 on the loopback netdev, in order; their output is
@@ -15,6 +15,8 @@
 # programs with KVFERRY_VM_ROLE=a|b, KVFERRY_VM_IP and KVFERRY_VM_PEER_IP set.
 # Both must pass; VM a's console is printed, then VM b's.
 # --file=PATH ships PATH to /t/ in the VM without running it (for scripts).
+# --python adds Debian's python3 with its standard library (no packages),
+# built once and cached beside the base initramfs.
 # KVFERRY_VM_APPEND adds words to the kernel command line (programs read
 # them from /proc/cmdline).
 #
@@ -26,6 +28,7 @@ set -euo pipefail
 
 timeout_s=600
 pair=0
+python=0
 programs=()
 files=()
 for a in "$@"; do
@@ -33,7 +36,8 @@ for a in "$@"; do
     --timeout=*) timeout_s="${a#--timeout=}" ;;
     --pair) pair=1 ;;
     --file=*) files+=("${a#--file=}") ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    --python) python=1 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     -*) echo "vm.sh: unknown option $a (see --help)" >&2; exit 2 ;;
     *) programs+=("$a") ;;
   esac
@@ -42,6 +46,7 @@ done
 
 packages=(qemu-system-x86 busybox-static cpio kmod iproute2 libibverbs1
           ibverbs-providers ibverbs-utils perftest ucx-utils)
+((python)) && packages+=(python3)
 missing=()
 installed="$( (dpkg-query -W -f='${db:Status-Status} ${Package}\n' "${packages[@]}" \
   2>/dev/null || true) | awk '$1 == "installed" {print $2}')"
@@ -155,9 +160,35 @@ INIT
   rm -rf "$work"
 }
 
-# The base initramfs is rebuilt whenever this script changes.
-base="$cache/base-$(sha256sum "$0" | cut -c1-12).cpio.gz"
+# Debian's python3 and its standard library (tests, GUI and packaging
+# tools left out), the libraries its binary and C modules need in /kvf/lib.
+build_python() {
+  local work; work="$(mktemp -d)"
+  echo "vm.sh: preparing python3 for the VM (once)" >&2
+  local tree="$work/tree" stdlib
+  stdlib="$(/usr/bin/python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
+  copy_with_libs "$tree" "$(readlink -f /usr/bin/python3)" /usr/bin/python3
+  mkdir -p "$tree$stdlib"
+  tar -C "$stdlib" -cf - --exclude=./test --exclude=./idlelib --exclude=./tkinter \
+    --exclude=./turtledemo --exclude=./ensurepip --exclude=./lib2to3 --exclude=./pydoc_data \
+    --exclude='./config-*' --exclude=./site-packages --exclude=./dist-packages . |
+    tar -C "$tree$stdlib" -xf -
+  for m in "$stdlib"/lib-dynload/*.so; do copy_with_libs "$tree" "$m" "$m"; done
+  (cd "$tree" && find . | cpio -o -H newc --quiet | gzip -1) >"$python_layer.tmp"
+  mv "$python_layer.tmp" "$python_layer"
+  rm -rf "$work"
+}
+
+# The base initramfs (and the python layer) is rebuilt whenever this
+# script changes.
+hash="$(sha256sum "$0" | cut -c1-12)"
+base="$cache/base-$hash.cpio.gz"
 [[ -f "$base" && -f "$cache/vmlinuz" ]] || { rm -f "$cache"/base*.cpio.gz; build_base; }
+python_layer="$cache/python-$hash.cpio.gz"
+if ((python)) && [[ ! -f "$python_layer" ]]; then
+  rm -f "$cache"/python-*.cpio.gz
+  build_python
+fi
 
 run="$(mktemp -d)"
 trap 'rm -rf "$run"; [[ -n "${pid_a:-}" ]] && kill "$pid_a" 2>/dev/null; true' EXIT
@@ -171,7 +202,9 @@ for p in "${programs[@]}"; do
   basename "$p" >>"$run/tree/t/list"
 done
 (cd "$run/tree" && find . | cpio -o -H newc --quiet | gzip -1) >"$run/run.cpio.gz"
-cat "$base" "$run/run.cpio.gz" >"$run/initrd"
+layers=("$base")
+((python)) && layers+=("$python_layer")
+cat "${layers[@]}" "$run/run.cpio.gz" >"$run/initrd"
 
 # boot NAME CPUS NETDEV MAC APPEND: starts one VM in the background; its
 # console goes to $run/NAME.log. Sets $nonce_NAME. tsc=reliable: TCG's TSC
