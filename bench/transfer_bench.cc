@@ -24,7 +24,11 @@
 //        connection either way).
 //   lat: ping-pong like ib_write_lat: the initiator WRITEs `block` bytes, the
 //        target sees them land and WRITEs them back; half the round trip is
-//        the one-way latency (p50/p99/p999).
+//        the one-way latency (p50/p99/p999). Each side, as ib_write_lat,
+//        posts, then waits for its WRITE's completion (the responder's
+//        acknowledgement), then for the other's message. With --prepared
+//        each side posts one prepared transfer again and again instead of
+//        submitting a batch a round.
 //   layers: what a serving engine does when it sends each layer of a
 //        request from its own thread: every round, --threads threads each
 //        submit one batch of --batch scattered `block`-byte pages (every
@@ -124,7 +128,7 @@ ABSL_FLAG(bool, verbose, false, "engine logs at INFO");
 ABSL_FLAG(bool, json, false, "print each result as one JSON object instead of text");
 ABSL_FLAG(bool, prepared, false,
           "nixlbench's sweep on prepared transfers: block sizes (--sweep or --block) x batch "
-          "sizes (--batches)");
+          "sizes (--batches); with --mode=lat, the ping-pong posts prepared transfers");
 ABSL_FLAG(std::string, batches, "1,4,16,64,256", "--prepared: batch sizes to sweep");
 
 namespace kvferry {
@@ -428,6 +432,69 @@ absl::Status FinishOne(TransferEngine& e, BatchId b) {
   return e.Release(b);
 }
 
+// The WRITE a ping-pong sends each round, of `block` bytes from `from` to
+// `to` at the peer: a one-request batch through Submit each time, or
+// (--prepared) one prepared transfer, made once and posted again.
+class PingWrite {
+ public:
+  static absl::StatusOr<std::unique_ptr<PingWrite>> Make(TransferEngine& e, SegmentId segment,
+                                                         char* from, uint64_t to, uint64_t block,
+                                                         bool prepared) {
+    auto w = std::unique_ptr<PingWrite>(new PingWrite(e, segment, from, to, block));
+    if (!prepared) return w;
+    PreparedTransfers& p = e.prepared();
+    const Descriptor mine{reinterpret_cast<uintptr_t>(from), block}, theirs{to, block};
+    ASSIGN_OR_RETURN(w->local_, p.PrepareLocal({&mine, 1}));
+    ASSIGN_OR_RETURN(w->remote_, p.PrepareRemote(segment, {&theirs, 1}));
+    const int64_t first = 0;
+    ASSIGN_OR_RETURN(w->xfer_,
+                     p.Make(Opcode::kWrite, w->local_, {&first, 1}, w->remote_, {&first, 1}));
+    return w;
+  }
+  ~PingWrite() {
+    if (xfer_ == 0) return;
+    PreparedTransfers& p = e_.prepared();
+    (void)p.Release(xfer_);
+    (void)p.ReleaseList(local_);
+    (void)p.ReleaseList(remote_);
+  }
+  PingWrite(const PingWrite&) = delete;
+  PingWrite& operator=(const PingWrite&) = delete;
+
+  absl::Status Post() {
+    if (xfer_ != 0) return e_.prepared().Post(xfer_).status();
+    TransferRequest w{Opcode::kWrite, from_, to_, block_};
+    ASSIGN_OR_RETURN(batch_, e_.Submit(segment_, {&w, 1}));
+    return absl::OkStatus();
+  }
+  // Waits until the last post's WRITE is acknowledged (60 s at most).
+  absl::Status Finish() {
+    if (xfer_ == 0) {
+      const BatchId b = batch_;
+      batch_ = 0;
+      return b == 0 ? absl::OkStatus() : FinishOne(e_, b);
+    }
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    for (uint32_t spins = 0;; ++spins) {
+      ASSIGN_OR_RETURN(XferState st, e_.prepared().State(xfer_));
+      if (st != XferState::kInProgress) return absl::OkStatus();
+      if ((spins & 0xfff) == 0 && absl::Now() > give_up) {
+        return absl::DeadlineExceededError("a prepared WRITE did not finish in 60 s");
+      }
+    }
+  }
+
+ private:
+  PingWrite(TransferEngine& e, SegmentId segment, char* from, uint64_t to, uint64_t block)
+      : e_(e), segment_(segment), from_(from), to_(to), block_(block) {}
+  TransferEngine& e_;
+  const SegmentId segment_;
+  char* const from_;
+  const uint64_t to_, block_;
+  BatchId batch_ = 0;                           // Submit's, until finished
+  uint64_t local_ = 0, remote_ = 0, xfer_ = 0;  // --prepared
+};
+
 // Waits until the byte at `last` is `want` or the stop mark; false on the
 // stop mark, `failed`, or nothing for `patience`.
 bool AwaitMark(const char* last, char want, const std::atomic<bool>& failed,
@@ -445,23 +512,27 @@ bool AwaitMark(const char* last, char want, const std::atomic<bool>& failed,
 // [recv, +block) is written back from one of two send buffers in turn to
 // `remote` at the peer, until the stop mark arrives.
 absl::Status Echo(TransferEngine& e, SegmentId to_initiator, char* recv, char* send[2],
-                  uint64_t remote, uint64_t block, std::atomic<bool>& failed) {
-  BatchId previous = 0;
+                  uint64_t remote, uint64_t block, bool prepared, std::atomic<bool>& failed) {
+  std::unique_ptr<PingWrite> out[2];
   absl::Status s;
+  for (int i = 0; i < 2 && s.ok(); ++i) {
+    absl::StatusOr<std::unique_ptr<PingWrite>> w =
+        PingWrite::Make(e, to_initiator, send[i], remote, block, prepared);
+    s = w.status();
+    if (w.ok()) out[i] = std::move(*w);
+  }
   for (uint64_t r = 1; s.ok(); ++r) {
     const char mark = static_cast<char>(r % 251 + 1);
     if (!AwaitMark(&recv[block - 1], mark, failed, absl::Seconds(30))) break;
-    char* out = send[r % 2];
-    out[block - 1] = mark;
+    send[r % 2][block - 1] = mark;
     // Like ib_write_lat, the previous round's WRITE is finished only once
     // the next message is in (by then it has long completed).
-    TransferRequest w{Opcode::kWrite, out, remote, block};
-    absl::StatusOr<BatchId> b = e.Submit(to_initiator, {&w, 1});
-    s = b.status();
-    if (s.ok() && previous != 0) s = FinishOne(e, previous);
-    if (s.ok()) previous = *b;
+    s = out[r % 2]->Post();
+    if (s.ok()) s = out[(r + 1) % 2]->Finish();
   }
-  if (s.ok() && previous != 0) s = FinishOne(e, previous);
+  for (int i = 0; i < 2; ++i) {
+    if (out[i] != nullptr && s.ok()) s = out[i]->Finish();
+  }
   Poke(&recv[block - 1], 0);
   if (!s.ok()) failed = true;
   return s;
@@ -473,13 +544,17 @@ struct LatResult {
 };
 
 // The initiator's half: WRITEs `send` to `remote`, waits for the echo in
-// `recv`; ends by sending the stop mark.
+// `recv`; ends by sending the stop mark. As ib_write_lat, each round posts,
+// waits for its own WRITE's completion, then for the echo.
 absl::StatusOr<LatResult> Ping(TransferEngine& e, SegmentId to_target, char* send, char* recv,
-                               uint64_t remote, uint64_t block, std::atomic<bool>& failed) {
+                               uint64_t remote, uint64_t block, bool prepared,
+                               std::atomic<bool>& failed) {
   const uint64_t warmup = absl::GetFlag(FLAGS_warmup);
   const Stop stop = StopFor(block, /*bandwidth=*/false);
   std::vector<double> half_rtt_us;
-  absl::Status st;
+  absl::StatusOr<std::unique_ptr<PingWrite>> made =
+      PingWrite::Make(e, to_target, send, remote, block, prepared);
+  absl::Status st = made.status();
   absl::Time measure_start;
   for (uint64_t r = 1; st.ok(); ++r) {
     if (r == warmup + 1) measure_start = absl::Now();
@@ -490,16 +565,12 @@ absl::StatusOr<LatResult> Ping(TransferEngine& e, SegmentId to_target, char* sen
     const char mark = static_cast<char>(r % 251 + 1);
     send[block - 1] = mark;
     const absl::Time t0 = absl::Now();
-    TransferRequest w{Opcode::kWrite, send, remote, block};
-    absl::StatusOr<BatchId> b = e.Submit(to_target, {&w, 1});
-    if (!b.ok()) {
-      st = b.status();
-      break;
-    }
+    st = (*made)->Post();
+    if (st.ok()) st = (*made)->Finish();
+    if (!st.ok()) break;
     const bool echoed = AwaitMark(&recv[block - 1], mark, failed, absl::Seconds(30));
     const absl::Time t1 = absl::Now();
-    st = FinishOne(e, *b);
-    if (st.ok() && !echoed) st = absl::DeadlineExceededError("no echo from the target in 30 s");
+    if (!echoed) st = absl::DeadlineExceededError("no echo from the target in 30 s");
     if (st.ok() && r > warmup) half_rtt_us.push_back(absl::ToDoubleMicroseconds(t1 - t0) / 2);
   }
   // The stop mark ends the echo (also after a failure).
@@ -673,7 +744,8 @@ int ServeTarget() {
       continue;
     }
     uint64_t remote = 0, block = 0;
-    if (w.size() != 4 || w[0] != "lat" || !absl::SimpleAtoi(w[2], &remote) ||
+    const bool prepared = w.size() == 5 && w[4] == "prepared";
+    if ((w.size() != 4 && !prepared) || w[0] != "lat" || !absl::SimpleAtoi(w[2], &remote) ||
         !absl::SimpleAtoi(w[3], &block) || block == 0 || 3 * block > len) {
       KVF_LOG(WARNING) << "transfer_bench: ignored notification \"" << n->message << "\"";
       continue;
@@ -687,7 +759,7 @@ int ServeTarget() {
     }
     std::atomic<bool> failed{false};
     char* send[2] = {buffer.data() + len - 2 * block, buffer.data() + len - block};
-    st = Echo(e, *back, buffer.data(), send, remote, block, failed);
+    st = Echo(e, *back, buffer.data(), send, remote, block, prepared, failed);
     if (!st.ok()) KVF_LOG(WARNING) << "transfer_bench: ping-pong ended: " << st;
   }
 }
@@ -835,6 +907,7 @@ absl::StatusOr<std::optional<BwResult>> ReferenceBandwidth(Session& s, int threa
 }
 
 absl::StatusOr<LatResult> EngineLatency(Session& s, uint64_t block) {
+  const bool prepared = absl::GetFlag(FLAGS_prepared);
   std::atomic<bool> failed{false};
   char* send = s.local.data();
   char* recv = s.local.data() + block;
@@ -845,22 +918,24 @@ absl::StatusOr<LatResult> EngineLatency(Session& s, uint64_t block) {
     char* tsend[2] = {trecv + block, trecv + 2 * block};
     Poke(&trecv[block - 1], 0);
     absl::Status echo;
-    std::thread t(
-        [&] { echo = Echo(*s.target, s.to_initiator, trecv, tsend, recv_addr, block, failed); });
-    auto r = Ping(*s.initiator, s.to_target, send, recv, s.remote, block, failed);
+    std::thread t([&] {
+      echo = Echo(*s.target, s.to_initiator, trecv, tsend, recv_addr, block, prepared, failed);
+    });
+    auto r = Ping(*s.initiator, s.to_target, send, recv, s.remote, block, prepared, failed);
     t.join();
     if (r.ok() && !echo.ok()) return echo;
     return r;
   }
   // Ask the target to open a segment back and echo; it answers "ready".
   (void)s.initiator->TakeNotifications();
-  RETURN_IF_ERROR(s.initiator->Notify(
-      s.to_target, absl::StrCat("lat ", s.initiator->address(), " ", recv_addr, " ", block)));
+  RETURN_IF_ERROR(
+      s.initiator->Notify(s.to_target, absl::StrCat("lat ", s.initiator->address(), " ", recv_addr,
+                                                    " ", block, prepared ? " prepared" : "")));
   ASSIGN_OR_RETURN(Notification n, s.initiator->WaitNotification(absl::Seconds(30)));
   if (n.message != "ready") {
     return absl::FailedPreconditionError(absl::StrCat("the target answered \"", n.message, "\""));
   }
-  return Ping(*s.initiator, s.to_target, send, recv, s.remote, block, failed);
+  return Ping(*s.initiator, s.to_target, send, recv, s.remote, block, prepared, failed);
 }
 
 template <typename T>
@@ -980,10 +1055,11 @@ void PrintLat(const Session& s, uint64_t block, const LatPair& pair) {
     return;
   }
   std::printf(
-      "WRITE %llu B ping-pong x %zu over %s: one-way median %.2f us, p99 %.2f us, "
+      "WRITE %llu B ping-pong%s x %zu over %s: one-way median %.2f us, p99 %.2f us, "
       "p999 %.2f us\n",
-      static_cast<unsigned long long>(block), r.rounds, transport.c_str(), r.one_way_us.p50,
-      r.one_way_us.p99, r.one_way_us.p999);
+      static_cast<unsigned long long>(block),
+      absl::GetFlag(FLAGS_prepared) ? " (prepared transfers)" : "", r.rounds, transport.c_str(),
+      r.one_way_us.p50, r.one_way_us.p99, r.one_way_us.p999);
   if (ref) {
     std::printf("  reference %s: median %.2f us; ratio engine/%s %.2f%s\n", s.reference.c_str(),
                 ref->one_way_us.p50, s.reference.c_str(), ratio, RoundsNote().c_str());
@@ -1312,7 +1388,7 @@ int Main() {
     }
   }
   std::vector<uint64_t> batches;
-  if (absl::GetFlag(FLAGS_prepared)) {
+  if (absl::GetFlag(FLAGS_prepared) && mode != "lat") {
     auto b = ParseCounts(absl::GetFlag(FLAGS_batches), "--batches", "a batch size");
     if (!b.ok()) {
       std::fprintf(stderr, "transfer_bench: %s\n", std::string(b.status().message()).c_str());

@@ -28,6 +28,13 @@ check latency lat memcpy --mode=lat --block=8 --iters=50 --warmup=5
 check rounds bw memcpy --mode=bw --block=65536 --batch=8 --iters=64 --warmup=8 --rounds=3
 check socket_ref bw socket --mode=bw --block=65536 --batch=8 --iters=64 --warmup=8 --reference=socket
 check no_ref lat none --mode=lat --block=64 --iters=20 --warmup=2 --reference=none
+check prepared_latency lat memcpy --mode=lat --prepared --block=8 --iters=50 --warmup=5
+if "$bench" --transport=tcp --mode=lat --prepared --block=8 --iters=20 --warmup=2 2>&1 |
+    grep -q '^WRITE 8 B ping-pong (prepared transfers) x 20 '; then
+  echo "ok   the prepared ping-pong says so"
+else
+  echo "FAIL the prepared ping-pong does not say so"; fail=1
+fi
 # --duration: a progress line per second, then the summary.
 out="$("$bench" --transport=tcp --mode=bw --block=4096 --batch=8 --duration=2.5 --reference=none 2>&1)"
 if [[ "$(grep -c '^\[  *[0-9]* s\] engine 4096 B: .* GB/s' <<<"$out")" -ge 2 ]] && grep -q '^RESULT mode=bw' <<<"$out"; then
@@ -81,6 +88,8 @@ if [[ -n "$addr" ]]; then
     --block=65536 --batch=8 --iters=128 --warmup=8
   check two_process_lat lat socket --role=initiator --peer="$addr" --host=127.0.0.1 --mode=lat \
     --block=8 --iters=50 --warmup=5
+  check two_process_prepared_lat lat socket --role=initiator --peer="$addr" --host=127.0.0.1 \
+    --mode=lat --prepared --block=8 --iters=50 --warmup=5
   out="$("$bench" --role=initiator --peer="$addr" --host=127.0.0.1 --transport=tcp --block=$((8 << 20)) --batch=8 2>&1)"
   if [[ $? -ne 0 ]] && grep -q "larger --buffer_mib" <<<"$out"; then
     echo "ok   a target too small is named: $out"

@@ -10,7 +10,8 @@
 # and ucp_put_lat with 8 B (one-way latency, half a ping-pong); ib_write_bw
 # and the engine with 4 KiB WRITEs; and the engine's prepared transfers
 # (transfer_bench --prepared: 64 scattered 64 KiB blocks, or 256 of 4 KiB,
-# per post, one post in flight) against the same ib_write_bw figures.
+# per post, one post in flight; and the 8 B ping-pong posting one prepared
+# transfer again and again) against the same perftest figures.
 # Prints the medians and the median of the per-round ratios to perftest. Timings under TCG are noisy: run it on a
 # quiet host and compare ratios, not absolute figures. --against ships
 # another build's transfer_bench (an earlier commit's, say) and runs it
@@ -65,6 +66,7 @@ print("|" + "---|" * (head.count("|") - 1))
 for label, ref, eng, ucx in [
         ("64 KiB WRITE, MiB/s", "ib_write_bw", "engine_write_bw", "ucx_put_bw"),
         ("8 B WRITE one-way latency, us", "ib_write_lat", "engine_write_lat", "ucx_put_lat"),
+        ("8 B prepared WRITE one-way latency, us", "ib_write_lat", "engine_prepared_lat", None),
         ("4 KiB WRITE, MiB/s", "ib_write_bw_4k", "engine_write_bw_4k", None),
         ("64 KiB prepared WRITE (64 per post), MiB/s", "ib_write_bw", "engine_prepared_bw", None),
         ("4 KiB prepared WRITE (256 per post), MiB/s", "ib_write_bw_4k", "engine_prepared_bw_4k",

@@ -64,6 +64,7 @@ while [ "$r" -le "$ROUNDS" ]; do
   pair ib_write_lat '$1 == 8 {print $5}' \
     /usr/bin/ib_write_lat $PT -s 8 -n 2000 -- /usr/bin/ib_write_lat $PT -s 8 -n 2000 127.0.0.1
   engine engine_write_lat --mode=lat --block=8 --iters=2000
+  prepared engine_prepared_lat --mode=lat --block=8 --iters=2000
   pair ucx_put_lat '/^Final:/ {print $3}' \
     /usr/bin/ucx_perftest -p 13338 -t ucp_put_lat -s 8 -n 2000 -- \
     /usr/bin/ucx_perftest 127.0.0.1 -p 13338 -t ucp_put_lat -s 8 -n 2000
