@@ -80,6 +80,14 @@ class PreparedTest : public ::testing::Test {
     rlist_ = *r;
   }
   PreparedTransfers& prepared() { return p_.a->prepared(); }
+  // Posts `x` (pairs li, ri) four times, checking the bytes and that each
+  // post adds what the first added to the engine's counters.
+  void PostCountsAsTheFirst(uint64_t x, const std::vector<int64_t>& li,
+                            const std::vector<int64_t>& ri);
+  // Posts (pairs li, ri) twice, unregisters the local pool (the next post
+  // is refused, nothing sent), registers it again (the post works).
+  void ChangeRegistrationBetweenPosts(const std::vector<int64_t>& li,
+                                      const std::vector<int64_t>& ri);
   Pair p_;
   std::vector<char> local_, remote_;
   uint64_t llist_ = 0, rlist_ = 0;
@@ -204,7 +212,14 @@ TEST_F(PreparedTest, BadPairsAreRefusedWithNothingMade) {
 // memory unregistered here fails the next post (nothing is sent from it),
 // and registered again, the post works again.
 TEST_F(PreparedTest, ARegistrationChangeIsSeenByTheNextPost) {
-  std::vector<int64_t> li = {1, 3, 5, 7}, ri = {2, 4, 6, 8};
+  ChangeRegistrationBetweenPosts({1, 3, 5, 7}, {2, 4, 6, 8});
+}
+TEST_F(PreparedTest, ARegistrationChangeIsSeenByTheNextPostOfOne) {
+  ChangeRegistrationBetweenPosts({9}, {10});
+}
+
+void PreparedTest::ChangeRegistrationBetweenPosts(const std::vector<int64_t>& li,
+                                                  const std::vector<int64_t>& ri) {
   auto x = prepared().Make(Opcode::kWrite, llist_, li, rlist_, ri);
   ASSERT_TRUE(x.ok());
   for (int i = 0; i < 2; ++i) {
@@ -246,19 +261,28 @@ Counted CountsOf(const TransferEngine& e) {
   return c;
 }
 
+// (One descriptor takes a path of its own: the lone request's, cached.)
 TEST_F(PreparedTest, EveryPostCountsAsTheFirstDid) {
-  std::vector<int64_t> li, ri;
-  for (int64_t i = 0; i < 64; ++i) {  // every other block: none merge
-    li.push_back(2 * i);
-    ri.push_back(2 * i + 1);
+  for (int64_t pairs : {64, 1}) {
+    SCOPED_TRACE(pairs);
+    std::vector<int64_t> li, ri;
+    for (int64_t i = 0; i < pairs; ++i) {  // every other block: none merge
+      li.push_back(2 * i);
+      ri.push_back(2 * i + 1);
+    }
+    auto x = prepared().Make(Opcode::kWrite, llist_, li, rlist_, ri);
+    ASSERT_TRUE(x.ok());
+    PostCountsAsTheFirst(*x, li, ri);
   }
-  auto x = prepared().Make(Opcode::kWrite, llist_, li, rlist_, ri);
-  ASSERT_TRUE(x.ok());
+}
+
+void PreparedTest::PostCountsAsTheFirst(uint64_t x, const std::vector<int64_t>& li,
+                                        const std::vector<int64_t>& ri) {
   Counted before = CountsOf(*p_.a);
   for (int round = 0; round < 4; ++round) {
     Fill(&local_, 20 + round);
-    ASSERT_TRUE(prepared().Post(*x).ok());
-    ASSERT_EQ(*Finish(prepared(), *x), XferState::kDone) << "round " << round;
+    ASSERT_TRUE(prepared().Post(x).ok());
+    ASSERT_EQ(*Finish(prepared(), x), XferState::kDone) << "round " << round;
     for (size_t k = 0; k < li.size(); ++k) {
       ASSERT_EQ(
           std::memcmp(local_.data() + li[k] * kBlock, remote_.data() + ri[k] * kBlock, kBlock), 0)

@@ -67,9 +67,9 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
   return lanes_.StatusOf(id);
 }
 
-absl::StatusOr<bool> BatchPipeline::PollDone(BatchId id, BatchStatus* out) {
+absl::StatusOr<bool> BatchPipeline::FinishIfDone(BatchId id, absl::Status* first, bool release) {
   pump_.TryDrive([this] { Pump(absl::ZeroDuration()); });
-  return lanes_.StatusIfDone(id, out);
+  return lanes_.FirstErrorIfDone(id, first, release);
 }
 
 bool BatchPipeline::Drive(absl::FunctionRef<bool()> ready, absl::Duration timeout) {

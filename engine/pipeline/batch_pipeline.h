@@ -65,12 +65,17 @@ class BatchPipeline {
   // With `cache` (the same requests each time, and one caller at a time per
   // cache), their planned slices are reused while nothing they were
   // planned on changed.
+  // `submitted` (when not null) gets the time the batch counts as
+  // submitted from (read before its first doorbell).
   absl::StatusOr<BatchId> Submit(SegmentId id, absl::Span<const TransferRequest> requests,
-                                 const PeerBinding& bound, PlanCache* cache = nullptr);
+                                 const PeerBinding& bound, PlanCache* cache = nullptr,
+                                 absl::Time* submitted = nullptr);
   absl::StatusOr<BatchStatus> Poll(BatchId id);
-  // Poll for a caller that needs the status only once the batch is done:
-  // false while it runs (nothing copied), true with its status in `out`.
-  absl::StatusOr<bool> PollDone(BatchId id, BatchStatus* out);
+  // Poll for a caller that needs only the outcome once the batch is done
+  // (delivering completions when it is not): false while it runs; true
+  // with its first failed request's error (OK if none) in `first`, and
+  // the batch released if `release`.
+  absl::StatusOr<bool> FinishIfDone(BatchId id, absl::Status* first, bool release);
   absl::Status Wait(BatchId id, absl::Duration timeout, BatchStatus* out);
   absl::Status Release(BatchId id) { return lanes_.Release(id); }
   // Who is told when a batch submitted with PeerBinding::announce finishes.
@@ -131,7 +136,7 @@ class BatchPipeline {
   // caller looked them up (a lone request's), else empty.
   absl::StatusOr<BatchId> SubmitGeneral(SegmentId id, absl::Span<const TransferRequest> requests,
                                         const PeerBinding& bound, PlanCache* cache,
-                                        absl::Span<const LocalUse> local);
+                                        absl::Span<const LocalUse> local, absl::Time* submitted);
   // CreateBatch for a lone request `r` in one slice (in the lane's table).
   BatchId CreateLone(Lane& lane, LaneSegment& ls, SegmentId id, const TransferRequest& r,
                      const PeerBinding& bound, Slice* slice, absl::Time now)
@@ -143,7 +148,23 @@ class BatchPipeline {
   // caller's batch). nullopt, nothing changed, when anything is unusual
   // (the general path then decides).
   std::optional<absl::StatusOr<BatchId>> SubmitOne(SegmentId id, const TransferRequest& r,
-                                                   const LocalUse& local, const PeerBinding& bound);
+                                                   const LocalUse& local, const PeerBinding& bound,
+                                                   absl::Time* submitted);
+  // The same for a lone request whose `cache` holds its one slice as last
+  // assigned (PlanCache::Assigned) on the lane's current view: its place
+  // taken on the same link and the cached work request posted, with no
+  // look-up, planning or link choice.
+  std::optional<absl::StatusOr<BatchId>> SubmitOneCached(SegmentId id, const TransferRequest& r,
+                                                         const PeerBinding& bound,
+                                                         const PlanCache& cache,
+                                                         absl::Time* submitted);
+  // A lone request's batch after its doorbell: a refused post handled as
+  // the general path does (the place given back, the links rebuilt and
+  // the post tried again, or the slice failed); the batch, or the error
+  // with the batch recycled.
+  absl::StatusOr<BatchId> AfterLoneDoorbell(Lane& lane, SegmentId id,
+                                            const transport::WorkRequest& wr, size_t via,
+                                            absl::Time now, BatchId batch, absl::Status posted);
   // Waits in the transports up to `timeout` and delivers what completed
   // (the pump's driver).
   void Pump(absl::Duration timeout);

@@ -121,13 +121,20 @@ absl::StatusOr<BatchStatus> Lanes::StatusOf(BatchId id) const {
   return out;
 }
 
-absl::StatusOr<bool> Lanes::StatusIfDone(BatchId id, BatchStatus* out) const {
+absl::StatusOr<bool> Lanes::FirstErrorIfDone(BatchId id, absl::Status* first, bool release) {
   Lane& lane = Of(id);
   MutexLock lane_lock(&lane.mu);
   const Batch* b = lane.batches.Find(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("unknown batch ", id));
   if (b->pending != 0) return false;
-  b->StatusTo(out);
+  *first = absl::OkStatus();
+  for (size_t i = 0; i < b->requests.size(); ++i) {
+    const absl::Status& s = b->requests[i].status;
+    if (s.ok()) continue;
+    *first = absl::Status(s.code(), absl::StrCat("request ", i, ": ", s.message()));
+    break;
+  }
+  if (release) lane.batches.Recycle(id);
   return true;
 }
 

@@ -191,9 +191,10 @@ class Lanes {
   // A batch's segment and peer instance; its status; releasing it.
   absl::StatusOr<std::pair<SegmentId, uint64_t>> Target(BatchId id) const;
   absl::StatusOr<BatchStatus> StatusOf(BatchId id) const;
-  // Whether it finished, its status into `out` only then (cheap while it
-  // runs, whatever its size).
-  absl::StatusOr<bool> StatusIfDone(BatchId id, BatchStatus* out) const;
+  // Whether it finished; only then its first failed request's error (OK
+  // when none failed, the request named) into `first`, and, with
+  // `release`, the batch released. Cheap while it runs, whatever its size.
+  absl::StatusOr<bool> FirstErrorIfDone(BatchId id, absl::Status* first, bool release);
   absl::Status Release(BatchId id);
 
  private:

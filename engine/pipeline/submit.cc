@@ -237,22 +237,31 @@ absl::StatusOr<BatchId> BatchPipeline::CreateOnLane(Lane& lane, SegmentId id,
 
 absl::StatusOr<BatchId> BatchPipeline::Submit(SegmentId id,
                                               absl::Span<const TransferRequest> requests,
-                                              const PeerBinding& bound, PlanCache* cache) {
-  if (requests.size() == 1) {
+                                              const PeerBinding& bound, PlanCache* cache,
+                                              absl::Time* submitted) {
+  absl::Time unused;
+  if (submitted == nullptr) submitted = &unused;
+  if (requests.size() == 1 && cache == nullptr) {
     // The lone request: its local buffer (a thread's last piece, or under
     // the regions' own lock), then the short path if it can.
     LocalUse one;
     RETURN_IF_ERROR(regions_->FindOne(requests[0], &one));
-    if (auto done = SubmitOne(id, requests[0], one, bound)) return *std::move(done);
-    return SubmitGeneral(id, requests, bound, nullptr, {&one, 1});
+    if (auto done = SubmitOne(id, requests[0], one, bound, submitted)) return *std::move(done);
+    return SubmitGeneral(id, requests, bound, nullptr, {&one, 1}, submitted);
   }
-  return SubmitGeneral(id, requests, bound, cache, {});
+  if (requests.size() == 1 && cache->assigned.valid && cache->slices.size() == 1) {
+    if (auto done = SubmitOneCached(id, requests[0], bound, *cache, submitted)) {
+      return *std::move(done);
+    }
+  }
+  return SubmitGeneral(id, requests, bound, cache, {}, submitted);
 }
 
 absl::StatusOr<BatchId> BatchPipeline::SubmitGeneral(SegmentId id,
                                                      absl::Span<const TransferRequest> requests,
                                                      const PeerBinding& bound, PlanCache* cache,
-                                                     absl::Span<const LocalUse> local) {
+                                                     absl::Span<const LocalUse> local,
+                                                     absl::Time* submitted) {
   // Before the look-up (only a cache needs it).
   const uint64_t local_generation = cache != nullptr ? regions_->generation() : 0;
   std::optional<Scratch<LocalUse>> local_scratch;
@@ -270,6 +279,7 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitGeneral(SegmentId id,
   sub.local_generation = local_generation;
   Lane& lane = lanes_.Mine();
   ASSIGN_OR_RETURN(const BatchId batch, CreateOnLane(lane, id, requests, local, bound, &sub));
+  *submitted = sub.now;
   absl::Status posted =
       poster_.Post(id, *sub.slice_ids, sub.now, sub.assigned ? sub.wrs : nullptr, sub.via);
   if (!posted.ok()) {
@@ -283,7 +293,8 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitGeneral(SegmentId id,
 std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
                                                                 const TransferRequest& r,
                                                                 const LocalUse& local,
-                                                                const PeerBinding& bound) {
+                                                                const PeerBinding& bound,
+                                                                absl::Time* submitted) {
   Lane& lane = lanes_.Mine();
   WorkRequest wr;
   size_t via;
@@ -325,6 +336,63 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
     posted = vias_[via].transport->Post({&wr, 1});
     batch = CreateLone(lane, ls, id, r, bound, slice, now);
   }
+  *submitted = now;
+  return AfterLoneDoorbell(lane, id, wr, via, now, batch, std::move(posted));
+}
+
+std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOneCached(SegmentId id,
+                                                                      const TransferRequest& r,
+                                                                      const PeerBinding& bound,
+                                                                      const PlanCache& cache,
+                                                                      absl::Time* submitted) {
+  const PlanCache::Assigned& a = cache.assigned;
+  if (cache.local_generation != regions_->generation()) return std::nullopt;  // replan
+  Lane& lane = lanes_.Mine();
+  WorkRequest wr;
+  size_t via;
+  absl::Time now;
+  BatchId batch;
+  absl::Status posted;
+  {
+    MutexLock lane_lock(&lane.mu);
+    LaneSegment* entry = lane.Find(id);
+    if (entry == nullptr) return std::nullopt;
+    LaneSegment& ls = *entry;
+    const SegmentCore* seg = ls.Current();
+    if (seg == nullptr || seg != cache.view.get() || poster_.MaybeBacklog() ||
+        (bound.engine_id != 0 && bound.engine_id != seg->descriptor.engine_id) ||
+        (bound.epoch.has_value() && *bound.epoch != seg->epoch)) {
+      return std::nullopt;
+    }
+    now = clock_->Now();
+    via = seg->via;
+    if (!TakePlaces(seg->links, a.per_link, a.links, vias_[via].link_capacity, now)) {
+      return std::nullopt;
+    }
+    Slice* slice;
+    const uint64_t sid = lane.batches.NewSlice(&slice);
+    *slice = cache.slices[0];
+    slice->batch = 0;  // committed by CreateLone
+    wr = a.wrs[0];
+    wr.cookie = sid;
+    ++ls.metrics.slices;
+    for (const auto& [nic, tally] : a.nics) {
+      if (nic >= lane.nics.size()) continue;
+      lane.nics[nic].slices += tally.slices;
+      lane.nics[nic].bytes += tally.bytes;
+    }
+    // The doorbell first, the batch's books after (as SubmitOne).
+    posted = vias_[via].transport->Post({&wr, 1});
+    batch = CreateLone(lane, ls, id, r, bound, slice, now);
+  }
+  *submitted = now;
+  return AfterLoneDoorbell(lane, id, wr, via, now, batch, std::move(posted));
+}
+
+absl::StatusOr<BatchId> BatchPipeline::AfterLoneDoorbell(Lane& lane, SegmentId id,
+                                                         const WorkRequest& wr, size_t via,
+                                                         absl::Time now, BatchId batch,
+                                                         absl::Status posted) {
   if (!posted.ok()) {
     // As the general path handles a refused post (the place given back,
     // the links rebuilt and the post tried again, or the slice failed).

@@ -99,7 +99,6 @@ struct Xfer {
   absl::Duration post ABSL_GUARDED_BY(op_mu);
   absl::Duration transfer ABSL_GUARDED_BY(op_mu);
   bool measured ABSL_GUARDED_BY(op_mu) = false;
-  BatchStatus status ABSL_GUARDED_BY(op_mu);               // reused
   engine_internal::PlanCache plan ABSL_GUARDED_BY(op_mu);  // its slices, from the last post
 
   Mutex note_mu;
@@ -110,17 +109,6 @@ struct Xfer {
 
 absl::Status NoSuch(const char* what, uint64_t id) {
   return absl::NotFoundError(absl::StrCat("no prepared ", what, " ", id));
-}
-
-// The first failed request's error, naming it.
-absl::Status FirstError(const BatchStatus& s) {
-  for (size_t i = 0; i < s.requests.size(); ++i) {
-    if (!s.requests[i].ok()) {
-      return absl::Status(s.requests[i].code(),
-                          absl::StrCat("request ", i, ": ", s.requests[i].message()));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -276,7 +264,6 @@ class PreparedTransfers::Impl {
       }
     }
     if (notification.has_value()) x->notification = notification;
-    x->start = d_.clock->Now();
     x->measured = false;
     x->announced = x->notification.has_value();
     if (x->announced) {
@@ -285,10 +272,15 @@ class PreparedTransfers::Impl {
       x->note_result = absl::OkStatus();
       x->note_message = *x->notification;
     }
-    absl::StatusOr<BatchId> batch =
-        d_.pipeline->Submit(x->segment, x->requests,
-                            engine_internal::PeerBinding{x->engine_id, {}, x->announced}, &x->plan);
-    x->post = d_.clock->Now() - x->start;
+    // Its start: when the pipeline read the clock before the first
+    // doorbell (no read of our own on the way to it).
+    x->start = absl::InfinitePast();
+    absl::StatusOr<BatchId> batch = d_.pipeline->Submit(
+        x->segment, x->requests, engine_internal::PeerBinding{x->engine_id, {}, x->announced},
+        &x->plan, &x->start);
+    const absl::Time posted = d_.clock->Now();
+    if (x->start == absl::InfinitePast()) x->start = posted;  // refused before a doorbell
+    x->post = posted - x->start;
     if (!batch.ok()) {
       if (x->announced) {
         {
@@ -408,21 +400,21 @@ class PreparedTransfers::Impl {
   // notification (if any) went out.
   void Advance(Xfer& x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(x.op_mu) {
     if (x.phase != Xfer::Phase::kRunning) return;
-    absl::StatusOr<bool> done = d_.pipeline->PollDone(x.batch, &x.status);
+    if (x.announced) {
+      // The announcing thread keeps the batch until the word is sent.
+      MutexLock note_lock(&x.note_mu);
+      if (x.note_pending) return;
+    }
     absl::Status result;
+    absl::StatusOr<bool> done = d_.pipeline->FinishIfDone(x.batch, &result, /*release=*/true);
     if (!done.ok()) {
       result = done.status();
-    } else {
-      if (!*done) return;
-      result = FirstError(x.status);
-    }
-    const bool s_ok = done.ok();
-    if (x.announced && s_ok) {
+    } else if (!*done) {
+      return;
+    } else if (x.announced && result.ok()) {
       MutexLock note_lock(&x.note_mu);
-      if (x.note_pending) return;  // the data is in place, the word not yet sent
-      if (result.ok()) result = x.note_result;
+      result = x.note_result;
     }
-    (void)d_.pipeline->Release(x.batch);
     x.phase = Xfer::Phase::kFinished;
     x.error = std::move(result);
     x.transfer = d_.clock->Now() - x.start;
@@ -463,10 +455,10 @@ class PreparedTransfers::Impl {
       x = std::move(it->second);
       by_batch_.erase(it);
     }
-    absl::Status sent;
+    absl::Status sent, failed;
     // Done (it was told so), and kept until the post's State sees the
     // notification sent.
-    absl::StatusOr<bool> done = d_.pipeline->PollDone(batch, &announced_status_);
+    absl::StatusOr<bool> done = d_.pipeline->FinishIfDone(batch, &failed, /*release=*/false);
     std::string message;
     {
       MutexLock note_lock(&x->note_mu);
@@ -474,7 +466,7 @@ class PreparedTransfers::Impl {
     }
     if (!done.ok()) {
       sent = done.status();
-    } else if (!FirstError(announced_status_).ok()) {
+    } else if (!failed.ok()) {
       sent = absl::OkStatus();  // nothing to announce: the post failed
     } else {
       sent = d_.notify(x->segment, message, x->engine_id);
@@ -514,7 +506,6 @@ class PreparedTransfers::Impl {
   // before their post recorded them.
   absl::flat_hash_map<BatchId, std::shared_ptr<Xfer>> by_batch_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<BatchId> early_ ABSL_GUARDED_BY(mu_);
-  BatchStatus announced_status_;  // the announcing thread's, reused
   std::thread announcer_;
 };
 
