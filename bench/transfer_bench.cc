@@ -16,12 +16,14 @@
 //        batches in flight per thread, for --duration seconds, --bytes, or
 //        --iters requests; MiB/s (2^20 bytes, as perftest), GB/s, ops/s and
 //        the time of a batch (p50/p99/p999). A progress line per second on
-//        runs longer than one. A batch's blocks are adjacent, so the engine
-//        moves them in shared slices (up to the slice size); --scatter
-//        leaves a block-sized gap after each, so that every request is a
-//        slice of its own (the memcpy reference copies the same blocks; the
-//        socket reference streams the same number of bytes in one run per
-//        connection either way).
+//        runs longer than one. A batch's blocks are scattered by default,
+//        as a KV cache's pages are: a block-sized gap after each, so that
+//        every request is a slice of its own; --noscatter makes them
+//        adjacent, and the engine then moves them in shared slices (up to
+//        the slice size). The output says which ("scattered"/"adjacent").
+//        The memcpy reference copies the same blocks; the socket reference
+//        streams the same number of bytes in one run per connection either
+//        way.
 //   lat: ping-pong like ib_write_lat: the initiator WRITEs `block` bytes, the
 //        target sees them land and WRITEs them back; half the round trip is
 //        the one-way latency (p50/p99/p999). Each side, as ib_write_lat,
@@ -41,7 +43,7 @@
 //   --prepared: nixlbench's measure on the engine's prepared transfers
 //        (docs/nixl.md): for every block size (--sweep, or --block) and
 //        batch size (--batches), one transfer of `batch` descriptors (block
-//        j at j x stride, adjacent or, with --scatter, every other one) is
+//        j at j x stride, every other one or, with --noscatter, adjacent) is
 //        prepared, then posted and polled to completion --iters times after
 //        --warmup. Columns as nixlbench's: GB/s, the average latency per
 //        descriptor, and the average and p99 of prepare (both lists plus
@@ -104,9 +106,10 @@ ABSL_FLAG(uint32_t, port, 0, "target: handshake port (0: first free from 15000)"
 ABSL_FLAG(uint64_t, block, 64 << 10, "bytes per request");
 ABSL_FLAG(uint32_t, batch, 64, "bw mode: requests per batch (two batches in flight per thread)");
 ABSL_FLAG(uint32_t, threads, 1, "bw mode: submitting threads");
-ABSL_FLAG(bool, scatter, false,
-          "bw mode: every other block on both ends (no two requests adjacent, so each is a "
-          "slice of its own; adjacent ones share slices)");
+ABSL_FLAG(bool, scatter, true,
+          "bw mode and --prepared: every other block on both ends, as a KV cache's pages (no two "
+          "requests adjacent, so each is a slice of its own); --noscatter: adjacent blocks, "
+          "which the engine moves in shared slices");
 ABSL_FLAG(uint32_t, links, 0,
           "links the engine opens to the peer (EngineOptions::links_per_peer; 0: the "
           "transport's choice); the socket reference opens as many connections as the engine "
@@ -283,8 +286,8 @@ absl::StatusOr<BwResult> DriveBandwidth(Mover& m, int threads, uint32_t batch, u
   return r;
 }
 
-// The distance between the starts of a batch's blocks: the block itself, or
-// twice it with --scatter.
+// The distance between the starts of a batch's blocks: twice the block
+// (scattered, the default), or the block itself with --noscatter.
 uint64_t BwStride(uint64_t block) { return absl::GetFlag(FLAGS_scatter) ? 2 * block : block; }
 
 // Where a thread's batches go: thread t, half h uses bytes
@@ -999,23 +1002,25 @@ void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const Bw
   const BwResult& r = pair.engine;
   const std::optional<BwResult>& ref = pair.ref;
   const double ratio = pair.ratio;
+  const char* layout = absl::GetFlag(FLAGS_scatter) ? "scattered" : "adjacent";
   if (absl::GetFlag(FLAGS_json)) {
     std::printf(
         "{\"mode\": \"bw\", \"op\": \"%s\", \"transport\": \"%s\", \"block\": %llu, "
+        "\"layout\": \"%s\", "
         "\"batch\": %u, \"threads\": %d, \"requests\": %.0f, \"seconds\": %.6f, "
         "\"mib_per_s\": %.3f, \"gb_per_s\": %.6f, \"ops_per_s\": %.1f, "
         "\"batch_us_p50\": %.2f, \"batch_us_p99\": %.2f, \"batch_us_p999\": %.2f, "
         "\"reference\": \"%s\", \"reference_gb_per_s\": %.6f, \"ratio\": %.4f, \"rounds\": %u}\n",
-        OpName(write).c_str(), transport.c_str(), static_cast<unsigned long long>(r.block), batch,
-        threads, r.requests, r.seconds, r.mib_s(), r.gb_s(), r.ops_s(), r.batch_us.p50,
+        OpName(write).c_str(), transport.c_str(), static_cast<unsigned long long>(r.block), layout,
+        batch, threads, r.requests, r.seconds, r.mib_s(), r.gb_s(), r.ops_s(), r.batch_us.p50,
         r.batch_us.p99, r.batch_us.p999, s.reference.c_str(), ref ? ref->gb_s() : 0.0, ratio,
         std::max<uint32_t>(1, absl::GetFlag(FLAGS_rounds)));
     return;
   }
   std::printf(
-      "%s %llu B x %.0f over %s (%d link(s)), %d thread(s): %.2f MiB/s (%.3f GB/s), "
+      "%s %llu B x %.0f, %s, over %s (%d link(s)), %d thread(s): %.2f MiB/s (%.3f GB/s), "
       "%.0f ops/s; batch of %u: p50 %.1f us, p99 %.1f us, p999 %.1f us\n",
-      write ? "WRITE" : "READ", static_cast<unsigned long long>(r.block), r.requests,
+      write ? "WRITE" : "READ", static_cast<unsigned long long>(r.block), r.requests, layout,
       transport.c_str(), EngineLinks(s), threads, r.mib_s(), r.gb_s(), r.ops_s(), batch,
       r.batch_us.p50, r.batch_us.p99, r.batch_us.p999);
   if (ref) {
@@ -1023,8 +1028,8 @@ void PrintBw(const Session& s, bool write, uint32_t batch, int threads, const Bw
                 s.reference.c_str(), ref->gb_s(), ref->ops_s(), s.reference.c_str(), ratio,
                 RoundsNote().c_str());
   }
-  std::printf("RESULT mode=bw op=%s block=%llu value=%.3f unit=MiB/s%s\n", OpName(write).c_str(),
-              static_cast<unsigned long long>(r.block), r.mib_s(),
+  std::printf("RESULT mode=bw op=%s block=%llu layout=%s value=%.3f unit=MiB/s%s\n",
+              OpName(write).c_str(), static_cast<unsigned long long>(r.block), layout, r.mib_s(),
               ref ? absl::StrFormat(" reference=%s ratio=%.4f", s.reference, ratio).c_str() : "");
 }
 

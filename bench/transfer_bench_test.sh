@@ -28,6 +28,20 @@ check latency lat memcpy --mode=lat --block=8 --iters=50 --warmup=5
 check rounds bw memcpy --mode=bw --block=65536 --batch=8 --iters=64 --warmup=8 --rounds=3
 check socket_ref bw socket --mode=bw --block=65536 --batch=8 --iters=64 --warmup=8 --reference=socket
 check no_ref lat none --mode=lat --block=64 --iters=20 --warmup=2 --reference=none
+# Scattered blocks by default, adjacent with --noscatter; the output says which.
+for layout in scattered adjacent; do
+  flag=--scatter; [[ $layout == adjacent ]] && flag=--noscatter
+  args=(--mode=bw --block=4096 --batch=8 --iters=64 --warmup=8)
+  [[ $layout == scattered ]] || args+=("$flag")
+  out="$("$bench" --transport=tcp "${args[@]}" 2>&1)"
+  if grep -q "^WRITE 4096 B x 64, $layout, over tcp" <<<"$out" &&
+     grep -q "^RESULT mode=bw op=write block=4096 layout=$layout value=" <<<"$out" &&
+     "$bench" --transport=tcp "${args[@]}" --json 2>&1 | grep -q "\"layout\": \"$layout\""; then
+    echo "ok   $layout blocks are named"
+  else
+    echo "FAIL $layout blocks: $out"; fail=1
+  fi
+done
 check prepared_latency lat memcpy --mode=lat --prepared --block=8 --iters=50 --warmup=5
 if "$bench" --transport=tcp --mode=lat --prepared --block=8 --iters=20 --warmup=2 2>&1 |
     grep -q '^WRITE 8 B ping-pong (prepared transfers) x 20 '; then
@@ -63,7 +77,7 @@ if [[ "$rows" == 4 ]] && grep -q 'scattered blocks' <<<"$out" && grep -q 'Avg Po
 else
   echo "FAIL prepared: $out"; fail=1
 fi
-out="$("$bench" --transport=tcp --prepared --block=4096 --batches=16 --iters=20 --warmup=2 --json 2>&1)"
+out="$("$bench" --transport=tcp --prepared --block=4096 --batches=16 --iters=20 --warmup=2 --noscatter --json 2>&1)"
 if python3 -c 'import json, sys; d = json.loads(sys.argv[1]); assert d["mode"] == "prepared"
 assert d["batch"] == 16 and d["descriptors"] == 1 and d["layout"] == "adjacent"
 assert d["gb_s"] > 0 and d["post_p99_us"] >= 0 and d["tx_us"] > 0

@@ -2,29 +2,36 @@
 # The engine over TCP against a raw socket stream and UCX's TCP transport,
 # between two processes on this host, in one run:
 #
-#   tools/bench_tcp.sh [--rounds=N] [--blocks=65536,1048576]
+#   tools/bench_tcp.sh [--rounds=N] [--blocks=65536,1048576] [--layouts=scattered,adjacent]
 #
 # Builds //bench:transfer_bench (-c opt), starts a target process, and runs,
 # alternating, N rounds (default 3) per block size of: the engine
 # (transfer_bench --role=initiator, which measures the raw socket stream to
-# the target's sink right after it) and ucx_perftest ucp_put_bw with
-# UCX_TLS=tcp. Prints the medians and the median of the per-round ratios to
-# the raw socket stream. Installs ucx-utils (apt) when ucx_perftest is
-# missing and this runs as root. Compare ratios, not absolute figures.
+# the target's sink right after it) with scattered blocks (every other
+# block on both ends, as a KV cache's pages: each request its own slice),
+# then with adjacent ones (which the engine moves in shared slices), and
+# ucx_perftest ucp_put_bw with UCX_TLS=tcp. Prints the medians and the
+# median of the per-round ratios to the raw socket stream, a row per block
+# and layout. --layouts picks them (default both). Installs ucx-utils
+# (apt) when ucx_perftest is missing and this runs as root. Compare
+# ratios, not absolute figures.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rounds=3
 blocks=65536,1048576
+layouts=scattered,adjacent
 for a in "$@"; do
   case "$a" in
     --rounds=*) rounds="${a#--rounds=}" ;;
     --blocks=*) blocks="${a#--blocks=}" ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --layouts=*) layouts="${a#--layouts=}" ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "bench_tcp.sh: unknown argument $a (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "bench_tcp.sh: --rounds must be a positive number" >&2; exit 2; }
 [[ "$blocks" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "bench_tcp.sh: --blocks is a comma-separated list of byte counts" >&2; exit 2; }
+[[ "$layouts" =~ ^(scattered|adjacent)(,(scattered|adjacent))?$ ]] || { echo "bench_tcp.sh: --layouts is scattered, adjacent or both (comma-separated)" >&2; exit 2; }
 if ! command -v ucx_perftest >/dev/null; then
   if [[ $(id -u) -eq 0 ]]; then
     apt-get install -y -q --no-install-recommends ucx-utils >&2 ||
@@ -45,15 +52,23 @@ peer="$(sed -n 's/^target ready at \([^ ]*\) .*/\1/p' "$work/target.log")"
 [[ -n "$peer" ]] || { echo "bench_tcp.sh: the target did not start: $(cat "$work/target.log")" >&2; exit 1; }
 port=13400
 IFS=, read -r -a sizes <<<"$blocks"
+IFS=, read -r -a kinds <<<"$layouts"
 for ((r = 1; r <= rounds; r++)); do
   for b in "${sizes[@]}"; do
-    # The engine, then the raw socket stream (the tool measures both).
-    json="$("$bin" --role=initiator --peer="$peer" --host=127.0.0.1 --transport=tcp --json \
-            --block="$b" --batch=16 --duration=1 --warmup=32 --reference=socket 2>/dev/null || true)"
-    python3 -c 'import json, sys
-d = json.loads(sys.argv[1]); r, b = sys.argv[2], sys.argv[3]
-print("BENCH", r, b, "kvferry", d["gb_per_s"]); print("BENCH", r, b, "socket", d["reference_gb_per_s"])' \
-      "$json" "$r" "$b" 2>/dev/null || echo "BENCH $r $b kvferry nan"
+    for layout in "${kinds[@]}"; do
+      # The engine, then the raw socket stream (the tool measures both).
+      flag=--scatter
+      [[ "$layout" == adjacent ]] && flag=--noscatter
+      json="$("$bin" --role=initiator --peer="$peer" --host=127.0.0.1 --transport=tcp --json \
+              --block="$b" --batch=16 "$flag" --duration=1 --warmup=32 --reference=socket \
+              2>/dev/null || true)"
+      python3 -c 'import json, sys
+d = json.loads(sys.argv[1]); r, b, l = sys.argv[2], sys.argv[3], sys.argv[4]
+assert d["layout"] == l, d["layout"]
+print("BENCH", r, b, "kvferry-" + l, d["gb_per_s"])
+print("BENCH", r, b, "socket-" + l, d["reference_gb_per_s"])' \
+        "$json" "$r" "$b" "$layout" 2>/dev/null || echo "BENCH $r $b kvferry-$layout nan"
+    done
     # UCX over TCP, the same block size, as many bytes as a second of the engine.
     port=$((port + 1))
     iters=$(( (1 << 31) / b ))
@@ -80,12 +95,18 @@ blocks = sorted({b for b, _ in rows})
 def med(v):
     v = [x for x in v if x == x]
     return statistics.median(v) if v else float("nan")
-print("| block | raw socket GB/s | kvferry GB/s | ratio | UCX tcp GB/s | ratio |")
-print("|---|---|---|---|---|---|")
+layouts = [l for l in ("scattered", "adjacent") if any(n == "kvferry-" + l for _, n in rows)]
+print("| block | layout | raw socket GB/s | kvferry GB/s | ratio | UCX tcp GB/s | ratio |")
+print("|---|---|---|---|---|---|---|")
 for b in blocks:
-    sock, mine, ucx = (rows.get((b, n), {}) for n in ("socket", "kvferry", "ucx"))
-    ratio = lambda x: med([x[r] / sock[r] for r in x if r in sock and sock[r] > 0])
-    print(f"| {b} | {med(sock.values()):.2f} | {med(mine.values()):.2f} | {ratio(mine):.2f} | "
-          f"{med(ucx.values()):.2f} | {ratio(ucx):.2f} |")
-print(f"({len({r for v in rows.values() for r in v})} round(s); ratio = median of per-round ratios to the raw socket stream)")
+    for l in layouts:
+        sock, mine = rows.get((b, "socket-" + l), {}), rows.get((b, "kvferry-" + l), {})
+        ucx = rows.get((b, "ucx"), {})
+        ratio = lambda x: med([x[r] / sock[r] for r in x if r in sock and sock[r] > 0])
+        print(f"| {b} | {l} | {med(sock.values()):.2f} | {med(mine.values()):.2f} | "
+              f"{ratio(mine):.2f} | {med(ucx.values()):.2f} | {ratio(ucx):.2f} |")
+print(f"({len({r for v in rows.values() for r in v})} round(s); ratio = median of per-round ratios to the raw "
+      "socket stream of the same row; scattered: every other block on both ends, each request its own "
+      "slice; adjacent: blocks that follow each other, moved in shared slices; UCX puts one "
+      "contiguous buffer)")
 PY
