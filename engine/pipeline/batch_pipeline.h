@@ -150,6 +150,11 @@ class BatchPipeline {
   std::optional<absl::StatusOr<BatchId>> SubmitOne(SegmentId id, const TransferRequest& r,
                                                    const LocalUse& local, const PeerBinding& bound,
                                                    absl::Time* submitted);
+  // The lane's current view of segment `id` (and its part of it in
+  // `entry`) when a lone request may take the short way on it: no
+  // backlog, and the peer instance and epoch `bound` names; else null.
+  const SegmentCore* LoneView(Lane& lane, SegmentId id, const PeerBinding& bound,
+                              LaneSegment** entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // The same for a lone request whose `cache` holds its one slice as last
   // assigned (PlanCache::Assigned) on the lane's current view: its place
   // taken on the same link and the cached work request posted, with no

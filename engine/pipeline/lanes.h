@@ -63,6 +63,13 @@ struct PlanCache {
     uint32_t per_link[LinkPlan::kMaxLinks] = {};
     size_t links = 0;
     std::vector<std::pair<size_t, NicTally>> nics;  // a lane's tallies to add
+    void AddTallies(std::vector<NicTally>* to) const {
+      for (const auto& [nic, tally] : nics) {
+        if (nic >= to->size()) continue;
+        (*to)[nic].slices += tally.slices;
+        (*to)[nic].bytes += tally.bytes;
+      }
+    }
   } assigned;
 };
 

@@ -156,11 +156,7 @@ std::optional<BatchId> BatchPipeline::SubmitAssigned(Lane& lane, LaneSegment& ls
   ls.metrics.slices += n;
   ls.slices += n;
   ls.last_used = out->now;
-  for (const auto& [nic, tally] : a.nics) {
-    if (nic >= lane.nics.size()) continue;
-    lane.nics[nic].slices += tally.slices;
-    lane.nics[nic].bytes += tally.bytes;
-  }
+  a.AddTallies(&lane.nics);
   // Posted from the cache itself (Poster never changes what it is given),
   // with this batch's slice ids as cookies.
   out->slice_ids->resize(n);
@@ -290,6 +286,19 @@ absl::StatusOr<BatchId> BatchPipeline::SubmitGeneral(SegmentId id,
   return batch;
 }
 
+const SegmentCore* BatchPipeline::LoneView(Lane& lane, SegmentId id, const PeerBinding& bound,
+                                           LaneSegment** entry) {
+  *entry = lane.Find(id);
+  if (*entry == nullptr) return nullptr;
+  const SegmentCore* seg = (*entry)->Current();
+  if (seg == nullptr || poster_.MaybeBacklog() ||
+      (bound.engine_id != 0 && bound.engine_id != seg->descriptor.engine_id) ||
+      (bound.epoch.has_value() && *bound.epoch != seg->epoch)) {
+    return nullptr;
+  }
+  return seg;
+}
+
 std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
                                                                 const TransferRequest& r,
                                                                 const LocalUse& local,
@@ -303,15 +312,10 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOne(SegmentId id,
   absl::Status posted;
   {
     MutexLock lane_lock(&lane.mu);
-    LaneSegment* entry = lane.Find(id);
-    if (entry == nullptr) return std::nullopt;
+    LaneSegment* entry;
+    const SegmentCore* seg = LoneView(lane, id, bound, &entry);
+    if (seg == nullptr) return std::nullopt;
     LaneSegment& ls = *entry;
-    const SegmentCore* seg = ls.Current();
-    if (seg == nullptr || poster_.MaybeBacklog() ||
-        (bound.engine_id != 0 && bound.engine_id != seg->descriptor.engine_id) ||
-        (bound.epoch.has_value() && *bound.epoch != seg->epoch)) {
-      return std::nullopt;
-    }
     // Planned in its place in the lane's table (no copy), and given back
     // when anything is unusual.
     Slice* slice;
@@ -355,15 +359,10 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOneCached(SegmentId 
   absl::Status posted;
   {
     MutexLock lane_lock(&lane.mu);
-    LaneSegment* entry = lane.Find(id);
-    if (entry == nullptr) return std::nullopt;
+    LaneSegment* entry;
+    const SegmentCore* seg = LoneView(lane, id, bound, &entry);
+    if (seg == nullptr || seg != cache.view.get()) return std::nullopt;
     LaneSegment& ls = *entry;
-    const SegmentCore* seg = ls.Current();
-    if (seg == nullptr || seg != cache.view.get() || poster_.MaybeBacklog() ||
-        (bound.engine_id != 0 && bound.engine_id != seg->descriptor.engine_id) ||
-        (bound.epoch.has_value() && *bound.epoch != seg->epoch)) {
-      return std::nullopt;
-    }
     now = clock_->Now();
     via = seg->via;
     if (!TakePlaces(seg->links, a.per_link, a.links, vias_[via].link_capacity, now)) {
@@ -376,11 +375,7 @@ std::optional<absl::StatusOr<BatchId>> BatchPipeline::SubmitOneCached(SegmentId 
     wr = a.wrs[0];
     wr.cookie = sid;
     ++ls.metrics.slices;
-    for (const auto& [nic, tally] : a.nics) {
-      if (nic >= lane.nics.size()) continue;
-      lane.nics[nic].slices += tally.slices;
-      lane.nics[nic].bytes += tally.bytes;
-    }
+    a.AddTallies(&lane.nics);
     // The doorbell first, the batch's books after (as SubmitOne).
     posted = vias_[via].transport->Post({&wr, 1});
     batch = CreateLone(lane, ls, id, r, bound, slice, now);
