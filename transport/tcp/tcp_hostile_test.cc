@@ -4,7 +4,9 @@
 // into ends its link within the grace period), and a zero-length request
 // must name a valid key like any other.
 #include <sys/socket.h>
+#include <sys/uio.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -234,6 +236,75 @@ TEST(TcpHostile, APeerThatNeverReadsItsAnswersIsDropped) {
     }
   }
   EXPECT_TRUE(dropped) << "the responder kept the link of a peer that reads no answers";
+}
+
+// The same with WRITEs of 16 KiB, each its own Post: their acknowledgements
+// are the ones the reader sends itself even with requests buffered behind
+// them. They wait in the socket (bounded by its send buffer) or, once it
+// takes no more, behind the writer (bounded as above); either way the peer
+// loses its link in bounded time: by the answer queue's bound, or when the
+// unread acknowledgements outlast dead_peer_timeout.
+TEST(TcpHostile, APeerThatNeverReadsTheAcksOfLargeWritesLosesItsLink) {
+  TcpTransportOptions o;
+  o.max_outstanding_per_link = 16;
+  o.dead_peer_timeout = absl::Seconds(2);
+  auto b = CreateTcpTransport(o);
+  ASSERT_TRUE(b.ok());
+  constexpr uint32_t kBlock = 16 << 10;
+  std::vector<char> target(kBlock, 0), payload(kBlock, 'w');
+  auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(r.ok());
+  net::Fd peer = PairRawPeer(**b);
+  const int small = 4096;
+  ::setsockopt(peer.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+  auto dropped_links = [&] {
+    for (const auto& [name, count] : (*b)->RefusedInput()) {
+      if (name == "data_peer_dropped_unread_answers") return count;
+    }
+    return uint64_t{0};
+  };
+  DataHeader h;
+  h.type = tcp_wire::kWriteReq;
+  h.flags = tcp_wire::kAckNow;
+  h.remote_addr = r->addr;
+  h.rkey = r->keys[0];
+  h.length = kBlock;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  bool closed = false;
+  for (uint64_t id = 1; !closed && dropped_links() == 0 && absl::Now() < deadline; ++id) {
+    h.id = id;
+    iovec iov[2] = {{&h, sizeof h}, {payload.data(), payload.size()}};
+    size_t off = 0;
+    while (off < sizeof h + kBlock && absl::Now() < deadline) {
+      iovec* first = iov;
+      int count = 2;
+      for (size_t skip = off; skip > 0 && count > 0;) {
+        const size_t n = std::min(skip, first->iov_len);
+        first->iov_base = static_cast<char*>(first->iov_base) + n;
+        first->iov_len -= n;
+        skip -= n;
+        if (first->iov_len == 0) ++first, --count;
+      }
+      msghdr msg{};
+      msg.msg_iov = first;
+      msg.msg_iovlen = static_cast<size_t>(count);
+      const ssize_t n = ::sendmsg(peer.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+        closed = true;
+        break;
+      }
+      if (n < 0) {
+        if (dropped_links() > 0) break;
+        absl::SleepFor(absl::Milliseconds(1));
+        continue;
+      }
+      off += static_cast<size_t>(n);
+      iov[0] = {&h, sizeof h};
+      iov[1] = {payload.data(), payload.size()};
+    }
+  }
+  EXPECT_TRUE(closed || dropped_links() == 1u)
+      << "the responder kept for 20 s the link of a peer that reads no answers";
 }
 
 // Links are capped: a peer cannot make the transport hold (and run two

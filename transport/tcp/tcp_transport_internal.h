@@ -73,11 +73,16 @@ using tcp_wire::PeerParams;
 
 // A Post on an idle link of at most this many bytes is sent by the posting
 // thread itself (no hand-off to the writer thread).
-constexpr uint64_t kInlineSendBytes = 16 << 10;
+constexpr uint64_t kInlineSendBytes = 64 << 10;
 // A responder acknowledges WRITEs in runs: up to the last request of each
 // Post on the link (kAckNow), and at most this many requests or bytes.
 constexpr uint64_t kMaxAckRun = 32;
 constexpr uint64_t kMaxAckRunBytes = 1 << 20;
+// The responder's reader sends a run's acknowledgement itself (the writer
+// idle) when the run covers at least this many bytes, even with more
+// requests received behind it: one small send per this much data at most,
+// so a peer that reads slowly never gets a stream of tiny segments.
+constexpr uint64_t kInlineAckMinBytes = 16 << 10;
 // Answers a responder queues for one link before it drops a peer that does
 // not read them, in units of max_outstanding_per_link.
 constexpr uint32_t kAnswerQueueFactor = 2;
@@ -142,7 +147,8 @@ class Responder {
   absl::Status ServeByReference(Link& link, const DataHeader& h, const ShareRef& ref, char* target,
                                 int device, Job* answer, bool* unserved);
   // Hands an answer to the writer. kCancelled once the link is stopping.
-  absl::Status QueueAnswer(Link& link, Job job) ABSL_LOCKS_EXCLUDED(core_.mu);
+  // `covered`: the bytes a WRITE run's acknowledgement answers for.
+  absl::Status QueueAnswer(Link& link, Job job, uint64_t covered = 0) ABSL_LOCKS_EXCLUDED(core_.mu);
   absl::Status QueueAnswerLocked(Link& link, Job job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
   absl::Status FlushRun(Link& link, AckRun& run);
 
