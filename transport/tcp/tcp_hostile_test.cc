@@ -245,13 +245,15 @@ TEST(TcpHostile, APeerThatNeverReadsItsAnswersIsDropped) {
 // loses its link in bounded time: by the answer queue's bound, or when the
 // unread acknowledgements outlast dead_peer_timeout.
 TEST(TcpHostile, APeerThatNeverReadsTheAcksOfLargeWritesLosesItsLink) {
+  constexpr uint32_t kBlock = 16 << 10;
+  // Made before the transport: its reader may still write into `target`
+  // until the transport is gone.
+  std::vector<char> target(kBlock, 0), payload(kBlock, 'w');
   TcpTransportOptions o;
   o.max_outstanding_per_link = 16;
   o.dead_peer_timeout = absl::Seconds(2);
   auto b = CreateTcpTransport(o);
   ASSERT_TRUE(b.ok());
-  constexpr uint32_t kBlock = 16 << 10;
-  std::vector<char> target(kBlock, 0), payload(kBlock, 'w');
   auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
   ASSERT_TRUE(r.ok());
   net::Fd peer = PairRawPeer(**b);
