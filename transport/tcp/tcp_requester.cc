@@ -23,15 +23,21 @@ absl::Status Requester::Post(absl::Span<const WorkRequest> batch) {
   Scratch<Direct> direct;
   // Links idle when this Post came: their requests go from this thread.
   Scratch<std::shared_ptr<Link>> inline_links;
-  RETURN_IF_ERROR(PostLocked(batch, *direct, *inline_links));
+  // Links whose writer has new jobs: woken once the lock is released (a
+  // writer woken under it would only sleep again on the mutex).
+  Scratch<std::shared_ptr<Link>> wake;
+  RETURN_IF_ERROR(PostLocked(batch, *direct, *inline_links, *wake));
+  for (const std::shared_ptr<Link>& link : *wake) link->cv.SignalAll();
   for (const std::shared_ptr<Link>& link : *inline_links) core_.SendInline(*link);
   inline_links->clear();  // drop the references now, not at the next Post
+  wake->clear();
   if (!direct->empty()) RunDirect(*direct);
   return absl::OkStatus();
 }
 
 absl::Status Requester::PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct,
-                                   std::vector<std::shared_ptr<Link>>& inline_links) {
+                                   std::vector<std::shared_ptr<Link>>& inline_links,
+                                   std::vector<std::shared_ptr<Link>>& wake) {
   MutexLock lock(&core_.mu);
   ReaderMutexLock regions(&core_.regions.mu());
   for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr));
@@ -81,11 +87,7 @@ absl::Status Requester::PostLocked(absl::Span<const WorkRequest> batch, std::vec
     if (i > 0 && batch[i].link == batch[i - 1].link) continue;
     Link& link = *core_.links.at(batch[i].link);
     if (link.peer_key != 0 || link.jobs.empty()) continue;
-    if (ClaimInline(link, post)) {
-      inline_links.push_back(core_.links.at(batch[i].link));
-    } else {
-      link.cv.SignalAll();
-    }
+    (ClaimInline(link, post) ? inline_links : wake).push_back(core_.links.at(batch[i].link));
   }
   return absl::OkStatus();
 }
@@ -157,17 +159,20 @@ absl::Status Requester::OnWriteAcks(Link& link, const DataHeader& h) {
   if (h.remote_addr == 0 || h.remote_addr > core_.options.max_outstanding_per_link) {
     return absl::DataLossError(absl::StrCat("WRITE ack for ", h.remote_addr, " requests"));
   }
-  MutexLock lock(&core_.mu);
-  for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
-    const WorkRequest* wr = link.outstanding.Find(id);
-    if (wr == nullptr) {
-      if (link.stopping) break;  // closed or failed here meanwhile
-      return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
+  {
+    MutexLock lock(&core_.mu);
+    for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
+      const WorkRequest* wr = link.outstanding.Find(id);
+      if (wr == nullptr) {
+        if (link.stopping) break;  // closed or failed here meanwhile
+        return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
+      }
+      core_.Complete(*wr, absl::OkStatus());
+      link.outstanding.Erase(id);
     }
-    core_.Complete(*wr, absl::OkStatus());
-    link.outstanding.Erase(id);
+    core_.NotifyLocked();
   }
-  core_.WakeWaiters();
+  core_.WakeWaitersUnlocked();
   return absl::OkStatus();
 }
 
@@ -207,11 +212,13 @@ absl::Status Requester::OnAnswer(Link& link, const DataHeader& h) {
   const int device = cuda::Driver::Get() != nullptr ? core_.regions.DeviceOf(wr.local_region) : -1;
   RETURN_IF_ERROR(device >= 0 ? link.recv_stage.Recv(*link.in, wr.local_addr, h.length, device)
                               : ReadStream(*link.in, wr.local_addr, h.length));
-  MutexLock lock(&core_.mu);
-  if (link.outstanding.Erase(h.id)) {
+  {
+    MutexLock lock(&core_.mu);
+    if (!link.outstanding.Erase(h.id)) return absl::OkStatus();
     core_.Complete(wr, absl::OkStatus());
-    core_.WakeWaiters();
+    core_.NotifyLocked();
   }
+  core_.WakeWaitersUnlocked();
   return absl::OkStatus();
 }
 

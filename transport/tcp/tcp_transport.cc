@@ -300,6 +300,11 @@ absl::Status TcpTransport::CloseLink(LinkId id) {
 
 size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
   MutexLock lock(&core_.mu);
+  return PopLocked(out);
+}
+
+size_t TcpTransport::PopLocked(absl::Span<Completion> out) {
+  if (core_.cq.empty()) return 0;
   ReaderMutexLock regions(&core_.regions.mu());
   return core_.cq.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (RegionTable::Entry* region = core_.regions.Find(id)) region->local_uses.fetch_sub(1);
@@ -307,14 +312,13 @@ size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
 }
 
 size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
-  {
-    MutexLock lock(&core_.mu);
-    core_.cq_cv.AwaitWithDeadline(
-        &core_.mu, FastNow() + timeout,
-        [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !core_.cq.empty() || core_.interrupted; });
-    core_.interrupted = false;
-  }
-  return PollCompletions(out);
+  // What arrived is taken under the same lock the wait ended with.
+  MutexLock lock(&core_.mu);
+  core_.cq_cv.AwaitWithDeadline(
+      &core_.mu, FastNow() + timeout,
+      [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !core_.cq.empty() || core_.interrupted; });
+  core_.interrupted = false;
+  return PopLocked(out);
 }
 
 void TcpTransport::InterruptWait() {

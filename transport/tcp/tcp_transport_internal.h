@@ -104,9 +104,12 @@ class Requester {
   absl::Status OnAnswer(Link& link, const DataHeader& h) ABSL_LOCKS_EXCLUDED(core_.mu);
 
  private:
+  // Queues the batch: `direct` gets the requests copied in-process,
+  // `inline_links` the links this thread sends on (ClaimInline), `wake`
+  // those whose writer the caller wakes.
   absl::Status PostLocked(absl::Span<const WorkRequest> batch, std::vector<Direct>& direct,
-                          std::vector<std::shared_ptr<Link>>& inline_links)
-      ABSL_LOCKS_EXCLUDED(core_.mu);
+                          std::vector<std::shared_ptr<Link>>& inline_links,
+                          std::vector<std::shared_ptr<Link>>& wake) ABSL_LOCKS_EXCLUDED(core_.mu);
   absl::Status ValidateLocked(const WorkRequest& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu)
       ABSL_SHARED_LOCKS_REQUIRED(core_.regions.mu());
   // If `link` is idle (writer not busy, nothing queued before `post`),
@@ -231,6 +234,8 @@ class TcpTransport final : public Transport, public StreamLinks {
   absl::Status Post(absl::Span<const WorkRequest> batch) override { return requester_.Post(batch); }
   size_t PollCompletions(absl::Span<Completion> out) override;
   size_t WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) override;
+  // Takes queued completions (none: no region lock taken).
+  size_t PopLocked(absl::Span<Completion> out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
   void InterruptWait() override;
   void* QueryExtension(absl::string_view name) override {
     return name == StreamLinks::kName ? static_cast<StreamLinks*>(this) : nullptr;
