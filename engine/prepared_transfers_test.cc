@@ -153,6 +153,39 @@ TEST_F(PreparedTest, ScatteredPairsWriteAndReadEveryByteAndPostAgain) {
   EXPECT_EQ(prepared().State(*w).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A thread remembers the transfer it found last (no agent-wide lock for a
+// serving loop that posts and polls one transfer): that memory never
+// outlives a Release, and never answers for another agent's transfer of
+// the same id.
+TEST_F(PreparedTest, ATransferFoundLastIsForgottenOnReleaseAndNeverAnotherAgents) {
+  const std::vector<int64_t> one = {0};
+  auto w = prepared().Make(Opcode::kWrite, llist_, one, rlist_, one);
+  ASSERT_TRUE(w.ok()) << w.status();
+  // The same id at the other agent: its lists take the same ids as here.
+  PreparedTransfers& other = p_.b->prepared();
+  auto seg = p_.b->OpenSegment(p_.a->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  auto ol = other.PrepareLocal(Blocks(remote_, kBlock));
+  auto orl = other.PrepareRemote(*seg, Blocks(local_, kBlock));
+  ASSERT_TRUE(ol.ok() && orl.ok()) << ol.status() << orl.status();
+  auto ow = other.Make(Opcode::kRead, *ol, one, *orl, one);
+  ASSERT_TRUE(ow.ok()) << ow.status();
+  ASSERT_EQ(*ow, *w) << "the test needs both agents to give the same id";
+  ASSERT_TRUE(prepared().Post(*w).ok());
+  ASSERT_EQ(*Finish(prepared(), *w), XferState::kDone);
+  // This thread found *w here last: the other agent's transfer is its own.
+  EXPECT_EQ(*other.State(*ow), XferState::kNotPosted);
+  EXPECT_EQ(*prepared().State(*w), XferState::kDone);
+  // Released while this thread last found it.
+  ASSERT_TRUE(prepared().Release(*w).ok());
+  EXPECT_EQ(prepared().State(*w).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(prepared().Post(*w).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(prepared().Telemetry(*w).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(prepared().Release(*w).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(*other.State(*ow), XferState::kNotPosted);
+  EXPECT_TRUE(other.Release(*ow).ok());
+}
+
 TEST_F(PreparedTest, AdjacentPairsMergeUnlessAskedNot) {
   std::vector<int64_t> li = {10, 11, 12, 13, 40, 41}, ri = {0, 1, 2, 3, 9, 10};
   auto merged = prepared().Make(Opcode::kWrite, llist_, li, rlist_, ri);

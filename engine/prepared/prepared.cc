@@ -1,6 +1,7 @@
 #include "engine/prepared/prepared.h"
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -100,6 +101,9 @@ struct Xfer {
   absl::Duration transfer ABSL_GUARDED_BY(op_mu);
   bool measured ABSL_GUARDED_BY(op_mu) = false;
   engine_internal::PlanCache plan ABSL_GUARDED_BY(op_mu);  // its slices, from the last post
+  // Set by Release: a thread that found it just before (through its last
+  // found transfer, or the map) reports it unknown.
+  bool released ABSL_GUARDED_BY(op_mu) = false;
 
   Mutex note_mu;
   bool note_pending ABSL_GUARDED_BY(note_mu) = false;
@@ -256,6 +260,7 @@ class PreparedTransfers::Impl {
   absl::StatusOr<XferState> Post(uint64_t id, const std::optional<std::string>& notification) {
     ASSIGN_OR_RETURN(std::shared_ptr<Xfer> x, Find(id));
     MutexLock op_lock(&x->op_mu);
+    if (x->released) return NoSuch("transfer", id);
     if (x->phase == Xfer::Phase::kRunning) {
       Advance(*x);
       if (x->phase == Xfer::Phase::kRunning) {
@@ -312,6 +317,7 @@ class PreparedTransfers::Impl {
   absl::StatusOr<XferState> State(uint64_t id) {
     ASSIGN_OR_RETURN(std::shared_ptr<Xfer> x, Find(id));
     MutexLock op_lock(&x->op_mu);
+    if (x->released) return NoSuch("transfer", id);
     Advance(*x);
     switch (x->phase) {
       case Xfer::Phase::kNotPosted:
@@ -328,6 +334,7 @@ class PreparedTransfers::Impl {
   absl::StatusOr<XferTelemetry> Telemetry(uint64_t id) {
     ASSIGN_OR_RETURN(std::shared_ptr<Xfer> x, Find(id));
     MutexLock op_lock(&x->op_mu);
+    if (x->released) return NoSuch("transfer", id);
     if (x->phase == Xfer::Phase::kFinished && !x->error.ok()) return x->error;
     if (!x->measured) {
       return absl::FailedPreconditionError(
@@ -340,11 +347,13 @@ class PreparedTransfers::Impl {
     ASSIGN_OR_RETURN(std::shared_ptr<Xfer> x, Find(id));
     {
       MutexLock op_lock(&x->op_mu);
+      if (x->released) return NoSuch("transfer", id);
       Advance(*x);
       if (x->phase == Xfer::Phase::kRunning) {
         return absl::AlreadyExistsError(
             absl::StrCat("transfer ", id, " is still in progress; it stays until it is done"));
       }
+      x->released = true;  // no Post starts it again meanwhile
     }
     MutexLock lock(&mu_);
     xfers_.erase(id);
@@ -359,11 +368,39 @@ class PreparedTransfers::Impl {
     return id;
   }
 
+  // A thread's last found transfer: posting and polling one transfer again
+  // and again, as a serving loop does, skips the agent-wide lock and map.
+  // Keyed by the agent's serial (unique per agent, so another agent's ids
+  // never match) and held weakly (it keeps no released transfer alive).
+  struct LastFound {
+    uint64_t serial = 0;
+    uint64_t id = 0;
+    std::weak_ptr<Xfer> xfer;
+  };
+  static LastFound& Last() {
+    thread_local LastFound last;
+    return last;
+  }
+  static uint64_t NextSerial() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // The caller checks `released` under the transfer's op_mu.
   absl::StatusOr<std::shared_ptr<Xfer>> Find(uint64_t id) {
-    MutexLock lock(&mu_);
-    auto it = xfers_.find(id);
-    if (it == xfers_.end()) return NoSuch("transfer", id);
-    return it->second;
+    LastFound& last = Last();
+    if (last.serial == serial_ && last.id == id) {
+      if (std::shared_ptr<Xfer> x = last.xfer.lock()) return x;
+    }
+    std::shared_ptr<Xfer> x;
+    {
+      MutexLock lock(&mu_);
+      auto it = xfers_.find(id);
+      if (it == xfers_.end()) return NoSuch("transfer", id);
+      x = it->second;
+    }
+    last = LastFound{serial_, id, x};
+    return x;
   }
 
   // Each entry inside the peer's regions (adjacent ones count as one span).
@@ -498,6 +535,7 @@ class PreparedTransfers::Impl {
   }
 
   const Deps d_;
+  const uint64_t serial_ = NextSerial();  // this agent's, for LastFound
   mutable Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<const List>> lists_ ABSL_GUARDED_BY(mu_);
