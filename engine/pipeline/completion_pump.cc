@@ -6,16 +6,19 @@ namespace kvferry {
 namespace engine_internal {
 
 bool CompletionPump::Claim() {
-  MutexLock lock(&mu_);
-  if (driving_.load()) return false;
-  driving_.store(true);
-  return true;
+  // No lock: claims are compare-and-swaps (Await's too, under the lock).
+  bool idle = false;
+  return driving_.compare_exchange_strong(idle, true);
 }
 
 void CompletionPump::Leave() {
-  MutexLock lock(&mu_);
   driving_.store(false);
+  // Sequentially consistent, as the sleeper's count and look in
+  // AwaitEpochPast: either it sees this bump or this sees it counted. The
+  // lock only to wake sleepers (a thread polling State alone has none).
   epoch_.fetch_add(1);
+  if (sleepers_.load() == 0) return;
+  MutexLock lock(&mu_);
   cv_.SignalAll();
 }
 
@@ -51,8 +54,10 @@ void CompletionPump::AwaitEpochPast(size_t lane, uint64_t seen, absl::Time deadl
   while (Seen(lane) == seen && FastNow() < spin_until) std::this_thread::yield();
   MutexLock lock(&mu_);
   lanes_[lane].sleepers.fetch_add(1);  // before the look below: see Wake
+  sleepers_.fetch_add(1);              // and Leave
   cv_.AwaitWithDeadline(&mu_, deadline,
                         [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return Seen(lane) != seen; });
+  sleepers_.fetch_sub(1);
   lanes_[lane].sleepers.fetch_sub(1);
 }
 
@@ -105,13 +110,13 @@ bool CompletionPump::Await(absl::FunctionRef<bool()> ready, absl::Duration timeo
     bool claimed = false, another_drives = false;
     {
       MutexLock lock(&mu_);
-      if (driving_.load()) {
+      bool idle = false;  // a compare-and-swap: TryDrive claims without the lock
+      if (!driving_.compare_exchange_strong(idle, true)) {
         another_drives = true;
       } else {
         // Claimed before the epoch is looked at, as a poller's Wake bumps
         // it before Delivered looks for a driver: a poller's delivery is
         // either seen here or interrupts this driver's wait.
-        driving_.store(true);
         if (Seen(lane) == seen) {
           claimed = true;
         } else {

@@ -70,11 +70,15 @@ class CompletionPump {
   Clock* const clock_;
   Mutex mu_{kPumpLock};
   CondVar cv_;
-  // Whether a thread drives: changed under mu_ (one driver at a time),
-  // read without it by Delivered.
+  // Whether a thread drives (one driver at a time): claimed by a
+  // compare-and-swap (Await's under mu_, TryDrive's without it), read
+  // without the lock by Delivered.
   std::atomic<bool> driving_{false};
   // Bumped by Leave; read without the lock.
   std::atomic<uint64_t> epoch_{0};
+  // Threads in AwaitEpochPast, all lanes: Leave takes the lock to wake them
+  // only when there are some.
+  std::atomic<int> sleepers_{0};
   struct Lane {
     char before[64];
     std::atomic<uint64_t> epoch{0};  // bumped by Wake
