@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "engine/prepared/prepared.h"
 #include "engine/transfer_engine.h"
 #include "gtest/gtest.h"
 #include "kv/kv_cache.h"
@@ -98,6 +99,48 @@ TEST(PeerFailure, FrozenPeerFailsInFlightRequestsWithinPeerTimeoutThenRestartWor
   ASSERT_TRUE(value.ok()) << value.status();
   ASSERT_TRUE(ParseBuffer(*value, &remote, &length));
   EXPECT_TRUE(RoundTrip(*e, *seg, src, check, remote, 4 << 20));
+}
+
+// The same with a prepared transfer that nothing but State polls (no
+// notification, no Wait): State still runs the liveness checks, so the
+// frozen peer fails it within peer_timeout.
+TEST(PeerFailure, FrozenPeerFailsAPreparedTransferThatOnlyStatePolls) {
+  auto peer = PeerProcess::Start(0, kBytes);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const absl::Duration kPeerTimeout = absl::Seconds(1);
+  auto e = Initiator(kPeerTimeout);
+  std::vector<char> src(kBytes, 's');
+  ASSERT_TRUE(e->RegisterMemory(src.data(), src.size()).ok());
+  auto seg = e->OpenSegment(peer->address());
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  uint64_t remote = 0, length = 0;
+  ASSERT_TRUE(ParseBuffer(e->FetchMetadata(*seg, "buffer").value_or(""), &remote, &length));
+  std::vector<Descriptor> mine, theirs;
+  std::vector<int64_t> idx;
+  for (uint64_t off = 0; off < kBytes; off += kBlock) {
+    mine.push_back({reinterpret_cast<uint64_t>(src.data()) + off, kBlock});
+    theirs.push_back({remote + off, kBlock});
+    idx.push_back(static_cast<int64_t>(idx.size()));
+  }
+  PreparedTransfers& p = e->prepared();
+  auto l = p.PrepareLocal(mine);
+  auto r = p.PrepareRemote(*seg, theirs);
+  ASSERT_TRUE(l.ok() && r.ok()) << l.status() << r.status();
+  auto x = p.Make(Opcode::kWrite, *l, idx, *r, idx);
+  ASSERT_TRUE(x.ok()) << x.status();
+  ASSERT_TRUE(p.Post(*x).ok());
+  peer->Freeze();  // 32 MiB cannot fit in the socket buffers
+  const absl::Time frozen = absl::Now();
+  absl::StatusOr<XferState> s = XferState::kInProgress;
+  while (s.ok() && *s == XferState::kInProgress && absl::Now() - frozen < absl::Seconds(30)) {
+    s = p.State(*x);
+  }
+  const absl::Duration took = absl::Now() - frozen;
+  EXPECT_FALSE(s.ok()) << "the transfer finished against a frozen peer";
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnavailable) << s.status();
+  EXPECT_LT(took, kPeerTimeout + absl::Seconds(2)) << "took " << took;
+  EXPECT_GE(e->GetCounters().probes_failed, 1u);
+  peer->Kill();
 }
 
 TEST(PeerFailure, ConcurrentCallersShareOneReconnectAfterARestart) {

@@ -68,7 +68,20 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
 }
 
 absl::StatusOr<bool> BatchPipeline::FinishIfDone(BatchId id, absl::Status* first, bool release) {
-  pump_.TryDrive([this] { Pump(absl::ZeroDuration()); });
+  // What the transports have now, delivered as Wait's first look does: no
+  // driver's turn, no clock reading when there is nothing (a caller that
+  // polls in a loop sees a completion one cheap look after it came). The
+  // driver's whole pump (liveness checks, backlogs) at least every
+  // kFullPollEvery of real time, so a caller that only polls still sees a
+  // silent peer fail its batches.
+  if (!PollNow()) {
+    const int64_t now = absl::ToUnixNanos(CoarseNow());
+    if (now >= next_full_poll_ns_.load(std::memory_order_relaxed)) {
+      next_full_poll_ns_.store(now + absl::ToInt64Nanoseconds(kFullPollEvery),
+                               std::memory_order_relaxed);
+      pump_.TryDrive([this] { Pump(absl::ZeroDuration()); });
+    }
+  }
   return lanes_.FirstErrorIfDone(id, first, release);
 }
 

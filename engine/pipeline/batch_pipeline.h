@@ -19,6 +19,7 @@
 #ifndef KVFERRY_ENGINE_PIPELINE_BATCH_PIPELINE_H_
 #define KVFERRY_ENGINE_PIPELINE_BATCH_PIPELINE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -178,6 +179,10 @@ class BatchPipeline {
   bool PollNow();
   // Completions taken from the transports per call.
   static constexpr size_t kPollBatch = 64;
+  // FinishIfDone runs the driver's whole pump when real time (CoarseNow,
+  // ns) reaches next_full_poll_ns_, then sets it kFullPollEvery later.
+  static constexpr absl::Duration kFullPollEvery = absl::Milliseconds(1);
+  std::atomic<int64_t> next_full_poll_ns_{0};
 
   const PipelineConfig config_;
   const std::vector<Via> vias_;
