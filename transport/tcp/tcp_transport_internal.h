@@ -71,8 +71,9 @@ using tcp_wire::kWriteAck;
 using tcp_wire::kWriteReq;
 using tcp_wire::PeerParams;
 
-// A Post on an idle link of at most this many bytes is sent by the posting
-// thread itself (no hand-off to the writer thread).
+// A Post on an idle link of at most this many bytes of data (headers
+// aside: 16 blocks of 4 KiB fit) is sent by the posting thread itself (no
+// hand-off to the writer thread).
 constexpr uint64_t kInlineSendBytes = 64 << 10;
 // A responder acknowledges WRITEs in runs: up to the last request of each
 // Post on the link (kAckNow), and at most this many requests or bytes.
