@@ -30,9 +30,8 @@ check socket_ref bw socket --mode=bw --block=65536 --batch=8 --iters=64 --warmup
 check no_ref lat none --mode=lat --block=64 --iters=20 --warmup=2 --reference=none
 # Scattered blocks by default, adjacent with --noscatter; the output says which.
 for layout in scattered adjacent; do
-  flag=--scatter; [[ $layout == adjacent ]] && flag=--noscatter
   args=(--mode=bw --block=4096 --batch=8 --iters=64 --warmup=8)
-  [[ $layout == scattered ]] || args+=("$flag")
+  [[ $layout == adjacent ]] && args+=(--noscatter)
   out="$("$bench" --transport=tcp "${args[@]}" 2>&1)"
   if grep -q "^WRITE 4096 B x 64, $layout, over tcp" <<<"$out" &&
      grep -q "^RESULT mode=bw op=write block=4096 layout=$layout value=" <<<"$out" &&

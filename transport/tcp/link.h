@@ -145,7 +145,8 @@ class LinkCore {
     cq_cv.SignalAll();
     if (notify) notify();
   }
-  // The same in two halves, for the reader's answers (the common path):
+  // The same in two halves, for the reader's answers and the in-process
+  // copies (the common paths):
   // the notifier under the lock, and the waiters woken once it is
   // released, so that a woken waiter does not find it still held and
   // sleep again on the mutex (measured, issue 38: most of the initiator's

@@ -4,9 +4,7 @@
 // into ends its link within the grace period), and a zero-length request
 // must name a valid key like any other.
 #include <sys/socket.h>
-#include <sys/uio.h>
 
-#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -248,7 +246,7 @@ TEST(TcpHostile, APeerThatNeverReadsTheAcksOfLargeWritesLosesItsLink) {
   constexpr uint32_t kBlock = 16 << 10;
   // Made before the transport: its reader may still write into `target`
   // until the transport is gone.
-  std::vector<char> target(kBlock, 0), payload(kBlock, 'w');
+  std::vector<char> target(kBlock, 0);
   TcpTransportOptions o;
   o.max_outstanding_per_link = 16;
   o.dead_peer_timeout = absl::Seconds(2);
@@ -271,38 +269,25 @@ TEST(TcpHostile, APeerThatNeverReadsTheAcksOfLargeWritesLosesItsLink) {
   h.remote_addr = r->addr;
   h.rkey = r->keys[0];
   h.length = kBlock;
+  std::vector<char> message(sizeof h + kBlock, 'w');  // the header, then the payload
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   bool closed = false;
   for (uint64_t id = 1; !closed && dropped_links() == 0 && absl::Now() < deadline; ++id) {
     h.id = id;
-    iovec iov[2] = {{&h, sizeof h}, {payload.data(), payload.size()}};
-    size_t off = 0;
-    while (off < sizeof h + kBlock && absl::Now() < deadline) {
-      iovec* first = iov;
-      int count = 2;
-      for (size_t skip = off; skip > 0 && count > 0;) {
-        const size_t n = std::min(skip, first->iov_len);
-        first->iov_base = static_cast<char*>(first->iov_base) + n;
-        first->iov_len -= n;
-        skip -= n;
-        if (first->iov_len == 0) ++first, --count;
-      }
-      msghdr msg{};
-      msg.msg_iov = first;
-      msg.msg_iovlen = static_cast<size_t>(count);
-      const ssize_t n = ::sendmsg(peer.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+    std::memcpy(message.data(), &h, sizeof h);
+    for (size_t off = 0; off < message.size() && absl::Now() < deadline;) {
+      const ssize_t n = ::send(peer.get(), message.data() + off, message.size() - off,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n >= 0) {
+        off += static_cast<size_t>(n);
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
         closed = true;
         break;
-      }
-      if (n < 0) {
-        if (dropped_links() > 0) break;
+      } else if (dropped_links() > 0) {
+        break;
+      } else {
         absl::SleepFor(absl::Milliseconds(1));
-        continue;
       }
-      off += static_cast<size_t>(n);
-      iov[0] = {&h, sizeof h};
-      iov[1] = {payload.data(), payload.size()};
     }
   }
   EXPECT_TRUE(closed || dropped_links() == 1u)

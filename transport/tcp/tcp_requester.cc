@@ -104,13 +104,11 @@ bool Requester::ClaimInline(Link& link, uint64_t post) {
     if (job.device >= 0 || job.by_ref) return false;  // staged, or a reference: the writer
     bytes += job.data ? job.header.length : 0;
   }
-  // Posts of up to kInlineSendBytes of data (16 KiB with the headers
-  // before issue 38: 2 and 4 KiB blocks x 16 per Post then went to the
-  // writer thread). Larger ones are better copied into the socket by the
-  // writer while this thread goes on: sent from here at any size, 16 KiB
-  // blocks x 16 per Post ran no faster (0.57-0.80 of the raw stream
-  // against 0.70-0.80). The send does not block: what the socket does not
-  // take goes to the writer.
+  // Posts of up to kInlineSendBytes of data. Larger ones are better copied
+  // into the socket by the writer while this thread goes on: sent from
+  // here at any size, 16 KiB blocks x 16 per Post ran no faster
+  // (docs/performance.md, "Fewer hand-offs"). The send does not block:
+  // what the socket does not take goes to the writer.
   if (bytes > kInlineSendBytes) return false;
   link.writer_busy = true;
   link.inline_jobs.swap(link.jobs);  // link.jobs is empty (and keeps its capacity)
@@ -131,26 +129,29 @@ void Requester::RunDirect(std::vector<Direct>& direct) {
   Scratch<Shortcuts::Copy*> copies;
   for (Direct& d : direct) copies->push_back(&d.copy);
   Shortcuts::Get().CopyAll(*copies);
-  MutexLock lock(&core_.mu);
   bool completed = false;
-  for (Direct& d : direct) {
-    if (!d.copy.run) continue;
-    Link& link = *d.link;
-    --link.direct_busy;
-    if (link.idle_waiters > 0) link.cv.SignalAll();
-  }
-  for (Direct& d : direct) {
-    if (!d.copy.run) continue;
-    Link& link = *d.link;
-    if (!d.copy.status.ok()) {
-      // Like a refused request on the wire: the link enters the error state.
-      core_.FailLink(link, std::move(d.copy.status), d.rid);
-    } else if (link.outstanding.Erase(d.rid)) {
-      core_.Complete(d.copy.wr, absl::OkStatus());
-      completed = true;
+  {
+    MutexLock lock(&core_.mu);
+    for (Direct& d : direct) {
+      if (!d.copy.run) continue;
+      Link& link = *d.link;
+      --link.direct_busy;
+      if (link.idle_waiters > 0) link.cv.SignalAll();
     }
+    for (Direct& d : direct) {
+      if (!d.copy.run) continue;
+      Link& link = *d.link;
+      if (!d.copy.status.ok()) {
+        // Like a refused request on the wire: the link enters the error state.
+        core_.FailLink(link, std::move(d.copy.status), d.rid);
+      } else if (link.outstanding.Erase(d.rid)) {
+        core_.Complete(d.copy.wr, absl::OkStatus());
+        completed = true;
+      }
+    }
+    if (completed) core_.NotifyLocked();
   }
-  if (completed) core_.WakeWaiters();
+  if (completed) core_.WakeWaitersUnlocked();
 }
 
 absl::Status Requester::OnWriteAcks(Link& link, const DataHeader& h) {
@@ -198,11 +199,7 @@ absl::Status Requester::OnAnswer(Link& link, const DataHeader& h) {
     return absl::DataLossError("READ answer of the wrong length");
   }
   if ((h.flags & kViaRef) != 0) {  // the peer copied into our memory itself
-    MutexLock lock(&core_.mu);
-    if (link.outstanding.Erase(h.id)) {
-      core_.Complete(wr, absl::OkStatus());
-      core_.WakeWaiters();
-    }
+    Completed(link, h.id, wr);
     return absl::OkStatus();
   }
   // Straight into the caller's buffer, which stays registered until
@@ -211,14 +208,19 @@ absl::Status Requester::OnAnswer(Link& link, const DataHeader& h) {
   const int device = cuda::Driver::Get() != nullptr ? core_.regions.DeviceOf(wr.local_region) : -1;
   RETURN_IF_ERROR(device >= 0 ? link.recv_stage.Recv(*link.in, wr.local_addr, h.length, device)
                               : ReadStream(*link.in, wr.local_addr, h.length));
+  Completed(link, h.id, wr);
+  return absl::OkStatus();
+}
+
+void Requester::Completed(Link& link, uint64_t id, const WorkRequest& wr) {
   {
     MutexLock lock(&core_.mu);
-    if (!link.outstanding.Erase(h.id)) return absl::OkStatus();
+    // Failed or closed meanwhile: already completed.
+    if (!link.outstanding.Erase(id)) return;
     core_.Complete(wr, absl::OkStatus());
     core_.NotifyLocked();
   }
   core_.WakeWaitersUnlocked();
-  return absl::OkStatus();
 }
 
 absl::Status Requester::ResendStaged(Link& link, const WorkRequest& wr, uint64_t id,

@@ -79,8 +79,9 @@ absl::Status Responder::QueueAnswer(Link& link, Job job, uint64_t covered) {
   // A plain answer goes from the reader itself when the writer is idle,
   // without blocking (a rest goes to the writer): when no request waits
   // behind it (nothing more received), or when it acknowledges a run of
-  // kInlineAckMinBytes or more (measured, issue 38: half the responder's
-  // context switches per request at 4 and 64 KiB, and no lower rate).
+  // kInlineAckMinBytes or more (measured, issue 38: the responder's
+  // context switches per request halved at 4 KiB and quartered at 16 KiB,
+  // docs/performance.md "Fewer hand-offs").
   // Otherwise the writer thread sends it: a READ answer's data is better
   // copied into the socket there while the reader goes on.
   const bool plain = !job.read_answer && job.text.empty() && !job.close_after && !job.by_ref &&

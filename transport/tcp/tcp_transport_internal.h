@@ -105,6 +105,9 @@ class Requester {
   absl::Status OnAnswer(Link& link, const DataHeader& h) ABSL_LOCKS_EXCLUDED(core_.mu);
 
  private:
+  // Request `id` (`wr`) succeeded: completed, and the waiters woken after
+  // the lock is released (nothing if it failed or closed meanwhile).
+  void Completed(Link& link, uint64_t id, const WorkRequest& wr) ABSL_LOCKS_EXCLUDED(core_.mu);
   // Queues the batch: `direct` gets the requests copied in-process,
   // `inline_links` the links this thread sends on (ClaimInline), `wake`
   // those whose writer the caller wakes.
