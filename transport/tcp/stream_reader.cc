@@ -37,14 +37,22 @@ absl::Status StreamReader::Fill(uint64_t wanted) {
 
 absl::Status StreamReader::Read(void* dst, size_t n) {
   char* p = static_cast<char*>(dst);
+  // Decided on the whole read, not on what the buffer leaves of it: a
+  // payload of kDirect bytes whose first bytes came with its header still
+  // goes straight in (deciding on the rest copied such a payload through
+  // the buffer whenever its header had read ahead into it).
+  const bool direct = n >= kDirect;
   for (;;) {
     const size_t take = std::min(n, tail_ - head_);
-    if (take > 0) std::memcpy(p, buffer_.get() + head_, take);
+    if (take > 0) {
+      std::memcpy(p, buffer_.get() + head_, take);
+      copied_ += take;
+    }
     head_ += take;
     p += take;
     n -= take;
     if (n == 0) return absl::OkStatus();
-    if (n >= kDirect) break;  // the buffer is empty: the rest goes straight in
+    if (direct) break;  // the buffer is empty: the rest goes straight in
     RETURN_IF_ERROR(Fill(n));
   }
   if (ahead_ > 0 && n <= kCapacity) {

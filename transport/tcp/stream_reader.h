@@ -40,6 +40,9 @@ class StreamReader {
   void ReadAhead(size_t bytes) { ahead_ = bytes; }
   // Bytes received and not yet read out (for tests).
   size_t Buffered() const { return tail_ - head_; }
+  // Bytes Read has copied out of the buffer so far (for tests: a direct
+  // payload is not among them).
+  uint64_t Copied() const { return copied_; }
 
  private:
   // One recv into the (empty) buffer: up to `wanted` bytes and ahead_
@@ -51,6 +54,7 @@ class StreamReader {
   size_t head_ = 0;  // [head_, tail_): received, not read out
   size_t tail_ = 0;
   size_t ahead_ = kCapacity;
+  uint64_t copied_ = 0;
 };
 
 }  // namespace transport

@@ -148,6 +148,30 @@ TEST_F(StreamReaderTest, ReadAheadBoundsWhatIsTakenBeyondARead) {
   EXPECT_EQ(0, std::memcmp(tail.data(), all.data() + 1000 + big, tail.size()));
 }
 
+// A payload of exactly kDirect bytes whose first bytes were read ahead
+// with its header: those few are copied out of the buffer, the rest goes
+// straight into place (not through the buffer: the whole read decides).
+TEST_F(StreamReaderTest, APayloadPartlyReadAheadStillGoesStraightIn) {
+  const std::vector<char> header = Pattern(40, 9);
+  const std::vector<char> payload = Pattern(StreamReader::kDirect, 10);
+  const std::vector<char> trailer = Pattern(40, 11);
+  std::vector<char> all = header;
+  all.insert(all.end(), payload.begin(), payload.end());
+  all.insert(all.end(), trailer.begin(), trailer.end());
+  Send(all.data(), all.size());
+  StreamReader in(fds_[0]);
+  in.ReadAhead(header.size());  // as the link's reader does while payloads are large
+  std::vector<char> h(header.size()), p(payload.size()), t(trailer.size());
+  ASSERT_TRUE(in.Read(h.data(), h.size()).ok());
+  ASSERT_EQ(header.size(), in.Buffered());  // the payload's first 40 bytes
+  ASSERT_TRUE(in.Read(p.data(), p.size()).ok());
+  EXPECT_EQ(header.size() + header.size(), in.Copied());
+  ASSERT_TRUE(in.Read(t.data(), t.size()).ok());
+  EXPECT_EQ(header, h);
+  EXPECT_EQ(payload, p);
+  EXPECT_EQ(trailer, t);
+}
+
 // The peer closing mid-message: kUnavailable, for a buffered read, a
 // direct one and a skip.
 TEST_F(StreamReaderTest, PeerClosingMidMessageIsUnavailable) {
