@@ -69,11 +69,12 @@ absl::StatusOr<BatchStatus> BatchPipeline::Poll(BatchId id) {
 
 absl::StatusOr<bool> BatchPipeline::FinishIfDone(BatchId id, absl::Status* first, bool release) {
   // What the transports have now, delivered as Wait's first look does: no
-  // driver's turn, no clock reading when there is nothing (a caller that
-  // polls in a loop sees a completion one cheap look after it came). The
-  // driver's whole pump (liveness checks, backlogs) at least every
-  // kFullPollEvery of real time, so a caller that only polls still sees a
-  // silent peer fail its batches.
+  // driver's turn, and when there is nothing only a coarse clock read (a
+  // caller that polls in a loop sees a completion one cheap look after it
+  // came). The driver's whole pump (liveness checks, backlogs) runs once
+  // the coarse clock has moved kFullPollEvery past its last run (about once
+  // a kernel tick while a caller keeps polling), so a caller that only
+  // polls still sees a silent peer fail its batches.
   if (!PollNow()) {
     const int64_t now = absl::ToUnixNanos(CoarseNow());
     if (now >= next_full_poll_ns_.load(std::memory_order_relaxed)) {

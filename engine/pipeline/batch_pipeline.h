@@ -179,8 +179,9 @@ class BatchPipeline {
   bool PollNow();
   // Completions taken from the transports per call.
   static constexpr size_t kPollBatch = 64;
-  // FinishIfDone runs the driver's whole pump when real time (CoarseNow,
-  // ns) reaches next_full_poll_ns_, then sets it kFullPollEvery later.
+  // FinishIfDone runs the driver's whole pump when the coarse clock
+  // (CoarseNow, ns; it moves by kernel ticks of 1-4 ms) reaches
+  // next_full_poll_ns_, then sets it kFullPollEvery later.
   static constexpr absl::Duration kFullPollEvery = absl::Milliseconds(1);
   std::atomic<int64_t> next_full_poll_ns_{0};
 
