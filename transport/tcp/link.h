@@ -98,6 +98,9 @@ struct Link {
   Staging recv_stage;
   // What the reader thread receives comes through here (made with fd).
   std::unique_ptr<StreamReader> in;
+  // The region the reader's last request of the peer used, kept while
+  // requests follow (RegionTable::Held); the reader's only.
+  RegionTable::Held held;
   // Same-host sharing (ref_carrier.h); its imports are closed when the
   // reader ends.
   LinkShare share;

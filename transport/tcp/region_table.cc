@@ -69,6 +69,7 @@ void RegionTable::RevokeAndDrain(Entry& entry) {
   constexpr absl::Duration kGrace = absl::Seconds(1);
   MutexLock lock(&entry.use_mu);
   entry.revoked = true;
+  entry.gone.store(true, std::memory_order_release);
   if (entry.use_cv.AwaitWithDeadline(
           &entry.use_mu, absl::Now() + kGrace,
           [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry.using_fds.empty(); })) {
@@ -108,6 +109,26 @@ absl::StatusOr<RegionTable::Use> RegionTable::UseRemote(const tcp_wire::DataHead
   if (entry->revoked) return UnknownKeyError(h.rkey);
   entry->using_fds.push_back(fd);
   return Use(std::move(entry), fd);
+}
+
+absl::Status RegionTable::UseRemoteHeld(const tcp_wire::DataHeader& h, bool write, int fd,
+                                        Held* held, char** target, int* device) {
+  if (held->use_.has_value()) {
+    // Safe without mu_: the held Use keeps the entry alive and its region
+    // registered (Remove waits for it), and a region's fields never change.
+    const Entry& e = *held->use_->entry();
+    if (e.region.keys[0] == h.rkey && !e.gone.load(std::memory_order_acquire)) {
+      RETURN_IF_ERROR(CheckRemoteAccess(e.region, write ? Opcode::kWrite : Opcode::kRead,
+                                        h.remote_addr, h.length));
+      *target = reinterpret_cast<char*>(h.remote_addr);
+      *device = e.device;
+      return absl::OkStatus();
+    }
+    held->use_.reset();
+  }
+  ASSIGN_OR_RETURN(Use use, UseRemote(h, write, fd, target, device));
+  held->use_.emplace(std::move(use));
+  return absl::OkStatus();
 }
 
 }  // namespace tcp_internal

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -38,6 +39,8 @@ class RegionTable {
     Mutex use_mu;
     CondVar use_cv;
     bool revoked ABSL_GUARDED_BY(use_mu) = false;
+    // `revoked`, for a Held use to read without use_mu.
+    std::atomic<bool> gone{false};
     std::vector<int> using_fds ABSL_GUARDED_BY(use_mu);
     int device = -1;  // the CUDA device it lies on; -1: host memory
     // What lets peers on this host copy it themselves; null: nothing.
@@ -53,9 +56,26 @@ class RegionTable {
     Use& operator=(Use&&) = delete;
     ~Use();
 
+    Entry* entry() const { return entry_.get(); }
+
    private:
     std::shared_ptr<Entry> entry_;
     int fd_ = -1;
+  };
+  // A connection reader's Use kept from one request of its peer to the
+  // next while they name the same region: a stream of requests into one
+  // region then takes no lock, no lookup and no atomic count each. The
+  // reader releases it before it could block for the peer's next request
+  // (an idle link never holds up Remove), and a held use of a removed
+  // region is dropped at the next request, which is checked afresh.
+  class Held {
+   public:
+    void Release() { use_.reset(); }
+    bool holding() const { return use_.has_value(); }
+
+   private:
+    friend class RegionTable;
+    std::optional<Use> use_;
   };
 
   // Adds [base, +length) with a fresh random key; returns its Region.
@@ -83,6 +103,11 @@ class RegionTable {
   // returned Use ends; refused once the region is removed.
   absl::StatusOr<Use> UseRemote(const tcp_wire::DataHeader& h, bool write, int fd, char** target,
                                 int* device) ABSL_LOCKS_EXCLUDED(mu_);
+  // UseRemote through `held`: the region it holds serves a request naming
+  // its key without a lookup while not removed; otherwise `held` is
+  // released and holds what UseRemote returns.
+  absl::Status UseRemoteHeld(const tcp_wire::DataHeader& h, bool write, int fd, Held* held,
+                             char** target, int* device) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // After a region left the tables: waits for the peers' requests moving

@@ -5,6 +5,7 @@
 // must name a valid key like any other.
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -108,6 +109,90 @@ TEST(TcpHostile, APeerStalledMidWriteHoldsNoLock) {
   ASSERT_TRUE((*b)->UnregisterMemory(r->id).ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(3));
   EXPECT_TRUE(Closed(stalled.get(), absl::Seconds(2)));
+}
+
+// A region unregistered while a peer's WRITE into it is under way: the
+// WRITE finishes and lands, UnregisterMemory returns once it has (not at
+// the grace period's end), and the next WRITE into the region, right
+// behind it, is refused and lands nothing.
+TEST(TcpHostile, AWriteUnderWayFinishesAndTheNextIsRefusedOnceUnregistered) {
+  auto b = CreateTcpTransport({});
+  ASSERT_TRUE(b.ok());
+  std::vector<char> target(1 << 20, 0), src(64 << 10, 's');
+  auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(r.ok());
+  net::Fd peer = PairRawPeer(**b);
+  const absl::Time soon = absl::Now() + absl::Seconds(2);
+  // The first WRITE's header and part of its bytes: the responder now holds
+  // the region, inside the WRITE.
+  const DataHeader first = WriteHeader(*r, src.size());
+  ASSERT_TRUE(net::WriteFull(peer.get(), &first, sizeof first, soon).ok());
+  ASSERT_TRUE(net::WriteFull(peer.get(), src.data(), 1000, soon).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+
+  absl::Time unregistered;
+  const absl::Time start = absl::Now();
+  std::thread unregister([&] {
+    EXPECT_TRUE((*b)->UnregisterMemory(r->id).ok());
+    unregistered = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(100));  // it waits for the WRITE under way
+  // The rest of the first WRITE, and a second one into the same region right
+  // behind it, read in one go with the first's end.
+  DataHeader second = WriteHeader(*r, 4096);
+  second.id = 2;
+  second.remote_addr = r->addr + (256 << 10);
+  ASSERT_TRUE(net::WriteFull(peer.get(), src.data() + 1000, src.size() - 1000, soon).ok() &&
+              net::WriteFull(peer.get(), &second, sizeof second, soon).ok() &&
+              net::WriteFull(peer.get(), src.data(), 4096, soon).ok());
+  unregister.join();
+  // Not the grace period's end: the first WRITE finished and let it go.
+  EXPECT_LT(unregistered - start, absl::Milliseconds(900));
+  EXPECT_TRUE(std::all_of(target.begin(), target.begin() + src.size(),
+                          [](char c) { return c == 's'; }))
+      << "the WRITE under way when the region was unregistered did not land";
+  EXPECT_TRUE(std::all_of(target.begin() + (256 << 10), target.begin() + (256 << 10) + 4096,
+                          [](char c) { return c == 0; }))
+      << "a WRITE into an unregistered region landed";
+  DataHeader answer;
+  ASSERT_TRUE(net::ReadFull(peer.get(), &answer, sizeof answer, soon).ok());
+  EXPECT_EQ(answer.status, 0) << "the first WRITE was not acknowledged";
+  ASSERT_TRUE(net::ReadFull(peer.get(), &answer, sizeof answer, soon).ok());
+  EXPECT_EQ(answer.id, 2u);
+  EXPECT_NE(answer.status, 0) << "a WRITE into an unregistered region was acknowledged";
+  EXPECT_TRUE(Closed(peer.get(), absl::Seconds(2)));
+}
+
+// A link waiting for its peer's next request holds no region: unregistering
+// the region its last WRITE went into neither waits for the grace period
+// nor ends the link.
+TEST(TcpHostile, AnIdleLinkHoldsNoRegion) {
+  auto b = CreateTcpTransport({});
+  ASSERT_TRUE(b.ok());
+  std::vector<char> target(64 << 10, 0), other(4096, 0), src(4096, 's');
+  auto r = (*b)->RegisterMemory(target.data(), target.size(), Access::kRemoteWrite);
+  auto r2 = (*b)->RegisterMemory(other.data(), other.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(r.ok() && r2.ok());
+  net::Fd peer = PairRawPeer(**b);
+  const absl::Time soon = absl::Now() + absl::Seconds(2);
+  DataHeader h = WriteHeader(*r, src.size());
+  DataHeader answer;
+  ASSERT_TRUE(net::WriteFull(peer.get(), &h, sizeof h, soon).ok() &&
+              net::WriteFull(peer.get(), src.data(), src.size(), soon).ok() &&
+              net::ReadFull(peer.get(), &answer, sizeof answer, soon).ok());
+  ASSERT_EQ(answer.status, 0);
+
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE((*b)->UnregisterMemory(r->id).ok());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+  // The link still serves.
+  h = WriteHeader(*r2, src.size());
+  h.id = 2;
+  ASSERT_TRUE(net::WriteFull(peer.get(), &h, sizeof h, soon).ok() &&
+              net::WriteFull(peer.get(), src.data(), src.size(), soon).ok());
+  ASSERT_TRUE(net::ReadFull(peer.get(), &answer, sizeof answer, soon).ok());
+  EXPECT_EQ(answer.status, 0);
+  EXPECT_EQ(other, src);
 }
 
 // AcceptLink never waits for the link's connection: a link accepted before

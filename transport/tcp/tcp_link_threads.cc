@@ -118,6 +118,8 @@ void LinkThreads::ReaderLoop(std::shared_ptr<Link> link) {
   bool refusing = false;
   while (error.ok()) {
     DataHeader h;
+    // About to wait for the peer: no region stays held meanwhile.
+    if (link->in->Buffered() < sizeof h) link->held.Release();
     error = ReadStream(*link->in, &h, sizeof h);
     if (!error.ok()) break;
     // Only this thread writes it: a plain store, no locked add per message.
@@ -135,6 +137,7 @@ void LinkThreads::ReaderLoop(std::shared_ptr<Link> link) {
       error = absl::DataLossError(absl::StrCat("unknown message type ", h.type));
     }
   }
+  link->held.Release();
   link->share.imports.reset();
   MutexLock lock(&core_.mu);
   link->reader_done = true;

@@ -39,10 +39,9 @@ Job Responder::Execute(Link& link, const DataHeader& h, absl::Status* stream_err
     char* target = nullptr;
     int device = -1;
     // No lock is held while the bytes cross the network: the region stays
-    // registered through `use` (UnregisterMemory waits for it).
-    absl::StatusOr<RegionTable::Use> use =
-        core_.regions.UseRemote(h, write, link.fd.get(), &target, &device);
-    refused = use.status();
+    // registered through the reader's held use (UnregisterMemory waits for
+    // it), kept for the next request into the same region.
+    refused = core_.regions.UseRemoteHeld(h, write, link.fd.get(), &link.held, &target, &device);
     if (h.length == 0) {
       // Nothing to move.
     } else if (refused.ok() && via_ref) {
