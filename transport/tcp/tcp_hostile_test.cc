@@ -148,9 +148,9 @@ TEST(TcpHostile, AWriteUnderWayFinishesAndTheNextIsRefusedOnceUnregistered) {
   unregister.join();
   // Not the grace period's end: the first WRITE finished and let it go.
   EXPECT_LT(unregistered - start, absl::Milliseconds(900));
-  EXPECT_TRUE(std::all_of(target.begin(), target.begin() + src.size(),
-                          [](char c) { return c == 's'; }))
-      << "the WRITE under way when the region was unregistered did not land";
+  EXPECT_TRUE(std::all_of(target.begin(), target.begin() + src.size(), [](char c) {
+    return c == 's';
+  })) << "the WRITE under way when the region was unregistered did not land";
   EXPECT_TRUE(std::all_of(target.begin() + (256 << 10), target.begin() + (256 << 10) + 4096,
                           [](char c) { return c == 0; }))
       << "a WRITE into an unregistered region landed";
