@@ -3,6 +3,7 @@
 # between two processes on this host, in one run:
 #
 #   tools/bench_tcp.sh [--rounds=N] [--blocks=65536,1048576] [--layouts=scattered,adjacent]
+#                      [--pin]
 #
 # Builds //bench:transfer_bench (-c opt), starts a target process, and runs,
 # alternating, N rounds (default 3) per block size of: the engine
@@ -15,18 +16,23 @@
 # median of the per-round ratios to the raw socket stream, a row per block
 # and layout. --layouts picks them (default both). Installs ucx-utils
 # (apt) when ucx_perftest is missing and this runs as root. Compare
-# ratios, not absolute figures.
+# ratios, not absolute figures. --pin gives the target's side (the target
+# process, UCX's server) one half of this process's CPUs and the
+# initiator's side the other, as two hosts would have (default: both share
+# them all); the raw stream's ends live in the same two processes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rounds=3
 blocks=65536,1048576
 layouts=scattered,adjacent
+pin=0
 for a in "$@"; do
   case "$a" in
     --rounds=*) rounds="${a#--rounds=}" ;;
     --blocks=*) blocks="${a#--blocks=}" ;;
     --layouts=*) layouts="${a#--layouts=}" ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --pin) pin=1 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "bench_tcp.sh: unknown argument $a (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -41,12 +47,27 @@ if ! command -v ucx_perftest >/dev/null; then
     echo "bench_tcp.sh: ucx_perftest not found; install ucx-utils" >&2; exit 2
   fi
 fi
+# The commands that start each side's processes: plain, or (--pin) under
+# taskset on its half of the CPUs.
+on_target=()
+on_initiator=()
+if [[ $pin == 1 ]]; then
+  read -r lower upper < <(python3 -c 'import os
+c = sorted(os.sched_getaffinity(0))
+h = len(c) // 2
+print(",".join(map(str, c[:h])) or "-", ",".join(map(str, c[h:])))')
+  [[ "$lower" != - ]] || { echo "bench_tcp.sh: --pin needs at least 2 CPUs" >&2; exit 2; }
+  command -v taskset >/dev/null || { echo "bench_tcp.sh: --pin needs taskset (util-linux)" >&2; exit 2; }
+  on_target=(taskset -c "$upper")
+  on_initiator=(taskset -c "$lower")
+  echo "bench_tcp.sh: target side on CPUs $upper, initiator side on CPUs $lower" >&2
+fi
 ./bazelw build -c opt //bench:transfer_bench >&2
 bin="$(./bazelw info -c opt bazel-bin 2>/dev/null)/bench/transfer_bench"
 work="$(mktemp -d)"
 target_pid=""
 trap '[[ -n "$target_pid" ]] && kill "$target_pid" 2>/dev/null; rm -rf "$work"' EXIT
-"$bin" --role=target --transport=tcp --host=127.0.0.1 --forever --buffer_mib=64 >"$work/target.log" 2>&1 &
+${on_target[@]+"${on_target[@]}"} "$bin" --role=target --transport=tcp --host=127.0.0.1 --forever --buffer_mib=64 >"$work/target.log" 2>&1 &
 target_pid=$!
 for _ in $(seq 100); do grep -q "target ready at" "$work/target.log" && break; sleep 0.1; done
 peer="$(sed -n 's/^target ready at \([^ ]*\) .*/\1/p' "$work/target.log")"
@@ -63,7 +84,7 @@ for ((r = 1; r <= rounds; r++)); do
       # Five alternations of 0.2 s each: a host that slows down for a
       # second slows both sides of the ratio (the round's ratio is the
       # median of the five).
-      json="$("$bin" --role=initiator --peer="$peer" --host=127.0.0.1 --transport=tcp --json \
+      json="$(${on_initiator[@]+"${on_initiator[@]}"} "$bin" --role=initiator --peer="$peer" --host=127.0.0.1 --transport=tcp --json \
               --block="$b" --batch=16 "$flag" --duration=0.2 --rounds=5 --warmup=32 \
               --reference=socket 2>/dev/null || true)"
       python3 -c 'import json, sys
@@ -77,11 +98,11 @@ print("BENCH", r, b, "ratio-" + l, d["ratio"])' \
     # UCX over TCP, the same block size, as many bytes as a second of the engine.
     port=$((port + 1))
     iters=$(( (1 << 31) / b ))
-    UCX_TLS=tcp,self timeout 120 ucx_perftest -p "$port" -t ucp_put_bw -s "$b" -n "$iters" \
+    UCX_TLS=tcp,self ${on_target[@]+"${on_target[@]}"} timeout 120 ucx_perftest -p "$port" -t ucp_put_bw -s "$b" -n "$iters" \
       >"$work/ucx_server.log" 2>&1 &
     spid=$!
     sleep 0.5
-    v="$(UCX_TLS=tcp,self timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$b" \
+    v="$(UCX_TLS=tcp,self ${on_initiator[@]+"${on_initiator[@]}"} timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$b" \
           -n "$iters" 2>&1 | awk '/^Final:/ {print $6}')"
     wait "$spid" 2>/dev/null || true
     # ucx_perftest reports MB/s of 2^20 bytes.
@@ -89,7 +110,7 @@ print("BENCH", r, b, "ratio-" + l, d["ratio"])' \
       "$v" "$r" "$b"
   done
 done | tee "$work/rows" >&2
-python3 - "$work/rows" <<'PY'
+python3 - "$work/rows" "$pin" <<'PY'
 import statistics, sys
 rows = {}
 for line in open(sys.argv[1]):
@@ -117,5 +138,6 @@ print(f"({len({r for v in rows.values() for r in v})} round(s); ratio = median o
       "socket stream of the same row (kvferry's: each round five 0.2 s alternations, their median "
       "ratio); scattered: every other block on both ends, each request its own "
       "slice; adjacent: blocks that follow each other, moved in shared slices; UCX puts one "
-      "contiguous buffer)")
+      "contiguous buffer" + ("; --pin: each side on its own half of the CPUs)" if sys.argv[2] == "1"
+                              else "; both sides share all CPUs)"))
 PY
