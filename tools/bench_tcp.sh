@@ -67,7 +67,7 @@ bin="$(./bazelw info -c opt bazel-bin 2>/dev/null)/bench/transfer_bench"
 work="$(mktemp -d)"
 target_pid=""
 trap '[[ -n "$target_pid" ]] && kill "$target_pid" 2>/dev/null; rm -rf "$work"' EXIT
-${on_target[@]+"${on_target[@]}"} "$bin" --role=target --transport=tcp --host=127.0.0.1 --forever --buffer_mib=64 >"$work/target.log" 2>&1 &
+"${on_target[@]}" "$bin" --role=target --transport=tcp --host=127.0.0.1 --forever --buffer_mib=64 >"$work/target.log" 2>&1 &
 target_pid=$!
 for _ in $(seq 100); do grep -q "target ready at" "$work/target.log" && break; sleep 0.1; done
 peer="$(sed -n 's/^target ready at \([^ ]*\) .*/\1/p' "$work/target.log")"
@@ -84,7 +84,7 @@ for ((r = 1; r <= rounds; r++)); do
       # Five alternations of 0.2 s each: a host that slows down for a
       # second slows both sides of the ratio (the round's ratio is the
       # median of the five).
-      json="$(${on_initiator[@]+"${on_initiator[@]}"} "$bin" --role=initiator --peer="$peer" --host=127.0.0.1 --transport=tcp --json \
+      json="$("${on_initiator[@]}" "$bin" --role=initiator --peer="$peer" --host=127.0.0.1 --transport=tcp --json \
               --block="$b" --batch=16 "$flag" --duration=0.2 --rounds=5 --warmup=32 \
               --reference=socket 2>/dev/null || true)"
       python3 -c 'import json, sys
@@ -98,11 +98,11 @@ print("BENCH", r, b, "ratio-" + l, d["ratio"])' \
     # UCX over TCP, the same block size, as many bytes as a second of the engine.
     port=$((port + 1))
     iters=$(( (1 << 31) / b ))
-    UCX_TLS=tcp,self ${on_target[@]+"${on_target[@]}"} timeout 120 ucx_perftest -p "$port" -t ucp_put_bw -s "$b" -n "$iters" \
+    UCX_TLS=tcp,self "${on_target[@]}" timeout 120 ucx_perftest -p "$port" -t ucp_put_bw -s "$b" -n "$iters" \
       >"$work/ucx_server.log" 2>&1 &
     spid=$!
     sleep 0.5
-    v="$(UCX_TLS=tcp,self ${on_initiator[@]+"${on_initiator[@]}"} timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$b" \
+    v="$(UCX_TLS=tcp,self "${on_initiator[@]}" timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw -s "$b" \
           -n "$iters" 2>&1 | awk '/^Final:/ {print $6}')"
     wait "$spid" 2>/dev/null || true
     # ucx_perftest reports MB/s of 2^20 bytes.

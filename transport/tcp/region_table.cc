@@ -68,8 +68,7 @@ absl::Status RegionTable::Remove(RegionId id) {
 void RegionTable::RevokeAndDrain(Entry& entry) {
   constexpr absl::Duration kGrace = absl::Seconds(1);
   MutexLock lock(&entry.use_mu);
-  entry.revoked = true;
-  entry.gone.store(true, std::memory_order_release);
+  entry.revoked.store(true, std::memory_order_release);
   if (entry.use_cv.AwaitWithDeadline(
           &entry.use_mu, absl::Now() + kGrace,
           [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry.using_fds.empty(); })) {
@@ -106,7 +105,7 @@ absl::StatusOr<RegionTable::Use> RegionTable::UseRemote(const tcp_wire::DataHead
   // CheckRemote found the key: one more lookup of it, none by region id.
   std::shared_ptr<Entry> entry = by_key_.find(h.rkey)->second->shared_from_this();
   MutexLock use(&entry->use_mu);
-  if (entry->revoked) return UnknownKeyError(h.rkey);
+  if (entry->revoked.load(std::memory_order_relaxed)) return UnknownKeyError(h.rkey);
   entry->using_fds.push_back(fd);
   return Use(std::move(entry), fd);
 }
@@ -117,7 +116,7 @@ absl::Status RegionTable::UseRemoteHeld(const tcp_wire::DataHeader& h, bool writ
     // Safe without mu_: the held Use keeps the entry alive and its region
     // registered (Remove waits for it), and a region's fields never change.
     const Entry& e = *held->use_->entry();
-    if (e.region.keys[0] == h.rkey && !e.gone.load(std::memory_order_acquire)) {
+    if (e.region.keys[0] == h.rkey && !e.revoked.load(std::memory_order_acquire)) {
       RETURN_IF_ERROR(CheckRemoteAccess(e.region, write ? Opcode::kWrite : Opcode::kRead,
                                         h.remote_addr, h.length));
       *target = reinterpret_cast<char*>(h.remote_addr);

@@ -38,9 +38,9 @@ class RegionTable {
     // and whether it was removed: Remove waits for them.
     Mutex use_mu;
     CondVar use_cv;
-    bool revoked ABSL_GUARDED_BY(use_mu) = false;
-    // `revoked`, for a Held use to read without use_mu.
-    std::atomic<bool> gone{false};
+    // Set (under use_mu) once the region is removed; read under use_mu
+    // by UseRemote, and without it by a Held use.
+    std::atomic<bool> revoked{false};
     std::vector<int> using_fds ABSL_GUARDED_BY(use_mu);
     int device = -1;  // the CUDA device it lies on; -1: host memory
     // What lets peers on this host copy it themselves; null: nothing.
