@@ -174,12 +174,19 @@ TEST(TcpNetwork, ACallsConnectionCanBeHandedOverAtBothEnds) {
   }
   ASSERT_TRUE(theirs.valid()) << "the server never handed its end over";
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  ASSERT_TRUE(net::WriteFull(mine.get(), "ping", 4, deadline).ok());
+  // The statuses are printed: a failure here names its cause (a closed or
+  // reset connection, a bad descriptor, a timeout) and which end saw it.
+  absl::Status step = net::WriteFull(mine.get(), "ping", 4, deadline);
+  ASSERT_TRUE(step.ok()) << "the caller's end, fd " << mine.get() << ": " << step;
   char got[4];
-  ASSERT_TRUE(net::ReadFull(theirs.get(), got, 4, deadline).ok());
+  step = net::ReadFull(theirs.get(), got, 4, deadline);
+  ASSERT_TRUE(step.ok()) << "the server's end, fd " << theirs.get() << " (the caller's "
+                         << mine.get() << "): " << step;
   EXPECT_EQ(std::string(got, 4), "ping");
-  ASSERT_TRUE(net::WriteFull(theirs.get(), "pong", 4, deadline).ok());
-  ASSERT_TRUE(net::ReadFull(mine.get(), got, 4, deadline).ok());
+  step = net::WriteFull(theirs.get(), "pong", 4, deadline);
+  ASSERT_TRUE(step.ok()) << "the server's end, fd " << theirs.get() << ": " << step;
+  step = net::ReadFull(mine.get(), got, 4, deadline);
+  ASSERT_TRUE(step.ok()) << "the caller's end, fd " << mine.get() << ": " << step;
   EXPECT_EQ(std::string(got, 4), "pong");
   // The taken connection is not the handshake's any more: a second one,
   // started while the peer answered, is there for the next calls. The same
