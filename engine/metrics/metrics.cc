@@ -33,13 +33,15 @@ const std::vector<double>& LatencyHistogram::Bounds() {
   return bounds;
 }
 
-void LatencyHistogram::Record(absl::Duration d) {
-  const int64_t ns = absl::ToInt64Nanoseconds(d);  // saturates: +Inf lands last
+size_t LatencyHistogram::BucketOf(int64_t ns) {
   size_t i = 0;
   while (i < kBuckets && ns > kBoundsNs[i]) ++i;  // the first bound >= ns
-  ++buckets_[i];
-  ++count_;
-  sum_seconds_ += static_cast<double>(ns) / 1e9;
+  return i;
+}
+
+void LatencyHistogram::Record(absl::Duration d) {
+  const int64_t ns = absl::ToInt64Nanoseconds(d);  // saturates: +Inf lands last
+  RecordNs(ns, BucketOf(ns));
 }
 
 void LatencyHistogram::Merge(const LatencyHistogram& other) {

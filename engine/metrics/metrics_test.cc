@@ -69,6 +69,31 @@ TEST(Metrics, HistogramBucketsAndQuantiles) {
   EXPECT_NEAR(h.sum_seconds(), 90 * 20e-6 + 10 * 3e-3, 1e-9);
 }
 
+// LatencyMemo records what Record would, whether the pair repeats or only
+// its submission time or only its `now` changes.
+TEST(Metrics, LatencyMemoRecordsAsRecordDoes) {
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  struct Pair {
+    absl::Time submitted, now;
+  };
+  const std::vector<Pair> pairs = {
+      {t0, t0 + absl::Microseconds(20)},                         // bucket 1
+      {t0, t0 + absl::Microseconds(20)},                         // the same again
+      {t0, t0 + absl::Milliseconds(7)},                          // the same batch, a later poll
+      {t0 - absl::Milliseconds(2), t0 + absl::Milliseconds(7)},  // another batch, the same poll
+      {t0 + absl::Seconds(1), t0},                               // a clock that stepped back
+  };
+  LatencyHistogram direct, memo;
+  LatencyMemo m;
+  for (const Pair& p : pairs) {
+    direct.Record(p.now - p.submitted);
+    m.Record(memo, p.submitted, p.now);
+  }
+  EXPECT_EQ(memo.count(), pairs.size());
+  EXPECT_EQ(memo.Cumulative(), direct.Cumulative());
+  EXPECT_DOUBLE_EQ(memo.sum_seconds(), direct.sum_seconds());
+}
+
 // A bucket holds what is at most its bound (Prometheus' "le"): a request of
 // exactly 10 us is in the first, one nanosecond more in the second, and
 // one beyond the last bound (or an infinite duration) only in +Inf.

@@ -86,7 +86,7 @@ void Lanes::Finish(Lane& lane, uint64_t sid, absl::Status status, absl::Time now
     }
     if (entry == nullptr) continue;
     PeerMetrics& m = entry->metrics;
-    m.latency.Record(now - batch->submitted);
+    lane.latency.Record(m.latency, batch->submitted, now);
     const absl::Status& result = r.status;
     if (result.ok()) {
       ++m.requests_ok;

@@ -132,6 +132,9 @@ struct Lane {
   }
   SegmentId last_id ABSL_GUARDED_BY(mu) = 0;
   LaneSegment* last_entry ABSL_GUARDED_BY(mu) = nullptr;
+  // The requests' latencies recorded (Lanes::Finish), once worked out per
+  // batch and poll.
+  LatencyMemo latency ABSL_GUARDED_BY(mu);
   char pad[64];  // the next lane's lock is on a line of its own
 };
 

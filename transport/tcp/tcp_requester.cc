@@ -7,15 +7,28 @@ namespace kvferry {
 namespace transport {
 namespace tcp_internal {
 
-absl::Status Requester::ValidateLocked(const WorkRequest& wr) {
-  auto link = core_.links.find(wr.link);
-  RETURN_IF_ERROR(
-      CheckLinkUsable(wr.link, link == core_.links.end() ? nullptr : &link->second->state));
-  const RegionTable::Entry* region = core_.regions.Find(wr.local_region);
-  if (region == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
+absl::Status Requester::ValidateLocked(const WorkRequest& wr, Lookups& seen) {
+  RETURN_IF_ERROR(LookUpLocked(wr, seen));
+  return CheckLocal(wr, seen.region->region, core_.options.max_request_bytes);
+}
+
+absl::Status Requester::LookUpAgainLocked(const WorkRequest& wr, Lookups& seen) {
+  if (seen.link == nullptr || wr.link != seen.link_id) {
+    auto link = core_.links.find(wr.link);
+    RETURN_IF_ERROR(
+        CheckLinkUsable(wr.link, link == core_.links.end() ? nullptr : &link->second->state));
+    seen.link_id = wr.link;
+    seen.link = link->second.get();
   }
-  return CheckLocal(wr, region->region, core_.options.max_request_bytes);
+  if (seen.region == nullptr || wr.local_region != seen.region_id) {
+    RegionTable::Entry* region = core_.regions.Find(wr.local_region);
+    if (region == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown local region ", wr.local_region));
+    }
+    seen.region_id = wr.local_region;
+    seen.region = region;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Requester::Post(absl::Span<const WorkRequest> batch) {
@@ -40,7 +53,8 @@ absl::Status Requester::PostLocked(absl::Span<const WorkRequest> batch, std::vec
                                    std::vector<std::shared_ptr<Link>>& wake) {
   MutexLock lock(&core_.mu);
   ReaderMutexLock regions(&core_.regions.mu());
-  for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr));
+  Lookups seen;
+  for (const WorkRequest& wr : batch) RETURN_IF_ERROR(ValidateLocked(wr, seen));
   RETURN_IF_ERROR(CheckLinkCapacity(
       batch,
       [this](LinkId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {  // core_.mu is held by Post
@@ -48,16 +62,19 @@ absl::Status Requester::PostLocked(absl::Span<const WorkRequest> batch, std::vec
       },
       core_.options.max_outstanding_per_link));
   const uint64_t post = ++last_post_;
+  seen = Lookups{};
   for (const WorkRequest& wr : batch) {
-    Link& link = *core_.links.at(wr.link);
-    RegionTable::Entry& local = *core_.regions.Find(wr.local_region);  // validated above
+    (void)LookUpLocked(wr, seen);  // found and checked above
+    Link& link = *seen.link;
+    RegionTable::Entry& local = *seen.region;
     local.local_uses.fetch_add(1);
     const uint64_t rid = link.outstanding.Add(wr);
     if (link.peer_key != 0) {
       direct.emplace_back(core_.links.at(wr.link), rid, wr, local.device);
       continue;
     }
-    Job job;
+    if (link.jobs.empty()) link.jobs_from = post;
+    Job& job = link.jobs.emplace_back();  // in place: no Job moved and destroyed
     job.header.type = wr.opcode == Opcode::kWrite ? kWriteReq : kReadReq;
     job.header.id = rid;
     job.header.remote_addr = wr.remote_addr;
@@ -72,8 +89,6 @@ absl::Status Requester::PostLocked(absl::Span<const WorkRequest> batch, std::vec
       job.data = wr.local_addr;
       job.device = local.device;
     }
-    if (link.jobs.empty()) link.jobs_from = post;
-    link.jobs.push_back(std::move(job));
   }
   // Per link: its last request of this Post asks for the answer to the
   // run it ends, and one wake-up for the writer, not one per request.

@@ -306,9 +306,23 @@ size_t TcpTransport::PollCompletions(absl::Span<Completion> out) {
 size_t TcpTransport::PopLocked(absl::Span<Completion> out) {
   if (core_.cq.empty()) return 0;
   ReaderMutexLock regions(&core_.regions.mu());
-  return core_.cq.Pop(out, [this](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (RegionTable::Entry* region = core_.regions.Find(id)) region->local_uses.fetch_sub(1);
-  });
+  // A run of completions from one region (a batch's, mostly) looks it up
+  // and releases its uses once.
+  RegionId run_id = 0;
+  RegionTable::Entry* run = nullptr;
+  uint64_t uses = 0;
+  const size_t n =
+      core_.cq.Pop(out, [&](RegionId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {  // regions.mu() held
+        if (run == nullptr || id != run_id) {
+          if (run != nullptr) run->local_uses.fetch_sub(uses);
+          run = core_.regions.Find(id);
+          run_id = id;
+          uses = 0;
+        }
+        ++uses;
+      });
+  if (run != nullptr) run->local_uses.fetch_sub(uses);
+  return n;
 }
 
 size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
