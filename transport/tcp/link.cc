@@ -18,6 +18,7 @@ void LinkCore::FailLink(Link& link, absl::Status first, uint64_t first_id) {
   if (link.gate != nullptr) link.gate->Close(/*wait=*/false);  // StopAndJoin waits
   link.jobs.clear();
   link.cv.SignalAll();
+  link.reader_cv.SignalAll();  // a parked reader ends
   ::shutdown(link.fd.get(), SHUT_RDWR);
   // The writer may be sending from a request buffer: wait until it is not,
   // so no buffer is read after its request has been completed.

@@ -9,6 +9,8 @@
 #ifndef KVFERRY_TRANSPORT_TCP_LINK_H_
 #define KVFERRY_TRANSPORT_TCP_LINK_H_
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -104,6 +106,24 @@ struct Link {
   // Same-host sharing (ref_carrier.h); its imports are closed when the
   // reader ends.
   LinkShare share;
+  // The reader's turn, handed to waiters (under LinkCore::mu). Once the
+  // reader has delivered acknowledgements to a thread waiting in
+  // WaitCompletions, it sets `park`: with nothing buffered, it then waits
+  // on reader_cv (`parked`, listed in LinkCore::parked) instead of in
+  // recv, and the next waiter reads the link's acknowledgements itself
+  // (`waiter_reading`, one at a time): one thread woken per batch, not
+  // two. Anything else on the link (a request of the peer, an error
+  // answer, a READ's data, the connection's end) gives the turn back
+  // (`park` cleared, the reader signalled). So does a slice of kParkSlice
+  // in which no waiter read (`read_in_turn` unset): a link nobody waits on
+  // is read by its reader within that time. `handed_error`: what a waiter
+  // read that fails the link; the reader fails it.
+  bool park = false;
+  bool parked = false;
+  bool waiter_reading = false;
+  bool read_in_turn = false;
+  absl::Status handed_error;
+  CondVar reader_cv;
 };
 
 // WRITEs executed and not yet acknowledged: one kWriteAck for the run
@@ -146,6 +166,7 @@ class LinkCore {
   // of completions.
   void WakeWaiters() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     cq_cv.SignalAll();
+    WakePollers();
     if (notify) notify();
   }
   // The same in two halves, for the reader's answers and the in-process
@@ -157,7 +178,16 @@ class LinkCore {
   void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (notify) notify();
   }
-  void WakeWaitersUnlocked() ABSL_LOCKS_EXCLUDED(mu) { cq_cv.SignalAll(); }
+  void WakeWaitersUnlocked() ABSL_LOCKS_EXCLUDED(mu) {
+    cq_cv.SignalAll();
+    WakePollers();
+  }
+  // Wakes a waiter that reads parked links (Link::park) in poll(), if any.
+  void WakePollers() {
+    if (pollers.load() == 0) return;
+    const uint64_t one = 1;
+    (void)!::write(wake_fd.get(), &one, sizeof one);
+  }
   // The link enters the error state: request `first_id` completes with
   // `first`, the rest outstanding are flushed.
   void FailLink(Link& link, absl::Status first, uint64_t first_id)
@@ -187,6 +217,15 @@ class LinkCore {
   bool interrupted ABSL_GUARDED_BY(mu) = false;  // see InterruptWait
   absl::flat_hash_map<LinkId, std::shared_ptr<Link>> links ABSL_GUARDED_BY(mu);
   CompletionQueue cq ABSL_GUARDED_BY(mu);
+  // Links whose reader is parked (Link::park), and the threads sleeping in
+  // WaitCompletions on cq_cv.
+  std::vector<std::shared_ptr<Link>> parked ABSL_GUARDED_BY(mu);
+  uint32_t cq_waiters ABSL_GUARDED_BY(mu) = 0;
+  // Waiters in poll() on parked links (raised under mu, read without it),
+  // and the eventfd that wakes them for anything else that completes
+  // (invalid: waiters never read links).
+  std::atomic<uint32_t> pollers{0};
+  net::Fd wake_fd;
   std::function<void()> notify ABSL_GUARDED_BY(mu);  // SetCompletionNotifier
 };
 

@@ -35,6 +35,25 @@ absl::Status StreamReader::Fill(uint64_t wanted) {
   }
 }
 
+absl::StatusOr<size_t> StreamReader::TryFill() {
+  if (head_ > 0) {
+    std::memmove(buffer_.get(), buffer_.get() + head_, tail_ - head_);
+    tail_ -= head_;
+    head_ = 0;
+  }
+  if (tail_ == kCapacity) return 0;
+  for (;;) {
+    const ssize_t r = ::recv(fd_, buffer_.get() + tail_, kCapacity - tail_, MSG_DONTWAIT);
+    if (r > 0) {
+      tail_ += static_cast<size_t>(r);
+      return static_cast<size_t>(r);
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    return RecvError(r, errno);
+  }
+}
+
 absl::Status StreamReader::Read(void* dst, size_t n) {
   char* p = static_cast<char*>(dst);
   // Decided on the whole read, not on what the buffer leaves of it: a

@@ -4,8 +4,9 @@
 // WRITEs costs one system call per buffer rather than two per request;
 // payloads of kDirect bytes or more go straight from the socket into their
 // destination, with (in the same system call, when it is there) what
-// follows them up to ReadAhead bytes. Blocking; shutdown() of the socket
-// unblocks it.
+// follows them up to ReadAhead bytes. Blocking (but TryFill); shutdown()
+// of the socket unblocks it. One thread at a time: the link's reader, or
+// a waiter it handed its turn to (the link's `park`).
 #ifndef KVFERRY_TRANSPORT_TCP_STREAM_READER_H_
 #define KVFERRY_TRANSPORT_TCP_STREAM_READER_H_
 
@@ -14,6 +15,7 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace kvferry {
 namespace transport {
@@ -38,8 +40,16 @@ class StreamReader {
   // caller keeps this to a header: bytes read ahead of a payload are copied
   // out of the buffer again.
   void ReadAhead(size_t bytes) { ahead_ = bytes; }
-  // Bytes received and not yet read out (for tests).
+  // Bytes received and not yet read out.
   size_t Buffered() const { return tail_ - head_; }
+  // Without blocking: one recv of whatever the socket holds, behind what
+  // is buffered (moved to the front of the buffer first). Returns the bytes
+  // taken, 0 when there were none; kUnavailable as Read.
+  absl::StatusOr<size_t> TryFill();
+  // The buffered bytes (Buffered() of them), and dropping the first n of
+  // them (n <= Buffered()).
+  const char* Peek() const { return buffer_.get() + head_; }
+  void Drop(size_t n) { head_ += n; }
   // Bytes Read has copied out of the buffer so far (for tests: a direct
   // payload is not among them).
   uint64_t Copied() const { return copied_; }

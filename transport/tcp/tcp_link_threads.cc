@@ -118,8 +118,13 @@ void LinkThreads::ReaderLoop(std::shared_ptr<Link> link) {
   bool refusing = false;
   while (error.ok()) {
     DataHeader h;
-    // About to wait for the peer: no region stays held meanwhile.
-    if (link->in->Buffered() < sizeof h) link->held.Release();
+    if (link->in->Buffered() < sizeof h) {
+      // About to wait for the peer: no region stays held meanwhile, and a
+      // waiter may have the turn.
+      link->held.Release();
+      error = AwaitTurn(link);
+      if (!error.ok()) break;
+    }
     error = ReadStream(*link->in, &h, sizeof h);
     if (!error.ok()) break;
     // Only this thread writes it: a plain store, no locked add per message.
@@ -147,6 +152,25 @@ void LinkThreads::ReaderLoop(std::shared_ptr<Link> link) {
                  absl::UnavailableError(absl::StrCat("connection to peer lost on link ", link->id,
                                                      ": ", error.message())),
                  link->outstanding.empty() ? 0 : link->outstanding.first());
+}
+
+absl::Status LinkThreads::AwaitTurn(const std::shared_ptr<Link>& link) {
+  MutexLock lock(&core_.mu);
+  if (!link->park || link->stopping) return absl::OkStatus();
+  link->parked = true;
+  core_.parked.push_back(link);
+  if (core_.cq_waiters > 0) core_.cq_cv.SignalAll();  // one may read it now
+  while ((link->park || link->waiter_reading) && !link->stopping) {
+    link->read_in_turn = false;
+    const bool timed_out = link->reader_cv.WaitWithTimeout(&core_.mu, kParkSlice);
+    if (timed_out && !link->waiter_reading && !link->read_in_turn) link->park = false;
+  }
+  link->park = false;
+  link->parked = false;
+  auto& parked = core_.parked;
+  parked.erase(std::find(parked.begin(), parked.end(), link));
+  if (link->stopping) return absl::CancelledError("the link is closing");
+  return std::exchange(link->handed_error, absl::OkStatus());
 }
 
 absl::Status LinkThreads::Start(const std::shared_ptr<Link>& link) {
@@ -200,6 +224,7 @@ void LinkThreads::StopAndJoin(const std::shared_ptr<Link>& link) {
     MutexLock lock(&core_.mu);
     link->stopping = true;
     link->cv.SignalAll();
+    link->reader_cv.SignalAll();
     while (link->attaching) link->cv.Wait(&core_.mu);
   }
   ::shutdown(link->fd.get(), SHUT_RDWR);

@@ -185,10 +185,32 @@ absl::Status Requester::OnWriteAcks(Link& link, const DataHeader& h) {
       core_.Complete(*wr, absl::OkStatus());
       link.outstanding.Erase(id);
     }
+    // A thread waits for these: the next acknowledgements are for it (or
+    // the next waiter) to read (Link::park).
+    if (core_.cq_waiters > 0 && core_.wake_fd.valid()) link.park = true;
     core_.NotifyLocked();
   }
   core_.WakeWaitersUnlocked();
   return absl::OkStatus();
+}
+
+bool Requester::TakeAcks(Link& link, absl::Status* error) {
+  const absl::StatusOr<size_t> got = link.in->TryFill();
+  if (!got.ok()) {
+    *error = got.status();
+    return false;
+  }
+  DataHeader h;
+  while (link.in->Buffered() >= sizeof h) {
+    std::memcpy(&h, link.in->Peek(), sizeof h);
+    // What the reader would do with it (OnAnswer): a run of WRITEs landed.
+    if (h.type != kWriteAck || h.status != 0) return false;
+    link.in->Drop(sizeof h);
+    link.inputs.store(link.inputs.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    *error = OnWriteAcks(link, h);
+    if (!error->ok()) return false;
+  }
+  return true;
 }
 
 absl::Status Requester::OnAnswer(Link& link, const DataHeader& h) {

@@ -1,5 +1,8 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
+
 #include "transport/kinds.h"
 #include "transport/tcp/tcp_transport_internal.h"
 
@@ -26,6 +29,8 @@ absl::Status TcpTransport::Start() {
     host = core_.options.bind_host;
   }
   advertised_ = net::HostPort{host, listener_.address.port()}.ToString();
+  // Without it waiters never read links themselves (Link::park).
+  core_.wake_fd = net::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (core_.options.in_process_shortcut) {
     Shortcuts::Member m;
     m.regions = &core_.regions;
@@ -328,17 +333,79 @@ size_t TcpTransport::PopLocked(absl::Span<Completion> out) {
 size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
   // What arrived is taken under the same lock the wait ended with.
   MutexLock lock(&core_.mu);
-  core_.cq_cv.AwaitWithDeadline(
-      &core_.mu, FastNow() + timeout,
-      [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !core_.cq.empty() || core_.interrupted; });
+  const absl::Time deadline = FastNow() + timeout;
+  // A link whose reader is parked, not handed back, and which no other
+  // waiter reads.
+  auto readable = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (const std::shared_ptr<Link>& link : core_.parked) {
+      if (link->park && !link->waiter_reading && !link->stopping) return true;
+    }
+    return false;
+  };
+  while (core_.cq.empty() && !core_.interrupted) {
+    if (readable()) {
+      ReadParkedLocked(deadline);
+    } else {
+      ++core_.cq_waiters;
+      core_.cq_cv.AwaitWithDeadline(&core_.mu, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return !core_.cq.empty() || core_.interrupted || readable();
+      });
+      --core_.cq_waiters;
+    }
+    if (FastNow() >= deadline) break;
+  }
   core_.interrupted = false;
   return PopLocked(out);
+}
+
+void TcpTransport::ReadParkedLocked(absl::Time deadline) {
+  std::shared_ptr<Link> links[kMaxPolled];
+  pollfd fds[kMaxPolled + 1];
+  nfds_t n = 0;
+  for (const std::shared_ptr<Link>& link : core_.parked) {
+    if (n == kMaxPolled) break;
+    if (!link->park || link->waiter_reading || link->stopping) continue;
+    link->waiter_reading = true;
+    link->read_in_turn = true;
+    fds[n] = {link->fd.get(), POLLIN, 0};
+    links[n++] = link;
+  }
+  fds[n] = {core_.wake_fd.get(), POLLIN, 0};
+  ++core_.pollers;
+  core_.mu.Unlock();
+  const absl::Duration left = std::max(deadline - FastNow(), absl::ZeroDuration());
+  timespec ts = absl::ToTimespec(std::min(left, absl::Hours(1)));
+  const int ready = ::ppoll(fds, n + 1, &ts, nullptr);
+  // Before delivering: this thread's own completions wake no poller.
+  --core_.pollers;
+  if (ready > 0 && fds[n].revents != 0) {
+    uint64_t count;
+    (void)!::read(core_.wake_fd.get(), &count, sizeof count);
+  }
+  bool give_back[kMaxPolled] = {};
+  absl::Status errors[kMaxPolled];
+  for (nfds_t i = 0; i < n && ready > 0; ++i) {
+    if (fds[i].revents != 0) give_back[i] = !requester_.TakeAcks(*links[i], &errors[i]);
+  }
+  core_.mu.Lock();
+  for (nfds_t i = 0; i < n; ++i) {
+    Link& link = *links[i];
+    link.waiter_reading = false;
+    if (give_back[i]) {
+      link.park = false;
+      link.handed_error = std::move(errors[i]);
+    }
+    if (!link.park || link.stopping) link.reader_cv.Signal();
+  }
+  // Another waiter may read what this one leaves.
+  if (core_.cq_waiters > 0) core_.cq_cv.SignalAll();
 }
 
 void TcpTransport::InterruptWait() {
   MutexLock lock(&core_.mu);
   core_.interrupted = true;
   core_.cq_cv.SignalAll();
+  core_.WakePollers();
 }
 
 }  // namespace tcp_internal

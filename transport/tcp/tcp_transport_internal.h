@@ -84,6 +84,11 @@ constexpr uint64_t kMaxAckRunBytes = 1 << 20;
 // requests received behind it: one small send per this much data at most,
 // so a peer that reads slowly never gets a stream of tiny segments.
 constexpr uint64_t kInlineAckMinBytes = 16 << 10;
+// A parked reader (Link::park) takes its link back after a slice of this
+// long in which no waiter read it.
+constexpr absl::Duration kParkSlice = absl::Milliseconds(1);
+// A waiter reads at most this many parked links at once.
+constexpr size_t kMaxPolled = 8;
 // Answers a responder queues for one link before it drops a peer that does
 // not read them, in units of max_outstanding_per_link.
 constexpr uint32_t kAnswerQueueFactor = 2;
@@ -103,6 +108,12 @@ class Requester {
   absl::Status Post(absl::Span<const WorkRequest> batch) ABSL_LOCKS_EXCLUDED(core_.mu);
   // An answer to one of this end's requests (the link's reader).
   absl::Status OnAnswer(Link& link, const DataHeader& h) ABSL_LOCKS_EXCLUDED(core_.mu);
+  // A waiter's turn at a parked link (Link::park): takes what the socket
+  // holds without blocking and delivers the acknowledgements at the front
+  // of the stream. Returns false when the reader must take its turn back:
+  // something else is next (left buffered for it), or `*error` fails the
+  // link (the connection's end, a bad acknowledgement).
+  bool TakeAcks(Link& link, absl::Status* error) ABSL_LOCKS_EXCLUDED(core_.mu);
 
  private:
   // Request `id` (`wr`) succeeded: completed, and the waiters woken after
@@ -213,6 +224,10 @@ class LinkThreads {
 
  private:
   void ReaderLoop(std::shared_ptr<Link> link);
+  // Before the reader blocks: while the link is parked (Link::park), waits
+  // for its turn back. The error a waiter handed back, or kCancelled when
+  // the link stops.
+  absl::Status AwaitTurn(const std::shared_ptr<Link>& link) ABSL_LOCKS_EXCLUDED(core_.mu);
   void WriterLoop(std::shared_ptr<Link> link);
   // Sends `jobs` with one sendmsg. Sets *close_after when the connection
   // must be closed after them (a refused request).
@@ -264,6 +279,10 @@ class TcpTransport final : public Transport, public StreamLinks {
   // Takes queued completions (none: no region lock taken).
   size_t PopLocked(absl::Span<Completion> out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
   void InterruptWait() override;
+  // A waiter's turn at the parked links (Link::park) until one of them
+  // delivers or hands its turn back, something else wakes it, or
+  // `deadline`.
+  void ReadParkedLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
   void* QueryExtension(absl::string_view name) override {
     return name == StreamLinks::kName ? static_cast<StreamLinks*>(this) : nullptr;
   }
