@@ -226,6 +226,9 @@ class LinkCore {
   // (invalid: waiters never read links).
   std::atomic<uint32_t> pollers{0};
   net::Fd wake_fd;
+  std::atomic<uint64_t> waiter_turns{0};  // TcpWaiterReads
+  std::atomic<uint64_t> waiter_acks{0};
+  std::atomic<uint64_t> turns_given_back{0};
   std::function<void()> notify ABSL_GUARDED_BY(mu);  // SetCompletionNotifier
 };
 

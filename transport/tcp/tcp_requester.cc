@@ -206,6 +206,7 @@ bool Requester::TakeAcks(Link& link, absl::Status* error) {
     // What the reader would do with it (OnAnswer): a run of WRITEs landed.
     if (h.type != kWriteAck || h.status != 0) return false;
     link.in->Drop(sizeof h);
+    ++core_.waiter_acks;
     link.inputs.store(link.inputs.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     *error = OnWriteAcks(link, h);
     if (!error->ok()) return false;

@@ -372,6 +372,7 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline) {
   }
   fds[n] = {core_.wake_fd.get(), POLLIN, 0};
   ++core_.pollers;
+  core_.waiter_turns += n;
   core_.mu.Unlock();
   const absl::Duration left = std::max(deadline - FastNow(), absl::ZeroDuration());
   timespec ts = absl::ToTimespec(std::min(left, absl::Hours(1)));
@@ -386,6 +387,7 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline) {
   absl::Status errors[kMaxPolled];
   for (nfds_t i = 0; i < n && ready > 0; ++i) {
     if (fds[i].revents != 0) give_back[i] = !requester_.TakeAcks(*links[i], &errors[i]);
+    if (give_back[i]) ++core_.turns_given_back;
   }
   core_.mu.Lock();
   for (nfds_t i = 0; i < n; ++i) {
@@ -409,6 +411,13 @@ void TcpTransport::InterruptWait() {
 }
 
 }  // namespace tcp_internal
+
+TcpWaiterReads GetTcpWaiterReads(Transport& transport) {
+  auto* tcp = static_cast<tcp_internal::TcpTransport*>(
+      transport.QueryExtension(tcp_internal::TcpTransport::kSelf));
+  if (tcp == nullptr) return {};
+  return tcp->waiter_reads();
+}
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(TcpTransportOptions options) {
   if (options.max_outstanding_per_link == 0 || options.max_request_bytes == 0 ||

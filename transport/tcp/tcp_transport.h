@@ -96,6 +96,19 @@ struct TcpTransportOptions {
 // wildcard bind without an advertise address; errors from binding.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(TcpTransportOptions options);
 
+// How often threads waiting in a TCP transport's WaitCompletions read their
+// links themselves (docs/performance.md, "The waiting thread reads its
+// link"): the turns they took at links whose reader was parked, the
+// acknowledgements they read, and the turns they gave back to the reader
+// for something else on the link. All 0 for another transport. For tests
+// and benchmarks.
+struct TcpWaiterReads {
+  uint64_t turns = 0;
+  uint64_t acks = 0;
+  uint64_t given_back = 0;
+};
+TcpWaiterReads GetTcpWaiterReads(Transport& transport);
+
 }  // namespace transport
 }  // namespace kvferry
 

@@ -284,7 +284,12 @@ class TcpTransport final : public Transport, public StreamLinks {
   // `deadline`.
   void ReadParkedLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
   void* QueryExtension(absl::string_view name) override {
+    if (name == kSelf) return this;  // GetTcpWaiterReads
     return name == StreamLinks::kName ? static_cast<StreamLinks*>(this) : nullptr;
+  }
+  static constexpr absl::string_view kSelf = "kvferry.transport.tcp_internal";
+  TcpWaiterReads waiter_reads() const {
+    return {core_.waiter_turns.load(), core_.waiter_acks.load(), core_.turns_given_back.load()};
   }
   std::vector<std::pair<std::string, uint64_t>> RefusedInput() const override {
     const HelloAcceptorStats s = acceptor_->stats();

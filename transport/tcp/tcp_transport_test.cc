@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -257,6 +258,189 @@ TEST(TcpTransport, NothingLandsThroughAClosedEnd) {
       EXPECT_EQ(std::count(dst.begin(), dst.end(), 0), 4096) << "bytes landed after the close";
     }
   }
+}
+
+// Two engines' worth of TCP transports (no shortcut: over the socket),
+// a link between them, and a buffer registered at each end.
+struct SocketPair {
+  std::unique_ptr<Transport> a, b;
+  LinkId ab = 0, ba = 0;  // a's end and b's end of the link
+  std::vector<char> at_a = std::vector<char>(1 << 16), at_b = std::vector<char>(1 << 16);
+  Region ra, rb;
+};
+std::unique_ptr<SocketPair> MakeSocketPair() {
+  auto p = std::make_unique<SocketPair>();
+  TcpTransportOptions o;
+  o.in_process_shortcut = false;
+  auto a = CreateTcpTransport(o);
+  auto b = CreateTcpTransport(o);
+  if (!a.ok() || !b.ok()) return nullptr;
+  p->a = std::move(*a);
+  p->b = std::move(*b);
+  auto links = ConnectInProcess(*p->a, *p->b);
+  auto ra = p->a->RegisterMemory(p->at_a.data(), p->at_a.size(), Access::kRemoteWrite);
+  auto rb = p->b->RegisterMemory(p->at_b.data(), p->at_b.size(), Access::kRemoteWrite);
+  if (!links.ok() || !ra.ok() || !rb.ok()) return nullptr;
+  p->ab = links->first;
+  p->ba = links->second;
+  p->ra = *ra;
+  p->rb = *rb;
+  return p;
+}
+// A WRITEs `length` bytes of `fill` from the start of its buffer to
+// `offset` in B's and waits for it: the bytes must be there when it
+// completes.
+void WriteAndWait(SocketPair& p, char fill, uint32_t length = 4096, uint64_t offset = 0) {
+  std::fill(p.at_a.begin(), p.at_a.begin() + length, fill);
+  WorkRequest w{Opcode::kWrite, p.ab, p.ra.id, p.at_a.data(), length, p.rb.addr + offset,
+                p.rb.keys[0],   static_cast<uint64_t>(fill)};
+  ASSERT_TRUE(p.a->Post({&w, 1}).ok());
+  Completion c;
+  ASSERT_EQ(p.a->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  ASSERT_EQ(c.cookie, static_cast<uint64_t>(fill));
+  ASSERT_EQ(std::count(p.at_b.begin() + offset, p.at_b.begin() + offset + length, fill), length);
+}
+
+// A thread that posts and then waits reads its link's acknowledgements
+// itself once the link's reader has handed it the turn (its reader then
+// parks): every WRITE's bytes are in place when it completes, and every
+// acknowledgement counts as the link's input either way.
+TEST(TcpWaiterReads, AWaitingThreadReadsItsLinksAcknowledgements) {
+  auto p = MakeSocketPair();
+  ASSERT_NE(p, nullptr);
+  const uint64_t inputs = p->a->InputCount(p->ab);
+  for (int i = 0; i < 300; ++i) {
+    WriteAndWait(*p, static_cast<char>('a' + i % 26), 4096, (i % 8) * 4096);
+    if (HasFatalFailure()) return;
+  }
+  const TcpWaiterReads reads = GetTcpWaiterReads(*p->a);
+  EXPECT_GT(reads.acks, 0u) << "no acknowledgement was read by the waiting thread";
+  EXPECT_GT(reads.turns, 0u);
+  EXPECT_EQ(p->a->InputCount(p->ab) - inputs, 300u);
+}
+
+// While A's waiting thread has the turn at the link, B's requests on the
+// same link still land and are answered while it waits: the waiter gives
+// the turn back to the reader (counted), which serves them. Retried until the request met a
+// waiting thread with the turn (a matter of timing); the bytes must land
+// every time.
+TEST(TcpWaiterReads, APeersRequestOnAParkedLinkIsServed) {
+  auto p = MakeSocketPair();
+  ASSERT_NE(p, nullptr);
+  bool handed_back = false;
+  for (int round = 0; round < 20 && !handed_back; ++round) {
+    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'w');
+    if (HasFatalFailure()) return;
+    const uint64_t before = GetTcpWaiterReads(*p->a).given_back;
+    std::thread waiter([&] {
+      Completion c;
+      EXPECT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(2)), 0u);
+    });
+    absl::SleepFor(absl::Milliseconds(20));
+    const absl::Time start = absl::Now();
+    const char fill = static_cast<char>('A' + round);
+    std::fill(p->at_b.begin(), p->at_b.begin() + 1024, fill);
+    WorkRequest w{Opcode::kWrite, p->ba,       p->rb.id, p->at_b.data(), 1024,
+                  p->ra.addr + 8192, p->ra.keys[0], 5};
+    ASSERT_TRUE(p->b->Post({&w, 1}).ok());
+    Completion c;
+    ASSERT_EQ(p->b->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
+    EXPECT_TRUE(c.status.ok()) << c.status;
+    // Served while A's thread still waits, not once it has left.
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+    EXPECT_EQ(std::count(p->at_a.begin() + 8192, p->at_a.begin() + 8192 + 1024, fill), 1024);
+    waiter.join();
+    handed_back = GetTcpWaiterReads(*p->a).given_back > before;
+  }
+  EXPECT_TRUE(handed_back) << "no request of the peer ever met a waiter holding the turn";
+}
+
+// A thread waiting at a parked link wakes at once for what completes
+// elsewhere (another link's acknowledgement) and for InterruptWait, not at
+// the end of its timeout.
+TEST(TcpWaiterReads, AWaiterAtAParkedLinkWakesForOtherCompletionsAndInterrupts) {
+  auto p = MakeSocketPair();
+  ASSERT_NE(p, nullptr);
+  TcpTransportOptions o;
+  o.in_process_shortcut = false;
+  auto c3 = CreateTcpTransport(o);
+  ASSERT_TRUE(c3.ok());
+  auto other = ConnectInProcess(*p->a, **c3);
+  ASSERT_TRUE(other.ok()) << other.status();
+  std::vector<char> at_c(4096);
+  auto rc = (*c3)->RegisterMemory(at_c.data(), at_c.size(), Access::kRemoteWrite);
+  ASSERT_TRUE(rc.ok());
+  bool polled_other = false, polled_interrupt = false;
+  for (int round = 0; round < 20 && !(polled_other && polled_interrupt); ++round) {
+    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'x');
+    if (HasFatalFailure()) return;
+    // Another link's WRITE, posted while this thread waits.
+    uint64_t turns = GetTcpWaiterReads(*p->a).turns;
+    std::thread poster([&] {
+      absl::SleepFor(absl::Milliseconds(20));
+      WorkRequest w{Opcode::kWrite, other->first, p->ra.id,     p->at_a.data(), 4096,
+                    rc->addr,       rc->keys[0],  9};
+      EXPECT_TRUE(p->a->Post({&w, 1}).ok());
+    });
+    absl::Time start = absl::Now();
+    Completion c;
+    EXPECT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(20)), 1u);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    EXPECT_EQ(c.cookie, 9u);
+    poster.join();
+    polled_other = polled_other || GetTcpWaiterReads(*p->a).turns > turns;
+    // InterruptWait from another thread.
+    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'y');
+    if (HasFatalFailure()) return;
+    turns = GetTcpWaiterReads(*p->a).turns;
+    std::thread interrupter([&] {
+      absl::SleepFor(absl::Milliseconds(20));
+      p->a->InterruptWait();
+    });
+    start = absl::Now();
+    EXPECT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(20)), 0u);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    interrupter.join();
+    polled_interrupt = polled_interrupt || GetTcpWaiterReads(*p->a).turns > turns;
+  }
+  EXPECT_TRUE(polled_other && polled_interrupt)
+      << "the waits never found the link parked: " << polled_other << polled_interrupt;
+}
+
+// The peer's end closes while this end's waiting thread has the turn: the
+// waiter gives the turn back with the connection's end, the reader fails
+// the link, and a WRITE posted on it then fails (or is refused) at once.
+TEST(TcpWaiterReads, ThePeersCloseFailsTheRequestAWaiterWaitsFor) {
+  bool met_waiter = false;
+  for (int round = 0; round < 20 && !met_waiter; ++round) {
+    auto p = MakeSocketPair();
+    ASSERT_NE(p, nullptr);
+    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'z');
+    if (HasFatalFailure()) return;
+    // B's end closes while A's thread waits at the link.
+    const uint64_t turns = GetTcpWaiterReads(*p->a).turns;
+    std::thread closer([&] {
+      absl::SleepFor(absl::Milliseconds(20));
+      EXPECT_TRUE(p->b->CloseLink(p->ba).ok());
+    });
+    absl::Time start = absl::Now();
+    Completion c;
+    // Nothing is outstanding: the wait ends at its timeout or when the
+    // close is seen; then a WRITE on the link fails.
+    (void)p->a->WaitCompletions({&c, 1}, absl::Milliseconds(200));
+    closer.join();
+    met_waiter = GetTcpWaiterReads(*p->a).given_back > 0 && GetTcpWaiterReads(*p->a).turns > turns;
+    WorkRequest w{Opcode::kWrite, p->ab, p->ra.id, p->at_a.data(), 4096, p->rb.addr,
+                  p->rb.keys[0],  3};
+    const absl::Status posted = p->a->Post({&w, 1});
+    if (posted.ok()) {
+      ASSERT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
+      EXPECT_FALSE(c.status.ok());
+    }
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  EXPECT_TRUE(met_waiter) << "the close never met a waiter holding the turn";
 }
 
 TEST(TcpTransport, WildcardBindNeedsAnAdvertisedAddress) {
