@@ -292,7 +292,9 @@ std::unique_ptr<SocketPair> MakeSocketPair() {
 // completes.
 void WriteAndWait(SocketPair& p, char fill, uint32_t length = 4096, uint64_t offset = 0) {
   std::fill(p.at_a.begin(), p.at_a.begin() + length, fill);
-  WorkRequest w{Opcode::kWrite, p.ab, p.ra.id, p.at_a.data(), length, p.rb.addr + offset,
+  WorkRequest w{Opcode::kWrite, p.ab,
+                p.ra.id,        p.at_a.data(),
+                length,         p.rb.addr + offset,
                 p.rb.keys[0],   static_cast<uint64_t>(fill)};
   ASSERT_TRUE(p.a->Post({&w, 1}).ok());
   Completion c;
@@ -341,7 +343,7 @@ TEST(TcpWaiterReads, APeersRequestOnAParkedLinkIsServed) {
     const absl::Time start = absl::Now();
     const char fill = static_cast<char>('A' + round);
     std::fill(p->at_b.begin(), p->at_b.begin() + 1024, fill);
-    WorkRequest w{Opcode::kWrite, p->ba,       p->rb.id, p->at_b.data(), 1024,
+    WorkRequest w{Opcode::kWrite,    p->ba,         p->rb.id, p->at_b.data(), 1024,
                   p->ra.addr + 8192, p->ra.keys[0], 5};
     ASSERT_TRUE(p->b->Post({&w, 1}).ok());
     Completion c;
@@ -379,8 +381,8 @@ TEST(TcpWaiterReads, AWaiterAtAParkedLinkWakesForOtherCompletionsAndInterrupts) 
     uint64_t turns = GetTcpWaiterReads(*p->a).turns;
     std::thread poster([&] {
       absl::SleepFor(absl::Milliseconds(20));
-      WorkRequest w{Opcode::kWrite, other->first, p->ra.id,     p->at_a.data(), 4096,
-                    rc->addr,       rc->keys[0],  9};
+      WorkRequest w{Opcode::kWrite, other->first, p->ra.id,    p->at_a.data(),
+                    4096,           rc->addr,     rc->keys[0], 9};
       EXPECT_TRUE(p->a->Post({&w, 1}).ok());
     });
     absl::Time start = absl::Now();
@@ -431,8 +433,8 @@ TEST(TcpWaiterReads, ThePeersCloseFailsTheRequestAWaiterWaitsFor) {
     (void)p->a->WaitCompletions({&c, 1}, absl::Milliseconds(200));
     closer.join();
     met_waiter = GetTcpWaiterReads(*p->a).given_back > 0 && GetTcpWaiterReads(*p->a).turns > turns;
-    WorkRequest w{Opcode::kWrite, p->ab, p->ra.id, p->at_a.data(), 4096, p->rb.addr,
-                  p->rb.keys[0],  3};
+    WorkRequest w{Opcode::kWrite, p->ab,      p->ra.id,      p->at_a.data(),
+                  4096,           p->rb.addr, p->rb.keys[0], 3};
     const absl::Status posted = p->a->Post({&w, 1});
     if (posted.ok()) {
       ASSERT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(5)), 1u);
