@@ -5,7 +5,10 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -304,6 +307,38 @@ void WriteAndWait(SocketPair& p, char fill, uint32_t length = 4096, uint64_t off
   ASSERT_EQ(std::count(p.at_b.begin() + offset, p.at_b.begin() + offset + length, fill), length);
 }
 
+// Runs `action` on its own thread `delay` after Go() (or at destruction).
+// The thread is made beforehand, so that making it does not hold up the
+// caller between its last wait and its next (a link's reader takes its
+// turn back after 1 ms with no waiter).
+class Later {
+ public:
+  Later(absl::Duration delay, std::function<void()> action)
+      : thread_([this, delay, action = std::move(action)] {
+          {
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_.wait(lock, [this] { return go_; });
+          }
+          absl::SleepFor(delay);
+          action();
+        }) {}
+  ~Later() {
+    Go();
+    thread_.join();
+  }
+  void Go() {
+    std::lock_guard<std::mutex> lock(mu_);
+    go_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool go_ = false;
+  std::thread thread_;  // last: it starts once the rest is made
+};
+
 // A thread that posts and then waits reads its link's acknowledgements
 // itself once the link's reader has handed it the turn (its reader then
 // parks): every WRITE's bytes are in place when it completes, and every
@@ -324,21 +359,22 @@ TEST(TcpWaiterReads, AWaitingThreadReadsItsLinksAcknowledgements) {
 
 // While A's waiting thread has the turn at the link, B's requests on the
 // same link still land and are answered while it waits: the waiter gives
-// the turn back to the reader (counted), which serves them. Retried until the request met a
-// waiting thread with the turn (a matter of timing); the bytes must land
-// every time.
+// the turn back to the reader (counted), which serves them. Retried until
+// the request met a waiting thread with the turn (a matter of timing); the
+// bytes must land every time.
 TEST(TcpWaiterReads, APeersRequestOnAParkedLinkIsServed) {
   auto p = MakeSocketPair();
   ASSERT_NE(p, nullptr);
   bool handed_back = false;
   for (int round = 0; round < 20 && !handed_back; ++round) {
-    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'w');
-    if (HasFatalFailure()) return;
-    const uint64_t before = GetTcpWaiterReads(*p->a).given_back;
-    std::thread waiter([&] {
+    Later waiter(absl::ZeroDuration(), [&] {
       Completion c;
       EXPECT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(2)), 0u);
     });
+    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'w');
+    if (HasFatalFailure()) return;
+    const uint64_t before = GetTcpWaiterReads(*p->a).given_back;
+    waiter.Go();
     absl::SleepFor(absl::Milliseconds(20));
     const absl::Time start = absl::Now();
     const char fill = static_cast<char>('A' + round);
@@ -352,7 +388,6 @@ TEST(TcpWaiterReads, APeersRequestOnAParkedLinkIsServed) {
     // Served while A's thread still waits, not once it has left.
     EXPECT_LT(absl::Now() - start, absl::Seconds(1));
     EXPECT_EQ(std::count(p->at_a.begin() + 8192, p->at_a.begin() + 8192 + 1024, fill), 1024);
-    waiter.join();
     handed_back = GetTcpWaiterReads(*p->a).given_back > before;
   }
   EXPECT_TRUE(handed_back) << "no request of the peer ever met a waiter holding the turn";
@@ -375,35 +410,31 @@ TEST(TcpWaiterReads, AWaiterAtAParkedLinkWakesForOtherCompletionsAndInterrupts) 
   ASSERT_TRUE(rc.ok());
   bool polled_other = false, polled_interrupt = false;
   for (int round = 0; round < 20 && !(polled_other && polled_interrupt); ++round) {
-    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'x');
-    if (HasFatalFailure()) return;
     // Another link's WRITE, posted while this thread waits.
-    uint64_t turns = GetTcpWaiterReads(*p->a).turns;
-    std::thread poster([&] {
-      absl::SleepFor(absl::Milliseconds(20));
+    Later poster(absl::Milliseconds(20), [&] {
       WorkRequest w{Opcode::kWrite, other->first, p->ra.id,    p->at_a.data(),
                     4096,           rc->addr,     rc->keys[0], 9};
       EXPECT_TRUE(p->a->Post({&w, 1}).ok());
     });
+    Later interrupter(absl::Milliseconds(20), [&] { p->a->InterruptWait(); });
+    for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'x');
+    if (HasFatalFailure()) return;
+    uint64_t turns = GetTcpWaiterReads(*p->a).turns;
+    poster.Go();
     absl::Time start = absl::Now();
     Completion c;
     EXPECT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(20)), 1u);
     EXPECT_LT(absl::Now() - start, absl::Seconds(10));
     EXPECT_EQ(c.cookie, 9u);
-    poster.join();
     polled_other = polled_other || GetTcpWaiterReads(*p->a).turns > turns;
     // InterruptWait from another thread.
     for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'y');
     if (HasFatalFailure()) return;
     turns = GetTcpWaiterReads(*p->a).turns;
-    std::thread interrupter([&] {
-      absl::SleepFor(absl::Milliseconds(20));
-      p->a->InterruptWait();
-    });
+    interrupter.Go();
     start = absl::Now();
     EXPECT_EQ(p->a->WaitCompletions({&c, 1}, absl::Seconds(20)), 0u);
     EXPECT_LT(absl::Now() - start, absl::Seconds(10));
-    interrupter.join();
     polled_interrupt = polled_interrupt || GetTcpWaiterReads(*p->a).turns > turns;
   }
   EXPECT_TRUE(polled_other && polled_interrupt)
@@ -418,21 +449,19 @@ TEST(TcpWaiterReads, ThePeersCloseFailsTheRequestAWaiterWaitsFor) {
   for (int round = 0; round < 20 && !met_waiter; ++round) {
     auto p = MakeSocketPair();
     ASSERT_NE(p, nullptr);
+    // B's end closes while A's thread waits at the link.
+    Later closer(absl::Milliseconds(20), [&] { EXPECT_TRUE(p->b->CloseLink(p->ba).ok()); });
     for (int i = 0; i < 50; ++i) WriteAndWait(*p, 'z');
     if (HasFatalFailure()) return;
-    // B's end closes while A's thread waits at the link.
-    const uint64_t turns = GetTcpWaiterReads(*p->a).turns;
-    std::thread closer([&] {
-      absl::SleepFor(absl::Milliseconds(20));
-      EXPECT_TRUE(p->b->CloseLink(p->ba).ok());
-    });
-    absl::Time start = absl::Now();
+    const TcpWaiterReads before = GetTcpWaiterReads(*p->a);
+    closer.Go();
+    const absl::Time start = absl::Now();
     Completion c;
-    // Nothing is outstanding: the wait ends at its timeout or when the
-    // close is seen; then a WRITE on the link fails.
+    // Nothing is outstanding: the wait ends at its timeout; then a WRITE
+    // on the link fails.
     (void)p->a->WaitCompletions({&c, 1}, absl::Milliseconds(200));
-    closer.join();
-    met_waiter = GetTcpWaiterReads(*p->a).given_back > 0 && GetTcpWaiterReads(*p->a).turns > turns;
+    const TcpWaiterReads after = GetTcpWaiterReads(*p->a);
+    met_waiter = after.given_back > before.given_back && after.turns > before.turns;
     WorkRequest w{Opcode::kWrite, p->ab,      p->ra.id,      p->at_a.data(),
                   4096,           p->rb.addr, p->rb.keys[0], 3};
     const absl::Status posted = p->a->Post({&w, 1});
