@@ -119,11 +119,10 @@ bool Requester::ClaimInline(Link& link, uint64_t post) {
     if (job.device >= 0 || job.by_ref) return false;  // staged, or a reference: the writer
     bytes += job.data ? job.header.length : 0;
   }
-  // Posts of up to kInlineSendBytes of data. Larger ones are better copied
-  // into the socket by the writer while this thread goes on: sent from
-  // here at any size, 16 KiB blocks x 16 per Post ran no faster
-  // (docs/performance.md, "Fewer hand-offs"). The send does not block:
-  // what the socket does not take goes to the writer.
+  // Posts of up to kInlineSendBytes of data; larger ones are copied into
+  // the socket by the writer while this thread goes on, so that a Submit
+  // costs the caller a bounded copy. The send does not block: what the
+  // socket does not take goes to the writer.
   if (bytes > kInlineSendBytes) return false;
   link.writer_busy = true;
   link.inline_jobs.swap(link.jobs);  // link.jobs is empty (and keeps its capacity)
