@@ -331,6 +331,9 @@ size_t TcpTransport::PopLocked(absl::Span<Completion> out) {
 }
 
 size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration timeout) {
+  // The links a turn polled: let go after the lock (the last reference to
+  // a link closed meanwhile destroys it).
+  std::shared_ptr<Link> polled[kMaxPolled];
   // What arrived is taken under the same lock the wait ended with.
   MutexLock lock(&core_.mu);
   const absl::Time deadline = FastNow() + timeout;
@@ -344,7 +347,7 @@ size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration 
   };
   while (core_.cq.empty() && !core_.interrupted) {
     if (readable()) {
-      ReadParkedLocked(deadline);
+      ReadParkedLocked(deadline, polled);
     } else {
       ++core_.cq_waiters;
       core_.cq_cv.AwaitWithDeadline(&core_.mu, deadline, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -358,17 +361,24 @@ size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration 
   return PopLocked(out);
 }
 
-void TcpTransport::ReadParkedLocked(absl::Time deadline) {
-  std::shared_ptr<Link> links[kMaxPolled];
+void TcpTransport::ReadParkedLocked(absl::Time deadline,
+                                    std::shared_ptr<Link> (&links)[kMaxPolled]) {
   pollfd fds[kMaxPolled + 1];
+  Link* chosen[kMaxPolled];
   nfds_t n = 0;
   for (const std::shared_ptr<Link>& link : core_.parked) {
     if (n == kMaxPolled) break;
     if (!link->park || link->waiter_reading || link->stopping) continue;
+    // Held in `links` for the whole wait: a slot is never reassigned here,
+    // where letting a link go could destroy it under the lock.
+    size_t slot = 0;
+    while (slot < kMaxPolled && links[slot] != nullptr && links[slot] != link) ++slot;
+    if (slot == kMaxPolled) continue;  // the next wait polls it
+    if (links[slot] == nullptr) links[slot] = link;
     link->waiter_reading = true;
     link->read_in_turn = true;
     fds[n] = {link->fd.get(), POLLIN, 0};
-    links[n++] = link;
+    chosen[n++] = link.get();
   }
   fds[n] = {core_.wake_fd.get(), POLLIN, 0};
   ++core_.pollers;
@@ -386,12 +396,12 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline) {
   bool give_back[kMaxPolled] = {};
   absl::Status errors[kMaxPolled];
   for (nfds_t i = 0; i < n && ready > 0; ++i) {
-    if (fds[i].revents != 0) give_back[i] = !requester_.TakeAcks(*links[i], &errors[i]);
+    if (fds[i].revents != 0) give_back[i] = !requester_.TakeAcks(*chosen[i], &errors[i]);
     if (give_back[i]) ++core_.turns_given_back;
   }
   core_.mu.Lock();
   for (nfds_t i = 0; i < n; ++i) {
-    Link& link = *links[i];
+    Link& link = *chosen[i];
     link.waiter_reading = false;
     if (give_back[i]) {
       link.park = false;

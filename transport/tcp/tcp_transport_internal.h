@@ -284,8 +284,10 @@ class TcpTransport final : public Transport, public StreamLinks {
   void InterruptWait() override;
   // A waiter's turn at the parked links (Link::park) until one of them
   // delivers or hands its turn back, something else wakes it, or
-  // `deadline`.
-  void ReadParkedLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
+  // `deadline`. `links` holds the links it polled (the caller's, kept
+  // over its turns and let go once the lock is released).
+  void ReadParkedLocked(absl::Time deadline, std::shared_ptr<Link> (&links)[kMaxPolled])
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
   void* QueryExtension(absl::string_view name) override {
     if (name == kSelf) return this;  // GetTcpWaiterReads
     return name == StreamLinks::kName ? static_cast<StreamLinks*>(this) : nullptr;
