@@ -109,7 +109,7 @@ struct Link {
   // The reader's turn, handed to waiters (under LinkCore::mu). Once the
   // reader has delivered acknowledgements to a thread waiting in
   // WaitCompletions, it sets `park`: with nothing buffered, it then waits
-  // on reader_cv (`parked`, listed in LinkCore::parked) instead of in
+  // on reader_cv (listed in LinkCore::parked meanwhile) instead of in
   // recv, and the next waiter reads the link's acknowledgements itself
   // (`waiter_reading`, one at a time): one thread woken per batch, not
   // two. Anything else on the link (a request of the peer, an error
@@ -119,7 +119,6 @@ struct Link {
   // is read by its reader within that time. `handed_error`: what a waiter
   // read that fails the link; the reader fails it.
   bool park = false;
-  bool parked = false;
   bool waiter_reading = false;
   bool read_in_turn = false;
   absl::Status handed_error;

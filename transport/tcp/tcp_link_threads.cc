@@ -157,7 +157,6 @@ void LinkThreads::ReaderLoop(std::shared_ptr<Link> link) {
 absl::Status LinkThreads::AwaitTurn(const std::shared_ptr<Link>& link) {
   MutexLock lock(&core_.mu);
   if (!link->park || link->stopping) return absl::OkStatus();
-  link->parked = true;
   core_.parked.push_back(link);
   if (core_.cq_waiters > 0) core_.cq_cv.SignalAll();  // one may read it now
   while ((link->park || link->waiter_reading) && !link->stopping) {
@@ -166,7 +165,6 @@ absl::Status LinkThreads::AwaitTurn(const std::shared_ptr<Link>& link) {
     if (timed_out && !link->waiter_reading && !link->read_in_turn) link->park = false;
   }
   link->park = false;
-  link->parked = false;
   auto& parked = core_.parked;
   parked.erase(std::find(parked.begin(), parked.end(), link));
   if (link->stopping) return absl::CancelledError("the link is closing");
