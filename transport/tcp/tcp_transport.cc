@@ -337,11 +337,9 @@ size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration 
   // What arrived is taken under the same lock the wait ended with.
   MutexLock lock(&core_.mu);
   const absl::Time deadline = FastNow() + timeout;
-  // A link whose reader is parked, not handed back, and which no other
-  // waiter reads.
   auto readable = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     for (const std::shared_ptr<Link>& link : core_.parked) {
-      if (link->park && !link->waiter_reading && !link->stopping) return true;
+      if (Claimable(*link)) return true;
     }
     return false;
   };
@@ -355,7 +353,7 @@ size_t TcpTransport::WaitCompletions(absl::Span<Completion> out, absl::Duration 
       });
       --core_.cq_waiters;
     }
-    if (FastNow() >= deadline) break;
+    if (core_.cq.empty() && FastNow() >= deadline) break;
   }
   core_.interrupted = false;
   return PopLocked(out);
@@ -368,7 +366,7 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline,
   nfds_t n = 0;
   for (const std::shared_ptr<Link>& link : core_.parked) {
     if (n == kMaxPolled) break;
-    if (!link->park || link->waiter_reading || link->stopping) continue;
+    if (!Claimable(*link)) continue;
     // Held in `links` for the whole wait: a slot is never reassigned here,
     // where letting a link go could destroy it under the lock.
     size_t slot = 0;

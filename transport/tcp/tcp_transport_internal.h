@@ -288,6 +288,11 @@ class TcpTransport final : public Transport, public StreamLinks {
   // over its turns and let go once the lock is released).
   void ReadParkedLocked(absl::Time deadline, std::shared_ptr<Link> (&links)[kMaxPolled])
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
+  // A parked link (in LinkCore::parked) a waiter may take a turn at: not
+  // handed back, not stopping, and no other waiter reads it.
+  static bool Claimable(const Link& link) {
+    return link.park && !link.waiter_reading && !link.stopping;
+  }
   void* QueryExtension(absl::string_view name) override {
     if (name == kSelf) return this;  // GetTcpWaiterReads
     return name == StreamLinks::kName ? static_cast<StreamLinks*>(this) : nullptr;
