@@ -175,18 +175,22 @@ absl::Status Requester::OnWriteAcks(Link& link, const DataHeader& h) {
   }
   {
     MutexLock lock(&core_.mu);
+    uint64_t bytes = 0;
     for (uint64_t id = h.id; id < h.id + h.remote_addr; ++id) {
       const WorkRequest* wr = link.outstanding.Find(id);
       if (wr == nullptr) {
         if (link.stopping) break;  // closed or failed here meanwhile
         return absl::DataLossError(absl::StrCat("answer for unknown request ", id));
       }
+      bytes += wr->length;
       core_.Complete(*wr, absl::OkStatus());
       link.outstanding.Erase(id);
     }
     // A thread waits for these: the next acknowledgements are for it (or
-    // the next waiter) to read (Link::park).
-    if (core_.cq_waiters > 0 && core_.wake_fd.valid()) link.park = true;
+    // the next waiter) to read (Link::park), when runs are small.
+    if (core_.cq_waiters > 0 && core_.wake_fd.valid() && bytes <= kParkMaxRunBytes) {
+      link.park = true;
+    }
     core_.NotifyLocked();
   }
   core_.WakeWaitersUnlocked();

@@ -357,6 +357,35 @@ TEST(TcpWaiterReads, AWaitingThreadReadsItsLinksAcknowledgements) {
   EXPECT_EQ(p->a->InputCount(p->ab) - inputs, 300u);
 }
 
+// Runs of more than 256 KiB are left to the link's reader (a waiter woken
+// by them ran on the peer's CPU and slowed its reader): no waiter reads
+// them, however long a thread waits. Each Post is 8 WRITEs of 64 KiB, one
+// run of 512 KiB; every one lands.
+TEST(TcpWaiterReads, LargeRunsAreReadByTheLinksReader) {
+  auto p = MakeSocketPair();
+  ASSERT_NE(p, nullptr);
+  const uint32_t length = static_cast<uint32_t>(p->at_a.size());
+  for (int i = 0; i < 100; ++i) {
+    const char fill = static_cast<char>('a' + i % 26);
+    std::fill(p->at_a.begin(), p->at_a.end(), fill);
+    std::vector<WorkRequest> run;
+    for (uint64_t k = 0; k < 8; ++k) {
+      run.push_back({Opcode::kWrite, p->ab, p->ra.id, p->at_a.data(), length, p->rb.addr,
+                     p->rb.keys[0], k});
+    }
+    ASSERT_TRUE(p->a->Post(run).ok());
+    for (int got = 0; got < 8;) {
+      Completion c[8];
+      const size_t n = p->a->WaitCompletions(c, absl::Seconds(5));
+      ASSERT_GT(n, 0u) << "a WRITE did not complete in 5 s";
+      for (size_t j = 0; j < n; ++j) EXPECT_TRUE(c[j].status.ok()) << c[j].status;
+      got += static_cast<int>(n);
+    }
+    ASSERT_EQ(std::count(p->at_b.begin(), p->at_b.end(), fill), length);
+  }
+  EXPECT_EQ(GetTcpWaiterReads(*p->a).acks, 0u) << "a waiting thread read a large run's answer";
+}
+
 // While A's waiting thread has the turn at the link, B's requests on the
 // same link still land and are answered while it waits: the waiter gives
 // the turn back to the reader (counted), which serves them. Retried until
