@@ -72,14 +72,14 @@ using tcp_wire::kWriteReq;
 using tcp_wire::PeerParams;
 
 // A Post on an idle link of at most this many bytes of data (headers
-// aside: 16 blocks of 64 KiB fit) is sent by the posting thread itself (no
+// aside: 16 blocks of 16 KiB fit) is sent by the posting thread itself (no
 // hand-off to the writer thread), without blocking: what the socket does
 // not take at once goes to the writer. 64 KiB until the waiting thread read
-// its own link (Link::park), then 256 KiB (16 KiB blocks faster); 1 MiB
-// since 2026-12-07: 16 blocks of 32 KiB (vLLM's block) went from 0.72-0.82
-// of the raw stream to 1.2-1.3 (docs/performance.md, "Who is woken, and
-// where"). The copy a Submit costs its caller stays bounded.
-constexpr uint64_t kInlineSendBytes = 1 << 20;
+// its own link (Link::park); with that, 256 KiB moved 16 KiB blocks faster
+// (docs/performance.md, "The waiting thread reads its link"). 1 MiB made
+// no difference beyond the spread at 32 and 64 KiB (2026-12-07, "Who is
+// woken, and where"), and keeps the copy a Submit costs its caller smaller.
+constexpr uint64_t kInlineSendBytes = 256 << 10;
 // A responder acknowledges WRITEs in runs: up to the last request of each
 // Post on the link (kAckNow), and at most this many requests or bytes.
 constexpr uint64_t kMaxAckRun = 32;
