@@ -81,10 +81,13 @@ absl::Status Responder::QueueAnswer(Link& link, Job job, uint64_t covered) {
   // kInlineAckMinBytes or more (measured, issue 38: the responder's
   // context switches per request halved at 4 KiB and quartered at 16 KiB,
   // docs/performance.md "Fewer hand-offs").
+  // Not for runs over kInlineAckMaxBytes with more received behind them.
   // Otherwise the writer thread sends it: a READ answer's data is better
   // copied into the socket there while the reader goes on.
   const bool plain = !job.read_answer && job.text.empty() && !job.close_after && !job.by_ref &&
-                     job.device < 0 && (link.in->Buffered() == 0 || covered >= kInlineAckMinBytes);
+                     job.device < 0 &&
+                     (link.in->Buffered() == 0 ||
+                      (covered >= kInlineAckMinBytes && covered <= kInlineAckMaxBytes));
   {
     MutexLock lock(&core_.mu);
     if (link.stopping) return absl::CancelledError("the link is closing");

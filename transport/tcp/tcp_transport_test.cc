@@ -370,8 +370,8 @@ TEST(TcpWaiterReads, LargeRunsAreReadByTheLinksReader) {
     std::fill(p->at_a.begin(), p->at_a.end(), fill);
     std::vector<WorkRequest> run;
     for (uint64_t k = 0; k < 8; ++k) {
-      run.push_back({Opcode::kWrite, p->ab, p->ra.id, p->at_a.data(), length, p->rb.addr,
-                     p->rb.keys[0], k});
+      run.push_back(
+          {Opcode::kWrite, p->ab, p->ra.id, p->at_a.data(), length, p->rb.addr, p->rb.keys[0], k});
     }
     ASSERT_TRUE(p->a->Post(run).ok());
     for (int got = 0; got < 8;) {
