@@ -100,7 +100,7 @@ constexpr uint64_t kInlineAckMaxBytes = 256 << 10;
 // long in which no waiter read it.
 constexpr absl::Duration kParkSlice = absl::Milliseconds(1);
 // A reader parks (Link::park) only after delivering a run of at most this
-// many bytes. Larger runs are rare per byte: the hand-off saved is small,
+// many bytes. Larger runs come few per byte: the hand-off saved is small,
 // and a waiter woken by the peer's acknowledgement ran on the peer's CPU
 // and preempted its reader twice as often (1 MiB blocks: 6.5 preemptions a
 // batch against 3; docs/performance.md, "Who is woken, and where").
