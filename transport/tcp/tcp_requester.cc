@@ -187,8 +187,9 @@ absl::Status Requester::OnWriteAcks(Link& link, const DataHeader& h) {
       link.outstanding.Erase(id);
     }
     // A thread waits for these: the next acknowledgements are for it (or
-    // the next waiter) to read (Link::park), when runs are small.
-    if (core_.cq_waiters > 0 && core_.wake_fd.valid() && bytes <= kParkMaxRunBytes) {
+    // the next waiter) to read (Link::park), when the requests are small.
+    if (core_.cq_waiters > 0 && core_.wake_fd.valid() &&
+        bytes <= kParkMaxRequestBytes * h.remote_addr) {
       link.park = true;
     }
     core_.NotifyLocked();

@@ -72,14 +72,16 @@ using tcp_wire::kWriteReq;
 using tcp_wire::PeerParams;
 
 // A Post on an idle link of at most this many bytes of data (headers
-// aside: 16 blocks of 16 KiB fit) is sent by the posting thread itself (no
+// aside: 16 blocks of 64 KiB fit) is sent by the posting thread itself (no
 // hand-off to the writer thread), without blocking: what the socket does
 // not take at once goes to the writer. 64 KiB until the waiting thread read
 // its own link (Link::park); with that, 256 KiB moved 16 KiB blocks faster
-// (docs/performance.md, "The waiting thread reads its link"). 1 MiB made
-// no difference beyond the spread at 32 and 64 KiB (2026-12-07, "Who is
-// woken, and where"), and keeps the copy a Submit costs its caller smaller.
-constexpr uint64_t kInlineSendBytes = 256 << 10;
+// (docs/performance.md, "The waiting thread reads its link"). 1 MiB, with
+// runs of 64 KiB requests parking too, moved 16 blocks of 64 KiB at 0.91
+// of the raw stream against 0.83 (docs/performance.md, "One thread for a
+// Post of 64 KiB blocks"). Larger Posts are copied by the writer while the
+// posting thread goes on: a Submit costs its caller a bounded copy.
+constexpr uint64_t kInlineSendBytes = 1 << 20;
 // A responder acknowledges WRITEs in runs: up to the last request of each
 // Post on the link (kAckNow), and at most this many requests or bytes.
 constexpr uint64_t kMaxAckRun = 32;
@@ -99,12 +101,13 @@ constexpr uint64_t kInlineAckMaxBytes = 256 << 10;
 // A parked reader (Link::park) takes its link back after a slice of this
 // long in which no waiter read it.
 constexpr absl::Duration kParkSlice = absl::Milliseconds(1);
-// A reader parks (Link::park) only after delivering a run of at most this
-// many bytes. Larger runs come few per byte: the hand-off saved is small,
-// and a waiter woken by the peer's acknowledgement ran on the peer's CPU
-// and preempted its reader twice as often (1 MiB blocks: 6.5 preemptions a
-// batch against 3; docs/performance.md, "Who is woken, and where").
-constexpr uint64_t kParkMaxRunBytes = 256 << 10;
+// A reader parks (Link::park) only after delivering a run whose requests
+// average at most this many bytes. Runs of larger requests come few per
+// byte: the hand-off saved is small, and a waiter woken by the peer's
+// acknowledgement ran on the peer's CPU and preempted its reader twice as
+// often (1 MiB blocks: 6.5 preemptions a batch against 3). Runs of 16
+// blocks of 64 KiB park (docs/performance.md, "Who is woken, and where").
+constexpr uint64_t kParkMaxRequestBytes = 256 << 10;
 // A waiter reads at most this many parked links at once.
 constexpr size_t kMaxPolled = 8;
 // Answers a responder queues for one link before it drops a peer that does
