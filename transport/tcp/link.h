@@ -121,6 +121,9 @@ struct Link {
   bool park = false;
   bool waiter_reading = false;
   bool read_in_turn = false;
+  // The last run acknowledged on the link was small (kSpinMaxRunBytes): a
+  // waiter reading it polls kSpinPolls times before it sleeps.
+  bool spin = false;
   absl::Status handed_error;
   CondVar reader_cv;
 };
@@ -228,6 +231,8 @@ class LinkCore {
   std::atomic<uint64_t> waiter_turns{0};  // TcpWaiterReads
   std::atomic<uint64_t> waiter_acks{0};
   std::atomic<uint64_t> turns_given_back{0};
+  std::atomic<uint64_t> spin_waits{0};
+  std::atomic<uint64_t> spun_waits{0};
   std::function<void()> notify ABSL_GUARDED_BY(mu);  // SetCompletionNotifier
 };
 

@@ -186,6 +186,7 @@ absl::Status Requester::OnWriteAcks(Link& link, const DataHeader& h) {
       core_.Complete(*wr, absl::OkStatus());
       link.outstanding.Erase(id);
     }
+    link.spin = bytes <= kSpinMaxRunBytes;
     // A thread waits for these: the next acknowledgements are for it (or
     // the next waiter) to read (Link::park), when the requests are small.
     if (core_.cq_waiters > 0 && core_.wake_fd.valid() &&

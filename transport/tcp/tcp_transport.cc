@@ -364,6 +364,7 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline,
   pollfd fds[kMaxPolled + 1];
   Link* chosen[kMaxPolled];
   nfds_t n = 0;
+  bool spin = false;  // a small run was last on one of them
   for (const std::shared_ptr<Link>& link : core_.parked) {
     if (n == kMaxPolled) break;
     if (!Claimable(*link)) continue;
@@ -375,6 +376,7 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline,
     if (links[slot] == nullptr) links[slot] = link;
     link->waiter_reading = true;
     link->read_in_turn = true;
+    spin = spin || link->spin;
     fds[n] = {link->fd.get(), POLLIN, 0};
     chosen[n++] = link.get();
   }
@@ -383,8 +385,17 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline,
   core_.waiter_turns += n;
   core_.mu.Unlock();
   const absl::Duration left = std::max(deadline - FastNow(), absl::ZeroDuration());
-  timespec ts = absl::ToTimespec(std::min(left, absl::Hours(1)));
-  const int ready = ::ppoll(fds, n + 1, &ts, nullptr);
+  int ready = 0;
+  if (spin && left > absl::ZeroDuration()) {
+    ++core_.spin_waits;
+    timespec now{0, 0};
+    for (int i = 0; i < kSpinPolls && ready == 0; ++i) ready = ::ppoll(fds, n + 1, &now, nullptr);
+    if (ready > 0) ++core_.spun_waits;
+  }
+  if (ready <= 0) {
+    timespec ts = absl::ToTimespec(std::min(left, absl::Hours(1)));
+    ready = ::ppoll(fds, n + 1, &ts, nullptr);
+  }
   // Before delivering: this thread's own completions wake no poller.
   --core_.pollers;
   if (ready > 0 && fds[n].revents != 0) {

@@ -106,6 +106,10 @@ struct TcpWaiterReads {
   uint64_t turns = 0;
   uint64_t acks = 0;
   uint64_t given_back = 0;
+  // Waits that polled without sleeping first (a link's last run was small:
+  // kSpinMaxRunBytes), and those of them that found an answer so.
+  uint64_t spins = 0;
+  uint64_t spun = 0;
 };
 TcpWaiterReads GetTcpWaiterReads(Transport& transport);
 

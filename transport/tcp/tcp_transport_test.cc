@@ -356,6 +356,8 @@ TEST(TcpWaiterReads, AWaitingThreadReadsItsLinksAcknowledgements) {
   const TcpWaiterReads reads = GetTcpWaiterReads(*p->a);
   EXPECT_GT(reads.acks, 0u) << "no acknowledgement was read by the waiting thread";
   EXPECT_GT(reads.turns, 0u);
+  // Runs of 4 KiB: the waiter polls before it sleeps.
+  EXPECT_GT(reads.spins, 0u) << "no waiter polled a link of small runs before sleeping";
   EXPECT_EQ(p->a->InputCount(p->ab) - inputs, 300u);
 }
 
@@ -413,8 +415,10 @@ TEST(TcpWaiterReads, RunsOfSmallRequestsAreReadByTheWaiterEvenWhenLarge) {
     }
     ASSERT_TRUE(p->at_b == p->at_a) << "post " << i << ": the bytes at B differ from A's";
   }
-  EXPECT_GT(GetTcpWaiterReads(*p->a).acks, 0u)
-      << "no waiting thread read the answer to a run of 64 KiB requests";
+  const TcpWaiterReads reads = GetTcpWaiterReads(*p->a);
+  EXPECT_GT(reads.acks, 0u) << "no waiting thread read the answer to a run of 64 KiB requests";
+  // Runs of 1 MiB take longer than a waiter's polls: it sleeps at once.
+  EXPECT_EQ(reads.spins, 0u) << "a waiter polled before sleeping for a run of 1 MiB";
 }
 
 // While A's waiting thread has the turn at the link, B's requests on the
