@@ -364,7 +364,9 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline,
   pollfd fds[kMaxPolled + 1];
   Link* chosen[kMaxPolled];
   nfds_t n = 0;
-  bool spin = false;  // a small run was last on one of them
+  // A small run was last on one of them, and no other thread waits (the
+  // CPU a poll keeps busy may be the one they need).
+  bool spin = false;
   for (const std::shared_ptr<Link>& link : core_.parked) {
     if (n == kMaxPolled) break;
     if (!Claimable(*link)) continue;
@@ -383,6 +385,7 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline,
   fds[n] = {core_.wake_fd.get(), POLLIN, 0};
   ++core_.pollers;
   core_.waiter_turns += n;
+  spin = spin && core_.cq_waiters == 0;
   core_.mu.Unlock();
   const absl::Duration left = std::max(deadline - FastNow(), absl::ZeroDuration());
   int ready = 0;
