@@ -79,7 +79,7 @@ using tcp_wire::PeerParams;
 // (docs/performance.md, "The waiting thread reads its link"). 1 MiB, with
 // runs of 64 KiB requests parking too, moved 16 blocks of 64 KiB at 0.91
 // of the raw stream against 0.83 (docs/performance.md, "One thread for a
-// Post of 64 KiB blocks"). Larger Posts are copied by the writer while the
+// Post of 64 KiB blocks; ..."). Larger Posts are copied by the writer while the
 // posting thread goes on: a Submit costs its caller a bounded copy.
 constexpr uint64_t kInlineSendBytes = 1 << 20;
 // A responder acknowledges WRITEs in runs: up to the last request of each
@@ -113,8 +113,10 @@ constexpr uint64_t kParkMaxRequestBytes = 256 << 10;
 // kSpinMaxRunBytes: the next answer comes within tens of microseconds, and
 // a thread that sleeps for it is woken and run later than that on this
 // host's vCPUs. 2 KiB blocks 1.42 of the raw stream against 1.07, 4 KiB
-// 1.14 against 0.91; at 64 KiB (runs of 1 MiB) it cost 0.05
-// (docs/performance.md, "The waiter polls before it sleeps").
+// 1.14 against 0.91; polling after runs of 1 MiB (64 KiB blocks) cost
+// 0.05, after runs of 256 KiB it made no difference (docs/performance.md,
+// "One thread for a Post of 64 KiB blocks; the waiter polls before it
+// sleeps").
 constexpr int kSpinPolls = 32;
 constexpr uint64_t kSpinMaxRunBytes = 64 << 10;
 // A waiter reads at most this many parked links at once.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -392,29 +393,67 @@ TEST(TcpWaiterReads, RunsOfLargeRequestsAreReadByTheLinksReader) {
 
 // A run of many smaller requests is read by the waiting thread even when
 // the run is large: each Post is 16 WRITEs of 64 KiB (one run of 1 MiB),
-// each to its own place with its own bytes, and all of them land.
+// each block its own bytes, stamped with the Post's number. A thread of
+// its own waits for the completions all along, as an engine's does (a
+// reader parked for a waiter takes its link back after 1 ms without one:
+// under ThreadSanitizer a thread that checked and posted between its
+// waits outlasted that); the stamps are checked after each Post, and every
+// byte after the last.
 TEST(TcpWaiterReads, RunsOfSmallRequestsAreReadByTheWaiterEvenWhenLarge) {
   constexpr uint32_t kBlock = 64 << 10;
   constexpr int kBlocks = 16;
+  constexpr int kPosts = 100;
   auto p = MakeSocketPair(kBlocks * kBlock);
   ASSERT_NE(p, nullptr);
-  for (int i = 0; i < 100; ++i) {
-    std::vector<WorkRequest> run;
-    for (int k = 0; k < kBlocks; ++k) {
-      std::fill_n(p->at_a.begin() + k * kBlock, kBlock, static_cast<char>('a' + (i + k) % 26));
-      run.push_back({Opcode::kWrite, p->ab, p->ra.id, p->at_a.data() + k * kBlock, kBlock,
-                     p->rb.addr + k * kBlock, p->rb.keys[0], static_cast<uint64_t>(k)});
-    }
-    ASSERT_TRUE(p->a->Post(run).ok());
-    for (int got = 0; got < kBlocks;) {
+  for (int k = 0; k < kBlocks; ++k) {
+    std::fill_n(p->at_a.begin() + k * kBlock, kBlock, static_cast<char>('a' + k));
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int completed = 0;  // under mu
+  bool failed = false;
+  std::thread waiter([&] {
+    for (int got = 0; got < kPosts * kBlocks;) {
       Completion c[kBlocks];
       const size_t n = p->a->WaitCompletions(c, absl::Seconds(5));
-      ASSERT_GT(n, 0u) << "a WRITE did not complete in 5 s";
-      for (size_t j = 0; j < n; ++j) EXPECT_TRUE(c[j].status.ok()) << c[j].status;
+      bool ok = n > 0;
+      for (size_t j = 0; j < n; ++j) ok = ok && c[j].status.ok();
       got += static_cast<int>(n);
+      std::lock_guard<std::mutex> lock(mu);
+      completed = got;
+      failed = failed || !ok;
+      cv.notify_all();
+      if (failed) return;
     }
-    ASSERT_TRUE(p->at_b == p->at_a) << "post " << i << ": the bytes at B differ from A's";
+  });
+  // (No ASSERT before the join: a failure stops posting, and the waiter
+  // gives up within 5 s.)
+  bool stamps_ok = true;
+  for (uint64_t i = 0; i < kPosts && stamps_ok; ++i) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return failed || completed == static_cast<int>(i) * kBlocks; });
+      if (failed) break;
+    }
+    for (int k = 0; i > 0 && k < kBlocks && stamps_ok; ++k) {
+      stamps_ok = std::memcmp(p->at_b.data() + k * kBlock, p->at_a.data() + k * kBlock, 16) == 0;
+      EXPECT_TRUE(stamps_ok) << "post " << i - 1 << ", block " << k << ": not this Post's bytes";
+    }
+    std::vector<WorkRequest> run;
+    for (uint64_t k = 0; k < kBlocks; ++k) {
+      const uint64_t stamp[2] = {i, k};
+      std::memcpy(p->at_a.data() + k * kBlock, stamp, sizeof stamp);
+      run.push_back({Opcode::kWrite, p->ab, p->ra.id, p->at_a.data() + k * kBlock, kBlock,
+                     p->rb.addr + k * kBlock, p->rb.keys[0], k});
+    }
+    const absl::Status posted = p->a->Post(run);
+    EXPECT_TRUE(posted.ok()) << posted;
+    if (!posted.ok()) break;
   }
+  waiter.join();
+  ASSERT_TRUE(stamps_ok && !HasFailure());
+  ASSERT_FALSE(failed) << "a WRITE failed or did not complete in 5 s";
+  ASSERT_TRUE(p->at_b == p->at_a) << "the bytes at B differ from A's";
   const TcpWaiterReads reads = GetTcpWaiterReads(*p->a);
   EXPECT_GT(reads.acks, 0u) << "no waiting thread read the answer to a run of 64 KiB requests";
   // Runs of 1 MiB take longer than a waiter's polls: it sleeps at once.
