@@ -282,6 +282,35 @@ TEST(TcpHostile, AZeroLengthRequestMustNameAValidKey) {
   EXPECT_NE(answer.status, 0) << "a zero-length request with a wrong key was acknowledged";
 }
 
+// Links the transport dropped because their peer read none of its answers.
+uint64_t DroppedLinks(Transport& t) {
+  for (const auto& [name, count] : t.RefusedInput()) {
+    if (name == "data_peer_dropped_unread_answers") return count;
+  }
+  return 0;
+}
+
+// Sends [data, +size) to a peer that reads nothing back, without blocking:
+// while the socket takes no more, tries again every 1 ms, until all of it
+// is sent, the transport dropped a link, or the deadline. False when the
+// connection failed.
+bool SendWhileKept(int fd, const char* data, size_t size, Transport& t, absl::Time deadline) {
+  while (size > 0 && absl::Now() < deadline) {
+    const ssize_t n = ::send(fd, data, size, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0) {
+      data += n;
+      size -= static_cast<size_t>(n);
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      return false;
+    } else if (DroppedLinks(t) > 0) {
+      return true;
+    } else {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+  return true;
+}
+
 // A peer that sends requests and never reads the answers loses its link
 // once more answers wait than a legitimate peer could leave unanswered;
 // the responder does not queue them without bound.
@@ -296,12 +325,6 @@ TEST(TcpHostile, APeerThatNeverReadsItsAnswersIsDropped) {
   net::Fd peer = PairRawPeer(**b);
   const int small = 4096;
   ::setsockopt(peer.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
-  auto dropped_links = [&] {
-    for (const auto& [name, count] : (*b)->RefusedInput()) {
-      if (name == "data_peer_dropped_unread_answers") return count;
-    }
-    return uint64_t{0};
-  };
   DataHeader h;
   h.type = tcp_wire::kWriteReq;
   h.flags = tcp_wire::kAckNow;
@@ -315,27 +338,13 @@ TEST(TcpHostile, APeerThatNeverReadsItsAnswersIsDropped) {
   // the bound before the requests ran out (seen once under load).
   bool closed = false;
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  for (uint64_t id = 1; !closed && dropped_links() == 0 && absl::Now() < deadline;) {
+  for (uint64_t id = 1; !closed && DroppedLinks(**b) == 0 && absl::Now() < deadline;) {
     for (auto& each : burst) each.id = id++;
-    const char* next = reinterpret_cast<const char*>(burst.data());
-    size_t left = burst.size() * sizeof h;
-    while (left > 0 && absl::Now() < deadline) {
-      const ssize_t n = ::send(peer.get(), next, left, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n >= 0) {
-        next += n;
-        left -= static_cast<size_t>(n);
-      } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        closed = true;
-        break;
-      } else if (dropped_links() > 0) {
-        break;
-      } else {
-        absl::SleepFor(absl::Milliseconds(1));
-      }
-    }
+    closed = !SendWhileKept(peer.get(), reinterpret_cast<const char*>(burst.data()),
+                            burst.size() * sizeof h, **b, deadline);
   }
   // Dropped by the answer queue's bound (counted before the link closes).
-  EXPECT_EQ(dropped_links(), 1u) << "the responder kept the link of a peer that reads no answers";
+  EXPECT_EQ(DroppedLinks(**b), 1u) << "the responder kept the link of a peer that reads no answers";
 }
 
 // The same with WRITEs of 16 KiB, each its own Post: their acknowledgements
@@ -359,12 +368,6 @@ TEST(TcpHostile, APeerThatNeverReadsTheAcksOfLargeWritesLosesItsLink) {
   net::Fd peer = PairRawPeer(**b);
   const int small = 4096;
   ::setsockopt(peer.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
-  auto dropped_links = [&] {
-    for (const auto& [name, count] : (*b)->RefusedInput()) {
-      if (name == "data_peer_dropped_unread_answers") return count;
-    }
-    return uint64_t{0};
-  };
   DataHeader h;
   h.type = tcp_wire::kWriteReq;
   h.flags = tcp_wire::kAckNow;
@@ -374,25 +377,12 @@ TEST(TcpHostile, APeerThatNeverReadsTheAcksOfLargeWritesLosesItsLink) {
   std::vector<char> message(sizeof h + kBlock, 'w');  // the header, then the payload
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   bool closed = false;
-  for (uint64_t id = 1; !closed && dropped_links() == 0 && absl::Now() < deadline; ++id) {
+  for (uint64_t id = 1; !closed && DroppedLinks(**b) == 0 && absl::Now() < deadline; ++id) {
     h.id = id;
     std::memcpy(message.data(), &h, sizeof h);
-    for (size_t off = 0; off < message.size() && absl::Now() < deadline;) {
-      const ssize_t n = ::send(peer.get(), message.data() + off, message.size() - off,
-                               MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n >= 0) {
-        off += static_cast<size_t>(n);
-      } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        closed = true;
-        break;
-      } else if (dropped_links() > 0) {
-        break;
-      } else {
-        absl::SleepFor(absl::Milliseconds(1));
-      }
-    }
+    closed = !SendWhileKept(peer.get(), message.data(), message.size(), **b, deadline);
   }
-  EXPECT_TRUE(closed || dropped_links() == 1u)
+  EXPECT_TRUE(closed || DroppedLinks(**b) == 1u)
       << "the responder kept for 20 s the link of a peer that reads no answers";
 }
 
