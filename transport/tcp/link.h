@@ -232,7 +232,6 @@ class LinkCore {
   std::atomic<uint64_t> waiter_acks{0};
   std::atomic<uint64_t> turns_given_back{0};
   std::atomic<uint64_t> spin_waits{0};
-  std::atomic<uint64_t> spun_waits{0};
   std::function<void()> notify ABSL_GUARDED_BY(mu);  // SetCompletionNotifier
 };
 

@@ -393,7 +393,6 @@ void TcpTransport::ReadParkedLocked(absl::Time deadline,
     ++core_.spin_waits;
     timespec now{0, 0};
     for (int i = 0; i < kSpinPolls && ready == 0; ++i) ready = ::ppoll(fds, n + 1, &now, nullptr);
-    if (ready > 0) ++core_.spun_waits;
   }
   if (ready <= 0) {
     timespec ts = absl::ToTimespec(std::min(left, absl::Hours(1)));

@@ -107,9 +107,8 @@ struct TcpWaiterReads {
   uint64_t acks = 0;
   uint64_t given_back = 0;
   // Waits that polled without sleeping first (a link's last run was small:
-  // kSpinMaxRunBytes), and those of them that found an answer so.
+  // kSpinMaxRunBytes).
   uint64_t spins = 0;
-  uint64_t spun = 0;
 };
 TcpWaiterReads GetTcpWaiterReads(Transport& transport);
 

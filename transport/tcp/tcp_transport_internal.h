@@ -329,7 +329,7 @@ class TcpTransport final : public Transport, public StreamLinks {
   static constexpr absl::string_view kSelf = "kvferry.transport.tcp_internal";
   TcpWaiterReads waiter_reads() const {
     return {core_.waiter_turns.load(), core_.waiter_acks.load(), core_.turns_given_back.load(),
-            core_.spin_waits.load(), core_.spun_waits.load()};
+            core_.spin_waits.load()};
   }
   std::vector<std::pair<std::string, uint64_t>> RefusedInput() const override {
     const HelloAcceptorStats s = acceptor_->stats();
