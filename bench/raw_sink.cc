@@ -1,9 +1,16 @@
 #include "bench/raw_sink.h"
 
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "base/errno_status.h"
 #include "base/status_macros.h"
 
 namespace kvferry {
@@ -15,8 +22,37 @@ struct Header {
   uint32_t count = 0;  // kStream: blocks that follow
   uint64_t block = 0;
   uint64_t offset = 0;  // kStream: where in the sink's buffer the first block goes
+  uint64_t stride = 0;  // kStream: from one block's start to the next's (0: block)
 };
-static_assert(sizeof(Header) == 24, "wire header size");
+static_assert(sizeof(Header) == 32, "wire header size");
+
+// All of iov[0, n) (advanced in place), as WriteFull sends one buffer.
+absl::Status SendAllIov(int fd, iovec* iov, size_t n) {
+  while (n > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = std::min<size_t>(n, IOV_MAX);
+    const ssize_t r = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return LastErrnoError("sendmsg");
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, -1) < 0 && errno != EINTR) return LastErrnoError("poll");
+      continue;
+    }
+    size_t left = static_cast<size_t>(r);
+    while (n > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --n;
+    }
+    if (n > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return absl::OkStatus();
+}
 enum : uint32_t { kStream = 1, kEcho = 2 };
 
 }  // namespace
@@ -59,10 +95,11 @@ void RawSink::Serve(int fd) {
   std::vector<char> echo;  // the connection's echo buffer, grown once
   Header h;
   while (net::ReadFull(fd, &h, sizeof h, absl::InfiniteFuture()).ok()) {
-    if (h.block == 0 || h.block > length_) return;
+    if (h.block == 0 || h.block > length_ || h.stride > length_) return;
     if (h.kind == kStream) {
+      const uint64_t stride = h.stride == 0 ? h.block : h.stride;
       for (uint32_t i = 0; i < h.count; ++i) {
-        const uint64_t off = (h.offset + uint64_t(i) * h.block) % (length_ - h.block + 1);
+        const uint64_t off = (h.offset + uint64_t(i) * stride) % (length_ - h.block + 1);
         if (!net::ReadFull(fd, buffer_ + off, h.block, absl::InfiniteFuture()).ok()) return;
       }
       const char ack = 1;
@@ -86,10 +123,22 @@ absl::StatusOr<net::Fd> RawConnect(const std::string& sink) {
   return fd;
 }
 
-absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block, uint64_t offset) {
-  const Header h{kStream, count, block, offset};
-  RETURN_IF_ERROR(net::WriteFull(fd, &h, sizeof h, absl::InfiniteFuture()));
-  return net::WriteFull(fd, src, count * block, absl::InfiniteFuture());
+absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block, uint64_t offset,
+                     uint64_t stride) {
+  const Header h{kStream, count, block, offset, stride};
+  if (stride == 0 || stride == block) {
+    RETURN_IF_ERROR(net::WriteFull(fd, &h, sizeof h, absl::InfiniteFuture()));
+    return net::WriteFull(fd, src, count * block, absl::InfiniteFuture());
+  }
+  // The header and every block in one gather, as a program sending
+  // scattered pages over a socket would.
+  std::vector<iovec> iov;
+  iov.reserve(count + 1);
+  iov.push_back({const_cast<Header*>(&h), sizeof h});
+  for (uint32_t i = 0; i < count; ++i) {
+    iov.push_back({const_cast<char*>(src + uint64_t(i) * stride), block});
+  }
+  return SendAllIov(fd, iov.data(), iov.size());
 }
 
 absl::Status RawAwaitAck(int fd, absl::Time deadline) {

@@ -1,7 +1,7 @@
 // The raw TCP reference the benchmarks measure the engine against: a sink
 // that reads batches of blocks into a buffer and answers each batch with
 // one byte, or echoes a block back; and the client calls that drive it.
-// No framing beyond a 16-byte header, no threads beyond one per connection:
+// No framing beyond a 32-byte header, no threads beyond one per connection:
 // what a program that only moves bytes over a socket would do.
 #ifndef KVFERRY_BENCH_RAW_SINK_H_
 #define KVFERRY_BENCH_RAW_SINK_H_
@@ -46,11 +46,14 @@ class RawSink {
 
 // Connects to a sink (TCP_NODELAY on).
 absl::StatusOr<net::Fd> RawConnect(const std::string& sink);
-// Sends `count` blocks of `block` bytes, contiguous from `src`, as one batch
-// that the sink writes at `offset` of its buffer (modulo its size): senders
-// on several connections at once give each its own range.
-absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block,
-                     uint64_t offset = 0);
+// Sends `count` blocks of `block` bytes as one batch, block i from
+// `src + i * stride`, that the sink writes at `offset + i * stride` of its
+// buffer (modulo its size): senders on several connections at once give
+// each its own range. `stride` 0 (or `block`): blocks that follow each
+// other, sent as one buffer; larger: scattered blocks (a KV cache's pages),
+// gathered into one sendmsg with the header.
+absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block, uint64_t offset = 0,
+                     uint64_t stride = 0);
 // Waits for the sink's answer to a batch.
 absl::Status RawAwaitAck(int fd, absl::Time deadline);
 // Sends `block` bytes from `src` and reads them back into `dst`.

@@ -55,8 +55,9 @@
 //
 // References (--reference): `memcpy` of the same bytes (the in-process path:
 // two TCP-transport engines in one process copy without sockets), `socket`
-// (a raw TCP stream to the target's sink, between the same processes, over
-// as many connections as the engine has links), or
+// (a raw TCP stream of the same blocks, from and into the same places, to
+// the target's sink, between the same processes, over as many connections
+// as the engine has links), or
 // `none`. `auto`: memcpy for loopback over TCP, socket for an initiator
 // over TCP, none over RDMA (tools/softroce/bench.sh runs perftest and UCX
 // beside it on the same device). Ratios are engine / reference.
@@ -355,8 +356,10 @@ class MemcpyMover : public Mover {
 
 // The TCP reference: a raw stream of the same bytes to the sink over as
 // many connections as the engine has links (--links), or one per thread if
-// there are more threads. Thread t owns connections t, t + threads, ... and
-// spreads each batch over them in contiguous parts; the sink answers one
+// there are more threads: the engine's blocks from the same places into
+// the same places (scattered: one sendmsg gathers a part's header and
+// blocks). Thread t owns connections t, t + threads, ... and spreads each
+// batch over them in parts of consecutive blocks; the sink answers one
 // byte per part.
 class SocketMover : public Mover {
  public:
@@ -372,7 +375,9 @@ class SocketMover : public Mover {
     return m;
   }
   absl::Status Start(int tid, int half) override {
-    const char* base = src_ + uint64_t(2 * tid + half) * batch_ * block_;
+    // The engine's blocks (EngineMover): every other one with --scatter.
+    const uint64_t stride = BwStride(block_);
+    const char* base = src_ + uint64_t(2 * tid + half) * batch_ * stride;
     const std::vector<int> mine = Mine(tid);
     uint32_t sent = 0;
     for (size_t k = 0; k < mine.size(); ++k) {
@@ -380,8 +385,9 @@ class SocketMover : public Mover {
       if (count == 0) continue;
       // The same range of the sink as of the source: connections never
       // write the same bytes at once.
-      RETURN_IF_ERROR(bench::RawSend(fds_[mine[k]].get(), base + sent * block_, count, block_,
-                                     static_cast<uint64_t>(base + sent * block_ - src_)));
+      const char* first = base + sent * stride;
+      RETURN_IF_ERROR(bench::RawSend(fds_[mine[k]].get(), first, count, block_,
+                                     static_cast<uint64_t>(first - src_), stride));
       sent += count;
     }
     return absl::OkStatus();
