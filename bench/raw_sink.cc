@@ -1,16 +1,11 @@
 #include "bench/raw_sink.h"
 
-#include <errno.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <sys/uio.h>
 
-#include <algorithm>
 #include <memory>
 #include <thread>
 #include <vector>
 
-#include "base/errno_status.h"
 #include "base/status_macros.h"
 
 namespace kvferry {
@@ -26,33 +21,6 @@ struct Header {
 };
 static_assert(sizeof(Header) == 32, "wire header size");
 
-// All of iov[0, n) (advanced in place), as WriteFull sends one buffer.
-absl::Status SendAllIov(int fd, iovec* iov, size_t n) {
-  while (n > 0) {
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = std::min<size_t>(n, IOV_MAX);
-    const ssize_t r = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) return LastErrnoError("sendmsg");
-      pollfd p{fd, POLLOUT, 0};
-      if (::poll(&p, 1, -1) < 0 && errno != EINTR) return LastErrnoError("poll");
-      continue;
-    }
-    size_t left = static_cast<size_t>(r);
-    while (n > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --n;
-    }
-    if (n > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
-  }
-  return absl::OkStatus();
-}
 enum : uint32_t { kStream = 1, kEcho = 2 };
 
 }  // namespace
@@ -125,20 +93,17 @@ absl::StatusOr<net::Fd> RawConnect(const std::string& sink) {
 
 absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block, uint64_t offset,
                      uint64_t stride) {
+  if (stride == 0) stride = block;
   const Header h{kStream, count, block, offset, stride};
-  if (stride == 0 || stride == block) {
-    RETURN_IF_ERROR(net::WriteFull(fd, &h, sizeof h, absl::InfiniteFuture()));
-    return net::WriteFull(fd, src, count * block, absl::InfiniteFuture());
-  }
-  // The header and every block in one gather, as a program sending
-  // scattered pages over a socket would.
+  // The header and every block in one gather, as a program sending pages
+  // over a socket would.
   std::vector<iovec> iov;
   iov.reserve(count + 1);
   iov.push_back({const_cast<Header*>(&h), sizeof h});
   for (uint32_t i = 0; i < count; ++i) {
     iov.push_back({const_cast<char*>(src + uint64_t(i) * stride), block});
   }
-  return SendAllIov(fd, iov.data(), iov.size());
+  return net::WriteFullV(fd, iov.data(), iov.size(), absl::InfiniteFuture());
 }
 
 absl::Status RawAwaitAck(int fd, absl::Time deadline) {

@@ -50,8 +50,8 @@ absl::StatusOr<net::Fd> RawConnect(const std::string& sink);
 // `src + i * stride`, that the sink writes at `offset + i * stride` of its
 // buffer (modulo its size): senders on several connections at once give
 // each its own range. `stride` 0 (or `block`): blocks that follow each
-// other, sent as one buffer; larger: scattered blocks (a KV cache's pages),
-// gathered into one sendmsg with the header.
+// other; larger: scattered blocks (a KV cache's pages). The header and the
+// blocks go in one gather (net::WriteFullV).
 absl::Status RawSend(int fd, const char* src, uint32_t count, uint64_t block, uint64_t offset = 0,
                      uint64_t stride = 0);
 // Waits for the sink's answer to a batch.

@@ -357,8 +357,8 @@ class MemcpyMover : public Mover {
 // The TCP reference: a raw stream of the same bytes to the sink over as
 // many connections as the engine has links (--links), or one per thread if
 // there are more threads: the engine's blocks from the same places into
-// the same places (scattered: one sendmsg gathers a part's header and
-// blocks). Thread t owns connections t, t + threads, ... and spreads each
+// the same places (one sendmsg gathers a part's header and blocks).
+// Thread t owns connections t, t + threads, ... and spreads each
 // batch over them in parts of consecutive blocks; the sink answers one
 // byte per part.
 class SocketMover : public Mover {

@@ -7,8 +7,11 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -312,12 +315,32 @@ absl::StatusOr<Fd> ConnectStart(const HostPort& peer) {
 }
 
 absl::Status WriteFull(int fd, const void* data, size_t n, absl::Time deadline) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+  iovec v{const_cast<void*>(data), n};
+  return WriteFullV(fd, &v, 1, deadline);
+}
+
+absl::Status WriteFullV(int fd, iovec* iov, size_t count, absl::Time deadline) {
+  for (;;) {
+    while (count > 0 && iov->iov_len == 0) {
+      ++iov;
+      --count;
+    }
+    if (count == 0) return absl::OkStatus();
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = std::min<size_t>(count, IOV_MAX);
+    const ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w > 0) {
-      p += w;
-      n -= static_cast<size_t>(w);
+      // Past what went, into the vector it stopped in.
+      size_t left = static_cast<size_t>(w);
+      while (left >= iov->iov_len) {
+        left -= iov->iov_len;
+        ++iov;
+        --count;
+        if (count == 0) return absl::OkStatus();
+      }
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
       continue;
     }
     if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -328,7 +351,6 @@ absl::Status WriteFull(int fd, const void* data, size_t n, absl::Time deadline) 
     if (w < 0 && errno == EINTR) continue;
     return absl::UnavailableError(ErrnoError(errno, "send").message());
   }
-  return absl::OkStatus();
 }
 
 absl::Status ReadFull(int fd, void* data, size_t n, absl::Time deadline) {

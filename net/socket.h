@@ -7,6 +7,7 @@
 #define KVFERRY_NET_SOCKET_H_
 
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <cstdint>
 #include <string>
@@ -111,6 +112,9 @@ absl::StatusOr<Fd> ConnectStart(const HostPort& peer);
 // Writes/reads exactly `n` bytes before `deadline`. A peer that closes the
 // connection gives kUnavailable; the deadline gives kDeadlineExceeded.
 absl::Status WriteFull(int fd, const void* data, size_t n, absl::Time deadline);
+// WriteFull of the buffers iov[0, count) in order, gathered (sendmsg, at
+// most IOV_MAX of them a call). Advances `iov` in place as it sends.
+absl::Status WriteFullV(int fd, iovec* iov, size_t count, absl::Time deadline);
 absl::Status ReadFull(int fd, void* data, size_t n, absl::Time deadline);
 
 // TCP_NODELAY, and keepalive probes that give up on a dead peer after about

@@ -32,8 +32,8 @@ TEST(ParseHostPort, AcceptsIpv4HostnamesAndBracketedIpv6) {
 }
 
 TEST(ParseHostPort, RejectsWithAClearMessage) {
-  for (const char* bad : {"", "host", "host:", ":15000", "host:65536", "host:-1",
-                          "host:12a", "::1:15000", "[::1]", "[::1]15000", "[::1:15000"}) {
+  for (const char* bad : {"", "host", "host:", ":15000", "host:65536", "host:-1", "host:12a",
+                          "::1:15000", "[::1]", "[::1]15000", "[::1:15000"}) {
     auto r = ParseHostPort(bad);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(r.status().message().find("expected host:port"), std::string::npos);
@@ -219,6 +219,52 @@ TEST(ReadFull, TimesOutAndReportsPeerClose) {
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(Accept(s->fd.get(), absl::Milliseconds(10)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
+}
+
+// A gather of more buffers than one sendmsg takes (IOV_MAX), empty ones
+// among them, and more bytes than the socket holds: every byte arrives, in
+// order; a peer that stops reading runs the deadline out.
+TEST(WriteFullV, SendsEveryBufferInOrderAndTimesOut) {
+  auto s = Listen("127.0.0.1", 0, {16800, 16900});
+  ASSERT_TRUE(s.ok());
+  auto c = Connect({"127.0.0.1", s->address.port()}, absl::Seconds(2));
+  ASSERT_TRUE(c.ok());
+  auto a = Accept(s->fd.get(), absl::Seconds(2));
+  ASSERT_TRUE(a.ok());
+  std::vector<char> src(8 << 20);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>((i * 131 + 7) % 251);
+  // 1,500 small buffers (every tenth empty), then one of the rest.
+  std::vector<iovec> iov;
+  size_t at = 0;
+  for (int i = 0; i < 1500; ++i) {
+    const size_t len = i % 10 == 0 ? 0 : 1 + i % 97;
+    iov.push_back({src.data() + at, len});
+    at += len;
+  }
+  iov.push_back({src.data() + at, src.size() - at});
+  std::vector<char> got(src.size());
+  absl::Status read;
+  // The reader starts late: the sender first fills the socket and stops
+  // inside a buffer.
+  std::thread reader([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    read = ReadFull(a->get(), got.data(), got.size(), absl::Now() + absl::Seconds(20));
+  });
+  const absl::Status sent =
+      WriteFullV(c->get(), iov.data(), iov.size(), absl::Now() + absl::Seconds(20));
+  reader.join();
+  ASSERT_TRUE(sent.ok()) << sent;
+  ASSERT_TRUE(read.ok()) << read;
+  EXPECT_TRUE(got == src) << "the bytes arrived out of order or changed";
+
+  // Nobody reads now: the socket's buffers fill (within a few sends of
+  // 8 MiB) and the deadline ends the send.
+  absl::Status stuck;
+  for (int i = 0; i < 16 && stuck.ok(); ++i) {
+    iovec all{src.data(), src.size()};
+    stuck = WriteFullV(c->get(), &all, 1, absl::Now() + absl::Milliseconds(200));
+  }
+  EXPECT_EQ(stuck.code(), absl::StatusCode::kDeadlineExceeded) << stuck;
 }
 
 TEST(Random, Differs) { EXPECT_NE(RandomU64(), RandomU64()); }
