@@ -202,22 +202,35 @@ TEST(ConnectStart, ConnectsInTheBackgroundAndFailsAtFirstUse) {
   EXPECT_EQ(first_use.code(), absl::StatusCode::kUnavailable) << first_use;
 }
 
-TEST(ReadFull, TimesOutAndReportsPeerClose) {
+// A loopback connection: the listener, the connecting end and the
+// accepted one.
+struct Loopback {
+  ListeningSocket listener;
+  Fd client;
+  Fd accepted;
+};
+void Connected(Loopback* l) {
   auto s = Listen("127.0.0.1", 0, {16800, 16900});
-  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(s.ok()) << s.status();
   auto c = Connect({"127.0.0.1", s->address.port()}, absl::Seconds(2));
-  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(c.ok()) << c.status();
   auto a = Accept(s->fd.get(), absl::Seconds(2));
-  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(a.ok()) << a.status();
+  *l = {std::move(*s), std::move(*c), std::move(*a)};
+}
+
+TEST(ReadFull, TimesOutAndReportsPeerClose) {
+  Loopback l;
+  ASSERT_NO_FATAL_FAILURE(Connected(&l));
   char buf[4];
   const absl::Time start = absl::Now();
-  EXPECT_EQ(ReadFull(a->get(), buf, 4, absl::Now() + absl::Milliseconds(100)).code(),
+  EXPECT_EQ(ReadFull(l.accepted.get(), buf, 4, absl::Now() + absl::Milliseconds(100)).code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(100));
-  c->Reset();
-  EXPECT_EQ(ReadFull(a->get(), buf, 4, absl::Now() + absl::Seconds(2)).code(),
+  l.client.Reset();
+  EXPECT_EQ(ReadFull(l.accepted.get(), buf, 4, absl::Now() + absl::Seconds(2)).code(),
             absl::StatusCode::kUnavailable);
-  EXPECT_EQ(Accept(s->fd.get(), absl::Milliseconds(10)).status().code(),
+  EXPECT_EQ(Accept(l.listener.fd.get(), absl::Milliseconds(10)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
 }
 
@@ -225,12 +238,8 @@ TEST(ReadFull, TimesOutAndReportsPeerClose) {
 // among them, and more bytes than the socket holds: every byte arrives, in
 // order; a peer that stops reading runs the deadline out.
 TEST(WriteFullV, SendsEveryBufferInOrderAndTimesOut) {
-  auto s = Listen("127.0.0.1", 0, {16800, 16900});
-  ASSERT_TRUE(s.ok());
-  auto c = Connect({"127.0.0.1", s->address.port()}, absl::Seconds(2));
-  ASSERT_TRUE(c.ok());
-  auto a = Accept(s->fd.get(), absl::Seconds(2));
-  ASSERT_TRUE(a.ok());
+  Loopback l;
+  ASSERT_NO_FATAL_FAILURE(Connected(&l));
   std::vector<char> src(8 << 20);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>((i * 131 + 7) % 251);
   // 1,500 small buffers (every tenth empty), then one of the rest.
@@ -248,10 +257,10 @@ TEST(WriteFullV, SendsEveryBufferInOrderAndTimesOut) {
   // inside a buffer.
   std::thread reader([&] {
     absl::SleepFor(absl::Milliseconds(100));
-    read = ReadFull(a->get(), got.data(), got.size(), absl::Now() + absl::Seconds(20));
+    read = ReadFull(l.accepted.get(), got.data(), got.size(), absl::Now() + absl::Seconds(20));
   });
   const absl::Status sent =
-      WriteFullV(c->get(), iov.data(), iov.size(), absl::Now() + absl::Seconds(20));
+      WriteFullV(l.client.get(), iov.data(), iov.size(), absl::Now() + absl::Seconds(20));
   reader.join();
   ASSERT_TRUE(sent.ok()) << sent;
   ASSERT_TRUE(read.ok()) << read;
@@ -262,7 +271,7 @@ TEST(WriteFullV, SendsEveryBufferInOrderAndTimesOut) {
   absl::Status stuck;
   for (int i = 0; i < 16 && stuck.ok(); ++i) {
     iovec all{src.data(), src.size()};
-    stuck = WriteFullV(c->get(), &all, 1, absl::Now() + absl::Milliseconds(200));
+    stuck = WriteFullV(l.client.get(), &all, 1, absl::Now() + absl::Milliseconds(200));
   }
   EXPECT_EQ(stuck.code(), absl::StatusCode::kDeadlineExceeded) << stuck;
 }
