@@ -63,20 +63,26 @@ void LinkCore::SendInline(Link& link) {
   }
   size_t sent = 0;
   const absl::Status st = SendIov(link.fd.get(), iov, n, /*wait=*/false, &sent);
-  MutexLock lock(&mu);
-  link.writer_busy = false;
-  if (!st.ok()) {
-    link.inline_jobs.clear();
-    ::shutdown(link.fd.get(), SHUT_RDWR);  // the reader sees it and fails the link
-  } else if (sent < total) {
-    link.inline_sent = sent;  // the writer sends the rest first
-    link.inline_rest = true;
-  } else {
-    link.inline_jobs.clear();
+  bool wake;
+  {
+    MutexLock lock(&mu);
+    link.writer_busy = false;
+    if (!st.ok()) {
+      link.inline_jobs.clear();
+      ::shutdown(link.fd.get(), SHUT_RDWR);  // the reader sees it and fails the link
+    } else if (sent < total) {
+      link.inline_sent = sent;  // the writer sends the rest first
+      link.inline_rest = true;
+    } else {
+      link.inline_jobs.clear();
+    }
+    // The writer only when it has something to send (a rest, jobs queued
+    // meanwhile): waking it for nothing cost a context switch per inline
+    // send.
+    wake = link.inline_rest || !link.jobs.empty() || link.idle_waiters > 0;
   }
-  // The writer only when it has something to send (a rest, jobs queued
-  // meanwhile): waking it for nothing cost a context switch per inline send.
-  if (link.inline_rest || !link.jobs.empty() || link.idle_waiters > 0) link.cv.SignalAll();
+  // After the lock, as every hand-off to the writer (Requester::Post).
+  if (wake) link.cv.SignalAll();
 }
 
 }  // namespace tcp_internal

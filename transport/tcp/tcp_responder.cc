@@ -88,19 +88,31 @@ absl::Status Responder::QueueAnswer(Link& link, Job job, uint64_t covered) {
                      job.device < 0 &&
                      (link.in->Buffered() == 0 ||
                       (covered >= kInlineAckMinBytes && covered <= kInlineAckMaxBytes));
+  bool to_writer = false;
+  absl::Status queued;
   {
     MutexLock lock(&core_.mu);
     if (link.stopping) return absl::CancelledError("the link is closing");
-    if (!plain || !link.jobs.empty() || link.writer_busy || link.inline_rest) {
-      return QueueAnswerLocked(link, std::move(job));
+    to_writer = !plain || !link.jobs.empty() || link.writer_busy || link.inline_rest;
+    if (to_writer) {
+      queued = QueueAnswerLocked(link, std::move(job));
+    } else {
+      link.writer_busy = true;
+      link.inline_jobs.clear();
+      link.inline_jobs.push_back(std::move(job));
+      link.inline_sent = 0;
     }
-    link.writer_busy = true;
-    link.inline_jobs.clear();
-    link.inline_jobs.push_back(std::move(job));
-    link.inline_sent = 0;
   }
-  core_.SendInline(link);
-  return absl::OkStatus();
+  if (!to_writer) {
+    core_.SendInline(link);
+  } else if (queued.ok()) {
+    // Woken once the lock is released, as Requester::Post wakes it: a
+    // writer woken under the lock woke only to sleep on the mutex, and the
+    // reader's unlock then woke it again (docs/performance.md, "The writer
+    // woken after the lock").
+    link.cv.SignalAll();
+  }
+  return queued;
 }
 
 absl::Status Responder::QueueAnswerLocked(Link& link, Job job) {
@@ -116,7 +128,6 @@ absl::Status Responder::QueueAnswerLocked(Link& link, Job job) {
   }
   if (link.jobs.empty()) link.jobs_from = 0;  // not a Post's
   link.jobs.push_back(std::move(job));
-  link.cv.SignalAll();
   return absl::OkStatus();
 }
 

@@ -222,6 +222,8 @@ class Responder {
   // Hands an answer to the writer. kCancelled once the link is stopping.
   // `covered`: the bytes a WRITE run's acknowledgement answers for.
   absl::Status QueueAnswer(Link& link, Job job, uint64_t covered = 0) ABSL_LOCKS_EXCLUDED(core_.mu);
+  // Queues it for the writer; the caller wakes the writer (link.cv) once
+  // it has released the lock.
   absl::Status QueueAnswerLocked(Link& link, Job job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu);
   absl::Status FlushRun(Link& link, AckRun& run);
 
