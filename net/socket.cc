@@ -320,27 +320,13 @@ absl::Status WriteFull(int fd, const void* data, size_t n, absl::Time deadline) 
 }
 
 absl::Status WriteFullV(int fd, iovec* iov, size_t count, absl::Time deadline) {
-  for (;;) {
-    while (count > 0 && iov->iov_len == 0) {
-      ++iov;
-      --count;
-    }
-    if (count == 0) return absl::OkStatus();
+  for (SkipBytes(iov, count, 0); count > 0;) {
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = std::min<size_t>(count, IOV_MAX);
     const ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w > 0) {
-      // Past what went, into the vector it stopped in.
-      size_t left = static_cast<size_t>(w);
-      while (left >= iov->iov_len) {
-        left -= iov->iov_len;
-        ++iov;
-        --count;
-        if (count == 0) return absl::OkStatus();
-      }
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
+      SkipBytes(iov, count, static_cast<size_t>(w));
       continue;
     }
     if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -351,6 +337,7 @@ absl::Status WriteFullV(int fd, iovec* iov, size_t count, absl::Time deadline) {
     if (w < 0 && errno == EINTR) continue;
     return absl::UnavailableError(ErrnoError(errno, "send").message());
   }
+  return absl::OkStatus();
 }
 
 absl::Status ReadFull(int fd, void* data, size_t n, absl::Time deadline) {

@@ -115,6 +115,21 @@ absl::Status WriteFull(int fd, const void* data, size_t n, absl::Time deadline);
 // WriteFull of the buffers iov[0, count) in order, gathered (sendmsg, at
 // most IOV_MAX of them a call). Advances `iov` in place as it sends.
 absl::Status WriteFullV(int fd, iovec* iov, size_t count, absl::Time deadline);
+// Drops the first `skip` bytes of the buffers iov[0, count) (sent already),
+// and the empty buffers then in front: `iov` and `count` move past them,
+// and the buffer a send stopped in starts where it stopped.
+template <typename Count>
+void SkipBytes(iovec*& iov, Count& count, size_t skip) {
+  while (count > 0 && skip >= iov->iov_len) {
+    skip -= iov->iov_len;
+    ++iov;
+    --count;
+  }
+  if (count > 0 && skip > 0) {
+    iov->iov_base = static_cast<char*>(iov->iov_base) + skip;
+    iov->iov_len -= skip;
+  }
+}
 absl::Status ReadFull(int fd, void* data, size_t n, absl::Time deadline);
 
 // TCP_NODELAY, and keepalive probes that give up on a dead peer after about

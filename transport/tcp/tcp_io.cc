@@ -7,6 +7,7 @@
 #include <string>
 
 #include "base/errno_status.h"
+#include "net/socket.h"
 
 namespace kvferry {
 namespace transport {
@@ -50,18 +51,6 @@ absl::Status ReadStream(StreamReader& in, void* dst, size_t n) {
   return s;
 }
 
-void SkipBytes(iovec*& iov, int& count, size_t skip) {
-  while (count > 0 && skip >= iov->iov_len) {
-    skip -= iov->iov_len;
-    ++iov;
-    --count;
-  }
-  if (count > 0 && skip > 0) {
-    iov->iov_base = static_cast<char*>(iov->iov_base) + skip;
-    iov->iov_len -= skip;
-  }
-}
-
 absl::Status SendIov(int fd, iovec* iov, int count, bool wait, size_t* sent) {
   std::string copy;
   iovec flat;
@@ -86,7 +75,7 @@ absl::Status SendIov(int fd, iovec* iov, int count, bool wait, size_t* sent) {
       return absl::UnavailableError(ErrnoError(errno, "send").message());
     }
     *sent += static_cast<size_t>(w);
-    SkipBytes(iov, count, static_cast<size_t>(w));
+    net::SkipBytes(iov, count, static_cast<size_t>(w));
   }
   AfterSend();
   return absl::OkStatus();

@@ -25,9 +25,6 @@ namespace tcp_internal {
 // Reads from a link's stream (its reader thread only).
 absl::Status ReadStream(StreamReader& in, void* dst, size_t n);
 
-// Drops the first `skip` bytes of the iovec array (already sent).
-void SkipBytes(iovec*& iov, int& count, size_t skip);
-
 // Sends the iovecs; `wait` false: only what the socket takes now (*sent
 // says how much). Under the sanitizers the bytes are copied first, so the
 // reads of request buffers happen here, where the race detector sees them.

@@ -91,7 +91,7 @@ absl::Status LinkThreads::SendJobs(Link& link, absl::Span<Job> jobs, bool* close
         // through the staging buffer. (Never in an inline rest: skip
         // covers host jobs only.)
         iovec* first = iov;
-        SkipBytes(first, n, skip);
+        net::SkipBytes(first, n, skip);
         skip = 0;
         RETURN_IF_ERROR(SendAll(link.fd.get(), first, n));
         n = 0;
@@ -106,7 +106,7 @@ absl::Status LinkThreads::SendJobs(Link& link, absl::Span<Job> jobs, bool* close
       }
     }
     iovec* first = iov;
-    SkipBytes(first, n, skip);
+    net::SkipBytes(first, n, skip);
     return SendAll(link.fd.get(), first, n);
   }
 }
